@@ -1,0 +1,3 @@
+from wsync.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""The engine's public surface: options in, progress out, one result.
+
+The CLI, the daemon and the sidecar all drive pulls through these types, so a
+``wsync pull --json`` line, a daemon job's ``result`` and a metrics sample are
+the same numbers.  Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+
+def default_state_dir() -> Path:
+    """``$XDG_STATE_HOME/wsync``, falling back to ``~/.local/state/wsync``."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "wsync"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExtractLimits:
+    """Bounds that stop a compression bomb or a hostile archive from filling the host."""
+
+    max_files: int = 5_000_000
+    max_bytes: int = 256 * GiB
+    #: refuse to write when the destination filesystem would drop below this
+    min_free_bytes: int = 256 * MiB
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PullOptions:
+    """How one pull behaves.  Defaults suit an interactive ``wsync pull``."""
+
+    state_dir: Path = dataclasses.field(default_factory=default_state_dir)
+    #: chunk reads in flight at once
+    parallel: int = 4
+    #: overall deadline for the whole pull, seconds (0: none)
+    timeout: float = 3600.0
+    #: deadline of one exec, seconds
+    call_timeout: float = 60.0
+    #: attempts per guest call (probe, admit, one read) before giving up
+    max_attempts: int = 12
+    #: producer chunk size (a multiple of 64 KiB)
+    chunk_size: int = 4 * MiB
+    #: staging root in the guest, outside the workspace
+    staging_root: str = "/tmp/wsync-staging"
+    #: stale guest staging older than this is garbage-collected, seconds
+    staging_ttl: float = 24 * 3600.0
+    #: replace a non-empty DEST that wsync did not write before
+    force: bool = False
+    #: leave guest staging in place after success (debugging)
+    keep_staging: bool = False
+    #: preferred compressor in the guest: "zstd" or "gzip" (falls back when missing)
+    compressor: str = "zstd"
+    limits: ExtractLimits = dataclasses.field(default_factory=ExtractLimits)
+
+
+@dataclasses.dataclass(slots=True)
+class Progress:
+    """A snapshot of a running pull, emitted often; cheap to copy."""
+
+    phase: str = "probe"  # probe | admit | pull | extract | swap | done
+    snapshot: str = ""
+    bytes_fetched: int = 0
+    #: total archive bytes once the guest producer finished, else None
+    archive_bytes: int | None = None
+    #: archive bytes the guest has produced so far
+    archive_produced: int = 0
+    chunks_done: int = 0
+    chunks_total: int | None = None
+    resumed_chunks: int = 0
+    retries: int = 0
+    transferred_bytes: int = 0
+    #: integrity faults detected, by kind ("head-missing", "hash-mismatch", ...)
+    faults: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+@dataclasses.dataclass(slots=True)
+class PullResult:
+    """The outcome of a pull: what ``--json`` prints and the daemon stores."""
+
+    ok: bool
+    sandbox: str
+    dest: str
+    snapshot: str = ""
+    reconciled: bool = False
+    files: int = 0
+    #: archive bytes (compressed stream length)
+    bytes: int = 0
+    #: bytes read over the transport in this run, retries included
+    transferred_bytes: int = 0
+    chunks: int = 0
+    resumed_chunks: int = 0
+    retries: int = 0
+    faults: dict[str, int] = dataclasses.field(default_factory=dict)
+    elapsed_s: float = 0.0
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    error: str | None = None
+    error_kind: str | None = None
+    exit_code: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["elapsed_s"] = round(self.elapsed_s, 3)
+        if self.ok:
+            for key in ("error", "error_kind"):
+                data.pop(key)
+        return data

@@ -1,0 +1,150 @@
+"""wsync's exception tree: one base, one exit code per class.
+
+Every failure a user can meet is one of these.  Each class carries its process
+exit code and a message template (borg's ``helpers/errors.py`` style), so the
+CLI, the daemon's API and the JSON output all report the same thing:
+
+====  =======================  ===============================================
+code  class                    meaning
+====  =======================  ===============================================
+0     (success)                DEST holds exactly the guest's tree
+1     InternalError            a bug in wsync; please report it (``--debug``)
+2     UsageError               bad arguments or bad input (URI, DEST, config)
+3     SandboxUnreachable       cannot connect, authenticate or find the sandbox
+4     GuestToolsMissing        the guest lacks a shell, tar, or a hash tool
+5     StagingFailed            the guest-side producer failed (disk full, ...)
+6     IntegrityFailed          the bytes could not be verified after retries
+7     HostileArchive           the archive tried to escape DEST or hit a limit
+8     HostIOError              the host could not write DEST or the journal
+130   Interrupted              stopped by a signal; the next run resumes
+====  =======================  ===============================================
+
+Foreign exceptions (OSError from a socket, asyncssh errors, websockets errors)
+are translated at the transport boundary into :class:`TransportError` (a
+retryable, per-call failure) or :class:`SandboxUnreachable` (fatal), the way
+httpcore's ``map_exceptions`` does.  Nothing above the transports sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class WsyncError(Exception):
+    """Base of every error wsync reports.  ``str(err)`` is the one-line message."""
+
+    exit_code: ClassVar[int] = 1
+    kind: ClassVar[str] = "error"
+    template: ClassVar[str] = "{}"
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.args = args
+
+    def __str__(self) -> str:
+        return self.template.format(*self.args)
+
+
+class InternalError(WsyncError):
+    exit_code = 1
+    kind = "internal"
+    template = "internal error: {} (re-run with --debug and report this)"
+
+
+class UsageError(WsyncError):
+    exit_code = 2
+    kind = "usage"
+
+
+class SandboxUnreachable(WsyncError):
+    exit_code = 3
+    kind = "unreachable"
+
+
+class AuthFailed(SandboxUnreachable):
+    kind = "auth"
+
+
+class GuestToolsMissing(WsyncError):
+    exit_code = 4
+    kind = "guest-tools"
+    template = "the guest lacks required tools: {}"
+
+
+class StagingFailed(WsyncError):
+    exit_code = 5
+    kind = "staging"
+    template = "guest-side staging failed: {}"
+
+
+class ProducerVanished(StagingFailed):
+    """The guest producer is gone without a ``done`` or ``failed`` record."""
+
+    kind = "vanished"
+
+
+class IntegrityFailed(WsyncError):
+    exit_code = 6
+    kind = "integrity"
+    template = "integrity not established: {}"
+
+
+class HostileArchive(WsyncError):
+    exit_code = 7
+    kind = "hostile"
+    template = "archive refused: {}"
+
+
+class LimitExceeded(HostileArchive):
+    kind = "limit"
+    template = "archive refused, limit exceeded: {}"
+
+
+class HostIOError(WsyncError):
+    exit_code = 8
+    kind = "host-io"
+    template = "host write failed: {}"
+
+
+class Interrupted(WsyncError):
+    exit_code = 130
+    kind = "interrupted"
+    template = "interrupted: {}"
+
+
+class ProtocolError(WsyncError):
+    """Guest output that does not parse.  Always retryable: the channel lies.
+
+    The protocol layer raises this and nothing else for bad input (fuzzed).
+    """
+
+    exit_code = 6
+    kind = "protocol"
+    template = "malformed guest output: {}"
+
+
+class TransportError(WsyncError):
+    """One exec failed on the wire (dropped, reset, timed out).  Retryable."""
+
+    exit_code = 6
+    kind = "transport"
+    template = "transport: {}"
+
+
+class TransportTimeout(TransportError):
+    kind = "timeout"
+    template = "exec timed out after {:.1f}s"
+
+
+EXIT_CODES: dict[int, str] = {
+    0: "success: DEST holds exactly the guest's tree",
+    1: "internal error (a bug; re-run with --debug)",
+    2: "usage or bad input",
+    3: "sandbox unreachable, not found, or authentication failed",
+    4: "guest lacks required tools (sh, tar, a hash tool)",
+    5: "guest-side staging failed (disk full, producer died, tar fatal error)",
+    6: "integrity not established after retries",
+    7: "hostile archive refused, or an extraction limit exceeded",
+    8: "host-side write failed (DEST, journal or state directory)",
+    130: "interrupted; run the same command again to resume",
+}

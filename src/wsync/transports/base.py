@@ -1,0 +1,92 @@
+"""The one small interface every sandbox backend implements.
+
+A transport runs **one command** in the guest, with optional stdin, under a
+deadline, and reports what it saw.  It knows nothing of chunks, hashes or
+envelopes, and it never interprets the output: "exit 0" is reported as what
+the backend claimed, not as evidence of anything.
+
+Honesty rules every implementation follows (the shared conformance suite in
+``tests/test_transport_conformance.py`` checks them):
+
+* ``exit_status`` is ``None`` when the backend gave no exit status (socket
+  closed without an exit frame, SSE stream severed).  Never guess 0.
+* Output beyond ``max_output`` bytes is dropped and ``truncated`` is set.
+  A bounded read that loses its truncation flag lies (field report 3).
+* A dropped connection, reset or protocol error is raised as
+  :class:`~wsync.errors.TransportError`; a deadline as
+  :class:`~wsync.errors.TransportTimeout`; a failure to connect or
+  authenticate at all as :class:`~wsync.errors.SandboxUnreachable`.
+  No foreign exception escapes ``exec``.
+* ``stdin`` bytes are delivered after the command is attached and then stdin
+  is closed.  wsync's read scripts wait for that first byte before printing
+  anything, which defeats backends that drop output produced before attach.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import ClassVar
+
+DEFAULT_MAX_OUTPUT = 64 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExecResult:
+    """What one exec returned, exactly as seen on the wire."""
+
+    stdout: bytes
+    stderr: bytes = b""
+    exit_status: int | None = None
+    truncated: bool = False
+    #: free-form observations ("data after exit frame", "stderr merged") for logs
+    notes: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What the backend can do; the engine adapts its scripts to it."""
+
+    #: stdin reaches the command (enables the stdin gate)
+    stdin: bool = True
+    #: stdout carries arbitrary bytes (False: line-oriented text, use base64)
+    binary_safe: bool = True
+    #: stdout and stderr arrive on separate channels
+    separate_stderr: bool = True
+
+
+class Transport(abc.ABC):
+    """An exec channel into one sandbox.  Safe to call ``exec`` concurrently."""
+
+    scheme: ClassVar[str]
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    @abc.abstractmethod
+    async def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout: float,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
+        """Run ``argv`` in the guest and return what was seen.
+
+        ``argv[0]`` is looked up on the guest's PATH.  Backends that take a
+        command string instead of an argv join it with :func:`shlex.join`.
+        """
+
+    async def aclose(self) -> None:
+        """Release connections.  Idempotent."""
+
+    @property
+    def description(self) -> str:
+        """A human-readable name without secrets, for logs and errors."""
+        return self.scheme
+
+    async def __aenter__(self) -> Transport:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
