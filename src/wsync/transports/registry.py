@@ -1,0 +1,46 @@
+"""URI scheme → transport class, imported lazily.
+
+Adding a backend is one module with a :class:`~wsync.transports.base.Transport`
+subclass that has ``from_uri(uri, options)``, plus one line here.  The engine
+never imports a transport module directly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from wsync.errors import UsageError
+from wsync.transports.base import Transport
+from wsync.uri import SandboxURI, parse
+
+#: scheme → "module:ClassName"
+SCHEMES: dict[str, str] = {
+    "local": "wsync.transports.local:LocalTransport",
+    "ssh": "wsync.transports.ssh:SshTransport",
+    "sprites": "wsync.transports.sprites:SpritesTransport",
+}
+
+
+class TransportFactory(Protocol):
+    def from_uri(self, uri: SandboxURI, options: Mapping[str, Any]) -> Transport: ...
+
+
+def factory_for(scheme: str) -> TransportFactory:
+    target = SCHEMES.get(scheme)
+    if target is None:
+        known = ", ".join(f"{s}:" for s in sorted(SCHEMES))
+        raise UsageError(f"unknown sandbox scheme {scheme!r} (known: {known})")
+    module_name, _, class_name = target.partition(":")
+    module = importlib.import_module(module_name)
+    factory: TransportFactory = getattr(module, class_name)
+    return factory
+
+
+def open_transport(
+    raw_or_uri: str | SandboxURI, options: Mapping[str, Any] | None = None
+) -> tuple[SandboxURI, Transport]:
+    """Parse a sandbox URI and build its transport (no connection is made yet)."""
+    uri = parse(raw_or_uri) if isinstance(raw_or_uri, str) else raw_or_uri
+    return uri, factory_for(uri.scheme).from_uri(uri, options or {})

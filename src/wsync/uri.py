@@ -1,0 +1,77 @@
+"""Sandbox URIs: ``local:PATH``, ``ssh://[user@]host[:port]/PATH``, ``sprites://NAME/PATH``.
+
+A URI names a sandbox *and* the workspace directory inside it.  Parsing is
+strict: an empty path, a NUL, or a string that is not well-formed Unicode is a
+:class:`~wsync.errors.UsageError` (malformed ids must not alias each other,
+field report 3 finding 5).  The scheme table itself lives in
+:mod:`wsync.transports.registry`; this module only splits the string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import urllib.parse
+
+from wsync.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SandboxURI:
+    scheme: str
+    #: the workspace directory in the guest (absolute, or ``~/...``)
+    path: str
+    raw: str
+    user: str | None = None
+    host: str | None = None
+    port: int | None = None
+    #: for named-sandbox backends (``sprites://NAME/...``): the sandbox name
+    name: str | None = None
+
+    def __str__(self) -> str:
+        return self.raw
+
+
+def check_text(value: str, what: str) -> str:
+    """Reject strings that are not well-formed, NUL-free Unicode."""
+    try:
+        value.encode("utf-8", "strict")
+    except UnicodeEncodeError:
+        raise UsageError(f"{what} is not valid UTF-8: {value.encode('utf-8', 'replace')!r}") from None
+    if "\x00" in value:
+        raise UsageError(f"{what} contains a NUL byte")
+    return value
+
+
+def parse(raw: str) -> SandboxURI:
+    """Split a sandbox URI; the scheme is checked by the registry, not here."""
+    check_text(raw, "sandbox URI")
+    if not raw.strip():
+        raise UsageError("sandbox URI is empty (try local:/path/to/workspace)")
+    scheme, sep, rest = raw.partition(":")
+    if not sep or not scheme or not scheme.isascii() or not scheme.isalnum():
+        raise UsageError(f"not a sandbox URI: {raw!r} (expected SCHEME:..., e.g. local:/path)")
+    scheme = scheme.lower()
+    if not rest.startswith("//"):
+        # opaque form: local:PATH
+        if not rest:
+            raise UsageError(f"{raw!r}: missing workspace path")
+        return SandboxURI(scheme=scheme, path=rest, raw=raw)
+    parts = urllib.parse.urlsplit(raw)
+    if parts.query or parts.fragment:
+        raise UsageError(f"{raw!r}: query strings and fragments are not supported")
+    path = urllib.parse.unquote(parts.path)
+    if path.startswith("/~"):
+        path = path[1:]
+    if not path or path == "/":
+        raise UsageError(f"{raw!r}: missing workspace path after the host (e.g. {scheme}://host/work)")
+    try:
+        port = parts.port
+    except ValueError:
+        raise UsageError(f"{raw!r}: bad port") from None
+    host = parts.hostname
+    if not host:
+        raise UsageError(f"{raw!r}: missing host or sandbox name")
+    user = urllib.parse.unquote(parts.username) if parts.username else None
+    return SandboxURI(
+        scheme=scheme, path=path, raw=raw, user=user, host=host, port=port, name=host
+    )
