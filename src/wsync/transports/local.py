@@ -1,0 +1,235 @@
+"""``local:PATH``: the guest is this machine.
+
+This is the transport behind ``wsync demo`` and the reference every other
+transport is compared with in the conformance suite, so it must be boringly
+exact: bytes in, bytes out, the real exit status, and nothing left running.
+
+Why it is built on :meth:`asyncio.AbstractEventLoop.subprocess_exec` with its
+own protocol rather than on ``asyncio.subprocess.Process`` streams:
+
+* output is collected as it arrives and bounded in the protocol callback, so a
+  chatty child never blocks on a full pipe and host memory stays bounded;
+* we hold the public :class:`asyncio.SubprocessTransport`, so after a deadline
+  we can close pipes that a stray grandchild still holds open, which the
+  stream API cannot do without touching private attributes (and would then
+  leak a transport and emit a ``ResourceWarning``).
+
+Every command runs in a new session (its own process group), and a deadline
+kills that whole group, so ``sh -c 'work & more'`` leaves nothing behind.  A
+command that deliberately detaches (``setsid ... &`` with its stdio redirected)
+is not waited for: exec returns when the command has exited and its pipes have
+closed, which is exactly what the guest producer relies on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from wsync.errors import TransportError, TransportTimeout, UsageError
+from wsync.transports.base import (
+    DEFAULT_MAX_OUTPUT,
+    Capabilities,
+    ExecResult,
+    Transport,
+)
+from wsync.uri import SandboxURI
+
+#: how long to wait for the kernel to report a SIGKILLed group leader's exit
+_REAP_GRACE = 10.0
+
+
+class _BoundedBuffer:
+    """Keeps the first ``limit`` bytes, counts the rest and drops them."""
+
+    __slots__ = ("_chunks", "_kept", "limit", "truncated")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._chunks: list[bytes] = []
+        self._kept = 0
+        self.truncated = False
+
+    def feed(self, data: bytes) -> None:
+        room = self.limit - self._kept
+        if len(data) > room:
+            self.truncated = True
+            data = data[: max(room, 0)]
+        if data:
+            self._chunks.append(data)
+            self._kept += len(data)
+
+    def getvalue(self) -> bytes:
+        return b"".join(self._chunks)
+
+
+class _ExecProtocol(asyncio.SubprocessProtocol):
+    """Collects bounded stdout/stderr and signals when the command is finished.
+
+    "Finished" means: the process has exited *and* its stdout and stderr pipes
+    have reached EOF.  Waiting for EOF as well as exit keeps the tail of the
+    output that was still in the pipe when the process died.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_output: int) -> None:
+        self.stdout = _BoundedBuffer(max_output)
+        self.stderr = _BoundedBuffer(max_output)
+        self.exited: asyncio.Future[None] = loop.create_future()
+        self.finished: asyncio.Future[None] = loop.create_future()
+        self._open_pipes = {1, 2}
+
+    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        raw = data.encode() if isinstance(data, str) else data
+        (self.stdout if fd == 1 else self.stderr).feed(raw)
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        # fd 0 (stdin) closing, even with EPIPE, is normal: the child may not read it.
+        self._open_pipes.discard(fd)
+        self._maybe_finish()
+
+    def process_exited(self) -> None:
+        if not self.exited.done():
+            self.exited.set_result(None)
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        if self.exited.done() and not self._open_pipes and not self.finished.done():
+            self.finished.set_result(None)
+
+
+class LocalTransport(Transport):
+    """Runs commands on this machine, each in its own process group."""
+
+    scheme = "local"
+    capabilities = Capabilities(stdin=True, binary_safe=True, separate_stderr=True)
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        #: None: inherit our environment unchanged; else the full child environment
+        self._env: dict[str, str] | None = None
+        if env:
+            self._env = {**os.environ, **{str(k): str(v) for k, v in env.items()}}
+
+    @classmethod
+    def from_uri(cls, uri: SandboxURI, options: Mapping[str, Any]) -> LocalTransport:
+        """Build from ``local:PATH``.  Option ``env``: variables overlaid on ours.
+
+        (Tests use ``env={"PATH": busybox_dir}`` to run guest scripts against
+        busybox tools only.)
+        """
+        if uri.scheme != cls.scheme:
+            raise UsageError(f"{uri.raw!r} is not a local: URI")
+        env = options.get("env")
+        if env is not None and not isinstance(env, Mapping):
+            raise UsageError("local transport option 'env' must be a mapping of strings")
+        return cls(env=env)
+
+    @property
+    def description(self) -> str:
+        return "local"
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout: float,  # noqa: ASYNC109 - the Transport interface takes a deadline
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
+        if not argv:
+            raise UsageError("exec needs a non-empty argv")
+        if max_output < 0:
+            raise UsageError("max_output must be >= 0")
+        loop = asyncio.get_running_loop()
+        protocol = _ExecProtocol(loop, max_output)
+        try:
+            transport, _ = await loop.subprocess_exec(
+                lambda: protocol,
+                *argv,
+                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=self._env,
+                start_new_session=True,
+            )
+        except (FileNotFoundError, NotADirectoryError, PermissionError) as exc:
+            # What a guest shell would report; retrying cannot help.
+            code = 126 if isinstance(exc, PermissionError) else 127
+            msg = f"wsync local: cannot execute {argv[0]!r}: {exc.strerror}\n"
+            return ExecResult(
+                stdout=b"",
+                stderr=msg.encode("utf-8", "backslashreplace"),
+                exit_status=code,
+                notes=(f"exec failed: {exc.strerror}",),
+            )
+        except OSError as exc:  # EMFILE, EAGAIN from fork, ENOMEM: transient
+            raise TransportError(f"local: cannot start {argv[0]!r}: {exc}") from exc
+
+        finished = False
+        try:
+            if stdin is not None:
+                self._feed_stdin(transport, stdin)
+            try:
+                await asyncio.wait_for(asyncio.shield(protocol.finished), timeout)
+            except TimeoutError:
+                raise TransportTimeout(timeout) from None
+            finished = True
+        finally:
+            if not finished:
+                await self._kill_and_reap(transport, protocol)
+            transport.close()
+
+        returncode = transport.get_returncode()
+        notes: list[str] = []
+        exit_status: int | None = returncode
+        if returncode is None or returncode < 0:
+            exit_status = None
+            if returncode is not None:
+                notes.append(f"killed by signal {-returncode}")
+        return ExecResult(
+            stdout=protocol.stdout.getvalue(),
+            stderr=protocol.stderr.getvalue(),
+            exit_status=exit_status,
+            truncated=protocol.stdout.truncated or protocol.stderr.truncated,
+            notes=tuple(notes),
+        )
+
+    @staticmethod
+    def _feed_stdin(transport: asyncio.SubprocessTransport, data: bytes) -> None:
+        """Queue stdin and close it; a child that exits unread gives EPIPE, which is fine."""
+        pipe = transport.get_pipe_transport(0)
+        if not isinstance(pipe, asyncio.WriteTransport):  # pragma: no cover - we asked for one
+            return
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            if data:
+                pipe.write(data)
+            pipe.write_eof()
+
+    @staticmethod
+    async def _kill_and_reap(
+        transport: asyncio.SubprocessTransport, protocol: _ExecProtocol
+    ) -> None:
+        """SIGKILL the command's whole process group and wait for the leader's exit.
+
+        Runs on timeout and on cancellation.  The group id is the leader's pid
+        (``start_new_session``); Linux keeps that id reserved while any member
+        lives, so this cannot hit an unrelated group.  Pipes still held by a
+        process that escaped the group are closed by ``transport.close()``.
+        """
+        pid = transport.get_pid()
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except OSError as exc:  # pragma: no cover - EPERM cannot happen for our own child
+            if exc.errno != errno.EPERM:
+                raise
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(protocol.exited), _REAP_GRACE)
+
+    async def aclose(self) -> None:
+        """Nothing to release: each exec owns and reaps its own process."""
