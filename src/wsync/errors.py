@@ -122,6 +122,12 @@ class ProtocolError(WsyncError):
     kind = "protocol"
     template = "malformed guest output: {}"
 
+    def __init__(self, message: str, fault: str = "malformed") -> None:
+        super().__init__(message)
+        #: what was detected, for metrics: "no-envelope" (head lost), "truncated",
+        #: "trailer-mismatch" (bytes added or lost inside), "hash-mismatch", ...
+        self.fault = fault
+
 
 class TransportError(WsyncError):
     """One exec failed on the wire (dropped, reset, timed out).  Retryable."""

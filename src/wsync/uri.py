@@ -36,7 +36,8 @@ def check_text(value: str, what: str) -> str:
     try:
         value.encode("utf-8", "strict")
     except UnicodeEncodeError:
-        raise UsageError(f"{what} is not valid UTF-8: {value.encode('utf-8', 'replace')!r}") from None
+        shown = value.encode("utf-8", "replace")
+        raise UsageError(f"{what} is not valid UTF-8: {shown!r}") from None
     if "\x00" in value:
         raise UsageError(f"{what} contains a NUL byte")
     return value
@@ -63,7 +64,9 @@ def parse(raw: str) -> SandboxURI:
     if path.startswith("/~"):
         path = path[1:]
     if not path or path == "/":
-        raise UsageError(f"{raw!r}: missing workspace path after the host (e.g. {scheme}://host/work)")
+        raise UsageError(
+            f"{raw!r}: missing workspace path after the host (e.g. {scheme}://host/work)"
+        )
     try:
         port = parts.port
     except ValueError:
@@ -72,6 +75,4 @@ def parse(raw: str) -> SandboxURI:
     if not host:
         raise UsageError(f"{raw!r}: missing host or sandbox name")
     user = urllib.parse.unquote(parts.username) if parts.username else None
-    return SandboxURI(
-        scheme=scheme, path=path, raw=raw, user=user, host=host, port=port, name=host
-    )
+    return SandboxURI(scheme=scheme, path=path, raw=raw, user=user, host=host, port=port, name=host)

@@ -1,0 +1,212 @@
+"""Parsers for the small records guest scripts print inside envelopes.
+
+All of them are line-oriented ``key value`` text written by wsync's own guest
+scripts; values that come from the guest (tar's stderr, a failure reason) are
+untrusted text and are only ever shown after :func:`printable`.  Every parser
+raises :class:`~wsync.errors.ProtocolError` on anything unexpected.
+
+The index is special: it is an append-only file in the guest, read in byte
+ranges as it grows, so :class:`IndexParser` is incremental, accepts only whole
+lines, and checks that chunks are contiguous (seq n+1 starts where n ended).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from wsync.errors import ProtocolError
+from wsync.protocol.hashing import Algorithm, is_hex
+
+
+def printable(text: str | bytes, limit: int = 300) -> str:
+    """Make guest-provided text safe to show on one terminal line."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return out + ("…" if len(text) > limit else "")
+
+
+def parse_fields(payload: bytes) -> dict[str, str]:
+    """``key value`` lines → dict; keys are ``[a-z0-9_]+``, the value may hold spaces."""
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("record is not UTF-8", "malformed") from None
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line:
+            continue
+        key, _, value = line.partition(" ")
+        if not key or not all(c.isascii() and (c.isalnum() or c == "_") for c in key):
+            raise ProtocolError(f"bad record line {printable(line, 60)!r}", "malformed")
+        fields[key] = value
+    return fields
+
+
+def _int(fields: dict[str, str], key: str) -> int:
+    value = fields.get(key, "")
+    if not value.isdigit() or len(value) > 19:
+        raise ProtocolError(f"record field {key!r} is not a number: {printable(value, 40)!r}")
+    return int(value)
+
+
+# -- probe -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProbeReport:
+    workspace: str  # "dir", "notdir", "missing", "unreadable"
+    tools: frozenset[str]
+    #: algorithm name → the guest tool's output on the probe input
+    self_tests: dict[str, str]
+    tar_version: str
+    stage_free_kb: int | None
+    uid: str
+
+    def has(self, tool: str) -> bool:
+        return tool in self.tools
+
+
+def parse_probe(payload: bytes) -> ProbeReport:
+    fields = parse_fields(payload)
+    if fields.get("proto") != "1":
+        raise ProtocolError("probe: unknown protocol version", "malformed")
+    tools = frozenset(k[4:] for k, v in fields.items() if k.startswith("has_") and v == "1")
+    tests = {k[5:]: v.split(" ")[0] for k, v in fields.items() if k.startswith("test_") and v}
+    free = fields.get("stage_free_kb", "")
+    return ProbeReport(
+        workspace=fields.get("workspace", "missing"),
+        tools=tools,
+        self_tests=tests,
+        tar_version=printable(fields.get("tar_version", ""), 120),
+        stage_free_kb=int(free) if free.isdigit() else None,
+        uid=printable(fields.get("uid", ""), 20),
+    )
+
+
+# -- admission ---------------------------------------------------------------
+
+
+def parse_admit(payload: bytes) -> bool:
+    """True when an existing snapshot was adopted (``reconciled``)."""
+    word = payload.strip()
+    if word == b"admitted":
+        return False
+    if word == b"reconciled":
+        return True
+    raise ProtocolError(f"admit: unexpected answer {printable(word, 60)!r}", "malformed")
+
+
+# -- status ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DoneRecord:
+    chunks: int
+    length: int
+    digest: str
+    tar_rc: int
+    comp_rc: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StatusReport:
+    exists: bool
+    alive: bool
+    launched: bool
+    index_size: int
+    data_size: int
+    done: DoneRecord | None
+    failed: str | None
+    tar_errors: str
+
+
+TAR_ERR_MARK = "tar_err_follows"
+
+
+def parse_status(payload: bytes, algorithm: Algorithm) -> StatusReport:
+    head, sep, tail = payload.partition(b"\n" + TAR_ERR_MARK.encode() + b"\n")
+    fields = parse_fields(head)
+    if fields.get("exists") != "1":
+        return StatusReport(False, False, False, 0, 0, None, None, "")
+    done = None
+    if fields.get("done_chunks") is not None:
+        digest = fields.get("done_hash", "")
+        if not is_hex(digest, algorithm.hex_len):
+            raise ProtocolError("status: bad whole-stream hash in done record")
+        done = DoneRecord(
+            chunks=_int(fields, "done_chunks"),
+            length=_int(fields, "done_length"),
+            digest=digest,
+            tar_rc=_int(fields, "done_tar_rc"),
+            comp_rc=_int(fields, "done_comp_rc"),
+        )
+    failed = fields.get("failed")
+    return StatusReport(
+        exists=True,
+        alive=fields.get("alive") == "1",
+        launched=fields.get("launched") == "1",
+        index_size=_int(fields, "index_size"),
+        data_size=_int(fields, "data_size"),
+        done=done,
+        failed=printable(failed) if failed is not None else None,
+        tar_errors=printable(tail, 2000) if sep else "",
+    )
+
+
+# -- the chunk index ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Chunk:
+    seq: int
+    offset: int
+    length: int
+    digest: str
+
+
+class IndexParser:
+    """Incremental parser of the append-only index: ``C <seq> <off> <len> <hash>`` lines."""
+
+    def __init__(self, algorithm: Algorithm, max_chunk: int) -> None:
+        self._algorithm = algorithm
+        self._max_chunk = max_chunk
+        self._partial = b""
+        #: bytes of the index consumed so far (what to ask for next)
+        self.consumed = 0
+        self.next_seq = 0
+        self.next_offset = 0
+
+    def receive_data(self, data: bytes) -> list[Chunk]:
+        """Feed the next bytes of the index file; return the chunks now complete."""
+        self.consumed += len(data)
+        buf = self._partial + data
+        *lines, self._partial = buf.split(b"\n")
+        if len(self._partial) > 512:
+            raise ProtocolError("index line too long", "malformed")
+        return [self._line(line) for line in lines]
+
+    def _line(self, line: bytes) -> Chunk:
+        parts = line.split(b" ")
+        if len(parts) != 5 or parts[0] != b"C" or not all(p.isdigit() for p in parts[1:4]):
+            raise ProtocolError(f"bad index line {printable(line, 80)!r}", "malformed")
+        seq, offset, length = (int(p) for p in parts[1:4])
+        digest = parts[4].decode("ascii", "replace")
+        if seq != self.next_seq or offset != self.next_offset:
+            raise ProtocolError(
+                f"index out of order: chunk {seq}@{offset}, expected "
+                f"{self.next_seq}@{self.next_offset}",
+                "malformed",
+            )
+        if not 0 < length <= self._max_chunk:
+            raise ProtocolError(f"index chunk {seq} has bad length {length}", "malformed")
+        if not is_hex(digest, self._algorithm.hex_len):
+            raise ProtocolError(f"index chunk {seq} has a bad hash", "malformed")
+        self.next_seq += 1
+        self.next_offset += length
+        return Chunk(seq, offset, length, digest)
+
+    @property
+    def clean(self) -> bool:
+        """True when no partial line is pending (the index so far is whole)."""
+        return not self._partial

@@ -1,0 +1,326 @@
+"""The guest scripts, rendered as argv lists.
+
+Every script is constant POSIX ``sh`` text (tested under dash and busybox
+``sh``); every variable part is passed as a positional argument, never spliced
+into the text.  Transports that need one command string join the argv with
+:func:`shlex.join`, so each value is quoted exactly once, by ``shlex.quote``.
+
+Layout in the guest (``ROOT`` is the staging root, outside the workspace)::
+
+    ROOT/SNAPSHOT/launch/   admission token: whoever creates it starts the producer
+    ROOT/SNAPSHOT/pid       the detached producer's pid
+    ROOT/SNAPSHOT/data      the compressed tar stream, append-only
+    ROOT/SNAPSHOT/index     one line per chunk, appended only after the chunk
+                            is in ``data`` and hashed: ``C seq offset length hash``
+    ROOT/SNAPSHOT/done      written atomically (tmp + mv) when the stream is
+                            complete: chunks, length, whole-stream hash, and
+                            the exit status of tar and of the compressor
+    ROOT/SNAPSHOT/failed    written instead of ``done`` on any failed step
+
+Every write in the producer is checked; a failed write ends in ``failed``,
+never in ``done`` (field report 3, finding 1).  Every script's answer is an
+envelope (see :mod:`wsync.protocol.envelope`).  With ``gate=1`` a script first
+waits for one line on stdin, which the transport sends only once it is
+attached, so nothing is printed before the host is listening.
+"""
+
+from __future__ import annotations
+
+import re
+
+from wsync.errors import UsageError
+
+#: snapshot ids are ours, but they become guest paths: keep them boring
+SNAPSHOT_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
+
+#: reads and chunks are aligned to this; ``dd`` works in these blocks
+BLOCK = 64 * 1024
+
+_PRELUDE = r"""
+set -u
+exec 2>/dev/null
+g=$1 nonce=$2 hid=$3 enc=$4
+shift 4
+if [ "$g" = 1 ]; then IFS= read -r _ || :; fi
+h() {
+  case $hid in
+    xxh128) xxhsum -H2 ;;
+    b2) b2sum ;;
+    sha256) sha256sum ;;
+    *) cat >/dev/null; echo - ;;
+  esac
+}
+emit() {
+  n=$(printf '%s' "$2" | wc -c)
+  dg=$(printf '%s' "$2" | h)
+  printf 'WSYNC1 BEGIN %s %s %s %s\n' "$nonce" "$1" $((n + 0)) "$enc"
+  if [ "$enc" = b64 ]; then printf '%s' "$2" | base64 | tr -d '\n'; else printf '%s' "$2"; fi
+  printf '\nWSYNC1 END %s %s\n' "$nonce" "${dg%% *}"
+}
+expand_home() {
+  case $1 in
+    "~") printf '%s' "$HOME" ;;
+    "~/"*) printf '%s/%s' "$HOME" "${1#"~/"}" ;;
+    *) printf '%s' "$1" ;;
+  esac
+}
+nl='
+'
+"""
+
+_PROBE = r"""
+ws=$(expand_home "$1") root=$2
+p="proto 1${nl}uid $(id -u)"
+if [ -d "$ws" ]; then
+  if [ -r "$ws" ] && [ -x "$ws" ]; then w=dir; else w=unreadable; fi
+elif [ -e "$ws" ]; then w=notdir; else w=missing; fi
+p="$p${nl}workspace $w"
+for t in tar zstd gzip xxhsum b2sum sha256sum setsid base64 dd wc find; do
+  if command -v "$t" >/dev/null 2>&1; then p="$p${nl}has_$t 1"; else p="$p${nl}has_$t 0"; fi
+done
+p="$p${nl}test_xxh128 $(printf wsync-probe | xxhsum -H2)"
+p="$p${nl}test_b2 $(printf wsync-probe | b2sum)"
+p="$p${nl}test_sha256 $(printf wsync-probe | sha256sum)"
+p="$p${nl}tar_version $(tar --version 2>&1 | head -n 1)"
+mkdir -p "$root"
+p="$p${nl}stage_free_kb $(df -Pk "$root" | awk 'NR == 2 { print $4 }')"
+emit ok "$p"
+"""
+
+_PRODUCER = r"""
+set -u
+d=$1 ws=$2 cs=$3 hid=$4 comp=$5
+cd "$d" || exit 1
+h() {
+  case $hid in
+    xxh128) xxhsum -H2 ;;
+    b2) b2sum ;;
+    sha256) sha256sum ;;
+  esac
+}
+fail() {
+  printf '%s\n' "$1" > failed.tmp && mv -f failed.tmp failed
+  trap '' TERM
+  kill -TERM 0 2>/dev/null
+  exit 1
+}
+echo $$ > pid.tmp && mv -f pid.tmp pid || fail "cannot write the pid file"
+: > index || fail "cannot create the index"
+: > data || fail "cannot create the data file"
+case $comp in
+  zstd) z() { zstd -q -c -3 -T0; } ;;
+  gzip) z() { gzip -c -1; } ;;
+  *) fail "unknown compressor" ;;
+esac
+{ { tar -cf - -C "$ws" . 2>tar.err; echo $? > tar.rc; } | { z 2>comp.err; echo $? > comp.rc; } >> data; } &
+seq=0 off=0
+index_upto() {
+  sz=$(wc -c < data) || fail "cannot read the data size"
+  sz=$((sz + 0))
+  while :; do
+    rem=$((sz - off))
+    if [ "$rem" -ge "$cs" ]; then l=$cs
+    elif [ "$1" = final ] && [ "$rem" -gt 0 ]; then l=$rem
+    else break
+    fi
+    hv=$(dd if=data bs=65536 iflag=skip_bytes,count_bytes skip="$off" count="$l" 2>/dev/null | h)
+    hv=${hv%% *}
+    [ -n "$hv" ] || fail "cannot hash chunk $seq"
+    printf 'C %s %s %s %s\n' "$seq" "$off" "$l" "$hv" >> index || fail "cannot append to the index"
+    seq=$((seq + 1))
+    off=$((off + l))
+  done
+}
+until [ -f comp.rc ]; do
+  index_upto live
+  sleep 0.2 2>/dev/null || sleep 1
+done
+wait
+trc=$(cat tar.rc) || fail "tar exit status missing"
+crc=$(cat comp.rc) || fail "compressor exit status missing"
+[ "$crc" = 0 ] || fail "compressor exited $crc: $(head -c 300 comp.err | tr '\n' ' ')"
+case $trc in
+  0|1) ;;
+  *) fail "tar exited $trc: $(head -c 300 tar.err | tr '\n' ' ')" ;;
+esac
+index_upto final
+len=$(wc -c < data) || fail "cannot read the data size"
+len=$((len + 0))
+[ "$len" = "$off" ] || fail "data is $len bytes but $off were indexed"
+whole=$(h < data)
+whole=${whole%% *}
+[ -n "$whole" ] || fail "cannot hash the stream"
+printf 'chunks %s\nlength %s\nhash %s\ntar_rc %s\ncomp_rc %s\n' \
+  "$seq" "$len" "$whole" "$trc" "$crc" > done.tmp || fail "cannot write the done record"
+mv -f done.tmp done || fail "cannot write the done record"
+"""
+
+_ADMIT = r"""
+root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 prod=$7
+[ -d "$ws" ] || { emit err "workspace-missing"; exit 0; }
+umask 077
+mkdir -p "$root" || { emit err "cannot create the staging root"; exit 0; }
+find "$root" -mindepth 1 -maxdepth 1 -type d -mmin +"$ttl" ! -name "$id" -exec rm -rf {} \;
+d=$root/$id
+mkdir -p "$d" || { emit err "cannot create the staging directory"; exit 0; }
+if mkdir "$d/launch"; then
+  if command -v setsid >/dev/null 2>&1; then
+    setsid sh -c "$prod" wsync-producer "$d" "$ws" "$cs" "$hid" "$comp" </dev/null >/dev/null 2>&1 &
+  else
+    nohup sh -c "$prod" wsync-producer "$d" "$ws" "$cs" "$hid" "$comp" </dev/null >/dev/null 2>&1 &
+  fi
+  emit ok admitted
+elif [ -d "$d/launch" ]; then
+  emit ok reconciled
+else
+  emit err "cannot create the admission token"
+fi
+"""
+
+_STATUS = r"""
+d=$1
+[ -d "$d" ] || { emit ok "exists 0"; exit 0; }
+touch "$d"
+p="exists 1"
+if [ -f "$d/done" ]; then p="$p${nl}$(sed 's/^/done_/' "$d/done")"; fi
+if [ -f "$d/failed" ]; then p="$p${nl}failed $(head -c 400 "$d/failed" | tr '\n' ' ')"; fi
+alive=0
+pid=$(cat "$d/pid") && [ -n "$pid" ] && kill -0 "$pid" && alive=1
+if [ "$alive" = 1 ] && [ -r "/proc/$pid/stat" ]; then
+  case $(sed 's/.*) //' "/proc/$pid/stat" | cut -d ' ' -f 1) in Z) alive=0 ;; esac
+fi
+launched=0
+[ -d "$d/launch" ] && launched=1
+isz=$(wc -c < "$d/index") || isz=0
+dsz=$(wc -c < "$d/data") || dsz=0
+p="$p${nl}alive $alive${nl}launched $launched"
+p="$p${nl}index_size $((isz + 0))${nl}data_size $((dsz + 0))"
+if [ -s "$d/tar.err" ]; then p="$p${nl}tar_err_follows${nl}$(head -c 2000 "$d/tar.err")"; fi
+emit ok "$p"
+"""
+
+_READ = r"""
+f=$1 o=$2 l=$3
+sz=$(wc -c < "$f") || { emit err "missing"; exit 0; }
+[ $((sz + 0)) -ge $((o + l)) ] || { emit err "short-file $((sz + 0))"; exit 0; }
+rd() { dd if="$f" bs=65536 iflag=skip_bytes,count_bytes skip="$o" count="$l" 2>/dev/null; }
+dg=$(rd | h)
+dg=${dg%% *}
+[ -n "$dg" ] || { emit err "hash-failed"; exit 0; }
+printf 'WSYNC1 BEGIN %s ok %s %s\n' "$nonce" "$l" "$enc"
+if [ "$enc" = b64 ]; then rd | base64 | tr -d '\n'; else rd; fi
+printf '\nWSYNC1 END %s %s\n' "$nonce" "$dg"
+"""
+
+_CLEANUP = r"""
+d=$1/$2
+if [ -d "$d" ]; then
+  pid=$(cat "$d/pid") && [ -n "$pid" ] && kill -0 "$pid" && { kill -TERM -- "-$pid" || kill "$pid"; }
+  rm -rf "$d" || { emit err "cannot remove the staging directory"; exit 0; }
+fi
+emit ok removed
+"""
+
+SCRIPTS: dict[str, str] = {
+    "probe": _PRELUDE + _PROBE,
+    "admit": _PRELUDE + _ADMIT,
+    "status": _PRELUDE + _STATUS,
+    "read": _PRELUDE + _READ,
+    "cleanup": _PRELUDE + _CLEANUP,
+}
+PRODUCER = _PRODUCER
+
+
+def check_snapshot_id(snapshot: str) -> str:
+    if not SNAPSHOT_ID.fullmatch(snapshot):
+        raise UsageError(f"bad snapshot id {snapshot!r} (want [a-z0-9-], 1-64 chars)")
+    return snapshot
+
+
+def render(
+    name: str, *, gate: bool, nonce: str, algorithm: str, b64: bool, args: tuple[str, ...]
+) -> list[str]:
+    """argv for one guest call: ``sh -c SCRIPT wsync GATE NONCE HASH ENC ARGS...``."""
+    return [
+        "sh",
+        "-c",
+        SCRIPTS[name],
+        "wsync",
+        "1" if gate else "0",
+        nonce,
+        algorithm,
+        "b64" if b64 else "raw",
+        *args,
+    ]
+
+
+def probe(*, gate: bool, nonce: str, workspace: str, staging_root: str) -> list[str]:
+    return render(
+        "probe", gate=gate, nonce=nonce, algorithm="none", b64=False, args=(workspace, staging_root)
+    )
+
+
+def admit(
+    *,
+    gate: bool,
+    nonce: str,
+    algorithm: str,
+    b64: bool,
+    staging_root: str,
+    snapshot: str,
+    workspace: str,
+    chunk_size: int,
+    compressor: str,
+    ttl_minutes: int,
+) -> list[str]:
+    check_snapshot_id(snapshot)
+    if chunk_size <= 0 or chunk_size % BLOCK:
+        raise UsageError(f"chunk size must be a positive multiple of {BLOCK}")
+    args = (
+        staging_root,
+        snapshot,
+        workspace,
+        str(chunk_size),
+        compressor,
+        str(max(1, ttl_minutes)),
+        PRODUCER,
+    )
+    return render("admit", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
+
+
+def snapshot_dir(staging_root: str, snapshot: str) -> str:
+    return f"{staging_root.rstrip('/') or '/'}/{check_snapshot_id(snapshot)}"
+
+
+def status(
+    *, gate: bool, nonce: str, algorithm: str, b64: bool, staging_root: str, snapshot: str
+) -> list[str]:
+    d = snapshot_dir(staging_root, snapshot)
+    return render("status", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=(d,))
+
+
+def read(
+    *,
+    gate: bool,
+    nonce: str,
+    algorithm: str,
+    b64: bool,
+    staging_root: str,
+    snapshot: str,
+    file: str,
+    offset: int,
+    length: int,
+) -> list[str]:
+    if file not in ("data", "index"):
+        raise ValueError(file)
+    path = f"{snapshot_dir(staging_root, snapshot)}/{file}"
+    args = (path, str(offset), str(length))
+    return render("read", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
+
+
+def cleanup(
+    *, gate: bool, nonce: str, algorithm: str, b64: bool, staging_root: str, snapshot: str
+) -> list[str]:
+    check_snapshot_id(snapshot)
+    args = (staging_root, snapshot)
+    return render("cleanup", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
