@@ -41,6 +41,17 @@ def factory_for(scheme: str) -> TransportFactory:
 def open_transport(
     raw_or_uri: str | SandboxURI, options: Mapping[str, Any] | None = None
 ) -> tuple[SandboxURI, Transport]:
-    """Parse a sandbox URI and build its transport (no connection is made yet)."""
+    """Parse a sandbox URI and build its transport (no connection is made yet).
+
+    ``options["chaos"]`` (a :class:`wsync.chaos.FaultPlan` spec such as ``"all"``)
+    wraps the transport in the fault injector: a demo and testing knob.
+    """
+    options = options or {}
     uri = parse(raw_or_uri) if isinstance(raw_or_uri, str) else raw_or_uri
-    return uri, factory_for(uri.scheme).from_uri(uri, options or {})
+    transport = factory_for(uri.scheme).from_uri(uri, options)
+    chaos = options.get("chaos")
+    if chaos:
+        from wsync.chaos import wrap
+
+        transport = wrap(transport, chaos)
+    return uri, transport

@@ -1,0 +1,191 @@
+"""A fault-injecting transport: every way the field reports saw exec lie.
+
+:class:`ChaosTransport` wraps any transport and, per call, applies one fault
+chosen either from a *failure map* (borg's ``chunkers/failing.py`` style: a
+string such as ``"..HT.D"`` read one letter per call, then clean) or at random
+with per-fault rates from a seeded RNG.  The faults are:
+
+====  ==================  ======================================================
+code  name                what the caller sees
+====  ==================  ======================================================
+``.``  clean              the real result
+``H``  head-loss          stdout without its head (a random cut), exit 0
+``T``  tail-loss          stdout without its tail: data after the exit frame
+                          was dropped by a client that stopped at exit
+``F``  fabricated-exit    the stream ends early with a made-up exit 0
+``S``  stderr-merged      stderr-like bytes spliced into stdout
+``A``  after-exit         extra bytes after the end of output
+``B``  bit-flip           one bit of stdout inverted
+``D``  drop               connection lost: ``TransportError`` (the command may
+                          or may not have run)
+``W``  hang               nothing until the deadline: ``TransportTimeout``
+``Z``  zero-frames        no output at all, exit 0
+``N``  no-exit            intact output, no exit status
+====  ==================  ======================================================
+
+Independently, ``ring=N`` models the Sprites pre-attach history ring: a call
+*without stdin* keeps only the last N bytes of its output (deterministic, as in
+the field report's table).  A call with stdin is gated and loses nothing, which
+is exactly why wsync's read scripts wait for a stdin byte.
+
+This lives in the package, not in the tests, so ``wsync demo`` and the test
+suite exercise the same faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from collections.abc import Sequence
+
+from wsync.errors import TransportError, TransportTimeout, UsageError
+from wsync.transports.base import DEFAULT_MAX_OUTPUT, ExecResult, Transport
+
+FAULT_CODES = "HTFSABDWZN"
+CLEAN = "."
+NAMES = {
+    ".": "clean",
+    "H": "head-loss",
+    "T": "tail-loss",
+    "F": "fabricated-exit",
+    "S": "stderr-merged",
+    "A": "after-exit",
+    "B": "bit-flip",
+    "D": "drop",
+    "W": "hang",
+    "Z": "zero-frames",
+    "N": "no-exit",
+}
+#: per-fault rate of the "all" preset: ~70% of calls come back clean
+ALL_RATE = 0.035
+_NOISE = b"tar: ./log: file changed as we read it\n"
+
+
+@dataclasses.dataclass
+class FaultPlan:
+    """Which fault each call gets."""
+
+    rates: dict[str, float] = dataclasses.field(default_factory=dict)
+    failure_map: str = ""
+    seed: int | None = None
+    #: pre-attach ring size for calls without stdin (0: off)
+    ring: int = 0
+    #: how long a hang lasts at most before the timeout is raised, seconds
+    hang: float = 1.0
+
+    def __post_init__(self) -> None:
+        bad = set(self.failure_map) - set(FAULT_CODES + CLEAN)
+        if bad or set(self.rates) - set(FAULT_CODES):
+            raise UsageError(f"unknown fault code(s) in {self.failure_map!r} / {self.rates!r}")
+        self._rng = random.Random(self.seed)  # noqa: S311 - fault schedules, not secrets
+        self._calls = 0
+        self.applied: dict[str, int] = {}
+
+    @classmethod
+    def parse(cls, spec: str) -> FaultPlan:
+        """Parse ``all``, ``none`` or ``K=V,...`` (codes, map, seed, ring, hang)."""
+        plan: dict[str, object] = {"rates": {}}
+        rates: dict[str, float] = {}
+        for item in filter(None, (p.strip() for p in spec.split(","))):
+            key, _, value = item.partition("=")
+            try:
+                if key == "all":
+                    rates.update(dict.fromkeys(FAULT_CODES, float(value or ALL_RATE)))
+                    plan["ring"] = plan.get("ring") or 64 * 1024
+                elif key == "none":
+                    continue
+                elif key == "map":
+                    plan["failure_map"] = value
+                elif key in ("seed", "ring"):
+                    plan[key] = int(value)
+                elif key == "hang":
+                    plan[key] = float(value)
+                elif key in FAULT_CODES:
+                    rates[key] = float(value)
+                else:
+                    raise ValueError(key)
+            except ValueError:
+                raise UsageError(f"bad fault spec item {item!r} in {spec!r}") from None
+        plan["rates"] = rates
+        return cls(**plan)  # type: ignore[arg-type]
+
+    def next_fault(self) -> str:
+        index = self._calls
+        self._calls += 1
+        if index < len(self.failure_map):
+            return self.failure_map[index]
+        roll = self._rng.random()
+        for code, rate in self.rates.items():
+            if roll < rate:
+                return code
+            roll -= rate
+        return CLEAN
+
+    def cut(self, n: int) -> int:
+        return self._rng.randrange(n) if n > 0 else 0
+
+
+class ChaosTransport(Transport):
+    """Wrap ``inner`` and lie the way real backends were seen to lie."""
+
+    scheme = "chaos"
+
+    def __init__(self, inner: Transport, plan: FaultPlan) -> None:
+        self.inner = inner
+        self.plan = plan
+        self.capabilities = inner.capabilities  # type: ignore[misc]
+
+    @property
+    def description(self) -> str:
+        return f"{self.inner.description} (fault injection on)"
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout: float,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
+        plan = self.plan
+        fault = plan.next_fault()
+        plan.applied[fault] = plan.applied.get(fault, 0) + 1
+        if fault == "W":
+            await asyncio.sleep(min(timeout, plan.hang))
+            raise TransportTimeout(min(timeout, plan.hang))
+        if fault == "D" and plan.cut(2) == 0:
+            raise TransportError("connection dropped before the command ran (injected)")
+        result = await self.inner.exec(argv, stdin=stdin, timeout=timeout, max_output=max_output)
+        out = result.stdout
+        if plan.ring and stdin is None and len(out) > plan.ring:
+            out = out[-plan.ring :]
+        status = result.exit_status
+        if fault == "D":
+            raise TransportError("connection dropped mid-read (injected)")
+        if fault == "H":
+            out, status = out[plan.cut(len(out)) or 1 :], 0
+        elif fault in ("T", "F"):
+            out, status = out[: plan.cut(len(out))], 0
+        elif fault == "S":
+            at = plan.cut(len(out) + 1)
+            out = out[:at] + (result.stderr or _NOISE) + out[at:]
+        elif fault == "A":
+            out = out + b"\x01late frame after exit"
+        elif fault == "B" and out:
+            at = plan.cut(len(out))
+            out = out[:at] + bytes([out[at] ^ (1 << plan.cut(8))]) + out[at + 1 :]
+        elif fault == "Z":
+            out, status = b"", 0
+        elif fault == "N":
+            status = None
+        notes = (*result.notes, f"chaos:{NAMES[fault]}") if fault != CLEAN else result.notes
+        return dataclasses.replace(result, stdout=out, exit_status=status, notes=notes)
+
+
+def wrap(transport: Transport, spec: str | FaultPlan) -> ChaosTransport:
+    plan = spec if isinstance(spec, FaultPlan) else FaultPlan.parse(spec)
+    return ChaosTransport(transport, plan)
