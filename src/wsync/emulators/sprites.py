@@ -1,0 +1,605 @@
+"""A Sprites exec service on loopback that loses bytes the way field report 1 does.
+
+Each sprite is a directory under ``root``; an exec runs its argv as a local
+subprocess (cwd = the ``dir`` query parameter, else the sprite directory) and
+speaks the real wire format (:mod:`wsync.transports.sprites_protocol`).  The
+faults of the report are reproduced mechanically, each switchable in
+:class:`SpritesFaults` and drawn per exec from a seeded RNG:
+
+* **pre-attach ring** — the exec is a session; the client is *attached* only
+  later.  Output produced before attach survives only as its last
+  ``ring_bytes`` (64 KiB), output after attach is live and intact, and the
+  client's stdin reaches the process only once it is attached.  So a fast
+  ``cat`` of 1 MiB delivers exactly its last 64 KiB, while wsync's read
+  scripts (which wait for a stdin byte before printing) lose nothing.
+* **merged stderr** — stderr is held back and appended to the next stdout
+  frame (``AAAA``/``BBBB``>&2/``CCCC`` arrives as ``AAAACCCCBBBB`` on stream 1).
+* **data after exit** — the last output is split around the exit frame.
+* **no exit frame** — the socket closes with code 1000 and no exit status.
+* **zero frames** — a fast command gets no frames at all, then a 1000 close.
+* **sever** — the TCP connection is aborted part-way through the output.
+* **linger** — the server holds the socket open after the exit frame.
+
+``debug`` and ``session_info`` (``is_owner: false``) text frames are sent as
+the real service does.  Auth is a bearer token (401 otherwise); unknown
+sprites are 404.
+
+Attach timing: with ``attach_delay`` the client attaches after a random delay
+(realistic, timing-dependent, as in the report).  With ``attach_delay=None``
+attach happens at the first stdin frame, once ``attach_after_bytes`` of
+output exist, or at process exit, whichever comes first — deterministic, for
+the naive-client table test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from wsync.errors import ProtocolError
+from wsync.transports.sprites_protocol import (
+    STDERR,
+    STDIN,
+    STDOUT,
+    Data,
+    ExecRequest,
+    StdinEOF,
+    decode,
+    encode_control,
+    encode_data,
+    encode_exit,
+    encode_exit_text,
+    parse_exec_path,
+)
+
+log = logging.getLogger(__name__)
+
+KiB = 1024
+MiB = 1024 * KiB
+READ_SIZE = 64 * KiB
+#: after the main process exits, pipes still held open by its children are
+#: abandoned after this long (a detached producer must not pin the exec)
+PIPE_GRACE = 1.0
+#: the emulator's default bearer token: a loopback test fixture, not a secret
+EMULATOR_TOKEN = "wsync-emulator-token"  # noqa: S105
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpritesFaults:
+    """Which faults fire, how often (probabilities per exec) and how hard."""
+
+    seed: int = 0
+    ring: bool = False
+    ring_bytes: int = 64 * KiB
+    #: (min, max) seconds before the client attaches; None: deterministic attach
+    attach_delay: tuple[float, float] | None = (0.05, 0.2)
+    #: attach once this much output was produced before attach (None: never by size)
+    attach_after_bytes: int | None = None
+    merge_stderr: float = 0.0
+    data_after_exit: float = 0.0
+    no_exit_frame: float = 0.0
+    zero_frames: float = 0.0
+    #: a command is "fast" (eligible for zero frames) if it finishes within this
+    fast_threshold: float = 0.25
+    sever: float = 0.0
+    #: severed execs are cut after a uniform number of bytes in [0, sever_max_bytes]
+    sever_max_bytes: int = 256 * KiB
+    split_frames: float = 0.0
+    json_exit: float = 0.0
+    linger: float = 0.0
+
+    @classmethod
+    def off(cls) -> SpritesFaults:
+        return cls()
+
+    @classmethod
+    def field_report(cls, seed: int = 0) -> SpritesFaults:
+        """The report's fault mix at realistic rates (timing-dependent attach)."""
+        return cls(
+            seed=seed,
+            ring=True,
+            merge_stderr=0.3,
+            data_after_exit=0.3,
+            no_exit_frame=0.15,
+            zero_frames=0.3,
+            split_frames=0.3,
+            json_exit=0.1,
+        )
+
+    @classmethod
+    def all_on(cls, seed: int = 0) -> SpritesFaults:
+        """Every fault, severed connections included."""
+        return dataclasses.replace(cls.field_report(seed), sever=0.1)
+
+    @classmethod
+    def report_table(cls) -> SpritesFaults:
+        """Deterministic ring only: a fast ``cat`` is attached at exit or after 2 MiB."""
+        return cls(ring=True, attach_delay=None, attach_after_bytes=2 * MiB)
+
+    def plan(self, rng: random.Random) -> ExecPlan:
+        def hit(p: float) -> bool:
+            return p > 0 and rng.random() < p
+
+        delay = None
+        if self.ring and self.attach_delay is not None:
+            delay = rng.uniform(*self.attach_delay)
+        return ExecPlan(
+            ring=self.ring,
+            attach_delay=delay,
+            merged=hit(self.merge_stderr),
+            after_exit=hit(self.data_after_exit),
+            no_exit=hit(self.no_exit_frame),
+            zero_frames=hit(self.zero_frames),
+            sever_after=rng.randint(0, self.sever_max_bytes) if hit(self.sever) else None,
+            split=hit(self.split_frames),
+            json_exit=hit(self.json_exit),
+            rng=rng,
+        )
+
+
+@dataclasses.dataclass(slots=True)
+class ExecPlan:
+    """The faults drawn for one exec."""
+
+    ring: bool
+    attach_delay: float | None
+    merged: bool
+    after_exit: bool
+    no_exit: bool
+    zero_frames: bool
+    sever_after: int | None
+    split: bool
+    json_exit: bool
+    rng: random.Random
+
+
+class _Session:
+    """One exec: a subprocess, its output pipeline and one WebSocket."""
+
+    def __init__(
+        self, emu: SpritesEmulator, ws: ServerConnection, req: ExecRequest, plan: ExecPlan
+    ) -> None:
+        self.emu = emu
+        self.ws = ws
+        self.req = req
+        self.plan = plan
+        self.faults = emu.faults
+        self.proc: asyncio.subprocess.Process | None = None
+        self.attached = asyncio.Event()
+        self.finished = asyncio.Event()
+        self.queue: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue(maxsize=64)
+        self.history: collections.deque[tuple[int, bytes]] = collections.deque()
+        self.history_len = 0
+        self.produced = 0
+        self.held_err = b""
+        self.exit_code = 0
+        self.reading: set[int] = set()
+        self.sent = 0
+        self.pid = 0
+
+    # ------------------------------------------------------------ attach/ring
+
+    def attach(self, why: str) -> None:
+        if not self.attached.is_set():
+            log.debug("sprites emulator: attached (%s) after %d bytes", why, self.produced)
+            self.attached.set()
+
+    async def emit(self, stream: int, data: bytes) -> None:
+        if self.plan.merged:
+            if stream == STDERR:
+                self.held_err += data
+                return
+            data, self.held_err = data + self.held_err, b""
+        if not data:
+            return
+        if self.attached.is_set():
+            await self.queue.put((stream, data))
+            return
+        self.produced += len(data)
+        self.history.append((stream, data))
+        self.history_len += len(data)
+        while self.history_len > self.faults.ring_bytes:
+            drop = self.history_len - self.faults.ring_bytes
+            first_stream, first = self.history[0]
+            cut = min(drop, len(first))
+            self.emu.stats["ring_dropped_bytes"] += cut
+            self.history_len -= cut
+            if cut == len(first):
+                self.history.popleft()
+            else:
+                self.history[0] = (first_stream, first[cut:])
+        limit = self.faults.attach_after_bytes
+        if limit is not None and self.produced >= limit:
+            self.attach("size")
+
+    # -------------------------------------------------------------- process
+
+    async def spawn(self) -> None:
+        cwd = self.req.workdir or str(self.emu.root / self.req.name)
+        env = dict(os.environ)
+        env.update(self.req.env)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.req.argv,
+                cwd=cwd,
+                env=env,
+                stdin=asyncio.subprocess.PIPE if self.req.stdin else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            self.pid = self.proc.pid
+        except OSError as err:
+            self.exit_code = 127 if isinstance(err, FileNotFoundError) else 126
+            await self.emit(STDERR, f"exec {self.req.argv[0]}: {err.strerror}\n".encode())
+
+    async def pump(self, stream: int, reader: asyncio.StreamReader) -> None:
+        while True:
+            self.reading.add(stream)
+            data = await reader.read(READ_SIZE)
+            self.reading.discard(stream)
+            if not data:
+                return
+            await self.emit(stream, data)
+
+    async def run_process(self) -> None:
+        """Wait for the process and its pipes, then attach and end the output."""
+        proc = self.proc
+        if proc is not None:
+            assert proc.stdout is not None and proc.stderr is not None
+            pumps = {
+                asyncio.create_task(self.pump(STDOUT, proc.stdout)): STDOUT,
+                asyncio.create_task(self.pump(STDERR, proc.stderr)): STDERR,
+            }
+            try:
+                code = await proc.wait()
+                # a signal death is reported the way a shell does: 128 + signal number
+                self.exit_code = code if code >= 0 else 128 - code
+                pending = set(pumps)
+                while pending:
+                    _, pending = await asyncio.wait(pending, timeout=PIPE_GRACE)
+                    for task in pending:
+                        if pumps[task] in self.reading:  # a child holds the pipe open
+                            task.cancel()
+                            self.emu.stats["pipes_abandoned"] += 1
+            finally:
+                for task in pumps:
+                    task.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+        if self.held_err:
+            data, self.held_err = self.held_err, b""
+            self.plan.merged = False
+            await self.emit(STDOUT, data)
+        self.finished.set()
+        self.attach("exit")
+        await self.queue.put(None)
+
+    async def forward_stdin(self) -> None:
+        """Client frames → process stdin, but only once the client is attached."""
+        with contextlib.suppress(ConnectionClosed):
+            async for message in self.ws:
+                try:
+                    frame = decode(message)
+                except ProtocolError as err:
+                    log.debug("sprites emulator: bad client frame: %s", err)
+                    continue
+                if self.faults.attach_delay is None:
+                    self.attach("stdin")
+                await self.attached.wait()
+                stdin = self.proc.stdin if self.proc is not None else None
+                if stdin is None:
+                    continue
+                try:
+                    if isinstance(frame, Data) and frame.stream == STDIN:
+                        stdin.write(frame.data)
+                        await stdin.drain()
+                    elif isinstance(frame, StdinEOF):
+                        stdin.close()
+                except (BrokenPipeError, ConnectionResetError):
+                    continue
+
+    async def attach_timer(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self.attach("timer")
+
+    # --------------------------------------------------------------- output
+
+    async def send(self, stream: int, data: bytes) -> None:
+        pieces = [data]
+        if self.plan.split and len(data) > 1:
+            cuts = sorted(self.plan.rng.sample(range(1, len(data)), min(3, len(data) - 1)))
+            pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+        for piece in pieces:
+            sever = self.plan.sever_after
+            if sever is not None and self.sent + len(piece) > sever:
+                await self.ws.send(encode_data(stream, piece[: max(sever - self.sent, 0)]))
+                self.emu.stats["severed"] += 1
+                self.ws.transport.abort()
+                raise ConnectionAbortedError("severed by fault plan")
+            await self.ws.send(encode_data(stream, piece))
+            self.sent += len(piece)
+
+    async def write_output(self, started: float) -> None:
+        plan = self.plan
+        loop = asyncio.get_running_loop()
+        if plan.zero_frames:
+            remaining = started + self.faults.fast_threshold - loop.time()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(remaining, 0.0)):
+                    await self.finished.wait()
+            if self.finished.is_set():
+                self.emu.stats["zero_frames"] += 1
+                return
+        await self.attached.wait()
+        argv0 = self.req.argv[0]
+        t_ms = int((loop.time() - started) * 1000)
+        for msg in (f"session_created cmd={argv0}", f"normal_path history_len={self.produced}"):
+            await self.ws.send(encode_control("debug", msg=msg, pid=self.pid, t_ms=t_ms))
+        await self.ws.send(
+            encode_control(
+                "session_info",
+                session_id=str(self.pid),
+                command=argv0,
+                created=int(time.time()),
+                is_owner=False,
+                tty=False,
+            )
+        )
+        held: tuple[int, bytes] | None = None
+        history = list(self.history)
+        self.history.clear()
+        while True:
+            item = history.pop(0) if history else await self.queue.get()
+            if item is None:
+                break
+            if plan.after_exit:
+                item, held = held, item
+                if item is None:
+                    continue
+            await self.send(*item)
+        after: tuple[int, bytes] | None = None
+        if held is not None:
+            stream, data = held
+            cut = plan.rng.randrange(len(data))
+            if cut:
+                await self.send(stream, data[:cut])
+            after = (stream, data[cut:])
+        if plan.no_exit:
+            self.emu.stats["no_exit_frame"] += 1
+        elif plan.json_exit:
+            await self.ws.send(encode_exit_text(self.exit_code))
+        else:
+            await self.ws.send(encode_exit(min(self.exit_code, 255)))
+        if after is not None:
+            self.emu.stats["data_after_exit"] += 1
+            await self.send(*after)
+        if self.faults.linger > 0:
+            await asyncio.sleep(self.faults.linger)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if not self.plan.ring:
+            self.attach("no ring")
+        await self.spawn()
+        if self.proc is not None:
+            self.emu.procs.add(self.proc)
+        tasks = [
+            asyncio.create_task(self.run_process()),
+            asyncio.create_task(self.forward_stdin()),
+        ]
+        if self.plan.attach_delay is not None:
+            tasks.append(asyncio.create_task(self.attach_timer(self.plan.attach_delay)))
+        writer = asyncio.create_task(self.write_output(started))
+        closed = asyncio.create_task(self.ws.wait_closed())
+        try:
+            await asyncio.wait({writer, closed}, return_when=asyncio.FIRST_COMPLETED)
+            if writer.done() and not writer.cancelled() and writer.exception() is not None:
+                log.debug("sprites emulator: writer ended: %r", writer.exception())
+        finally:
+            for task in [*tasks, writer, closed]:
+                task.cancel()
+            await asyncio.gather(*tasks, writer, closed, return_exceptions=True)
+            await self.reap()
+
+    async def reap(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        # pipes abandoned to a lingering child would otherwise leak their transports
+        transport = getattr(proc, "_transport", None)
+        if transport is not None:
+            transport.close()
+        self.emu.procs.discard(proc)
+
+
+class SpritesEmulator:
+    """The service: ``await start()``, use :attr:`url` and :attr:`token`, ``await stop()``."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        token: str = EMULATOR_TOKEN,
+        faults: SpritesFaults | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.root = Path(root)
+        self.token = token
+        self.faults = faults or SpritesFaults.off()
+        self.host = host
+        self.port = port
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.procs: set[asyncio.subprocess.Process] = set()
+        self._server: Server | None = None
+        self._execs = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def transport_options(self) -> dict[str, Any]:
+        """Options for :meth:`SpritesTransport.from_uri` that reach this emulator."""
+        return {"sprites_url": self.url, "token": self.token}
+
+    def create_sprite(self, name: str) -> Path:
+        path = self.root / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    async def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._server = await serve(
+            self._handle,
+            self.host,
+            self.port,
+            process_request=self._check_request,
+            compression=None,
+            max_size=16 * MiB,
+            close_timeout=2,
+        )
+        sock = next(iter(self._server.sockets))
+        self.port = sock.getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for proc in list(self.procs):
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+
+    async def __aenter__(self) -> SpritesEmulator:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _check_request(self, conn: ServerConnection, request: Request) -> Response | None:
+        def reply(status: int, message: str) -> Response:
+            self.stats[f"http_{status}"] += 1
+            body = json.dumps({"error": message})
+            return conn.respond(status, body + "\n")
+
+        try:
+            req = parse_exec_path(request.path)
+        except (ProtocolError, UnicodeDecodeError) as err:
+            return reply(400, str(err))
+        if req is None:
+            return reply(404, "not found")
+        header = request.headers.get("Authorization", "")
+        expected = f"Bearer {self.token}"
+        if not hmac.compare_digest(header.encode(), expected.encode()):
+            return reply(401, "unauthorized")
+        if not (self.root / req.name).is_dir():
+            return reply(404, f"sprite {req.name} not found")
+        return None
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        assert ws.request is not None
+        req = parse_exec_path(ws.request.path)
+        assert req is not None  # checked in _check_request
+        self._execs += 1
+        plan = self.faults.plan(random.Random(f"{self.faults.seed}/{self._execs}"))  # noqa: S311
+        self.stats["execs"] += 1
+        try:
+            await _Session(self, ws, req, plan).run()
+        except (ConnectionClosed, ConnectionAbortedError, OSError) as err:
+            log.debug("sprites emulator: session ended: %r", err)
+
+
+class EmulatorThread:
+    """Runs a :class:`SpritesEmulator` on its own loop in a background thread.
+
+    For synchronous callers (``wsync demo``, ``wsync doctor``, sync tests)::
+
+        with EmulatorThread(root, faults=SpritesFaults.field_report()) as emu:
+            emu.create_sprite("demo")
+            pull_uri("sprites://demo/work", dest, opts, emu.transport_options())
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        token: str = EMULATOR_TOKEN,
+        faults: SpritesFaults | None = None,
+    ) -> None:
+        self.emulator = SpritesEmulator(root, token=token, faults=faults)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return self.emulator.url
+
+    @property
+    def token(self) -> str:
+        return self.emulator.token
+
+    @property
+    def stats(self) -> collections.Counter[str]:
+        return self.emulator.stats
+
+    def transport_options(self) -> dict[str, Any]:
+        return self.emulator.transport_options()
+
+    def create_sprite(self, name: str) -> Path:
+        return self.emulator.create_sprite(name)
+
+    def set_faults(self, faults: SpritesFaults) -> None:
+        """Swap the fault config; later execs draw from it (attribute swap is atomic)."""
+        self.emulator.faults = faults
+
+    def start(self) -> EmulatorThread:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._thread = threading.Thread(
+            target=loop.run_forever, name="sprites-emulator", daemon=True
+        )
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.emulator.start(), loop).result(timeout=30)
+        return self
+
+    def stop(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        self._loop = self._thread = None
+        try:
+            asyncio.run_coroutine_threadsafe(self.emulator.stop(), loop).result(timeout=30)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=30)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+    def __enter__(self) -> EmulatorThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,293 @@
+"""``sprites://NAME/PATH``: exec over the Sprites WebSocket API, reported honestly.
+
+The Sprites exec stream is the backend of field report 1: output produced
+before the client attaches survives only as a ~64 KB ring, stderr is
+sometimes merged into stdout frames, data frames arrive after the exit frame,
+and some sockets close (code 1000) with no exit frame at all.  This transport
+cannot repair any of that; it reports exactly what it saw, so the engine's
+envelopes can detect it and retry:
+
+* one WebSocket connection per exec (never one long stream), so a loss costs
+  one short read;
+* stdin bytes are sent only once the socket is open, then ``[0x04]``; wsync's
+  read scripts wait for that byte before printing, which defeats the ring;
+* a close without an exit frame gives ``exit_status=None`` — never 0 (one
+  public SDK turns close code 1000 into exit 0);
+* after the exit frame the client keeps reading until the socket closes or a
+  short drain deadline passes, and keeps late data (note "data after exit
+  frame");
+* merged stderr cannot be told apart by a client, so ``separate_stderr`` is
+  False and whatever arrived on stream 2 is reported as stderr.
+
+The token is sent only in the ``Authorization`` header; it is never logged,
+never part of :attr:`description`, errors or ``repr``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import (
+    ConnectionClosed,
+    ConnectionClosedOK,
+    InvalidHandshake,
+    InvalidStatus,
+    InvalidURI,
+    WebSocketException,
+)
+
+from wsync.errors import (
+    AuthFailed,
+    ProtocolError,
+    SandboxUnreachable,
+    TransportError,
+    TransportTimeout,
+    UsageError,
+)
+from wsync.transports.base import DEFAULT_MAX_OUTPUT, Capabilities, ExecResult, Transport
+from wsync.transports.sprites_protocol import (
+    STDIN,
+    Control,
+    ExecCollector,
+    encode_data,
+    encode_stdin_eof,
+    exec_url,
+)
+from wsync.uri import SandboxURI
+
+log = logging.getLogger(__name__)
+
+DEFAULT_API_URL = "https://api.sprites.dev"
+TOKEN_ENV_VARS = ("SPRITES_TOKEN", "SPRITES_API_TOKEN")
+#: stdin is sent in frames of at most this many bytes
+STDIN_FRAME = 64 * 1024
+
+
+def resolve_token(options: Mapping[str, Any]) -> str:
+    """Explicit options beat the environment: ``token``, ``token_file``, then env vars."""
+    token = options.get("token")
+    if not token and options.get("token_file"):
+        path = Path(str(options["token_file"])).expanduser()
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(f"cannot read Sprites token file {path}: {err}") from None
+    if not token:
+        for var in TOKEN_ENV_VARS:
+            token = os.environ.get(var, "").strip()
+            if token:
+                break
+    if not token:
+        raise AuthFailed(
+            "no Sprites API token: set SPRITES_TOKEN (or SPRITES_API_TOKEN) or pass a token file"
+        )
+    token = str(token)
+    if any(c in token for c in "\r\n\x00"):
+        raise UsageError("the Sprites token contains a line break or NUL")
+    return token
+
+
+class SpritesTransport(Transport):
+    """One sprite's exec endpoint; every :meth:`exec` is its own WebSocket."""
+
+    scheme: ClassVar[str] = "sprites"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        stdin=True, binary_safe=True, separate_stderr=False
+    )
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        token: str,
+        base_url: str = DEFAULT_API_URL,
+        workspace: str | None = None,
+        workdir: str | None = None,
+        env: Mapping[str, str] | None = None,
+        drain_timeout: float = 0.75,
+        connect_timeout: float = 15.0,
+        close_timeout: float = 1.0,
+        ping_interval: float | None = 20.0,
+        max_frame: int = 16 * 1024 * 1024,
+    ) -> None:
+        if not name:
+            raise UsageError("sprites:// needs a sprite name (sprites://NAME/PATH)")
+        self.name = name
+        self.workspace = workspace
+        self.base_url = base_url
+        self.workdir = workdir
+        self.env = dict(env or {})
+        self.drain_timeout = drain_timeout
+        self.connect_timeout = connect_timeout
+        self.close_timeout = close_timeout
+        self.ping_interval = ping_interval
+        self.max_frame = max_frame
+        self._token = token
+        self._connected_once = False
+        # validate the base URL now, so a typo is a usage error and not a retry loop
+        exec_url(base_url, name, ["true"], stdin=False)
+
+    @classmethod
+    def from_uri(cls, uri: SandboxURI, options: Mapping[str, Any]) -> SpritesTransport:
+        if not uri.name:
+            raise UsageError(f"{uri.raw!r}: missing sprite name (sprites://NAME/PATH)")
+        base = options.get("sprites_url") or os.environ.get("SPRITES_API_URL") or DEFAULT_API_URL
+        extra: dict[str, Any] = {}
+        for key in ("drain_timeout", "connect_timeout", "close_timeout"):
+            if options.get(key) is not None:
+                extra[key] = float(options[key])
+        return cls(
+            uri.name,
+            token=resolve_token(options),
+            base_url=str(base),
+            workspace=uri.path,
+            workdir=options.get("dir"),
+            env=options.get("env"),
+            **extra,
+        )
+
+    @property
+    def description(self) -> str:
+        return f"sprites://{self.name}"
+
+    def __repr__(self) -> str:
+        return f"SpritesTransport({self.description}, base_url={self.base_url!r})"
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout: float,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
+        url = exec_url(
+            self.base_url,
+            self.name,
+            list(argv),
+            stdin=stdin is not None,
+            workdir=self.workdir,
+            env=self.env,
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        ws = await self._connect(url, deadline, timeout)
+        try:
+            return await self._session(ws, stdin, deadline, timeout, max_output)
+        finally:
+            await self._close(ws)
+
+    async def _connect(self, url: str, deadline: float, timeout: float) -> ClientConnection:
+        """Open the socket; map handshake failures to wsync's errors."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                ws = await connect(
+                    url,
+                    additional_headers={"Authorization": f"Bearer {self._token}"},
+                    compression=None,
+                    open_timeout=self.connect_timeout,
+                    ping_interval=self.ping_interval,
+                    ping_timeout=self.ping_interval,
+                    close_timeout=self.close_timeout,
+                    max_size=self.max_frame,
+                    user_agent_header="wsync",
+                )
+        except TimeoutError:
+            raise TransportTimeout(timeout) from None
+        except InvalidStatus as err:
+            status = err.response.status_code
+            if status in (401, 403):
+                raise AuthFailed(
+                    f"{self.description}: authentication failed (HTTP {status}); "
+                    "check SPRITES_TOKEN"
+                ) from None
+            if status == 404:
+                raise SandboxUnreachable(f"sprite {self.name} not found") from None
+            raise TransportError(f"{self.description}: exec refused (HTTP {status})") from None
+        except InvalidURI as err:
+            raise UsageError(f"{self.description}: bad Sprites API URL: {err}") from None
+        except (OSError, InvalidHandshake, WebSocketException) as err:
+            message = f"{self.description}: cannot connect to {self.base_url}: {err}"
+            if not self._connected_once and isinstance(err, OSError):
+                raise SandboxUnreachable(message) from None
+            raise TransportError(message) from None
+        self._connected_once = True
+        return ws
+
+    async def _session(
+        self,
+        ws: ClientConnection,
+        stdin: bytes | None,
+        deadline: float,
+        timeout: float,
+        max_output: int,
+    ) -> ExecResult:
+        loop = asyncio.get_running_loop()
+        collector = ExecCollector(max_output)
+        sender = asyncio.create_task(self._send_stdin(ws, stdin)) if stdin is not None else None
+        drain_until: float | None = None
+        try:
+            while True:
+                if collector.exited and drain_until is None:
+                    drain_until = min(loop.time() + self.drain_timeout, deadline)
+                until = deadline if drain_until is None else drain_until
+                try:
+                    async with asyncio.timeout_at(until):
+                        message = await ws.recv()
+                except TimeoutError:
+                    if collector.exited:
+                        collector.drain_expired()
+                        break
+                    raise TransportTimeout(timeout) from None
+                except ConnectionClosed as closed:
+                    clean = isinstance(closed, ConnectionClosedOK)
+                    code = closed.rcvd.code if closed.rcvd is not None else None
+                    if not clean and not collector.exited:
+                        raise TransportError(
+                            f"{self.description}: connection dropped (code {code}) "
+                            "before the exit frame"
+                        ) from None
+                    collector.closed(code, clean=clean)
+                    break
+                try:
+                    frame = collector.feed(message)
+                except ProtocolError as err:
+                    raise TransportError(f"{self.description}: {err}") from None
+                if isinstance(frame, Control):
+                    log.debug("sprites %s: %s message ignored", self.name, frame.type)
+        finally:
+            if sender is not None:
+                sender.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sender
+        result = collector.result()
+        if result.notes:
+            log.debug("sprites %s exec notes: %s", self.name, "; ".join(result.notes))
+        return result
+
+    @staticmethod
+    async def _send_stdin(ws: ClientConnection, data: bytes | None) -> None:
+        """Send stdin once the socket is open, then stdin EOF; a closed socket ends it."""
+        try:
+            view = memoryview(data or b"")
+            for start in range(0, len(view), STDIN_FRAME):
+                await ws.send(encode_data(STDIN, bytes(view[start : start + STDIN_FRAME])))
+            await ws.send(encode_stdin_eof())
+        except ConnectionClosed:
+            # the receive loop sees the close and reports it
+            return
+
+    async def _close(self, ws: ClientConnection) -> None:
+        """Close with a short, bounded handshake; servers have held sockets ~5 s."""
+        try:
+            async with asyncio.timeout(self.close_timeout + 0.5):
+                await ws.close()
+        except (TimeoutError, OSError, WebSocketException):
+            ws.transport.abort()
