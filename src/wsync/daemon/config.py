@@ -1,0 +1,407 @@
+"""The daemon's configuration: a TOML file, overridable key by key from the environment.
+
+Why pydantic-settings: one declarative schema gives type checks, defaults,
+``WSYNC_…`` environment overrides (nested keys joined with ``__``, e.g.
+``WSYNC_LIMITS__MAX_CONCURRENT=2``) and error locations for free, so a bad
+config fails at start-up with one message naming the key instead of failing a
+pull at 3 a.m.
+
+Precedence, highest first: command-line flags (``--listen``, ``--state-dir``),
+environment variables, the TOML file, the defaults below.
+
+Secrets never live in the file.  The API token comes from ``WSYNC_API_TOKEN``
+or ``[api] token_file``; backend credentials are *references*
+(``"env:NAME"`` or ``"file:/path"``) resolved only when a pull starts, so a
+config dump or a log line can never carry them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
+from wsync.errors import UsageError
+from wsync.transports.registry import SCHEMES
+from wsync.uri import SandboxURI, parse
+
+DEFAULT_LISTEN = "127.0.0.1:8477"
+_LIMITS = ExtractLimits()
+SANDBOX_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class ConfigError(UsageError):
+    """The configuration cannot be used; exit code 2 like every usage error."""
+
+    template = "config error: {}"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ApiConfig(_Strict):
+    """Where the control API listens and how callers authenticate."""
+
+    #: ``HOST:PORT`` (loopback by default) or ``unix:/path/to/socket``
+    listen: str = DEFAULT_LISTEN
+    #: file holding the bearer token (first line); ``WSYNC_API_TOKEN`` wins
+    token_file: Path | None = None
+    #: accept a sandbox URI in ``POST /v1/pulls`` instead of a configured name
+    allow_uris: bool = True
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        parse_listen(value)
+        return value
+
+
+class LimitsConfig(_Strict):
+    """Concurrency, retry and extraction bounds applied to every pull."""
+
+    #: pulls running at once, across all sandboxes
+    max_concurrent: int = Field(default=4, ge=1, le=256)
+    #: pulls running at once against one sandbox (overridable per sandbox)
+    per_sandbox: int = Field(default=1, ge=1, le=64)
+    #: chunk reads in flight within one pull
+    parallel: int = Field(default=4, ge=1, le=64)
+    #: guest producer chunk size in bytes, a multiple of 64 KiB
+    chunk_size: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=256 * 1024 * 1024)
+    #: deadline of one guest exec, seconds
+    call_timeout: float = Field(default=60.0, gt=0)
+    #: deadline of a whole pull, seconds (0: none)
+    pull_timeout: float = Field(default=3600.0, ge=0)
+    #: attempts per guest call before the pull fails
+    max_attempts: int = Field(default=12, ge=1, le=1000)
+    #: extraction limits (see wsync.engine.api.ExtractLimits)
+    max_files: int = Field(default=_LIMITS.max_files, ge=1)
+    max_bytes: int = Field(default=_LIMITS.max_bytes, ge=1)
+    min_free_bytes: int = Field(default=_LIMITS.min_free_bytes, ge=0)
+    #: finished jobs kept in the job store (oldest dropped first)
+    keep_finished_jobs: int = Field(default=1000, ge=10)
+
+    @field_validator("chunk_size")
+    @classmethod
+    def _check_chunk(cls, value: int) -> int:
+        if value % (64 * 1024):
+            raise ValueError("must be a multiple of 65536 (64 KiB)")
+        return value
+
+
+class SandboxConfig(_Strict):
+    """One named sandbox: where its workspace is and where it lands."""
+
+    uri: str
+    #: default destination for pulls of this sandbox (inside a dest root)
+    dest: Path | None = None
+    #: scheduled pull period in seconds; unset means on-demand only
+    interval: float | None = Field(default=None, gt=0)
+    #: +/- fraction of ``interval`` added at random so sandboxes do not pull in lockstep
+    jitter: float = Field(default=0.1, ge=0, le=1)
+    #: per-sandbox concurrency (default: limits.per_sandbox)
+    max_concurrent: int | None = Field(default=None, ge=1, le=64)
+    parallel: int | None = Field(default=None, ge=1, le=64)
+    chunk_size: int | None = Field(default=None, ge=64 * 1024, le=256 * 1024 * 1024)
+    #: non-secret transport options, e.g. ssh_key / known_hosts paths, sprites_url
+    options: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    #: secret transport options by reference only: "env:NAME" or "file:/path"
+    secrets: dict[str, str] = Field(default_factory=dict)
+    #: testing/demo knob: run this sandbox through the fault-injecting transport
+    #: (wsync.chaos spec: "all", "all,seed=7", "H=0.1,T=0.05", ...); never in production
+    chaos: str | None = None
+
+    @field_validator("uri")
+    @classmethod
+    def _check_uri(cls, value: str) -> str:
+        try:
+            check_uri(value)
+        except UsageError as err:
+            raise ValueError(str(err)) from None
+        return value
+
+    @field_validator("chunk_size")
+    @classmethod
+    def _check_chunk(cls, value: int | None) -> int | None:
+        if value is not None and value % (64 * 1024):
+            raise ValueError("must be a multiple of 65536 (64 KiB)")
+        return value
+
+    @field_validator("secrets")
+    @classmethod
+    def _check_secrets(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, ref in value.items():
+            kind, _, target = ref.partition(":")
+            if kind not in ("env", "file") or not target:
+                # never echo the value: it may be a pasted secret
+                raise ValueError(
+                    f"{key}: secrets are given by reference, 'env:NAME' or 'file:/path'"
+                )
+            if kind == "file" and not target.startswith("/"):
+                raise ValueError(f"{key}: file reference must be an absolute path")
+        return value
+
+    @field_validator("chaos")
+    @classmethod
+    def _check_chaos(cls, value: str | None) -> str | None:
+        if value is not None:
+            from wsync.chaos import FaultPlan
+
+            try:
+                FaultPlan.parse(value)
+            except UsageError as err:
+                raise ValueError(str(err)) from None
+        return value
+
+
+_TOML_DATA: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("toml_data")
+
+
+class DaemonConfig(BaseSettings):
+    """The whole daemon configuration (see ``config.example.toml``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="WSYNC_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    #: jobs database, engine journals and the daemon's address file
+    state_dir: Path = Field(default_factory=default_state_dir)
+    #: destinations must resolve inside one of these directories
+    dest_roots: list[Path] = Field(default_factory=list)
+    #: seconds SIGTERM waits for in-flight pulls to checkpoint before exiting anyway
+    shutdown_grace: float = Field(default=10.0, gt=0, le=300)
+    log_level: str = "info"
+    #: the API token itself; only meant to come from the env var WSYNC_API_TOKEN
+    api_token: SecretStr | None = None
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    sandboxes: dict[str, SandboxConfig] = Field(default_factory=dict)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        toml = InitSettingsSource(settings_cls, init_kwargs=_TOML_DATA.get({}))
+        return (init_settings, env_settings, toml)
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_level(cls, value: str) -> str:
+        if value.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError("must be one of debug, info, warning, error")
+        return value.lower()
+
+    @field_validator("state_dir")
+    @classmethod
+    def _check_state_dir(cls, value: Path) -> Path:
+        if not value.is_absolute():
+            raise ValueError("must be an absolute path")
+        return value
+
+    @field_validator("dest_roots")
+    @classmethod
+    def _check_roots(cls, value: list[Path]) -> list[Path]:
+        for root in value:
+            if not root.is_absolute():
+                raise ValueError(f"{root}: must be an absolute path")
+        return value
+
+    @model_validator(mode="after")
+    def _check_sandboxes(self) -> DaemonConfig:
+        for name, box in self.sandboxes.items():
+            if not SANDBOX_NAME.match(name):
+                raise ValueError(
+                    f"sandboxes.{name}: name must match {SANDBOX_NAME.pattern} "
+                    "(it is used in metrics labels and logs)"
+                )
+            if box.dest is not None:
+                try:
+                    check_dest(str(box.dest), self.dest_roots)
+                except UsageError as err:
+                    raise ValueError(f"sandboxes.{name}.dest: {err}") from None
+            if box.interval is not None and box.dest is None:
+                raise ValueError(f"sandboxes.{name}: a scheduled sandbox (interval) needs a dest")
+        return self
+
+    # -- derived values ---------------------------------------------------
+
+    def api_token_value(self) -> str:
+        """The bearer token, from the environment or the token file."""
+        if self.api_token is not None and self.api_token.get_secret_value():
+            return self.api_token.get_secret_value()
+        if self.api.token_file is None:
+            raise ConfigError(
+                "api.token_file: no API token; set [api] token_file or WSYNC_API_TOKEN"
+            )
+        try:
+            text = self.api.token_file.read_text(encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(
+                f"api.token_file: cannot read {self.api.token_file}: {err.strerror}"
+            ) from None
+        token = text.strip().splitlines()[0].strip() if text.strip() else ""
+        if len(token) < 16:
+            raise ConfigError("api.token_file: the token must be at least 16 characters")
+        return token
+
+    def pull_options(self, sandbox: SandboxConfig | None) -> PullOptions:
+        """Engine options for one pull of ``sandbox`` (None: an ad-hoc URI)."""
+        lim = self.limits
+        parallel = sandbox.parallel if sandbox and sandbox.parallel else lim.parallel
+        chunk = sandbox.chunk_size if sandbox and sandbox.chunk_size else lim.chunk_size
+        return PullOptions(
+            state_dir=self.state_dir / "engine",
+            parallel=parallel,
+            timeout=lim.pull_timeout,
+            call_timeout=lim.call_timeout,
+            max_attempts=lim.max_attempts,
+            chunk_size=chunk,
+            limits=ExtractLimits(
+                max_files=lim.max_files, max_bytes=lim.max_bytes, min_free_bytes=lim.min_free_bytes
+            ),
+        )
+
+    def sandbox_concurrency(self, name: str) -> int:
+        box = self.sandboxes.get(name)
+        if box is not None and box.max_concurrent:
+            return box.max_concurrent
+        return self.limits.per_sandbox
+
+
+def resolve_transport_options(box: SandboxConfig | None) -> dict[str, Any]:
+    """Build transport options, resolving secret references now (never stored, never logged)."""
+    if box is None:
+        return {}
+    options: dict[str, Any] = dict(box.options)
+    for key, ref in box.secrets.items():
+        kind, _, target = ref.partition(":")
+        if kind == "env":
+            value = os.environ.get(target)
+            if not value:
+                raise ConfigError(f"secret {key!r}: environment variable {target} is not set")
+        else:
+            try:
+                value = Path(target).read_text(encoding="utf-8").strip()
+            except OSError as err:
+                raise ConfigError(f"secret {key!r}: cannot read {target}: {err.strerror}") from None
+        options[key] = value
+    if box.chaos:
+        options["chaos"] = box.chaos
+    return options
+
+
+def secret_values(box: SandboxConfig | None) -> list[str]:
+    """The resolved secrets of ``box`` (best effort), so log redaction can mask them."""
+    if box is None or not box.secrets:
+        return []
+    try:
+        opts = resolve_transport_options(box)
+    except ConfigError:
+        return []
+    return [str(opts[key]) for key in box.secrets if opts.get(key)]
+
+
+def parse_listen(value: str) -> tuple[str, int] | str:
+    """``HOST:PORT`` → (host, port); ``unix:/path`` → path.  Raises ValueError."""
+    if value.startswith("unix:"):
+        path = value[len("unix:") :]
+        if not path.startswith("/"):
+            raise ValueError("unix socket path must be absolute (unix:/run/wsync/api.sock)")
+        return path
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{value!r}: expected HOST:PORT or unix:/path")
+    return host, int(port)
+
+
+def check_uri(raw: str) -> SandboxURI:
+    """Parse a sandbox URI and check its scheme is known; raises UsageError."""
+    uri = parse(raw)
+    if uri.scheme not in SCHEMES:
+        known = ", ".join(f"{s}:" for s in sorted(SCHEMES))
+        raise UsageError(f"unknown sandbox scheme {uri.scheme!r} (known: {known})")
+    return uri
+
+
+def check_dest(raw: str, roots: list[Path]) -> Path:
+    """Return the resolved DEST if it lies inside an allowed root, else raise.
+
+    Refuses relative paths and ``..`` components outright (422), then resolves
+    symlinks in the existing part of the path so a link planted inside a root
+    cannot point the pull elsewhere (403, :class:`DestForbidden`).
+    """
+    if not raw or "\x00" in raw:
+        raise UsageError("dest is empty or contains a NUL byte")
+    path = Path(raw)
+    if not path.is_absolute():
+        raise UsageError(f"dest {raw!r} must be an absolute path")
+    if ".." in path.parts:
+        raise UsageError(f"dest {raw!r} must not contain '..'")
+    if not roots:
+        raise DestForbidden("no dest_roots are configured, so no destination is allowed")
+    resolved = path.resolve(strict=False)
+    for root in roots:
+        real_root = root.resolve(strict=False)
+        if resolved != real_root and resolved.is_relative_to(real_root):
+            return resolved
+    allowed = ", ".join(str(r) for r in roots)
+    raise DestForbidden(f"dest {raw!r} resolves outside the allowed roots ({allowed})")
+
+
+class DestForbidden(UsageError):
+    """DEST is well-formed but outside every allowed root (HTTP 403)."""
+
+    kind = "forbidden"
+
+
+def format_validation_error(err: pydantic.ValidationError) -> str:
+    """One line per problem: ``key.path: message`` (never the offending value)."""
+    lines = []
+    for item in err.errors(include_url=False, include_input=False):
+        loc = ".".join(str(part) for part in item["loc"])
+        msg = item["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(lines)
+
+
+def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
+    """Read ``path`` (TOML), apply env and ``overrides``; raise ConfigError on any problem."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with path.open("rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as err:
+            raise ConfigError(f"cannot read {path}: {err.strerror}") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    token = _TOML_DATA.set(data)
+    try:
+        return DaemonConfig(**dict(overrides or {}))
+    except pydantic.ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+    finally:
+        _TOML_DATA.reset(token)

@@ -1,0 +1,436 @@
+"""The daemon's scheduler and runner: jobs in, engine pulls out, results stored.
+
+Why a hand-rolled dispatcher instead of semaphores: limits (global and per
+sandbox) change on reload, and a dispatcher that simply re-checks the limits
+each time something changes honours a new limit at once, where a semaphore
+would keep its old size.  Queued jobs start in FIFO order as slots free up.
+
+Durability rules:
+
+* Every state change is written to the :class:`~wsync.daemon.store.JobStore`
+  before it is announced, so an API answer never gets ahead of the disk.
+* At start-up, jobs that were ``queued`` or ``running`` when the previous
+  process died are queued again; the engine resumes them from its durable
+  journal under ``state_dir/engine`` (nothing verified is fetched twice).
+* On SIGTERM, running pulls are cancelled (the engine keeps its journal) and
+  their jobs go back to ``queued`` so the next start resumes them.  A user's
+  ``DELETE`` is different: that job ends ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import random
+import sqlite3
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from wsync.daemon.config import (
+    DaemonConfig,
+    SandboxConfig,
+    check_dest,
+    check_uri,
+    resolve_transport_options,
+)
+from wsync.daemon.metrics import Metrics
+from wsync.daemon.store import FINAL_STATES, Job, JobStore, new_job_id
+from wsync.engine.api import ProgressCallback, PullOptions, PullResult
+from wsync.errors import InternalError, UsageError, WsyncError
+
+Puller = Callable[
+    [str, Path, PullOptions, Mapping[str, Any] | None, ProgressCallback | None],
+    Awaitable[PullResult],
+]
+
+log = structlog.get_logger("wsync.daemon")
+
+#: at most one progress event per job per this many seconds (SSE and store)
+PROGRESS_EVENT_INTERVAL = 0.5
+PROGRESS_SAVE_INTERVAL = 2.0
+
+
+class NotAccepting(WsyncError):
+    """The daemon is shutting down and takes no new jobs (HTTP 503)."""
+
+    exit_code = 2
+    kind = "shutting-down"
+
+
+class UnknownJob(UsageError):
+    """No job has that id (HTTP 404)."""
+
+
+class JobFinished(UsageError):
+    """The job already ended, so it cannot be cancelled (HTTP 409)."""
+
+
+async def engine_pull(
+    uri: str,
+    dest: Path,
+    options: PullOptions,
+    transport_options: Mapping[str, Any] | None,
+    on_progress: ProgressCallback | None,
+) -> PullResult:
+    """The real engine, imported late so the API starts even if a backend module is broken."""
+    from wsync.engine.pull import pull_uri
+
+    return await pull_uri(uri, dest, options, transport_options, on_progress=on_progress)
+
+
+class EventBroker:
+    """Fan-out of job events to SSE subscribers; a slow subscriber loses old events."""
+
+    def __init__(self, maxsize: int = 1000) -> None:
+        self._subscribers: set[asyncio.Queue[dict[str, Any] | None]] = set()
+        self._maxsize = maxsize
+        self._seq = 0
+
+    def subscribe(self) -> asyncio.Queue[dict[str, Any] | None]:
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(self._maxsize)
+        self._subscribers.add(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[dict[str, Any] | None]) -> None:
+        self._subscribers.discard(queue)
+
+    def publish(self, event: str, data: dict[str, Any]) -> None:
+        self._seq += 1
+        item = {"seq": self._seq, "event": event, "data": data}
+        for queue in self._subscribers:
+            if queue.full():
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    queue.get_nowait()
+            queue.put_nowait(item)
+
+    def close(self) -> None:
+        """End every stream (None is the end marker) so shutdown is not held open."""
+        for queue in self._subscribers:
+            if queue.full():
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    queue.get_nowait()
+            queue.put_nowait(None)
+
+
+@dataclasses.dataclass(slots=True)
+class _Running:
+    task: asyncio.Task[None]
+    sandbox: str
+    started: float
+    last_event: float = 0.0
+    last_save: float = 0.0
+    snapshot: str = ""
+    cancel_requested: bool = False
+
+
+class JobManager:
+    """Owns the job store, the dispatcher, scheduled pulls and the event stream."""
+
+    def __init__(
+        self,
+        config: DaemonConfig,
+        store: JobStore,
+        metrics: Metrics,
+        puller: Puller = engine_pull,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.metrics = metrics
+        self.events = EventBroker()
+        self._puller = puller
+        self._queue: list[str] = []  # job ids, FIFO
+        self._running: dict[str, _Running] = {}
+        self._schedulers: dict[str, asyncio.Task[None]] = {}
+        self._accepting = False
+        self._shutting_down = False
+
+    # -- lifecycle --------------------------------------------------------
+
+    async def start(self) -> int:
+        """Re-queue jobs interrupted by the previous process, start schedulers."""
+        resumed = self.store.list(states=("queued", "running"), limit=1_000_000, newest_first=False)
+        for job in resumed:
+            if job.state == "running":
+                job.state = "queued"
+                self.store.save(job)
+            self._queue.append(job.id)
+            log.info("job.requeued", job_id=job.id, sandbox=job.sandbox, attempts=job.attempts)
+        self._accepting = True
+        self._start_schedulers()
+        self._pump()
+        return len(resumed)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop taking jobs; cancel in-flight pulls (journals persist); wait up to ``grace``."""
+        self._accepting = False
+        self._shutting_down = True
+        for task in self._schedulers.values():
+            task.cancel()
+        tasks = [run.task for run in self._running.values()]
+        for task in tasks:
+            task.cancel()
+        waiting = [*tasks, *self._schedulers.values()]
+        if waiting:
+            _done, pending = await asyncio.wait(waiting, timeout=grace)
+            if pending:
+                log.warning("shutdown.grace_exceeded", pending=len(pending))
+        self._schedulers.clear()
+        self.events.close()
+
+    def reload(self, config: DaemonConfig) -> None:
+        """Adopt a new configuration: limits, roots, token, sandboxes and schedules."""
+        self.config = config
+        for task in self._schedulers.values():
+            task.cancel()
+        self._schedulers.clear()
+        if self._accepting:
+            self._start_schedulers()
+        self._pump()
+
+    # -- submission and queries --------------------------------------------
+
+    def resolve(self, sandbox: str, dest: str | None) -> tuple[str, str, str]:
+        """(sandbox label, uri, resolved dest) for a request; raises UsageError/DestForbidden."""
+        box = self.config.sandboxes.get(sandbox)
+        if box is not None:
+            name, uri = sandbox, box.uri
+            dest = dest or (str(box.dest) if box.dest else None)
+        elif ":" in sandbox:
+            if not self.config.api.allow_uris:
+                raise UsageError("sandbox URIs are disabled (api.allow_uris); use a sandbox name")
+            uri = check_uri(sandbox).raw
+            name = uri
+        else:
+            known = ", ".join(sorted(self.config.sandboxes)) or "none configured"
+            raise UsageError(f"unknown sandbox {sandbox!r} (configured: {known})")
+        if not dest:
+            raise UsageError(f"dest is required for sandbox {sandbox!r} (it has no default dest)")
+        return name, uri, str(check_dest(dest, self.config.dest_roots))
+
+    def submit(self, sandbox: str, dest: str | None, trigger: str = "api") -> tuple[Job, bool]:
+        """Queue a pull, or return the active job for the same (uri, dest) as reconciled."""
+        if not self._accepting:
+            raise NotAccepting("the daemon is shutting down and takes no new jobs")
+        name, uri, real_dest = self.resolve(sandbox, dest)
+        existing = self.store.find_active(uri, real_dest)
+        if existing is not None:
+            return existing, True
+        job = Job(id=new_job_id(), sandbox=name, uri=uri, dest=real_dest, trigger=trigger)
+        try:
+            self.store.insert(job)
+        except sqlite3.IntegrityError:  # pragma: no cover - find_active saw none a moment ago
+            raced = self.store.find_active(uri, real_dest)
+            if raced is None:
+                raise InternalError("job store refused a job with no active duplicate") from None
+            return raced, True
+        self.store.prune(self.config.limits.keep_finished_jobs)
+        self._queue.append(job.id)
+        log.info("job.queued", job_id=job.id, sandbox=name, dest=real_dest, trigger=trigger)
+        self._announce(job)
+        self._pump()
+        return job, False
+
+    def get(self, job_id: str) -> Job:
+        job = self.store.get(job_id)
+        if job is None:
+            raise UnknownJob(f"no job {job_id!r}")
+        return job
+
+    def cancel(self, job_id: str) -> Job:
+        job = self.get(job_id)
+        if job.state in FINAL_STATES:
+            raise JobFinished(f"job {job_id} already {job.state}")
+        run = self._running.get(job_id)
+        if run is not None:
+            run.cancel_requested = True
+            run.task.cancel()
+            return job  # the runner records the final state
+        with contextlib.suppress(ValueError):
+            self._queue.remove(job_id)
+        job.state = "cancelled"
+        job.finished_at = time.time()
+        self.store.save(job)
+        self.metrics.pulls.labels(self._label(job.sandbox), "cancelled").inc()
+        self._announce(job)
+        self._pump()
+        return job
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "accepting": self._accepting,
+            "running": len(self._running),
+            "queued": len(self._queue),
+            "jobs": self.store.counts(),
+            "sandboxes": sorted(self.config.sandboxes),
+        }
+
+    # -- dispatch ---------------------------------------------------------
+
+    def _label(self, sandbox: str) -> str:
+        return sandbox if sandbox in self.config.sandboxes else "adhoc"
+
+    def _announce(self, job: Job) -> None:
+        self.events.publish("job", job.to_json())
+
+    def _pump(self) -> None:
+        """Start queued jobs while global and per-sandbox limits allow."""
+        if not self._accepting:
+            self.metrics.queued.set(len(self._queue))
+            return
+        per_box: dict[str, int] = {}
+        for run in self._running.values():
+            per_box[run.sandbox] = per_box.get(run.sandbox, 0) + 1
+        for job_id in list(self._queue):
+            if len(self._running) >= self.config.limits.max_concurrent:
+                break
+            job = self.store.get(job_id)
+            if job is None or job.state != "queued":
+                self._queue.remove(job_id)
+                continue
+            if per_box.get(job.sandbox, 0) >= self.config.sandbox_concurrency(job.sandbox):
+                continue
+            self._queue.remove(job_id)
+            per_box[job.sandbox] = per_box.get(job.sandbox, 0) + 1
+            task = asyncio.get_running_loop().create_task(self._run(job), name=f"job {job.id}")
+            self._running[job.id] = _Running(task=task, sandbox=job.sandbox, started=time.time())
+        self.metrics.queued.set(len(self._queue))
+        self.metrics.in_flight.set(len(self._running))
+
+    async def _run(self, job: Job) -> None:
+        run = self._running[job.id]
+        box: SandboxConfig | None = self.config.sandboxes.get(job.sandbox)
+        label = self._label(job.sandbox)
+        structlog.contextvars.bind_contextvars(job_id=job.id, sandbox=job.sandbox, snapshot="")
+        job.state, job.started_at, job.attempts = "running", time.time(), job.attempts + 1
+        job.finished_at = job.result = job.error = job.error_kind = job.exit_code = None
+        self.store.save(job)
+        self._announce(job)
+        log.info("pull.start", uri=job.uri, dest=job.dest, attempt=job.attempts)
+        state = "failed"
+        summary: dict[str, Any]
+        try:
+            options = self.config.pull_options(box)
+            transport_options = resolve_transport_options(box)
+            result = await self._puller(
+                job.uri,
+                Path(job.dest),
+                options,
+                transport_options,
+                lambda p: self._on_progress(job, run, p),
+            )
+            summary = result.to_json()
+            state = "succeeded" if result.ok else "failed"
+            if not result.ok:
+                job.error, job.error_kind = result.error, result.error_kind
+                job.exit_code = result.exit_code
+            else:
+                job.exit_code = 0
+        except asyncio.CancelledError:
+            state = "cancelled" if run.cancel_requested or not self._shutting_down else "queued"
+            summary = self._failure(job, None)
+            job.error = (
+                "cancelled by request"
+                if state == "cancelled"
+                else "interrupted by daemon shutdown; resumes on restart"
+            )
+            job.error_kind, job.exit_code = "interrupted", 130
+            summary.update(error=job.error, error_kind="interrupted", exit_code=130)
+        except WsyncError as err:
+            summary = self._failure(job, err)
+        except Exception as err:  # a bug: keep the daemon alive, report exit 1
+            log.exception("pull.crashed")
+            summary = self._failure(job, InternalError(f"{type(err).__name__}: {err}"))
+        finally:
+            self._running.pop(job.id, None)
+        elapsed = time.time() - run.started
+        job.state = state
+        job.result = summary
+        if state == "queued":
+            job.result = None
+            self._queue.insert(0, job.id)
+        else:
+            job.finished_at = time.time()
+        self.store.save(job)
+        if state != "queued":
+            self.metrics.observe_pull(label, state, elapsed, summary)
+        log.info(
+            "pull.end",
+            state=state,
+            elapsed_s=round(elapsed, 3),
+            resumed_chunks=summary.get("resumed_chunks", 0),
+            retries=summary.get("retries", 0),
+            faults=summary.get("faults", {}),
+            error=job.error,
+        )
+        self._announce(job)
+        self._pump()
+
+    def _failure(self, job: Job, err: WsyncError | None) -> dict[str, Any]:
+        """A failed job's result: the PullResult shape, filled from the last progress."""
+        prog = job.progress
+        result = PullResult(
+            ok=False,
+            sandbox=job.uri,
+            dest=job.dest,
+            snapshot=str(prog.get("snapshot") or ""),
+            bytes=int(prog.get("archive_bytes") or 0),
+            transferred_bytes=int(prog.get("transferred_bytes") or 0),
+            chunks=int(prog.get("chunks_done") or 0),
+            resumed_chunks=int(prog.get("resumed_chunks") or 0),
+            retries=int(prog.get("retries") or 0),
+            faults=dict(prog.get("faults") or {}),
+        )
+        if err is not None:
+            result.error, result.error_kind, result.exit_code = str(err), err.kind, err.exit_code
+            job.error, job.error_kind, job.exit_code = str(err), err.kind, err.exit_code
+        return result.to_json()
+
+    def _on_progress(self, job: Job, run: _Running, progress: Any) -> None:
+        """Engine callback (often): keep the latest numbers, rate-limit events and writes."""
+        job.progress = dataclasses.asdict(progress)
+        if progress.snapshot and progress.snapshot != run.snapshot:
+            run.snapshot = progress.snapshot
+            structlog.contextvars.bind_contextvars(snapshot=progress.snapshot)
+            log.info("pull.snapshot", snapshot=progress.snapshot)
+        now = time.monotonic()
+        if now - run.last_event >= PROGRESS_EVENT_INTERVAL:
+            run.last_event = now
+            self.events.publish(
+                "progress", {"id": job.id, "sandbox": job.sandbox, "progress": job.progress}
+            )
+        if now - run.last_save >= PROGRESS_SAVE_INTERVAL:
+            run.last_save = now
+            with contextlib.suppress(WsyncError):
+                self.store.save(job)
+
+    # -- schedules --------------------------------------------------------
+
+    def _start_schedulers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for name, box in self.config.sandboxes.items():
+            if box.interval is not None:
+                self._schedulers[name] = loop.create_task(
+                    self._schedule(name, box.interval, box.jitter), name=f"schedule {name}"
+                )
+
+    async def _schedule(self, name: str, interval: float, jitter: float) -> None:
+        """Submit a pull of ``name`` now-ish and then every ``interval`` +/- jitter."""
+        delay = random.uniform(0, interval * jitter)  # noqa: S311 - spreading load, not security
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                job, reconciled = self.submit(name, None, trigger="schedule")
+                if not reconciled:
+                    log.info("schedule.fired", sandbox=name, job_id=job.id)
+            except WsyncError as err:
+                log.warning("schedule.refused", sandbox=name, error=str(err))
+            delay = interval * (1 + random.uniform(-jitter, jitter))  # noqa: S311

@@ -1,0 +1,284 @@
+"""``wsync daemon``: the long-running process, its signals, sd_notify and listener.
+
+Why the process plumbing is hand-written around uvicorn rather than left to
+it: uvicorn's own SIGTERM handling stops the HTTP server but knows nothing of
+in-flight pulls, and it re-raises the signal at exit (so the exit status is
+not 0).  Here SIGTERM first stops the job manager (no new jobs; running pulls
+cancelled, their engine journals kept, their jobs re-queued for the next
+start), *then* stops the HTTP server, all within ``shutdown_grace`` seconds,
+and the process exits 0.  SIGHUP reloads the config, like ``POST /v1/reload``.
+
+sd_notify is a single datagram to ``$NOTIFY_SOCKET`` (``READY=1`` once jobs
+are restored and the socket listens, ``WATCHDOG=1`` every half
+``$WATCHDOG_USEC``, ``STOPPING=1`` on the way out); a few lines instead of a
+dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import prometheus_client
+import structlog
+import uvicorn
+
+import wsync
+from wsync.daemon import logs
+from wsync.daemon.api import AppState, create_app
+from wsync.daemon.config import ConfigError, DaemonConfig, load_config, parse_listen, secret_values
+from wsync.daemon.jobs import JobManager
+from wsync.daemon.metrics import Metrics
+from wsync.daemon.store import JobStore
+from wsync.errors import WsyncError
+
+log = structlog.get_logger("wsync.daemon")
+
+#: seconds uvicorn waits for open HTTP connections after the job manager stopped
+HTTP_GRACE = 3
+
+
+def sd_notify(message: str) -> bool:
+    """Send one sd_notify datagram; False when not run under systemd (or it failed)."""
+    addr = os.environ.get("NOTIFY_SOCKET", "")
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    elif not addr.startswith("/"):
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(addr)
+            sock.sendall(message.encode())
+    except OSError as err:
+        log.warning("sd_notify.failed", error=err.strerror)
+        return False
+    return True
+
+
+def watchdog_interval() -> float | None:
+    """Half of ``$WATCHDOG_USEC`` in seconds, if the watchdog is meant for this process."""
+    usec = os.environ.get("WATCHDOG_USEC", "")
+    pid = os.environ.get("WATCHDOG_PID", "")
+    if not usec.isdigit() or int(usec) <= 0:
+        return None
+    if pid and pid != str(os.getpid()):
+        return None
+    return int(usec) / 2_000_000
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal capture: the daemon owns SIGTERM/SIGINT/SIGHUP."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def bind(listen: str) -> tuple[socket.socket, str]:
+    """Create the listening socket; returns it and the address actually bound."""
+    target = parse_listen(listen)
+    if isinstance(target, str):
+        path = Path(target)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(path.lstat().st_mode):
+                path.unlink()  # a stale socket from a killed daemon
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(path))
+        path.chmod(0o660)
+        sock.listen(128)
+        return sock, f"unix:{path}"
+    host, port = target
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=128)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if family == socket.AF_INET6 else bound_host
+    return sock, f"{shown}:{bound_port}"
+
+
+class Daemon:
+    """One daemon process: config, lock, job manager, HTTP server, signals."""
+
+    def __init__(self, config_path: Path | None, overrides: dict[str, Any], config: DaemonConfig):
+        self.config_path = config_path
+        self.overrides = overrides
+        self.config = config
+        self.token = config.api_token_value()
+        self._stop = asyncio.Event()
+        self._register_secrets(config)
+
+    def _register_secrets(self, config: DaemonConfig) -> None:
+        logs.register_secret(self.token)
+        for box in config.sandboxes.values():
+            for value in secret_values(box):
+                logs.register_secret(value)
+
+    def reload(self) -> dict[str, Any]:
+        """Re-read the config; on error keep the old one and raise ConfigError."""
+        try:
+            new = load_config(self.config_path, self.overrides)
+            token = new.api_token_value()
+        except ConfigError as err:
+            self.metrics.reloads.labels("failed").inc()
+            log.error("config.reload_failed", error=str(err))
+            raise
+        if new.api.listen != self.config.api.listen or new.state_dir != self.config.state_dir:
+            log.warning("config.reload_partial", note="api.listen and state_dir need a restart")
+            new = new.model_copy(update={"state_dir": self.config.state_dir})
+        self.config = new
+        self.token = token
+        self._register_secrets(new)
+        self.app_state.token = token
+        self.manager.reload(new)
+        logs.configure(new.log_level)
+        self.metrics.reloads.labels("ok").inc()
+        log.info("config.reloaded", sandboxes=sorted(new.sandboxes))
+        return {"reloaded": True, "sandboxes": sorted(new.sandboxes)}
+
+    def _on_sighup(self) -> None:
+        with contextlib.suppress(ConfigError):
+            self.reload()
+
+    async def run(self) -> int:
+        state_dir = self.config.state_dir
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            lock_fd = os.open(state_dir / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as err:
+            log.error("state_dir.unusable", state_dir=str(state_dir), error=err.strerror)
+            return 8
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(lock_fd)
+            log.error("state_dir.locked", state_dir=str(state_dir), note="another daemon runs")
+            return 2
+        try:
+            return await self._run_locked(state_dir)
+        finally:
+            os.close(lock_fd)
+
+    async def _run_locked(self, state_dir: Path) -> int:
+        self.metrics = Metrics()
+        store = JobStore(state_dir / "jobs.db")
+        self.manager = JobManager(self.config, store, self.metrics)
+        try:
+            sock, address = bind(self.config.api.listen)
+        except OSError as err:
+            store.close()
+            log.error("listen.failed", listen=self.config.api.listen, error=err.strerror)
+            return 2
+        self.app_state = AppState(self.manager, self.metrics, self.token, self.reload, address)
+        uv = uvicorn.Config(
+            create_app(self.app_state),
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            proxy_headers=False,
+            timeout_graceful_shutdown=HTTP_GRACE,
+        )
+        server = _Server(uv)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        serving = loop.create_task(server.serve(sockets=[sock]), name="http")
+        while not server.started and not serving.done():  # noqa: ASYNC110 - uvicorn has no event
+            await asyncio.sleep(0.01)
+        if serving.done():
+            store.close()
+            log.error("http.start_failed")
+            return 1
+        resumed = await self.manager.start()
+        self.app_state.ready = True
+        info = state_dir / "daemon.json"
+        _write_json(info, {"pid": os.getpid(), "listen": address, "started": time.time()})
+        log.info("daemon.ready", listen=address, resumed_jobs=resumed, version=wsync.__version__)
+        status = f"listening on {address}; {resumed} job(s) resumed"
+        sd_notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
+        watchdog = loop.create_task(self._watchdog(), name="watchdog")
+        stop = loop.create_task(self._stop.wait(), name="stop")
+        await asyncio.wait({serving, stop}, return_when=asyncio.FIRST_COMPLETED)
+
+        log.info("daemon.stopping")
+        sd_notify("STOPPING=1")
+        self.app_state.ready = False
+        await self.manager.shutdown(self.config.shutdown_grace)
+        server.should_exit = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(serving), HTTP_GRACE + 2)
+        for task in (watchdog, stop, serving):
+            task.cancel()
+        await asyncio.gather(watchdog, stop, serving, return_exceptions=True)
+        store.close()
+        with contextlib.suppress(OSError):
+            info.unlink()
+        if address.startswith("unix:"):
+            with contextlib.suppress(OSError):
+                os.unlink(address[len("unix:") :])  # noqa: PTH108 - sync cleanup at exit
+        log.info("daemon.stopped")
+        return 0
+
+    async def _watchdog(self) -> None:
+        interval = watchdog_interval()
+        if interval is None:
+            return
+        while True:
+            sd_notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    tmp.replace(path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wsync daemon",
+        description="Run the wsync host daemon / sidecar (HTTP API, scheduled pulls).",
+    )
+    parser.add_argument("--config", type=Path, help="TOML config file (see config.example.toml)")
+    parser.add_argument("--listen", help="HOST:PORT or unix:PATH (overrides [api] listen)")
+    parser.add_argument("--state-dir", type=Path, help="state directory (overrides state_dir)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """Entry point for ``wsync daemon``; returns the process exit code."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    overrides: dict[str, Any] = {}
+    if args.listen:
+        overrides["api"] = {"listen": args.listen}
+    if args.state_dir:
+        overrides["state_dir"] = args.state_dir.absolute()
+    try:
+        config = load_config(args.config, overrides)
+        daemon = Daemon(args.config, overrides, config)
+    except ConfigError as err:
+        print(f"wsync daemon: {err}", file=sys.stderr)
+        return err.exit_code
+    logs.configure(config.log_level)
+    prometheus_client.disable_created_metrics()  # *_created series only add noise here
+    try:
+        return asyncio.run(daemon.run())
+    except WsyncError as err:
+        log.error("daemon.failed", error=str(err), kind=err.kind)
+        return err.exit_code

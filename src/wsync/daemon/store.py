@@ -1,0 +1,206 @@
+"""Durable job records in SQLite (WAL mode) inside the daemon's state directory.
+
+Why SQLite: it is in the standard library, survives ``kill -9`` (every state
+change is a committed transaction, ``synchronous=FULL``), and lets the API list
+and filter jobs without loading them all.  WAL mode keeps readers (a second
+daemon instance refused by the lock, a ``sqlite3`` shell used by an operator)
+from blocking the writer.
+
+Only job *records* live here.  The chunk journals that make a pull resumable
+belong to the engine and live under ``state_dir/engine``; a queued or running
+job found here at start-up is simply pulled again with the same options, and
+the engine resumes it from its journal.
+
+A partial unique index on ``(uri, dest)`` over active jobs enforces the dedupe
+rule (one queued-or-running job per sandbox and destination) in the database
+itself, not only in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import sqlite3
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from wsync.errors import HostIOError
+
+ACTIVE_STATES = ("queued", "running")
+FINAL_STATES = ("succeeded", "failed", "cancelled")
+STATES = ACTIVE_STATES + FINAL_STATES
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id          TEXT PRIMARY KEY,
+    sandbox     TEXT NOT NULL,
+    uri         TEXT NOT NULL,
+    dest        TEXT NOT NULL,
+    state       TEXT NOT NULL,
+    trigger     TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    started_at  REAL,
+    finished_at REAL,
+    attempts    INTEGER NOT NULL DEFAULT 0,
+    progress    TEXT NOT NULL DEFAULT '{}',
+    result      TEXT,
+    error       TEXT,
+    error_kind  TEXT,
+    exit_code   INTEGER
+);
+CREATE UNIQUE INDEX IF NOT EXISTS jobs_active ON jobs(uri, dest)
+    WHERE state IN ('queued', 'running');
+CREATE INDEX IF NOT EXISTS jobs_created ON jobs(created_at);
+"""
+
+
+def new_job_id() -> str:
+    """Time-ordered, unguessable enough, URL-safe: ``j-<ms hex>-<random hex>``."""
+    return f"j-{int(time.time() * 1000):x}-{secrets.token_hex(4)}"
+
+
+@dataclasses.dataclass(slots=True)
+class Job:
+    """One pull request and everything known about its outcome."""
+
+    id: str
+    sandbox: str
+    uri: str
+    dest: str
+    state: str = "queued"
+    trigger: str = "api"
+    created_at: float = dataclasses.field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+    attempts: int = 0
+    progress: dict[str, Any] = dataclasses.field(default_factory=dict)
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    error_kind: str | None = None
+    exit_code: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+    def to_json(self, *, reconciled: bool = False) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["reconciled"] = reconciled
+        return data
+
+
+_COLUMNS = [f.name for f in dataclasses.fields(Job)]
+_JSON_COLUMNS = ("progress", "result")
+
+
+class JobStore:
+    """A small synchronous DAO used only from the daemon's event-loop thread."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(path, isolation_level=None, timeout=5.0)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+        except (OSError, sqlite3.Error) as err:
+            raise HostIOError(f"job store {path}: {err}") from None
+        self.path = path
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _row(self, row: Iterable[Any]) -> Job:
+        values = dict(zip(_COLUMNS, row, strict=True))
+        for key in _JSON_COLUMNS:
+            raw = values[key]
+            values[key] = json.loads(raw) if raw is not None else None
+        if values["progress"] is None:
+            values["progress"] = {}
+        return Job(**values)
+
+    def _params(self, job: Job) -> list[Any]:
+        out: list[Any] = []
+        for name in _COLUMNS:
+            value = getattr(job, name)
+            if name in _JSON_COLUMNS and value is not None:
+                value = json.dumps(value, sort_keys=True)
+            out.append(value)
+        return out
+
+    def _exec(self, sql: str, params: Iterable[Any] = ()) -> sqlite3.Cursor:
+        try:
+            return self._db.execute(sql, tuple(params))
+        except sqlite3.IntegrityError:
+            raise
+        except sqlite3.Error as err:
+            raise HostIOError(f"job store {self.path}: {err}") from None
+
+    def insert(self, job: Job) -> None:
+        """Insert a new job; raises sqlite3.IntegrityError if an active duplicate exists."""
+        marks = ", ".join("?" for _ in _COLUMNS)
+        self._exec(f"INSERT INTO jobs ({', '.join(_COLUMNS)}) VALUES ({marks})", self._params(job))  # noqa: S608
+
+    def save(self, job: Job) -> None:
+        sets = ", ".join(f"{name} = ?" for name in _COLUMNS[1:])
+        params = self._params(job)
+        self._exec(f"UPDATE jobs SET {sets} WHERE id = ?", [*params[1:], params[0]])  # noqa: S608
+
+    def get(self, job_id: str) -> Job | None:
+        cur = self._exec(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE id = ?", [job_id])  # noqa: S608
+        row = cur.fetchone()
+        return self._row(row) if row else None
+
+    def find_active(self, uri: str, dest: str) -> Job | None:
+        cur = self._exec(
+            f"SELECT {', '.join(_COLUMNS)} FROM jobs "  # noqa: S608
+            "WHERE uri = ? AND dest = ? AND state IN ('queued', 'running')",
+            [uri, dest],
+        )
+        row = cur.fetchone()
+        return self._row(row) if row else None
+
+    def list(
+        self,
+        *,
+        states: Iterable[str] | None = None,
+        sandbox: str | None = None,
+        limit: int = 100,
+        newest_first: bool = True,
+    ) -> list[Job]:
+        where: list[str] = []
+        params: list[Any] = []
+        state_list = list(states or [])
+        if state_list:
+            where.append(f"state IN ({', '.join('?' for _ in state_list)})")
+            params.extend(state_list)
+        if sandbox is not None:
+            where.append("sandbox = ?")
+            params.append(sandbox)
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        order = "DESC" if newest_first else "ASC"
+        cur = self._exec(
+            f"SELECT {', '.join(_COLUMNS)} FROM jobs {clause} "  # noqa: S608
+            f"ORDER BY created_at {order}, id {order} LIMIT ?",
+            [*params, limit],
+        )
+        return [self._row(row) for row in cur.fetchall()]
+
+    def counts(self) -> dict[str, int]:
+        cur = self._exec("SELECT state, COUNT(*) FROM jobs GROUP BY state")
+        counts = dict.fromkeys(STATES, 0)
+        counts.update({state: int(n) for state, n in cur.fetchall()})
+        return counts
+
+    def prune(self, keep_finished: int) -> int:
+        """Drop the oldest finished jobs beyond ``keep_finished``; returns how many."""
+        cur = self._exec(
+            "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs "
+            "WHERE state IN ('succeeded', 'failed', 'cancelled') "
+            "ORDER BY created_at DESC LIMIT -1 OFFSET ?)",
+            [keep_finished],
+        )
+        return cur.rowcount
