@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import random
+import signal
 import threading
 import time
 from pathlib import Path
@@ -168,6 +169,18 @@ class ExecPlan:
     rng: random.Random
 
 
+def kill_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL an exec the client abandoned, and its process group.
+
+    Only abandoned execs are killed this way: a command that exits normally
+    leaves its detached children alone (wsync's producer must survive).
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+
+
 class _Session:
     """One exec: a subprocess, its output pipeline and one WebSocket."""
 
@@ -241,10 +254,12 @@ class _Session:
                 stdin=asyncio.subprocess.PIPE if self.req.stdin else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
+                # its own process group, so an abandoned exec is killed with its children
+                start_new_session=True,
             )
             self.pid = self.proc.pid
         except OSError as err:
-            self.exit_code = 127 if isinstance(err, FileNotFoundError) else 126
+            self.exit_code = 126 if isinstance(err, PermissionError) else 127
             await self.emit(STDERR, f"exec {self.req.argv[0]}: {err.strerror}\n".encode())
 
     async def pump(self, stream: int, reader: asyncio.StreamReader) -> None:
@@ -421,8 +436,7 @@ class _Session:
         if proc is None:
             return
         if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+            kill_group(proc)
             await proc.wait()
         # pipes abandoned to a lingering child would otherwise leak their transports
         transport = getattr(proc, "_transport", None)
@@ -487,8 +501,7 @@ class SpritesEmulator:
             self._server = None
         for proc in list(self.procs):
             if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+                kill_group(proc)
                 await proc.wait()
 
     async def __aenter__(self) -> SpritesEmulator:

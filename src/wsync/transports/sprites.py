@@ -168,6 +168,8 @@ class SpritesTransport(Transport):
         timeout: float,
         max_output: int = DEFAULT_MAX_OUTPUT,
     ) -> ExecResult:
+        if max_output < 0:
+            raise UsageError("max_output must be >= 0")
         url = exec_url(
             self.base_url,
             self.name,
