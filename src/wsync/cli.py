@@ -1,0 +1,362 @@
+"""The ``wsync`` command line: argument parsing and exit codes, nothing else.
+
+Every failure is one line on stderr (``wsync: error: ...``) and a documented
+exit code (see :mod:`wsync.errors`); ``--debug`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import structlog
+
+from wsync import __version__
+from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
+from wsync.errors import EXIT_CODES, Interrupted, UsageError, WsyncError
+
+T = TypeVar("T")
+
+_EPILOG_EXIT = "exit codes:\n" + "\n".join(
+    f"  {code:>3}  {text}" for code, text in EXIT_CODES.items()
+)
+
+SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """``4M``, ``512k``, ``10G``, ``1234`` → bytes."""
+    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = raw[-1:] if raw[-1:] in SIZE_UNITS and raw[-1:] else ""
+    number = raw[: len(raw) - len(unit)]
+    try:
+        value = float(number) * SIZE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4M, 512k, 10G)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return int(value)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {text!r}")
+    return value
+
+
+def add_transport_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("backend options")
+    g.add_argument("--ssh-key", metavar="FILE", help="ssh: private key to authenticate with")
+    g.add_argument(
+        "--known-hosts",
+        metavar="FILE",
+        help="ssh: known_hosts file to verify the host key against "
+        "(default ~/.ssh/known_hosts; host keys are always verified)",
+    )
+    g.add_argument("--ssh-config", metavar="FILE", help="ssh: config file (default ~/.ssh/config)")
+    g.add_argument(
+        "--sprites-url",
+        metavar="URL",
+        help="sprites: API base URL (default $SPRITES_API_URL or https://api.sprites.dev)",
+    )
+    g.add_argument(
+        "--sprites-token-file",
+        metavar="FILE",
+        help="sprites: file holding the API token (default $SPRITES_TOKEN)",
+    )
+    g.add_argument(
+        "--chaos",
+        metavar="SPEC",
+        help="inject transport faults, for demos and testing: 'all', or e.g. 'H=0.1,T=0.1,seed=1'",
+    )
+
+
+def transport_options(args: argparse.Namespace) -> dict[str, Any]:
+    pairs = {
+        "ssh_key": args.ssh_key,
+        "known_hosts": args.known_hosts,
+        "ssh_config": args.ssh_config,
+        "sprites_url": args.sprites_url,
+        "token_file": args.sprites_token_file,
+        "chaos": args.chaos,
+    }
+    return {k: v for k, v in pairs.items() if v is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wsync",
+        description="Pull an agent's workspace out of a remote sandbox, verified and resumable, "
+        "over exec channels that lose bytes.",
+        epilog=_EPILOG_EXIT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"wsync {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("--debug", action="store_true", help="debug logs and tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "pull",
+        help="copy a sandbox workspace into DEST, exactly",
+        description="Copy the workspace named by SANDBOX into DEST. DEST ends up holding exactly "
+        "the guest's tree (it is replaced atomically), or is left untouched on failure. "
+        "Interrupted pulls resume where they stopped when run again.",
+        epilog="SANDBOX forms:\n"
+        "  local:PATH                        this machine (the embedded default)\n"
+        "  ssh://[user@]host[:port]/PATH      OpenSSH server (~/.ssh/config honoured)\n"
+        "  sprites://NAME/PATH               Sprites exec API ($SPRITES_TOKEN)\n\n" + _EPILOG_EXIT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI including the workspace path")
+    p.add_argument("dest", metavar="DEST", type=Path, help="destination directory on this host")
+    p.add_argument("--json", action="store_true", help="print one JSON result object on stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on a terminal")
+    p.add_argument(
+        "--parallel", type=positive_int, default=4, metavar="N", help="reads in flight (4)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=seconds,
+        default=3600.0,
+        metavar="S",
+        help="overall deadline (3600; 0=none)",
+    )
+    p.add_argument(
+        "--call-timeout", type=seconds, default=60.0, metavar="S", help="deadline of one exec (60)"
+    )
+    p.add_argument(
+        "--retries", type=positive_int, default=12, metavar="N", help="attempts per call (12)"
+    )
+    p.add_argument(
+        "--chunk-size", type=parse_size, default=4 * 1024**2, metavar="SIZE", help="chunk size (4M)"
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"journal and state (default {default_state_dir()})",
+    )
+    p.add_argument(
+        "--staging-dir",
+        default="/tmp/wsync-staging",
+        metavar="DIR",
+        help="staging root in the guest, outside the workspace (/tmp/wsync-staging)",
+    )
+    p.add_argument("--gzip", action="store_true", help="compress with gzip even if zstd exists")
+    p.add_argument(
+        "--force", action="store_true", help="replace a non-empty DEST wsync did not write"
+    )
+    p.add_argument("--keep-staging", action="store_true", help="leave guest staging after success")
+    p.add_argument("--max-files", type=positive_int, default=5_000_000, metavar="N")
+    p.add_argument(
+        "--max-bytes",
+        type=parse_size,
+        default=256 * 1024**3,
+        metavar="SIZE",
+        help="refuse archives that unpack to more than this (256G)",
+    )
+    add_transport_options(p)
+
+    d = sub.add_parser(
+        "doctor",
+        help="probe a sandbox and measure whether its exec channel loses bytes",
+        description="Probe the guest's tools, then measure the backend the way the field reports "
+        "do: random files of 16K..4M read back with one plain exec each (exit code trusted), "
+        "next to wsync's verified read of the same files.",
+    )
+    d.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI (its path is used for scratch)")
+    d.add_argument("--json", action="store_true", help="print the report as JSON")
+    d.add_argument("--staging-dir", default="/tmp/wsync-staging", metavar="DIR")
+    add_transport_options(d)
+
+    m = sub.add_parser(
+        "demo",
+        help="show a lossy backend corrupting a naive copy while wsync comes back exact",
+        description="Create a sample workspace, pull it through a backend with every field-report "
+        "fault switched on, compare a naive single-stream copy with wsync pull, and print "
+        "where the results are. Needs no setup.",
+    )
+    m.add_argument(
+        "--backend",
+        choices=("local", "sprites"),
+        default="local",
+        help="local: fault-injecting wrapper around local:; sprites: the Sprites emulator",
+    )
+    m.add_argument(
+        "--dir", type=Path, default=None, help="work directory (default: a new temp dir)"
+    )
+    m.add_argument("--json", action="store_true", help="print the outcome as JSON")
+
+    for name, text in (
+        ("daemon", "run the long-lived pull daemon / sidecar (HTTP API)"),
+        ("status", "show a daemon job (or all jobs)"),
+        ("jobs", "list the daemon's jobs"),
+    ):
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
+def setup_logging(verbose: bool, debug: bool) -> None:
+    level = logging.DEBUG if debug else logging.INFO if verbose else logging.WARNING
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="%H:%M:%S"),
+            structlog.dev.ConsoleRenderer(colors=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def run_async(coro_factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run a coroutine; SIGTERM and Ctrl-C cancel it cleanly (journal kept)."""
+
+    async def main() -> T:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        if task is not None:
+            loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            return await coro_factory()
+        except asyncio.CancelledError:
+            raise Interrupted("stopped by a signal; run the same command again to resume") from None
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        raise Interrupted("stopped by the user; run the same command again to resume") from None
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from wsync.engine.pull import failure_result, pull_uri
+    from wsync.progress import ProgressLine
+
+    options = PullOptions(
+        state_dir=args.state_dir or default_state_dir(),
+        parallel=args.parallel,
+        timeout=args.timeout,
+        call_timeout=args.call_timeout,
+        max_attempts=args.retries,
+        chunk_size=args.chunk_size,
+        staging_root=args.staging_dir,
+        force=args.force,
+        keep_staging=args.keep_staging,
+        compressor="gzip" if args.gzip else "zstd",
+        limits=ExtractLimits(max_files=args.max_files, max_bytes=args.max_bytes),
+    )
+    if options.chunk_size % (64 * 1024):
+        raise UsageError("--chunk-size must be a multiple of 64K")
+    show = sys.stderr.isatty() and not args.no_progress
+    bar = ProgressLine() if show else None
+    started = time.monotonic()
+    try:
+        result = run_async(
+            lambda: pull_uri(
+                args.sandbox, args.dest, options, transport_options(args), on_progress=bar
+            )
+        )
+    except WsyncError as exc:
+        if bar:
+            bar.close()
+        if args.json:
+            failed = failure_result(args.sandbox, args.dest, exc, time.monotonic() - started)
+            print(json.dumps(failed.to_json()))
+        raise
+    if bar:
+        bar.close()
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        from wsync.progress import human_bytes
+
+        note = " (adopted a running snapshot)" if result.reconciled else ""
+        resumed = f", {result.resumed_chunks} resumed" if result.resumed_chunks else ""
+        print(
+            f"pulled {args.sandbox} -> {result.dest}: {result.files} files, "
+            f"{human_bytes(result.bytes)} archive in {result.chunks} chunks{resumed}, "
+            f"{result.retries} retries, {result.elapsed_s:.1f}s{note}",
+            file=sys.stderr,
+        )
+    for warning in result.warnings:
+        print(f"wsync: warning: {warning}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("daemon", "status", "jobs"):
+        return _delegate(argv[0], argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    setup_logging(args.verbose, args.debug)
+    try:
+        if args.command == "pull":
+            return cmd_pull(args)
+        if args.command == "doctor":
+            from wsync.doctor import run_doctor
+
+            return run_doctor(args, transport_options(args))
+        if args.command == "demo":
+            from wsync.demo import run_demo
+
+            return run_demo(args)
+        raise UsageError(f"unknown command {args.command}")  # pragma: no cover
+    except WsyncError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"wsync: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Exception as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(
+            f"wsync: internal error: {type(exc).__name__}: {exc} (re-run with --debug)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _delegate(command: str, rest: list[str]) -> int:
+    if command == "daemon":
+        from wsync.daemon.server import main as daemon_main
+
+        return daemon_main(rest)
+    from wsync.daemon import client
+
+    return client.status_main(rest) if command == "status" else client.jobs_main(rest)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+"""The ordered byte stream from journaled chunks to the extractor thread.
+
+Chunks are fetched out of order by parallel readers but must be extracted in
+order, while the pull is still running (extraction overlaps the transfer).
+:class:`ChunkFeed` is a blocking, file-like reader over the journal's chunk
+files: ``readinto`` waits until the next chunk in sequence has been published.
+It also measures the whole stream (length and hash) over exactly the bytes the
+extractor consumed, which is the end-to-end check: tar and zstd cannot detect
+a stream cut at a member or frame boundary, so wsync must.
+
+Memory stays bounded: only file names are queued, bytes are read from disk.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import threading
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO, cast
+
+import zstandard
+
+from wsync.engine.api import ExtractLimits
+from wsync.engine.extract import ExtractStats, extract_tar_stream
+from wsync.errors import HostileArchive, Interrupted
+from wsync.protocol.hashing import Algorithm
+
+#: refuse zstd frames that ask for a larger window: a hostile guest must not
+#: make the host allocate gigabytes (zstd -3 uses 2 MiB, -19 uses 8 MiB)
+MAX_WINDOW = 1 << 27
+
+
+class FeedAborted(Interrupted):
+    template = "extraction stopped: {}"
+
+
+class ChunkFeed(io.RawIOBase):
+    def __init__(self, algorithm: Algorithm) -> None:
+        super().__init__()
+        self._cond = threading.Condition()
+        self._ready: dict[int, Path] = {}
+        self._next = 0
+        self._total: int | None = None
+        self._abort: str | None = None
+        self._file: io.BufferedReader | None = None
+        self._hash = algorithm.new()
+        self.length = 0
+
+    # -- producer side (event loop thread) -------------------------------------
+
+    def publish(self, seq: int, path: Path) -> None:
+        with self._cond:
+            self._ready[seq] = path
+            self._cond.notify_all()
+
+    def finish(self, total: int) -> None:
+        with self._cond:
+            self._total = total
+            self._cond.notify_all()
+
+    def abort(self, reason: str) -> None:
+        with self._cond:
+            self._abort = reason
+            self._cond.notify_all()
+
+    @property
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+    # -- consumer side (extractor thread) --------------------------------------
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
+        while True:
+            if self._file is None and not self._open_next():
+                return 0
+            assert self._file is not None
+            n = self._file.readinto(buffer)
+            if n:
+                self._hash.update(memoryview(buffer)[:n])
+                self.length += n
+                return n
+            self._file.close()
+            self._file = None
+            self._next += 1
+
+    def _open_next(self) -> bool:
+        with self._cond:
+            while True:
+                if self._abort is not None:
+                    raise FeedAborted(self._abort)
+                if self._next in self._ready:
+                    path = self._ready.pop(self._next)
+                    break
+                if self._total is not None and self._next >= self._total:
+                    return False
+                self._cond.wait()
+        self._file = path.open("rb")
+        return True
+
+    def check_cancel(self) -> None:
+        if self._abort is not None:
+            raise FeedAborted(self._abort)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        super().close()
+
+
+def extract_feed(
+    feed: ChunkFeed, compressor: str, root: Path, limits: ExtractLimits
+) -> ExtractStats:
+    """Decompress and extract the whole feed into ``root``, then drain it.
+
+    Draining matters: the decompressor may stop at tar's end-of-archive
+    blocks, but the whole-stream hash must cover every byte of the stream.
+    """
+    raw = io.BufferedReader(feed, 1 << 20)
+    stream: BinaryIO
+    try:
+        if compressor == "zstd":
+            dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
+            reader = dctx.stream_reader(raw, read_across_frames=True, closefd=False)
+            stream = cast(BinaryIO, reader)
+        else:
+            stream = cast(BinaryIO, gzip.GzipFile(fileobj=raw, mode="rb"))
+        check: Callable[[], None] = feed.check_cancel
+        try:
+            stats = extract_tar_stream(stream, root, limits, check_cancel=check)
+        except (zstandard.ZstdError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
+            raise HostileArchive(f"the archive does not decompress: {exc}") from exc
+        while raw.read(1 << 20):
+            pass
+        return stats
+    finally:
+        raw.close()

@@ -1,0 +1,231 @@
+"""Verified calls into the guest: render a script, exec it, believe only envelopes.
+
+:class:`GuestSession` is where "never trust a single stream or an exit code"
+is enforced.  Each call gets a fresh nonce; its output is parsed as an
+envelope; anything short of a complete, hash-verified envelope is a detected
+fault, counted by kind, and the call is retried with jittered backoff.  The
+exit status is logged but never consulted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import random
+import secrets
+from collections.abc import Callable
+
+import structlog
+
+from wsync.engine.api import PullOptions
+from wsync.errors import (
+    GuestToolsMissing,
+    IntegrityFailed,
+    ProtocolError,
+    StagingFailed,
+    TransportError,
+    TransportTimeout,
+    UsageError,
+)
+from wsync.protocol import records, scripts
+from wsync.protocol.envelope import Envelope, EnvelopeParser, wire_length
+from wsync.protocol.hashing import ALGORITHMS, PROBE_INPUT, Algorithm
+from wsync.protocol.policy import backoff
+from wsync.transports.base import Transport
+
+log = structlog.get_logger("wsync.guest")
+
+_SMALL = 1024 * 1024  # bound for probe/admit/status answers
+_GATE = b"\n"
+
+
+@dataclasses.dataclass
+class CallStats:
+    transferred: int = 0
+    retries: int = 0
+    faults: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GuestPlan:
+    """What the probe decided: how to talk to this guest."""
+
+    algorithm: Algorithm
+    compressor: str
+    probe: records.ProbeReport
+
+
+class GuestSession:
+    def __init__(self, transport: Transport, options: PullOptions, stats: CallStats) -> None:
+        self.transport = transport
+        self.options = options
+        self.stats = stats
+        self.gate = transport.capabilities.stdin
+        self.b64 = not transport.capabilities.binary_safe
+        self.algorithm: Algorithm | None = None
+        self.snapshot = ""
+        self._rng = random.Random()  # noqa: S311 - backoff jitter, not a secret
+        #: called on every detected loss (the pull shrinks its read size)
+        self.on_loss: Callable[[], None] = lambda: None
+
+    # -- the one retry loop ----------------------------------------------------
+
+    async def call(
+        self, what: str, build: Callable[[str], list[str]], *, max_length: int, hashed: bool = True
+    ) -> Envelope:
+        last = "none"
+        for attempt in range(1, self.options.max_attempts + 1):
+            nonce = secrets.token_hex(8)
+            argv = build(nonce)
+            bound = wire_length(max_length, "b64" if self.b64 else "raw") + 64 * 1024
+            try:
+                result = await self.transport.exec(
+                    argv,
+                    stdin=_GATE if self.gate else None,
+                    timeout=self.options.call_timeout,
+                    max_output=bound,
+                )
+                self.stats.transferred += len(result.stdout)
+                parser = EnvelopeParser(
+                    nonce, algorithm=self.algorithm if hashed else None, max_length=max_length
+                )
+                parser.receive_data(result.stdout)
+                parser.receive_eof()
+                envelope = parser.result()
+                if envelope.noise or envelope.trailing:
+                    self.stats.faults["extra-bytes"] += 1
+                return envelope
+            except ProtocolError as exc:
+                last = exc.fault
+                detail = str(exc)
+            except TransportTimeout as exc:
+                last, detail = "timeout", str(exc)
+            except TransportError as exc:
+                last, detail = "transport", str(exc)
+            self.stats.retries += 1
+            self.stats.faults[last] += 1
+            self.on_loss()
+            log.debug("retry", call=what, attempt=attempt, fault=last, detail=detail)
+            if attempt < self.options.max_attempts:
+                await asyncio.sleep(backoff(attempt, rng=self._rng))
+        raise IntegrityFailed(
+            f"{what}: no verified answer after {self.options.max_attempts} attempts "
+            f"(last fault: {last})"
+        )
+
+    # -- the calls ---------------------------------------------------------------
+
+    async def probe(self, workspace: str) -> GuestPlan:
+        root = self.options.staging_root
+        envelope = await self.call(
+            "probe",
+            lambda nonce: scripts.probe(
+                gate=self.gate, nonce=nonce, workspace=workspace, staging_root=root
+            ),
+            max_length=_SMALL,
+            hashed=False,
+        )
+        report = records.parse_probe(envelope.payload)
+        if report.workspace == "missing":
+            raise UsageError(f"workspace {workspace!r} does not exist in the sandbox")
+        if report.workspace != "dir":
+            raise UsageError(f"workspace {workspace!r} in the sandbox is not a readable directory")
+        need = ["tar", "dd", "wc"] + (["base64"] if self.b64 else [])
+        missing = [tool for tool in need if not report.has(tool)]
+        if missing:
+            raise GuestToolsMissing(", ".join(missing))
+        for algorithm in ALGORITHMS.values():
+            if report.self_tests.get(algorithm.name) == algorithm.digest(PROBE_INPUT):
+                break
+        else:
+            raise GuestToolsMissing("a working hash tool (xxhsum, b2sum or sha256sum)")
+        order = ["zstd", "gzip"] if self.options.compressor == "zstd" else ["gzip", "zstd"]
+        compressor = next((c for c in order if report.has(c)), None)
+        if compressor is None:
+            raise GuestToolsMissing("a compressor (zstd or gzip)")
+        self.algorithm = algorithm
+        return GuestPlan(algorithm, compressor, report)
+
+    async def admit(self, snapshot: str, workspace: str, compressor: str) -> bool:
+        """Start (or adopt) the snapshot's producer.  True when adopted."""
+        assert self.algorithm is not None
+        self.snapshot = snapshot
+        algorithm = self.algorithm.name
+        envelope = await self.call(
+            "admit",
+            lambda nonce: scripts.admit(
+                gate=self.gate,
+                nonce=nonce,
+                algorithm=algorithm,
+                b64=self.b64,
+                staging_root=self.options.staging_root,
+                snapshot=snapshot,
+                workspace=workspace,
+                chunk_size=self.options.chunk_size,
+                compressor=compressor,
+                ttl_minutes=int(self.options.staging_ttl // 60),
+            ),
+            max_length=_SMALL,
+        )
+        if not envelope.ok:
+            if envelope.text == "workspace-missing":
+                raise UsageError(f"workspace {workspace!r} does not exist in the sandbox")
+            raise StagingFailed(records.printable(envelope.text))
+        return records.parse_admit(envelope.payload)
+
+    async def status(self) -> records.StatusReport:
+        assert self.algorithm is not None
+        envelope = await self.call(
+            "status",
+            lambda nonce: scripts.status(
+                gate=self.gate,
+                nonce=nonce,
+                algorithm=self.algorithm.name if self.algorithm else "none",
+                b64=self.b64,
+                staging_root=self.options.staging_root,
+                snapshot=self.snapshot,
+            ),
+            max_length=_SMALL,
+        )
+        return records.parse_status(envelope.payload, self.algorithm)
+
+    async def read(self, file: str, offset: int, length: int) -> bytes:
+        assert self.algorithm is not None
+        algorithm = self.algorithm.name
+        envelope = await self.call(
+            f"read {file}@{offset}+{length}",
+            lambda nonce: scripts.read(
+                gate=self.gate,
+                nonce=nonce,
+                algorithm=algorithm,
+                b64=self.b64,
+                staging_root=self.options.staging_root,
+                snapshot=self.snapshot,
+                file=file,
+                offset=offset,
+                length=length,
+            ),
+            max_length=length,
+        )
+        if not envelope.ok:
+            raise StagingFailed(f"reading {file}: {records.printable(envelope.text)}")
+        return envelope.payload
+
+    async def cleanup(self) -> None:
+        assert self.algorithm is not None
+        algorithm = self.algorithm.name
+        envelope = await self.call(
+            "cleanup",
+            lambda nonce: scripts.cleanup(
+                gate=self.gate,
+                nonce=nonce,
+                algorithm=algorithm,
+                b64=self.b64,
+                staging_root=self.options.staging_root,
+                snapshot=self.snapshot,
+            ),
+            max_length=_SMALL,
+        )
+        if not envelope.ok:
+            raise StagingFailed(records.printable(envelope.text))

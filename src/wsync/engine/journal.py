@@ -1,0 +1,137 @@
+"""The durable host journal of one pull: which verified chunks are on disk.
+
+Layout under ``STATE/pulls/KEY/`` (KEY is a hash of the sandbox URI and the
+real DEST path, so the same command finds the same journal)::
+
+    lock              flock'ed while a wsync process works on this pull
+    meta.json         snapshot id and the parameters it was admitted with
+    chunks/SEQ.HASH   one file per verified chunk, written durably
+
+A chunk counts only after its file is fsynced and renamed into ``chunks/``
+and the directory is fsynced: ``kill -9`` at any moment loses at most the
+reads in flight.  On resume a chunk is reused only when the guest's index
+names the same hash and the file has the indexed length.
+
+``STATE/dests/`` remembers which destination directories wsync wrote, so a
+pull refuses to replace a non-empty directory it did not create (unless
+``--force``): one typo must not wipe a home directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from wsync.engine.fsutil import fsync_dir, host_io, rmtree, write_atomic
+from wsync.errors import HostIOError, UsageError
+
+
+def _key(*parts: str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode("utf-8", "surrogateescape") + b"\x00")
+    return h.hexdigest()[:32]
+
+
+class Journal:
+    def __init__(self, state_dir: Path, sandbox: str, dest: Path) -> None:
+        self.key = _key(sandbox, str(dest))
+        self.dir = state_dir / "pulls" / self.key
+        self.chunks_dir = self.dir / "chunks"
+        self._lock_fd: int | None = None
+        self.meta: dict[str, Any] | None = None
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def open(self) -> Journal:
+        with host_io(f"opening the journal in {self.dir}"):
+            self.chunks_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UsageError(
+                "another wsync pull of this sandbox into this DEST is running"
+            ) from None
+        self._lock_fd = fd
+        try:
+            self.meta = json.loads((self.dir / "meta.json").read_text("utf-8"))
+        except FileNotFoundError:
+            self.meta = None
+        except (OSError, ValueError):
+            self.meta = None  # a damaged meta only costs a fresh start
+        return self
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def start(self, meta: dict[str, Any]) -> None:
+        """Begin a new snapshot: forget old chunks, record the parameters durably."""
+        self.clear_chunks()
+        write_atomic(self.dir / "meta.json", json.dumps(meta, sort_keys=True).encode())
+        self.meta = meta
+
+    def clear_chunks(self) -> None:
+        with host_io("clearing the journal"):
+            for entry in os.scandir(self.chunks_dir):
+                os.unlink(entry.path)
+            fsync_dir(self.chunks_dir)
+
+    def remove(self) -> None:
+        """Forget this pull entirely (after success)."""
+        with host_io("removing the journal"):
+            rmtree(self.dir)
+
+    # -- chunks ----------------------------------------------------------------
+
+    def chunks(self) -> dict[int, tuple[str, Path]]:
+        """Journaled chunks: seq → (hash, path)."""
+        found: dict[int, tuple[str, Path]] = {}
+        with host_io("reading the journal"):
+            for entry in os.scandir(self.chunks_dir):
+                seq, dot, digest = entry.name.partition(".")
+                if dot and seq.isdigit() and digest.isalnum():
+                    found[int(seq)] = (digest, Path(entry.path))
+                else:  # temp files of a killed run
+                    os.unlink(entry.path)
+        return found
+
+    def chunk_path(self, seq: int, digest: str) -> Path:
+        return self.chunks_dir / f"{seq:08d}.{digest}"
+
+    def store(self, seq: int, digest: str, data: bytes) -> Path:
+        """Write one verified chunk durably; only then does it count."""
+        path = self.chunk_path(seq, digest)
+        try:
+            write_atomic(path, data)
+        except HostIOError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        return path
+
+
+class DestRegistry:
+    """Which DEST directories wsync has written (to refuse clobbering others)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.dir = state_dir / "dests"
+
+    def _marker(self, dest: Path) -> Path:
+        return self.dir / _key(str(dest))
+
+    def owns(self, dest: Path) -> bool:
+        return self._marker(dest).exists()
+
+    def record(self, dest: Path) -> None:
+        with host_io("recording DEST in the state directory"):
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_atomic(self._marker(dest), os.fsencode(dest) + b"\n")

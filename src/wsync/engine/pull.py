@@ -1,0 +1,437 @@
+"""Drive one pull: probe, admit, fetch chunks in parallel, extract, verify, swap.
+
+The order of trust:
+
+1. A chunk's bytes are believed when every read of it came back in a complete
+   envelope whose hash matched, *and* the assembled chunk hashes to the value
+   in the guest's index.  Then it is journaled durably, and only then counted.
+2. The stream is believed when the index agrees with the ``done`` record
+   (chunk count, total length) and the bytes the extractor consumed hash to
+   the ``done`` record's whole-stream hash.
+3. Only then is the extracted tree flushed and swapped into DEST.
+
+Extraction runs in a worker thread while chunks are still arriving; it reads
+journaled chunk files in order through :class:`~wsync.engine.feed.ChunkFeed`.
+On any failure the half-extracted tree beside DEST is removed and DEST is
+untouched; the journal stays, so the next run resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from wsync.engine.api import Progress, ProgressCallback, PullOptions, PullResult
+from wsync.engine.extract import ExtractStats
+from wsync.engine.feed import ChunkFeed, extract_feed
+from wsync.engine.fsutil import host_io, rmtree, swap_into_place, syncfs
+from wsync.engine.guest import CallStats, GuestPlan, GuestSession
+from wsync.engine.journal import DestRegistry, Journal
+from wsync.errors import (
+    IntegrityFailed,
+    Interrupted,
+    LimitExceeded,
+    ProducerVanished,
+    StagingFailed,
+    UsageError,
+    WsyncError,
+)
+from wsync.protocol.policy import ReadSizer
+from wsync.protocol.records import Chunk, IndexParser
+from wsync.transports.base import Transport
+from wsync.transports.registry import open_transport
+
+log = structlog.get_logger("wsync.pull")
+
+_INDEX_READ = 1024 * 1024
+_POLL_MIN, _POLL_MAX = 0.05, 1.0
+_DEAD_CONFIRMATIONS = 3
+
+
+def new_snapshot_id() -> str:
+    return time.strftime("s%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(4)
+
+
+def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOptions) -> Path:
+    """Refuse destinations that would lose data or loop; return the absolute DEST."""
+    dest = Path(os.path.abspath(dest))
+    if dest == dest.parent:
+        raise UsageError("DEST cannot be the filesystem root")
+    if not dest.parent.is_dir():
+        raise UsageError(f"the parent of DEST does not exist: {dest.parent}")
+    if dest.is_symlink():
+        raise UsageError(f"DEST is a symlink; name the directory itself: {dest}")
+    if dest.exists() and not dest.is_dir():
+        raise UsageError(f"DEST exists and is not a directory: {dest}")
+    real = dest.parent.resolve() / dest.name
+    inner = getattr(transport, "inner", transport)
+    if inner.scheme == "local":
+        source = Path(os.path.expanduser(workspace)).resolve()
+        if real == source or source in real.parents:
+            raise UsageError(f"DEST {dest} is inside the source workspace {source}")
+        if real in source.parents:
+            raise UsageError(f"the source workspace {source} is inside DEST {dest}")
+    if (
+        dest.is_dir()
+        and any(dest.iterdir())
+        and not options.force
+        and not DestRegistry(options.state_dir).owns(real)
+    ):
+        raise UsageError(
+            f"DEST {dest} is a non-empty directory that wsync did not write; "
+            "it would be replaced entirely (pass --force to allow this)"
+        )
+    return real
+
+
+class _Pull:
+    def __init__(
+        self,
+        transport: Transport,
+        workspace: str,
+        dest: Path,
+        options: PullOptions,
+        journal: Journal,
+        on_progress: ProgressCallback | None,
+    ) -> None:
+        self.transport = transport
+        self.workspace = workspace
+        self.dest = dest
+        self.options = options
+        self.journal = journal
+        self.on_progress = on_progress
+        self.stats = CallStats()
+        self.session = GuestSession(transport, options, self.stats)
+        self.sizer = ReadSizer(options.chunk_size)
+        self.session.on_loss = self.sizer.loss
+        self.progress = Progress()
+        self.warnings: list[str] = []
+        self.reconciled = False
+        self.last_emit = 0.0
+        self.done_digest = ""
+
+    # -- progress ----------------------------------------------------------------
+
+    def emit(self, phase: str | None = None, *, force: bool = False) -> None:
+        p = self.progress
+        if phase:
+            p.phase = phase
+        p.retries = self.stats.retries
+        p.transferred_bytes = self.stats.transferred
+        p.faults = dict(self.stats.faults)
+        now = time.monotonic()
+        if self.on_progress and (force or phase or now - self.last_emit > 0.1):
+            self.last_emit = now
+            self.on_progress(p)
+
+    # -- the pull ------------------------------------------------------------------
+
+    async def run(self) -> tuple[ExtractStats, int, int]:
+        self.emit("probe")
+        plan = await self.session.probe(self.workspace)
+        snapshot = self.choose_snapshot(plan)
+        self.progress.snapshot = snapshot
+        self.emit("admit")
+        self.reconciled = await self.session.admit(snapshot, self.workspace, plan.compressor)
+        journaled = self.journal.chunks()
+        if journaled and not self.reconciled:
+            # the guest staging is gone and a new producer started: its stream
+            # differs from the one our chunks came from, so they are worthless
+            log.info("guest staging restarted; discarding journaled chunks", n=len(journaled))
+            self.journal.clear_chunks()
+            journaled = {}
+        tmp = self.dest.parent / f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
+        with host_io(f"preparing {tmp}"):
+            rmtree(tmp)
+            tmp.mkdir(mode=0o700)
+        feed = ChunkFeed(plan.algorithm)
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["stats"] = extract_feed(feed, plan.compressor, tmp, self.options.limits)
+            except BaseException as exc:
+                box["error"] = exc
+
+        thread = threading.Thread(target=work, name="wsync-extract", daemon=True)
+        thread.start()
+        try:
+            self.emit("pull")
+            chunks, length = await self.fetch_all(plan, feed, journaled, thread)
+            self.emit("extract")
+            await asyncio.to_thread(thread.join)
+            if "error" in box:
+                raise box["error"]
+            stats: ExtractStats = box["stats"]
+            if feed.length != length or feed.digest != self.done_digest:
+                raise IntegrityFailed(
+                    f"whole stream: {feed.length} bytes hashing to {feed.digest[:16]}…, "
+                    f"guest says {length} bytes hashing to {self.done_digest[:16]}…"
+                )
+            self.emit("swap")
+            with host_io(f"flushing {tmp}"):
+                syncfs(tmp)
+            old = swap_into_place(tmp, self.dest)
+        except BaseException:
+            feed.abort("pull stopped")
+            thread.join(timeout=60)
+            with contextlib.suppress(OSError):
+                rmtree(tmp)
+            raise
+        finally:
+            feed.close()
+        if old is not None:
+            with contextlib.suppress(OSError):
+                rmtree(old)
+        DestRegistry(self.options.state_dir).record(self.dest)
+        self.emit("cleanup")
+        if not self.options.keep_staging:
+            try:
+                await self.session.cleanup()
+            except WsyncError as exc:
+                self.warnings.append(f"guest staging not removed: {exc}")
+        self.journal.remove()
+        return stats, chunks, length
+
+    def choose_snapshot(self, plan: GuestPlan) -> str:
+        wanted = {
+            "sandbox": self.transport.description,
+            "workspace": self.workspace,
+            "staging_root": self.options.staging_root,
+            "chunk_size": self.options.chunk_size,
+            "algorithm": plan.algorithm.name,
+            "compressor": plan.compressor,
+        }
+        meta = self.journal.meta
+        if meta and all(meta.get(k) == v for k, v in wanted.items()) and meta.get("snapshot"):
+            snapshot = str(meta["snapshot"])
+            log.info("resuming", snapshot=snapshot)
+            return snapshot
+        snapshot = new_snapshot_id()
+        self.journal.start({**wanted, "snapshot": snapshot, "created": time.time()})
+        return snapshot
+
+    async def fetch_all(
+        self,
+        plan: GuestPlan,
+        feed: ChunkFeed,
+        journaled: dict[int, tuple[str, Path]],
+        thread: threading.Thread,
+    ) -> tuple[int, int]:
+        """Follow the guest index until ``done``; fetch every chunk; return (chunks, length)."""
+        queue: asyncio.Queue[Chunk | None] = asyncio.Queue()
+        index = IndexParser(plan.algorithm, self.options.chunk_size)
+        limits = self.options.limits
+        try:
+            async with asyncio.TaskGroup() as group:
+                workers = [
+                    group.create_task(self.worker(queue, feed, plan))
+                    for _ in range(max(1, self.options.parallel))
+                ]
+                poll, dead = _POLL_MIN, 0
+                while True:
+                    status = await self.session.status()
+                    if not status.exists:
+                        raise ProducerVanished("the guest staging directory disappeared")
+                    if status.failed is not None:
+                        raise StagingFailed(status.failed)
+                    self.progress.archive_produced = status.data_size
+                    while index.consumed < status.index_size:
+                        n = min(_INDEX_READ, status.index_size - index.consumed)
+                        data = await self.session.read("index", index.consumed, n)
+                        for chunk in index.receive_data(data):
+                            self.admit_chunk(chunk, journaled, queue, feed)
+                    if index.next_offset > limits.max_bytes:
+                        raise LimitExceeded(f"archive larger than {limits.max_bytes} bytes")
+                    if status.done is not None:
+                        done = status.done
+                        break
+                    if not thread.is_alive():
+                        break  # the extractor failed: stop and report it
+                    dead = dead + 1 if not status.alive else 0
+                    if dead >= _DEAD_CONFIRMATIONS:
+                        raise ProducerVanished("the guest producer died without a result")
+                    self.emit()
+                    await asyncio.sleep(poll)
+                    poll = min(_POLL_MAX, poll * 1.5)
+                if status.done is None:
+                    for _ in workers:
+                        queue.put_nowait(None)
+                    return 0, 0
+                if not index.clean or index.next_seq != done.chunks:
+                    raise IntegrityFailed(
+                        f"index lists {index.next_seq} chunks, done record says {done.chunks}"
+                    )
+                if index.next_offset != done.length:
+                    raise IntegrityFailed(
+                        f"index covers {index.next_offset} bytes, done record says {done.length}"
+                    )
+                if done.tar_rc == 1:
+                    self.warnings.append(
+                        "tar reported files changed while archiving (exit 1): "
+                        + (status.tar_errors or "no details")
+                    )
+                self.done_digest = done.digest
+                self.progress.archive_bytes = done.length
+                self.progress.chunks_total = done.chunks
+                feed.finish(done.chunks)
+                for _ in workers:
+                    queue.put_nowait(None)
+        except BaseExceptionGroup as group_error:
+            raise _first_error(group_error) from None
+        return done.chunks, done.length
+
+    def admit_chunk(
+        self,
+        chunk: Chunk,
+        journaled: dict[int, tuple[str, Path]],
+        queue: asyncio.Queue[Chunk | None],
+        feed: ChunkFeed,
+    ) -> None:
+        have = journaled.get(chunk.seq)
+        if have is not None and have[0] == chunk.digest:
+            with contextlib.suppress(OSError):
+                if have[1].stat().st_size == chunk.length:
+                    feed.publish(chunk.seq, have[1])
+                    self.progress.resumed_chunks += 1
+                    self.progress.chunks_done += 1
+                    return
+        queue.put_nowait(chunk)
+
+    async def worker(
+        self, queue: asyncio.Queue[Chunk | None], feed: ChunkFeed, plan: GuestPlan
+    ) -> None:
+        while (chunk := await queue.get()) is not None:
+            data = await self.fetch_chunk(chunk, plan)
+            path = await asyncio.to_thread(self.journal.store, chunk.seq, chunk.digest, data)
+            feed.publish(chunk.seq, path)
+            self.progress.chunks_done += 1
+            self.progress.bytes_fetched += len(data)
+            self.emit()
+
+    async def fetch_chunk(self, chunk: Chunk, plan: GuestPlan) -> bytes:
+        for _ in range(self.options.max_attempts):
+            buf = bytearray()
+            while len(buf) < chunk.length:
+                n = min(self.sizer.size, chunk.length - len(buf))
+                buf += await self.session.read("data", chunk.offset + len(buf), n)
+                self.sizer.success()
+            if plan.algorithm.digest(buf) == chunk.digest:
+                return bytes(buf)
+            self.stats.faults["chunk-hash-mismatch"] += 1
+            self.stats.retries += 1
+        raise IntegrityFailed(f"chunk {chunk.seq} never matched its index hash")
+
+
+def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The most telling leaf of a TaskGroup failure (a WsyncError if any)."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for sub in exc.exceptions:
+                walk(sub)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    for leaf in leaves:
+        if isinstance(leaf, WsyncError):
+            return leaf
+    return leaves[0]
+
+
+async def pull(
+    transport: Transport,
+    workspace: str,
+    dest: Path,
+    options: PullOptions,
+    *,
+    sandbox: str | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> PullResult:
+    """Pull ``workspace`` from the guest behind ``transport`` into ``dest``, exactly.
+
+    Raises a :class:`~wsync.errors.WsyncError` on failure (DEST untouched).
+    """
+    started = time.monotonic()
+    sandbox = sandbox or transport.description
+    real = check_dest(Path(dest), transport, workspace, options)
+    journal = Journal(options.state_dir, sandbox, real).open()
+    runner = _Pull(transport, workspace, real, options, journal, on_progress)
+    try:
+        async with asyncio.timeout(options.timeout or None):
+            stats, chunks, length = await runner.run()
+    except TimeoutError:
+        raise IntegrityFailed(
+            f"the overall deadline of {options.timeout:.0f}s passed; run again to resume"
+        ) from None
+    except asyncio.CancelledError:
+        raise
+    except KeyboardInterrupt:
+        raise Interrupted("stopped by the user; run the same command again to resume") from None
+    finally:
+        journal.close()
+    runner.emit("done", force=True)
+    return PullResult(
+        ok=True,
+        sandbox=sandbox,
+        dest=str(real),
+        snapshot=runner.progress.snapshot,
+        reconciled=runner.reconciled,
+        files=stats.files + stats.symlinks + stats.hardlinks,
+        bytes=length,
+        transferred_bytes=runner.stats.transferred,
+        chunks=chunks,
+        resumed_chunks=runner.progress.resumed_chunks,
+        retries=runner.stats.retries,
+        faults=dict(runner.stats.faults),
+        elapsed_s=time.monotonic() - started,
+        warnings=runner.warnings,
+    )
+
+
+async def pull_uri(
+    uri: str,
+    dest: Path,
+    options: PullOptions,
+    transport_options: Mapping[str, Any] | None = None,
+    *,
+    on_progress: ProgressCallback | None = None,
+) -> PullResult:
+    """Open the transport named by ``uri`` and pull its workspace into ``dest``."""
+    parsed, transport = open_transport(uri, transport_options)
+    try:
+        return await pull(
+            transport, parsed.path, dest, options, sandbox=parsed.raw, on_progress=on_progress
+        )
+    finally:
+        await transport.aclose()
+
+
+def failure_result(
+    sandbox: str, dest: Path | str, error: BaseException, elapsed: float
+) -> PullResult:
+    """The ``--json`` shape of a failed pull."""
+    if not isinstance(error, WsyncError):
+        error = Interrupted("cancelled") if isinstance(error, asyncio.CancelledError) else error
+    code = error.exit_code if isinstance(error, WsyncError) else 1
+    kind = error.kind if isinstance(error, WsyncError) else "internal"
+    return PullResult(
+        ok=False,
+        sandbox=sandbox,
+        dest=str(dest),
+        elapsed_s=elapsed,
+        error=str(error),
+        error_kind=kind,
+        exit_code=code,
+    )
