@@ -44,7 +44,7 @@ from wsync.uri import SandboxURI
 _REAP_GRACE = 10.0
 
 
-class _BoundedBuffer:
+class BoundedBuffer:
     """Keeps the first ``limit`` bytes, counts the rest and drops them."""
 
     __slots__ = ("_chunks", "_kept", "limit", "truncated")
@@ -77,8 +77,8 @@ class _ExecProtocol(asyncio.SubprocessProtocol):
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, max_output: int) -> None:
-        self.stdout = _BoundedBuffer(max_output)
-        self.stderr = _BoundedBuffer(max_output)
+        self.stdout = BoundedBuffer(max_output)
+        self.stderr = BoundedBuffer(max_output)
         self.exited: asyncio.Future[None] = loop.create_future()
         self.finished: asyncio.Future[None] = loop.create_future()
         self._open_pipes = {1, 2}
@@ -137,7 +137,7 @@ class LocalTransport(Transport):
         argv: Sequence[str],
         *,
         stdin: bytes | None = None,
-        timeout: float,  # noqa: ASYNC109 - the Transport interface takes a deadline
+        timeout: float,
         max_output: int = DEFAULT_MAX_OUTPUT,
     ) -> ExecResult:
         if not argv:

@@ -1,0 +1,372 @@
+"""``ssh://[user@]host[:port]/PATH``: exec over OpenSSH-compatible servers, via asyncssh.
+
+One SSH connection is shared by every concurrent exec; each exec is one
+session channel running ``shlex.join(argv)`` through the remote user's shell.
+Why these choices:
+
+* **Host keys are verified by default** (``~/.ssh/known_hosts``, or
+  ``known_hosts=``).  wsync pulls a workspace *onto the host*; accepting any
+  host key would let whoever answers on the port feed us a tree.  An unknown
+  or changed key is :class:`~wsync.errors.SandboxUnreachable` with a one-line
+  fix, never a prompt or a silent accept.
+* **Bounded output, honest flags**: stdout/stderr are collected as raw bytes
+  in the session callback, capped at ``max_output`` with ``truncated`` set,
+  and a channel that closes without ``exit-status`` reports ``None``.
+* **Channel slots**: OpenSSH's default ``MaxSessions`` is 10 per connection; a
+  semaphore (``max_sessions``, default 8) queues extra execs instead of
+  letting the 11th fail.  The exec deadline starts once a channel is open.
+* **Reconnect lazily**: a lost connection fails the execs in flight with a
+  retryable :class:`~wsync.errors.TransportError`; the next exec reconnects.
+  Failing to connect the *first* time (refused, DNS, timeout) is fatal
+  :class:`~wsync.errors.SandboxUnreachable`; failing to *re*connect for the
+  same network reasons is retryable (sshd restarting, a network blip), while
+  host-key and authentication failures stay fatal.
+* **Deadlines kill the command's process group.**  OpenSSH ignores channel
+  ``signal`` requests for root logins ("session signalling requires privilege
+  separation"), and closing a channel does not stop the command.  So every
+  command runs as ``exec sh -c '"$@"; exit $?' wsync-exec-NONCE ARGV...``: the
+  wrapper shell is the session leader sshd created, and its command line
+  carries a per-exec nonce.  On a deadline a second channel runs a small
+  reaper that finds the session leader with that nonce in ``/proc`` and
+  SIGKILLs its process group, exactly what ``local:`` does.  Detached children
+  (``setsid ... &``) are in other groups and survive, as the guest producer
+  must.  The price: a command killed by a signal reports ``128+N`` (the
+  wrapper's status), as any shell would.
+
+No key material, passphrase or password is ever logged or put in a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import shlex
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+
+from wsync.errors import (
+    AuthFailed,
+    SandboxUnreachable,
+    TransportError,
+    TransportTimeout,
+    UsageError,
+)
+from wsync.transports.base import DEFAULT_MAX_OUTPUT, Capabilities, ExecResult, Transport
+from wsync.transports.local import BoundedBuffer
+from wsync.uri import SandboxURI
+
+DEFAULT_CONNECT_TIMEOUT = 20.0
+DEFAULT_MAX_SESSIONS = 8
+KEEPALIVE_INTERVAL = 15.0
+#: how long to wait for a channel we are abandoning to finish closing
+_CLOSE_GRACE = 2.0
+#: bound on the reaper exec that runs after a deadline
+_REAP_TIMEOUT = 10.0
+
+#: runs ARGV under a wrapper shell whose command line names the exec (see module doc);
+#: "; exit $?" stops shells from exec'ing "$@" in place of the wrapper
+_WRAPPER = '"$@"; exit $?'
+
+#: kills the process group led by the session leader whose argv holds "$1" exactly.
+#: Parses /proc/PID/stat with builtins only (comm may hold spaces); skips itself.
+_REAPER = r"""m=$1
+for d in /proc/[0-9]*; do
+  p=${d#/proc/}
+  [ "$p" = "$$" ] && continue
+  read -r st 2>/dev/null < "$d/stat" || continue
+  set -- ${st##*")"}
+  [ "$4" = "$p" ] || continue
+  tr '\0' '\n' 2>/dev/null < "$d/cmdline" | grep -qxF "$m" || continue
+  kill -s KILL -- "-$p" 2>/dev/null
+done
+exit 0
+"""
+
+_NETWORK_ERRORS = (OSError, TimeoutError, asyncssh.ConnectionLost)
+
+
+class _ExecSession(asyncssh.SSHClientSession[bytes]):
+    """Collects one command's bounded output, exit status and end of channel."""
+
+    def __init__(self, max_output: int) -> None:
+        self.stdout = BoundedBuffer(max_output)
+        self.stderr = BoundedBuffer(max_output)
+        self.exit_status: int | None = None
+        self.exit_signal: str | None = None
+        self.error: Exception | None = None
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes, datatype: asyncssh.DataType) -> None:
+        if datatype == asyncssh.EXTENDED_DATA_STDERR:
+            self.stderr.feed(data)
+        else:
+            self.stdout.feed(data)
+
+    def exit_status_received(self, status: int) -> None:
+        self.exit_status = status
+
+    def exit_signal_received(self, signal: str, core_dumped: bool, msg: str, lang: str) -> None:
+        self.exit_signal = signal
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.error = exc
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+class SshTransport(Transport):
+    """Exec over one shared, lazily (re)connected SSH connection."""
+
+    scheme = "ssh"
+    capabilities = Capabilities(stdin=True, binary_safe=True, separate_stderr=True)
+
+    def __init__(
+        self,
+        host: str,
+        *,
+        port: int | None = None,
+        user: str | None = None,
+        ssh_key: str | None = None,
+        known_hosts: str | None = None,
+        ssh_config: str | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+    ) -> None:
+        if max_sessions < 1:
+            raise UsageError("ssh option max_sessions must be >= 1")
+        self.host = host
+        self.port = port
+        self.user = user
+        self._ssh_key = ssh_key
+        self._known_hosts = known_hosts
+        self._ssh_config = ssh_config
+        self._connect_timeout = connect_timeout
+        self._slots = asyncio.Semaphore(max_sessions)
+        self._lock = asyncio.Lock()
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._ever_connected = False
+
+    @classmethod
+    def from_uri(cls, uri: SandboxURI, options: Mapping[str, Any]) -> SshTransport:
+        """Options: ``ssh_key``, ``known_hosts``, ``ssh_config`` (a path, or ``"none"``
+        to ignore ``~/.ssh/config``), ``connect_timeout`` (s), ``max_sessions``."""
+        if uri.scheme != cls.scheme or not uri.host:
+            raise UsageError(f"{uri.raw!r} is not an ssh://[user@]host[:port]/path URI")
+
+        def opt_path(key: str) -> str | None:
+            value = options.get(key)
+            if value is None or value == "":
+                return None
+            if not isinstance(value, str | Path):
+                raise UsageError(f"ssh option {key!r} must be a path")
+            return str(Path(value).expanduser()) if str(value) != "none" else "none"
+
+        try:
+            connect_timeout = float(options.get("connect_timeout") or DEFAULT_CONNECT_TIMEOUT)
+            max_sessions = int(options.get("max_sessions") or DEFAULT_MAX_SESSIONS)
+        except (TypeError, ValueError):
+            raise UsageError("ssh options connect_timeout/max_sessions must be numbers") from None
+        return cls(
+            uri.host,
+            port=uri.port,
+            user=uri.user,
+            ssh_key=opt_path("ssh_key"),
+            known_hosts=opt_path("known_hosts"),
+            ssh_config=opt_path("ssh_config"),
+            connect_timeout=connect_timeout,
+            max_sessions=max_sessions,
+        )
+
+    @property
+    def description(self) -> str:
+        user = f"{self.user}@" if self.user else ""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"ssh://{user}{host}:{self.port or 22}"
+
+    # -- connection ----------------------------------------------------------
+
+    def _connect_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "port": self.port if self.port is not None else (),
+            "connect_timeout": self._connect_timeout,
+            "keepalive_interval": KEEPALIVE_INTERVAL,
+        }
+        if self.user is not None:
+            kwargs["username"] = self.user
+        if self._ssh_key is not None:
+            if not Path(self._ssh_key).is_file():
+                raise UsageError(f"ssh key {self._ssh_key!r} does not exist or is not a file")
+            kwargs["client_keys"] = [self._ssh_key]
+        if self._known_hosts is not None:
+            if self._known_hosts == "none":
+                raise UsageError("refusing known_hosts 'none': wsync always verifies host keys")
+            if not Path(self._known_hosts).is_file():
+                raise UsageError(f"known_hosts file {self._known_hosts!r} does not exist")
+            kwargs["known_hosts"] = self._known_hosts
+        if self._ssh_config == "none":
+            kwargs["config"] = []
+        elif self._ssh_config is not None:
+            if not Path(self._ssh_config).is_file():
+                raise UsageError(f"ssh config {self._ssh_config!r} does not exist")
+            kwargs["config"] = [self._ssh_config]
+        return kwargs
+
+    async def _connection(self) -> asyncssh.SSHClientConnection:
+        """The shared connection, (re)connected under a lock when missing or lost."""
+        async with self._lock:
+            conn = self._conn
+            if conn is not None and not conn.is_closed():
+                return conn
+            if conn is not None:
+                self._conn = None
+                conn.close()
+                await conn.wait_closed()
+            self._conn = await self._connect()
+            self._ever_connected = True
+            return self._conn
+
+    async def _connect(self) -> asyncssh.SSHClientConnection:
+        desc = self.description
+        kwargs = self._connect_kwargs()
+        try:
+            return await asyncssh.connect(self.host, **kwargs)
+        except asyncssh.HostKeyNotVerifiable as exc:
+            port = self.port or 22
+            scan = f"ssh-keyscan -p {port} {shlex.quote(self.host)} >> ~/.ssh/known_hosts"
+            raise SandboxUnreachable(
+                f"{desc}: host key not verified ({exc.reason}); if you trust this host, "
+                f"record its key (`{scan}`) or pass --known-hosts FILE"
+            ) from None
+        except asyncssh.PermissionDenied as exc:
+            tried = f"key {self._ssh_key}" if self._ssh_key else "default keys and agent"
+            raise AuthFailed(
+                f"{desc}: authentication failed ({exc.reason}; tried {tried}); "
+                "check the user name and pass --ssh-key PATH"
+            ) from None
+        except asyncssh.ConfigParseError as exc:
+            raise UsageError(f"{desc}: bad ssh config: {exc}") from None
+        except (asyncssh.KeyImportError, asyncssh.KeyEncryptionError) as exc:
+            raise AuthFailed(f"{desc}: cannot use ssh key {self._ssh_key}: {exc}") from None
+        except _NETWORK_ERRORS as exc:
+            reason = _reason(exc) or f"no answer within {self._connect_timeout:g}s"
+            if self._ever_connected:
+                raise TransportError(f"{desc}: reconnect failed: {reason}") from None
+            raise SandboxUnreachable(f"{desc}: cannot connect: {reason}") from None
+        except asyncssh.Error as exc:
+            raise SandboxUnreachable(f"{desc}: ssh handshake failed: {_reason(exc)}") from None
+
+    async def aclose(self) -> None:
+        """Close the shared connection (idempotent); a later exec would reconnect."""
+        async with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+            await conn.wait_closed()
+
+    # -- exec ----------------------------------------------------------------
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout: float,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
+        if not argv:
+            raise UsageError("exec needs a non-empty argv")
+        if max_output < 0:
+            raise UsageError("max_output must be >= 0")
+        marker = f"wsync-exec-{secrets.token_hex(12)}"
+        command = "exec " + shlex.join(["sh", "-c", _WRAPPER, marker, *argv])
+        try:
+            command.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("exec argv is not valid UTF-8") from None
+        async with self._slots:
+            conn = await self._connection()
+            session = _ExecSession(max_output)
+            try:
+                chan, _ = await conn.create_session(lambda: session, command, encoding=None)
+            except (asyncssh.Error, OSError) as exc:
+                msg = f"{self.description}: cannot open a channel: {_reason(exc)}"
+                raise TransportError(msg) from None
+            await self._run(conn, chan, session, marker, stdin, timeout)
+        return self._result(conn, session)
+
+    async def _run(
+        self,
+        conn: asyncssh.SSHClientConnection,
+        chan: asyncssh.SSHClientChannel[bytes],
+        session: _ExecSession,
+        marker: str,
+        stdin: bytes | None,
+        timeout: float,
+    ) -> None:
+        """Send stdin then EOF, and wait for the channel to close, under the deadline."""
+        finished = False
+        try:
+            try:
+                if stdin:
+                    chan.write(stdin)
+                chan.write_eof()
+            except (asyncssh.Error, OSError):
+                pass  # the channel closed early; its connection_lost tells the story
+            try:
+                await asyncio.wait_for(asyncio.shield(session.closed), timeout)
+            except TimeoutError:
+                raise TransportTimeout(timeout) from None
+            finished = True
+        finally:
+            if not finished:
+                await self._reap(conn, marker)
+                chan.close()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(chan.wait_closed(), _CLOSE_GRACE)
+
+    @staticmethod
+    async def _reap(conn: asyncssh.SSHClientConnection, marker: str) -> None:
+        """Best effort: kill the timed-out command's process group in the guest.
+
+        Failures are ignored (no /proc, connection gone): the caller is already
+        reporting a timeout or being cancelled, and the guest's staging GC and
+        wsync's bounded scripts limit what a straggler can do.
+        """
+        if conn.is_closed():
+            return
+        command = shlex.join(["sh", "-c", _REAPER, "wsync-reap", marker])
+        with contextlib.suppress(asyncssh.Error, OSError, TimeoutError):
+            await asyncio.wait_for(conn.run(command, check=False), _REAP_TIMEOUT)
+
+    def _result(self, conn: asyncssh.SSHClientConnection, session: _ExecSession) -> ExecResult:
+        if session.error is not None:
+            raise TransportError(
+                f"{self.description}: connection lost during exec: {_reason(session.error)}"
+            )
+        notes: list[str] = []
+        if session.exit_status is None:
+            if conn.is_closed():
+                raise TransportError(f"{self.description}: connection closed during exec")
+            if session.exit_signal is not None:
+                notes.append(f"killed by signal {session.exit_signal}")
+            else:
+                notes.append("channel closed without an exit status")
+        return ExecResult(
+            stdout=session.stdout.getvalue(),
+            stderr=session.stderr.getvalue(),
+            exit_status=session.exit_status,
+            truncated=session.stdout.truncated or session.stderr.truncated,
+            notes=tuple(notes),
+        )
+
+
+def _reason(exc: BaseException) -> str:
+    """A short, secret-free description of a foreign exception."""
+    if isinstance(exc, asyncssh.DisconnectError | asyncssh.ChannelOpenError):
+        return exc.reason or type(exc).__name__
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
