@@ -1,0 +1,117 @@
+"""Shared test helpers: realistic workspaces, a busybox-only guest, pull wrappers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from wsync.engine.api import PullOptions, PullResult
+from wsync.engine.pull import pull
+from wsync.transports.base import Transport
+from wsync.transports.local import LocalTransport
+from wsync.treediff import diff
+
+
+def make_tree(root: Path, *, seed: int = 1, big: int = 3 * 1024 * 1024, small: int = 60) -> Path:
+    """A workspace with the things agents leave behind, odd ones included."""
+    rng = random.Random(seed)
+    (root / "src" / "deep" / "er" / "est").mkdir(parents=True)
+    (root / "empty" / "nested-empty").mkdir(parents=True)
+    for i in range(small):
+        (root / "src" / f"f{i}.txt").write_text(f"line {i}\n" * rng.randrange(1, 200))
+    (root / "src" / "deep" / "er" / "est" / "leaf").write_bytes(rng.randbytes(1000))
+    (root / "blob.bin").write_bytes(rng.randbytes(big))
+    (root / "zeros.bin").write_bytes(bytes(big))
+    tool = root / "tool.sh"
+    tool.write_text("#!/bin/sh\necho hi\n")
+    tool.chmod(0o750)
+    (root / "link-to-blob").symlink_to("blob.bin")
+    (root / "src" / "link-up").symlink_to("../blob.bin")
+    (root / "dangling").symlink_to("does-not-exist")
+    os.link(root / "blob.bin", root / "hardlink.bin")
+    (root / "name with spaces & 'quotes' $(x)").write_text("odd\n")
+    (root / "-leading-dash").write_text("dash\n")
+    os.mkdir(os.fsencode(root) + b"/latin1-\xe9t\xe9")
+    (Path(os.fsdecode(os.fsencode(root) + b"/latin1-\xe9t\xe9")) / "x").write_text("bytes\n")
+    (root / "unicode-ünï.txt").write_text("ü\n")
+    (root / ("long-" + "n" * 200)).write_text("long name\n")
+    ro = root / "readonly"
+    ro.mkdir()
+    (ro / "inside").write_text("ro\n")
+    ro.chmod(0o555)
+    os.utime(root / "src" / "f0.txt", (1_000_000_000, 1_000_000_000))
+    return root
+
+
+def busybox_bin(directory: Path) -> Path:
+    """A PATH directory holding only busybox applets: a minimal guest."""
+    directory.mkdir(parents=True, exist_ok=True)
+    busybox = shutil.which("busybox")
+    assert busybox, "busybox must be installed (scripts/test.sh installs it)"
+    for applet in (
+        "sh",
+        "tar",
+        "gzip",
+        "sha256sum",
+        "dd",
+        "wc",
+        "find",
+        "mkdir",
+        "rm",
+        "mv",
+        "cat",
+        "printf",
+        "sleep",
+        "head",
+        "tr",
+        "sed",
+        "cut",
+        "kill",
+        "touch",
+        "id",
+        "df",
+        "awk",
+        "setsid",
+        "nohup",
+        "base64",
+        "echo",
+        "test",
+        "[",
+        "ls",
+        "chmod",
+    ):
+        link = directory / applet
+        if not link.exists():
+            link.symlink_to(busybox)
+    return directory
+
+
+def local(env: Mapping[str, str] | None = None) -> LocalTransport:
+    return LocalTransport(env=dict(env) if env else None)
+
+
+def options(tmp: Path, **kw: Any) -> PullOptions:
+    kw.setdefault("state_dir", tmp / "state")
+    kw.setdefault("staging_root", str(tmp / "staging"))
+    kw.setdefault("call_timeout", 30.0)
+    return PullOptions(**kw)
+
+
+def run_pull(transport: Transport, workspace: Path, dest: Path, opts: PullOptions) -> PullResult:
+    async def go() -> PullResult:
+        try:
+            return await pull(transport, str(workspace), dest, opts)
+        finally:
+            await transport.aclose()
+
+    return asyncio.run(go())
+
+
+def assert_exact(workspace: Path, dest: Path) -> None:
+    problems = diff(workspace, dest)
+    assert problems == [], problems[:10]

@@ -1,0 +1,225 @@
+"""End-to-end pulls through the real ``local:`` transport: real guest scripts, real files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from helpers import assert_exact, busybox_bin, local, make_tree, options, run_pull
+
+from wsync.errors import GuestToolsMissing, StagingFailed, UsageError
+from wsync.protocol.hashing import ALGORITHMS
+from wsync.transports.local import LocalTransport
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    return make_tree(tmp_path / "ws")
+
+
+def test_exact_tree_default_guest(tmp_path: Path, workspace: Path) -> None:
+    dest = tmp_path / "out"
+    opts = options(tmp_path, chunk_size=1024 * 1024)
+    result = run_pull(local(), workspace, dest, opts)
+    assert_exact(workspace, dest)
+    assert result.ok and result.chunks >= 3 and result.retries == 0
+    assert result.bytes > 0 and result.transferred_bytes >= result.bytes
+    # hardlinks stay hardlinks
+    assert (dest / "blob.bin").stat().st_ino == (dest / "hardlink.bin").stat().st_ino
+    # staging removed and the journal forgotten after success
+    assert list(Path(opts.staging_root).iterdir()) == []
+    assert list((opts.state_dir / "pulls").iterdir()) == []
+
+
+def test_empty_workspace(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    dest = tmp_path / "out"
+    result = run_pull(local(), ws, dest, options(tmp_path))
+    assert_exact(ws, dest)
+    assert result.chunks == 1 and result.files == 0
+
+
+def test_busybox_guest_with_sha256_and_gzip(tmp_path: Path, workspace: Path) -> None:
+    """A guest with only busybox: sh, tar, gzip, sha256sum — no zstd, no xxhsum."""
+    path = busybox_bin(tmp_path / "bb")
+    transport = LocalTransport(env={"PATH": str(path), "HOME": str(tmp_path)})
+    dest = tmp_path / "out"
+    result = run_pull(transport, workspace, dest, options(tmp_path, chunk_size=1024 * 1024))
+    assert_exact(workspace, dest)
+    assert result.ok
+
+
+def test_no_xxhsum_falls_back_to_b2sum(tmp_path: Path, workspace: Path) -> None:
+    """dash with coreutils but without xxhsum: BLAKE2b is used and verified."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in (
+        "sh",
+        "tar",
+        "zstd",
+        "b2sum",
+        "dd",
+        "wc",
+        "find",
+        "mkdir",
+        "rm",
+        "mv",
+        "cat",
+        "sleep",
+        "head",
+        "tr",
+        "sed",
+        "cut",
+        "touch",
+        "id",
+        "df",
+        "awk",
+        "setsid",
+        "nohup",
+        "base64",
+        "kill",
+    ):
+        found = shutil.which(tool)
+        if found:
+            (bindir / tool).symlink_to(found)
+    env = {"PATH": str(bindir), "HOME": str(tmp_path)}
+    transport = LocalTransport(env=env)
+    dest = tmp_path / "out"
+    run_pull(transport, workspace, dest, options(tmp_path))
+    assert_exact(workspace, dest)
+    assert ALGORITHMS["b2"].tool == "b2sum"
+
+
+def test_guest_without_a_hash_tool_is_refused_clearly(tmp_path: Path, workspace: Path) -> None:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("sh", "tar", "gzip", "dd", "wc", "mkdir", "printf", "cat", "head", "df", "awk"):
+        found = shutil.which(tool)
+        if found:
+            (bindir / tool).symlink_to(found)
+    transport = LocalTransport(env={"PATH": str(bindir), "HOME": str(tmp_path)})
+    dest = tmp_path / "out"
+    with pytest.raises(GuestToolsMissing, match="hash tool"):
+        run_pull(transport, workspace, dest, options(tmp_path))
+    assert not dest.exists()
+
+
+def test_replacing_a_previous_pull_and_refusing_foreign_dirs(
+    tmp_path: Path, workspace: Path
+) -> None:
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    run_pull(local(), workspace, dest, opts)
+    (workspace / "new-file").write_text("second turn\n")
+    os.chmod(workspace / "readonly", 0o755)
+    shutil.rmtree(workspace / "readonly")
+    run_pull(local(), workspace, dest, opts)  # wsync wrote DEST before: replaced
+    assert_exact(workspace, dest)
+
+    foreign = tmp_path / "precious"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("do not lose me\n")
+    with pytest.raises(UsageError, match="--force"):
+        run_pull(local(), workspace, foreign, opts)
+    assert (foreign / "thesis.tex").read_text() == "do not lose me\n"
+    run_pull(local(), workspace, foreign, options(tmp_path, force=True))
+    assert_exact(workspace, foreign)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("dest-is-file", "not a directory"),
+        ("dest-in-source", "inside the source"),
+        ("source-in-dest", "inside DEST"),
+        ("dest-parent-missing", "does not exist"),
+        ("dest-symlink", "symlink"),
+        ("missing-workspace", "does not exist in the sandbox"),
+        ("workspace-is-file", "not a readable directory"),
+    ],
+)
+def test_bad_input_is_refused_and_nothing_is_touched(
+    tmp_path: Path, workspace: Path, case: str, message: str
+) -> None:
+    source, dest = workspace, tmp_path / "out"
+    if case == "dest-is-file":
+        dest.write_text("a file")
+    elif case == "dest-in-source":
+        dest = workspace / "src" / "copy"
+    elif case == "source-in-dest":
+        dest = tmp_path
+    elif case == "dest-parent-missing":
+        dest = tmp_path / "no" / "such" / "out"
+    elif case == "dest-symlink":
+        (tmp_path / "real").mkdir()
+        dest.symlink_to(tmp_path / "real")
+    elif case == "missing-workspace":
+        source = tmp_path / "nope"
+    elif case == "workspace-is-file":
+        source = workspace / "blob.bin"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(UsageError, match=message):
+        run_pull(local(), source, dest, options(tmp_path, force=True))
+    after = sorted(p.name for p in tmp_path.iterdir() if p.name not in ("state", "staging"))
+    assert after == [b for b in before if b not in ("state", "staging")]
+
+
+class UlimitTransport(LocalTransport):
+    """Runs every guest command under ``ulimit -f``: the guest's disk "fills up"."""
+
+    async def exec(self, argv, **kw):  # type: ignore[no-untyped-def,override]
+        wrapped = ["sh", "-c", 'ulimit -f 64; exec "$@"', "sh", *argv]
+        return await super().exec(wrapped, **kw)
+
+
+def test_guest_write_failure_is_a_failure_never_a_success(tmp_path: Path, workspace: Path) -> None:
+    """Field report 3, finding 1: a failed staging write must not end in 'done'."""
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    with pytest.raises(StagingFailed) as info:
+        run_pull(UlimitTransport(), workspace, dest, opts)
+    assert info.value.exit_code == 5
+    assert not dest.exists()
+    staged = [p for p in Path(opts.staging_root).iterdir()]
+    assert len(staged) == 1
+    assert (staged[0] / "failed").exists() and not (staged[0] / "done").exists()
+
+
+def test_stale_staging_is_garbage_collected(tmp_path: Path, workspace: Path) -> None:
+    opts = options(tmp_path, staging_ttl=120)
+    stale = Path(opts.staging_root) / "s-old-abandoned"
+    stale.mkdir(parents=True)
+    (stale / "data").write_bytes(b"x" * 1000)
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    fresh = Path(opts.staging_root) / "s-fresh-other"
+    fresh.mkdir()
+    run_pull(local(), workspace, tmp_path / "out", opts)
+    assert not stale.exists()
+    assert fresh.exists()
+
+
+def test_keep_staging_and_reconciled_admission(tmp_path: Path, workspace: Path) -> None:
+    """Admitting a snapshot that already runs adopts it and says so."""
+    import asyncio
+
+    from wsync.engine.guest import CallStats, GuestSession
+
+    opts = options(tmp_path)
+
+    async def admit_twice() -> tuple[bool, bool]:
+        transport = local()
+        try:
+            session = GuestSession(transport, opts, CallStats())
+            plan = await session.probe(str(workspace))
+            first = await session.admit("s-twice", str(workspace), plan.compressor)
+            second = await session.admit("s-twice", str(workspace), plan.compressor)
+            return first, second
+        finally:
+            await transport.aclose()
+
+    assert asyncio.run(admit_twice()) == (False, True)
