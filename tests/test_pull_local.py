@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_exact, busybox_bin, local, make_tree, options, run_pull
 
+from helpers import assert_exact, busybox_bin, local, make_tree, options, run_pull
 from wsync.errors import GuestToolsMissing, StagingFailed, UsageError
 from wsync.protocol.hashing import ALGORITHMS
 from wsync.transports.local import LocalTransport
