@@ -184,7 +184,7 @@ def test_guest_write_failure_is_a_failure_never_a_success(tmp_path: Path, worksp
         run_pull(UlimitTransport(), workspace, dest, opts)
     assert info.value.exit_code == 5
     assert not dest.exists()
-    staged = [p for p in Path(opts.staging_root).iterdir()]
+    staged = list(Path(opts.staging_root).iterdir())
     assert len(staged) == 1
     assert (staged[0] / "failed").exists() and not (staged[0] / "done").exists()
 
