@@ -41,7 +41,7 @@ from wsync.daemon.config import (
 from wsync.daemon.metrics import Metrics
 from wsync.daemon.store import FINAL_STATES, Job, JobStore, new_job_id
 from wsync.engine.api import ProgressCallback, PullOptions, PullResult
-from wsync.errors import InternalError, UsageError, WsyncError
+from wsync.errors import HostIOError, InternalError, UsageError, WsyncError
 
 Puller = Callable[
     [str, Path, PullOptions, Mapping[str, Any] | None, ProgressCallback | None],
@@ -81,6 +81,14 @@ async def engine_pull(
     from wsync.engine.pull import pull_uri
 
     return await pull_uri(uri, dest, options, transport_options, on_progress=on_progress)
+
+
+def _make_parent(dest: Path) -> None:
+    """Create DEST's parent (already checked to lie inside a dest root)."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise HostIOError(f"cannot create {dest.parent}: {err.strerror}") from None
 
 
 class EventBroker:
@@ -320,6 +328,7 @@ class JobManager:
         try:
             options = self.config.pull_options(box)
             transport_options = resolve_transport_options(box)
+            _make_parent(Path(job.dest))
             result = await self._puller(
                 job.uri,
                 Path(job.dest),

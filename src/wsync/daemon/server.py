@@ -228,7 +228,7 @@ class Daemon:
             info.unlink()
         if address.startswith("unix:"):
             with contextlib.suppress(OSError):
-                os.unlink(address[len("unix:") :])  # noqa: PTH108 - sync cleanup at exit
+                os.unlink(address[len("unix:") :])
         log.info("daemon.stopped")
         return 0
 
@@ -276,7 +276,8 @@ def main(argv: list[str]) -> int:
         print(f"wsync daemon: {err}", file=sys.stderr)
         return err.exit_code
     logs.configure(config.log_level)
-    prometheus_client.disable_created_metrics()  # *_created series only add noise here
+    # *_created series only add noise here
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     try:
         return asyncio.run(daemon.run())
     except WsyncError as err:

@@ -1,0 +1,329 @@
+"""A harness that runs the real ``wsync daemon`` process, plus start-up and config tests.
+
+The other ``test_daemon_*`` modules import :class:`DaemonProcess` and the tree
+helpers from here (names only, so no test is collected twice).  The daemon is
+always a separate process started as ``python -m wsync.daemon`` on a loopback
+port chosen by the kernel (``listen = "127.0.0.1:0"``); the harness reads the
+bound address from ``STATE_DIR/daemon.json`` and then talks HTTP only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TOKEN = "test-token-0123456789abcdef"
+START_TIMEOUT = 30.0
+
+
+class DaemonProcess:
+    """One ``python -m wsync.daemon`` child with its own config, state dir and log file."""
+
+    def __init__(self, root: Path, config: str, env: dict[str, str] | None = None) -> None:
+        self.root = root
+        self.config_path = root / "config.toml"
+        self.state_dir = root / "state"
+        self.log_path = root / "daemon.log"
+        self.config_path.write_text(config, encoding="utf-8")
+        self.env = {**os.environ, "WSYNC_API_TOKEN": TOKEN, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.address = ""
+
+    def start(self, extra_args: tuple[str, ...] = ()) -> DaemonProcess:
+        info = self.state_dir / "daemon.json"
+        with contextlib.suppress(FileNotFoundError):
+            info.unlink()
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "wsync.daemon",
+                    "--config",
+                    str(self.config_path),
+                    *extra_args,
+                ],
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+            )
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                data = json.loads(info.read_text(encoding="utf-8"))
+                if data.get("pid") == self.proc.pid:
+                    self.address = data["listen"]
+                    return self
+            time.sleep(0.05)
+        pytest.fail(f"daemon did not become ready in {START_TIMEOUT}s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")[-6000:]
+        except FileNotFoundError:
+            return ""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        token: str | None = TOKEN,
+        raw: bytes | None = None,
+        timeout: float = 20.0,
+    ) -> tuple[int, Any]:
+        host, _, port = self.address.rpartition(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            response = conn.getresponse()
+            payload = response.read()
+            kind = response.getheader("Content-Type") or ""
+        finally:
+            conn.close()
+        if "json" in kind:
+            return response.status, json.loads(payload)
+        return response.status, payload.decode("utf-8", "replace")
+
+    def pull(self, sandbox: str, dest: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"sandbox": sandbox}
+        if dest is not None:
+            body["dest"] = dest
+        status, job = self.request("POST", "/v1/pulls", body)
+        assert status == 202, job
+        return job  # type: ignore[no-any-return]
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        status, job = self.request("GET", f"/v1/pulls/{job_id}")
+        assert status == 200, job
+        return job  # type: ignore[no-any-return]
+
+    def wait_job(
+        self, job_id: str, states: tuple[str, ...] = ("succeeded",), timeout: float = 60.0
+    ) -> dict[str, Any]:
+        """Poll until the job reaches one of ``states``; fail early if it ends elsewhere."""
+        deadline = time.monotonic() + timeout
+        job: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            job = self.job(job_id)
+            if job["state"] in states:
+                return job
+            if job["state"] in ("succeeded", "failed", "cancelled"):
+                pytest.fail(f"job ended {job['state']}, wanted {states}: {job}\n{self.log()}")
+            time.sleep(0.1)
+        pytest.fail(f"job {job_id} not in {states} after {timeout}s: {job}")
+
+    def wait_until(self, predicate: Any, timeout: float = 30.0, what: str = "condition") -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.05)
+        pytest.fail(f"timed out waiting for {what}\n{self.log()}")
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"daemon did not exit within {timeout}s\n{self.log()}")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def running(root: Path, config: str, env: dict[str, str] | None = None) -> Iterator[DaemonProcess]:
+    daemon = DaemonProcess(root, config, env)
+    try:
+        yield daemon.start()
+    finally:
+        daemon.close()
+
+
+# -- trees ----------------------------------------------------------------
+
+
+def make_tree(root: Path, *, seed: int = 1, big: int = 0) -> None:
+    """A small workspace with nested dirs, an empty dir, modes, a symlink and a binary file."""
+    rng = __import__("random").Random(seed)
+    (root / "src" / "pkg").mkdir(parents=True)
+    (root / "empty").mkdir()
+    (root / "README.md").write_text(f"workspace {seed}\n", encoding="utf-8")
+    for i in range(20):
+        (root / "src" / "pkg" / f"m{i}.py").write_text(f"X = {rng.random()}\n" * (i + 1))
+    tool = root / "run.sh"
+    tool.write_text("#!/bin/sh\necho hi\n", encoding="utf-8")
+    tool.chmod(0o755)
+    (root / "link").symlink_to("src/pkg/m1.py")
+    (root / "blob.bin").write_bytes(rng.randbytes(300_000))
+    if big:
+        (root / "big.bin").write_bytes(os.urandom(big))
+
+
+def tree_of(root: Path) -> dict[str, tuple[str, int, bytes]]:
+    """Path → (kind, permission bits, content or link target): what "exact" compares."""
+    out: dict[str, tuple[str, int, bytes]] = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        st = path.lstat()
+        perm = stat.S_IMODE(st.st_mode)
+        if stat.S_ISLNK(st.st_mode):
+            out[rel] = ("link", 0, os.readlink(path).encode())
+        elif stat.S_ISDIR(st.st_mode):
+            out[rel] = ("dir", perm, b"")
+        else:
+            out[rel] = ("file", perm, path.read_bytes())
+    return out
+
+
+def assert_same_tree(src: Path, dest: Path) -> None:
+    want, got = tree_of(src), tree_of(dest)
+    assert sorted(want) == sorted(got), "different sets of paths"
+    for rel, item in want.items():
+        assert got[rel] == item, f"{rel} differs"
+
+
+def base_config(tmp: Path, extra: str = "", **limits: int) -> str:
+    lim = "\n".join(f"{k} = {v}" for k, v in limits.items())
+    return f"""
+state_dir = "{tmp}/state"
+dest_roots = ["{tmp}/roots"]
+shutdown_grace = 15
+
+[api]
+listen = "127.0.0.1:0"
+
+[limits]
+chunk_size = 65536
+call_timeout = 20
+{lim}
+{extra}
+"""
+
+
+# -- tests of start-up and configuration ------------------------------------
+
+
+def _run_daemon(
+    args: list[str], env: dict[str, str], timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "wsync.daemon", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_invalid_config_is_one_clear_error_with_exit_2(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(
+        '[limits]\nchunk_size = 1000\n[sandboxes.a]\nuri = "ftp://x/y"\n'
+        'secrets = { token = "hunter2-inline-secret" }\n',
+        encoding="utf-8",
+    )
+    result = _run_daemon(["--config", str(cfg)], {"WSYNC_API_TOKEN": TOKEN})
+    assert result.returncode == 2
+    err = result.stderr
+    assert "limits.chunk_size" in err
+    assert "sandboxes.a.uri" in err and "ftp" in err
+    assert "sandboxes.a.secrets" in err
+    assert "hunter2-inline-secret" not in err, "a config error must not echo a secret"
+    assert "Traceback" not in err
+
+
+def test_env_overrides_and_missing_token(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(base_config(tmp_path), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "WSYNC_API_TOKEN"}
+    no_token = subprocess.run(
+        [sys.executable, "-m", "wsync.daemon", "--config", str(cfg)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert no_token.returncode == 2
+    assert "api.token_file" in no_token.stderr and "WSYNC_API_TOKEN" in no_token.stderr
+    bad_env = _run_daemon(
+        ["--config", str(cfg)], {"WSYNC_API_TOKEN": TOKEN, "WSYNC_LIMITS__MAX_CONCURRENT": "0"}
+    )
+    assert bad_env.returncode == 2
+    assert "limits.max_concurrent" in bad_env.stderr
+    bad_listen = _run_daemon(
+        ["--config", str(cfg), "--listen", "nowhere"], {"WSYNC_API_TOKEN": TOKEN}
+    )
+    assert bad_listen.returncode == 2 and "api.listen" in bad_listen.stderr
+
+
+def test_token_file_unix_socket_and_state_dir_lock(tmp_path: Path) -> None:
+    """--listen unix:PATH and [api] token_file work; a second daemon on one state dir is refused."""
+    token_file = tmp_path / "token"
+    token_file.write_text("file-token-0123456789\n", encoding="utf-8")
+    sock = tmp_path / "run" / "api.sock"
+    config = base_config(tmp_path).replace("[api]\n", f'[api]\ntoken_file = "{token_file}"\n')
+    env = {k: v for k, v in os.environ.items() if k != "WSYNC_API_TOKEN"}
+    daemon = DaemonProcess(tmp_path, config)
+    daemon.env = env
+    try:
+        daemon.start(("--listen", f"unix:{sock}"))
+        assert daemon.address == f"unix:{sock}"
+        from wsync.daemon.client import DaemonClient, status_main
+
+        client = DaemonClient("http://unused", str(sock), "file-token-0123456789")
+        assert client.request("GET", "/v1/status")["listen"] == f"unix:{sock}"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("WSYNC_API_TOKEN", "wrong-token-000000000")
+            assert status_main(["--unix", str(sock)]) == 2
+        second = _run_daemon(
+            ["--config", str(tmp_path / "config.toml"), "--listen", "127.0.0.1:0"],
+            {"WSYNC_API_TOKEN": TOKEN},
+        )
+        assert second.returncode == 2 and "state_dir.locked" in second.stderr
+        daemon.signal(signal.SIGTERM)
+        assert daemon.wait_exit() == 0
+        assert not sock.exists(), "the unix socket is removed on a clean exit"
+    finally:
+        daemon.close()
