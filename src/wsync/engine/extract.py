@@ -1,0 +1,699 @@
+"""The confined, streaming tar extractor: the guest's archive can only write inside ``root``.
+
+The guest is hostile (DESIGN.md, guarantee 5), so nothing in the archive is trusted.  Python's
+``tarfile`` is used for one thing only, parsing a 512-byte header
+(:meth:`tarfile.TarInfo.frombuf`); reading the stream, pax and GNU long-name records, and all
+file creation are done here, because ``tarfile``'s own stream reader
+
+* treats an invalid or short header in mid-archive as a normal end of archive, so a truncated
+  or corrupted stream "succeeds" with part of the tree;
+* reads a pax or GNU long-name record of any declared size into memory (a memory bomb), and
+  recurses once per chained extended header;
+* and this Python (3.11.7) predates the 2025 fixes to its extraction filters.
+
+Confinement
+-----------
+Every path is opened relative to a directory fd, one component at a time, with
+``O_NOFOLLOW | O_DIRECTORY``: a member whose parent path crosses a symlink, a file or a missing
+directory is refused (parents must come from earlier members; ``tar -c`` emits them first).
+Leaves are created with ``O_CREAT | O_EXCL | O_NOFOLLOW``, ``mkdir``, ``symlink`` or ``link``,
+all of which fail with ``EEXIST`` on an existing name, so a name reused as the same or another
+type is refused and nothing is ever written through a symlink.  ``root`` starts empty and is
+written only by us, so every entry in it came from this archive.
+
+Symlinks are kept only when their target stays inside the tree, by this rule: the target is
+relative and non-empty; after dropping empty and ``.`` components every ``..`` comes before any
+normal component, and there are at most as many ``..`` as the depth of the link's parent
+directory.  A lexical ``normpath`` check is *not* enough: the kernel resolves ``s/../x`` through
+``s``, so if ``s`` is a symlink to ``../../..`` the result climbs out even though the text looks
+harmless.  Why the rule is sufficient: parent directories are never symlinks (above), so the
+leading ``..`` steps walk up through real directories and end at an ancestor still inside the
+tree.  From there only normal components follow; each one descends to a real directory, ends
+the walk at a file, or reaches a symlink whose own target obeys the same rule relative to its
+own (real) parent directory, so by induction on the nesting of symlink resolution (finite: the
+kernel gives ``ELOOP`` after 40) every step stays inside the tree.  Hardlinks are kept only
+when the target is an earlier regular-file member: the target is looked up the same confined
+way and must be a regular file (``lstat``), and only regular files are hardlinked.
+
+Refused: absolute names, ``..`` components, empty names, NUL bytes, devices, FIFOs and every
+other type (sparse, volume, multi-volume, dump-dir...), setuid anywhere, setgid and sticky on
+non-directories (refused, never silently stripped; setgid and sticky on directories are kept),
+payloads on non-file members, data after the end-of-archive marker, and a stream that ends
+without one.  Truncation is reported as :class:`HostileArchive` ("truncated"): the pull driver
+has already checked length and hash, so a stream that still ends early is the guest's fault.
+
+Limits stop bombs before the bytes land: the member count and the sum of declared file sizes
+are checked from the header before anything is written, and free space on ``root``'s
+filesystem (``fstatvfs``) is checked at start, before any file of 64 MiB or more, and after
+every 64 MiB or 8192 members, so the filesystem cannot drop more than 64 MiB below
+``min_free_bytes``.
+
+Speed (one ``openat`` + ``write`` + ``futimens`` + ``close`` per small file, ``fchmod`` only when
+the umask changed the mode): the stream is read into one reused 1 MiB buffer (``readinto``)
+and file data is written straight from memoryview slices of it.  Directories are created 0o700
+so read-only ones do not block their children; their final mode and mtime are applied at the
+end in reverse creation order, which puts every directory after all its descendants.  Nothing is
+fsynced: the caller syncs the filesystem before swapping ``root`` into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import stat
+import tarfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+from wsync.engine.api import ExtractLimits, MiB
+from wsync.errors import HostileArchive, HostIOError, LimitExceeded, WsyncError
+
+__all__ = ["ExtractStats", "extract_tar_stream"]
+
+_BLOCK = 512
+_ZERO_BLOCK = bytes(_BLOCK)
+_BUFSIZE = 1 * MiB
+#: largest pax / GNU long-name record we read into memory
+_MAX_EXT_HEADER = 1 * MiB
+#: longest member name or link target, in bytes
+_MAX_NAME = 64 * 1024
+#: bytes of directory paths kept for the final metadata pass
+_MAX_DIR_META = 512 * MiB
+#: zero padding accepted after the end-of-archive marker (GNU tar pads to 10 KiB records)
+_MAX_TRAILER = 1 * MiB
+_SPACE_CHECK_BYTES = 64 * MiB
+_SPACE_CHECK_MEMBERS = 8192
+#: directory fds kept open along the current path
+_WINDOW = 48
+_CHUNK = 64 * MiB
+
+_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NS = 1_000_000_000
+_MAX_NS = 2**63 - 1
+
+_REGULAR = frozenset((tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE))
+_EXTENDED = frozenset((tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, b"K"))
+_KNOWN_BAD = {
+    tarfile.CHRTYPE: "character device",
+    tarfile.BLKTYPE: "block device",
+    tarfile.FIFOTYPE: "FIFO",
+    tarfile.GNUTYPE_SPARSE: "GNU sparse file",
+}
+#: pax keywords we act on; every other keyword is ignored (uid, uname, atime, xattrs...)
+_PAX_KEYS = frozenset((b"path", b"linkpath", b"size", b"mtime"))
+
+
+@dataclasses.dataclass
+class ExtractStats:
+    """What one extraction created.  ``bytes`` counts regular-file payload bytes written."""
+
+    files: int = 0
+    dirs: int = 0
+    symlinks: int = 0
+    hardlinks: int = 0
+    bytes: int = 0
+
+
+def extract_tar_stream(
+    stream: BinaryIO,
+    root: Path,
+    limits: ExtractLimits,
+    *,
+    check_cancel: Callable[[], None] | None = None,
+) -> ExtractStats:
+    """Extract the uncompressed tar ``stream`` into the empty directory ``root``, confined.
+
+    Raises :class:`HostileArchive` (or :class:`LimitExceeded`) on anything refused,
+    :class:`HostIOError` when the host cannot write, and whatever ``check_cancel`` raises.  On
+    error ``root`` holds a partial tree that the caller discards.
+    """
+    try:
+        root_fd = os.open(root, _DIR_FLAGS)
+    except OSError as exc:
+        raise HostIOError(f"cannot open extraction root {str(root)!r}: {exc.strerror}") from exc
+    try:
+        with os.scandir(root_fd) as entries:
+            if next(entries, None) is not None:
+                raise HostIOError(f"extraction root {str(root)!r} is not empty")
+        return _Extractor(stream, root_fd, limits, check_cancel).run()
+    finally:
+        os.close(root_fd)
+
+
+def _show(name: bytes) -> str:
+    """A member name for a one-line message: quoted, non-printables escaped, shortened."""
+    text = repr(name.decode("utf-8", "backslashreplace"))
+    return text if len(text) <= 160 else text[:120] + "..." + text[-30:]
+
+
+def _umask() -> int | None:
+    """The process umask without changing it (racy ``os.umask`` is not thread-safe)."""
+    try:
+        with Path("/proc/self/status").open("rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _split(name: bytes, *, is_dir: bool) -> list[bytes]:
+    """Validated components of a member name; ``[]`` is the root itself (``.`` or ``./``)."""
+    if not name:
+        raise HostileArchive("member with an empty name")
+    if b"\0" in name:
+        raise HostileArchive(f"{_show(name)}: NUL byte in name")
+    if len(name) > _MAX_NAME:
+        raise HostileArchive(f"{_show(name)}: name longer than {_MAX_NAME} bytes")
+    if name[0] == 0x2F:  # "/"
+        raise HostileArchive(f"{_show(name)}: absolute name")
+    parts = [p for p in name.split(b"/") if p and p != b"."]
+    if b".." in parts:
+        raise HostileArchive(f"{_show(name)}: '..' component")
+    if not is_dir and (not parts or name.endswith(b"/")):
+        raise HostileArchive(f"{_show(name)}: not a file name")
+    return parts
+
+
+def _check_symlink(name: bytes, target: bytes, parent_depth: int) -> None:
+    """Refuse a symlink whose target could resolve outside the tree (module docstring)."""
+    if not target:
+        raise HostileArchive(f"{_show(name)}: symlink with an empty target")
+    if b"\0" in target or len(target) > _MAX_NAME:
+        raise HostileArchive(f"{_show(name)}: malformed symlink target")
+    if target[0] == 0x2F:
+        raise HostileArchive(f"{_show(name)}: absolute symlink target {_show(target)}")
+    ups = 0
+    seen_normal = False
+    for part in target.split(b"/"):
+        if part == b"..":
+            if seen_normal:
+                raise HostileArchive(f"{_show(name)}: symlink target {_show(target)} has '..' late")
+            ups += 1
+        elif part and part != b".":
+            seen_normal = True
+    if ups > parent_depth:
+        raise HostileArchive(f"{_show(name)}: symlink target {_show(target)} leaves the tree")
+
+
+def _parse_pax(data: bytes, where: str) -> dict[bytes, bytes]:
+    """Parse pax records (``"%d %s=%s\\n"``) strictly; keep only the keywords we act on."""
+    out: dict[bytes, bytes] = {}
+    pos = 0
+    end = len(data)
+    while pos < end:
+        space = data.find(b" ", pos, pos + 12)
+        digits = data[pos:space] if space > pos else b""
+        if not digits.isdigit():
+            raise HostileArchive(f"{where}: malformed pax record")
+        length = int(digits)
+        record_end = pos + length
+        if length < len(digits) + 3 or record_end > end or data[record_end - 1] != 0x0A:
+            raise HostileArchive(f"{where}: malformed pax record")
+        key, eq, value = data[space + 1 : record_end - 1].partition(b"=")
+        if not eq or not key:
+            raise HostileArchive(f"{where}: malformed pax record")
+        if key.startswith(b"GNU.sparse."):
+            raise HostileArchive(f"{where}: sparse files are not supported")
+        if key in _PAX_KEYS:
+            out[key] = value
+        pos = record_end
+    return out
+
+
+def _pax_int(value: bytes, where: str) -> int:
+    if not value.isdigit():
+        raise HostileArchive(f"{where}: malformed pax size")
+    return int(value)
+
+
+def _pax_time_ns(value: bytes, where: str) -> int:
+    """An exact pax timestamp (``[-]seconds[.fraction]``) in nanoseconds, no float rounding."""
+    neg = value.startswith(b"-")
+    whole, _, frac = (value[1:] if neg else value).partition(b".")
+    if not whole.isdigit() or (frac and not frac.isdigit()) or len(whole) > 30:
+        raise HostileArchive(f"{where}: malformed pax mtime")
+    ns = int(whole) * _NS + int((frac[:9] or b"0").ljust(9, b"0"))
+    return -ns if neg else ns
+
+
+def _refuse_os(exc: OSError, what: str) -> WsyncError:
+    """Map an ``OSError`` from path resolution to a refusal or a host error."""
+    if exc.errno == errno.ENOENT:
+        return HostileArchive(f"{what}: parent directory is not an earlier member")
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+        return HostileArchive(f"{what}: path crosses a symlink or a non-directory")
+    if exc.errno == errno.EEXIST:
+        return HostileArchive(f"{what}: name already exists in the archive")
+    if exc.errno == errno.ENAMETOOLONG:
+        return HostileArchive(f"{what}: name too long for the host")
+    return HostIOError(f"{what}: {exc.strerror or exc}")
+
+
+class _Reader:
+    """The tar stream through one reused buffer; every short read is an error."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self._stream = stream
+        self._buf = bytearray(_BUFSIZE)
+        self._mv = memoryview(self._buf)
+        self._pos = 0
+        self._end = 0
+        self.offset = 0  # stream offset of _buf[_pos], for messages
+        self._readinto: Callable[[memoryview], int | None] | None = getattr(
+            stream, "readinto", None
+        )
+
+    def close(self) -> None:
+        self._mv.release()
+
+    def _fill(self) -> int:
+        """Refill the (exhausted) buffer; 0 at end of stream."""
+        try:
+            if self._readinto is not None:
+                n = self._readinto(self._mv) or 0
+            else:
+                data = self._stream.read(_BUFSIZE)
+                n = len(data)
+                if n > _BUFSIZE:
+                    raise HostileArchive("archive stream returned more than asked")
+                self._mv[:n] = data
+        except WsyncError:
+            raise
+        except OSError as exc:
+            raise HostIOError(f"reading the archive stream: {exc}") from exc
+        except Exception as exc:  # the decompressor is foreign code: corrupt input lands here
+            raise HostileArchive(
+                f"undecodable archive stream: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._pos = 0
+        self._end = n
+        return n
+
+    def read(self, size: int, what: str) -> bytes:
+        """Exactly ``size`` bytes; at a clean end of stream before any byte, ``b""``."""
+        pos = self._pos
+        if self._end - pos >= size:
+            self._pos = pos + size
+            self.offset += size
+            return bytes(self._mv[pos : pos + size])
+        parts: list[bytes] = []
+        need = size
+        while need:
+            if self._pos == self._end and not self._fill():
+                if need == size:
+                    return b""
+                raise HostileArchive(f"truncated archive: stream ends inside {what}")
+            take = min(need, self._end - self._pos)
+            parts.append(bytes(self._mv[self._pos : self._pos + take]))
+            self._pos += take
+            need -= take
+        self.offset += size
+        return b"".join(parts)
+
+    def skip(self, size: int, what: str) -> None:
+        if size and len(self.read(size, what)) != size:
+            raise HostileArchive(f"truncated archive: stream ends inside {what}")
+
+    def copy_to(self, fd: int, size: int, what: str) -> None:
+        """Write the next ``size`` payload bytes to ``fd`` straight from the buffer."""
+        mv = self._mv
+        while size:
+            if self._pos == self._end and not self._fill():
+                raise HostileArchive(f"truncated archive: stream ends inside {what}")
+            take = min(size, self._end - self._pos)
+            start = self._pos
+            stop = start + take
+            while start < stop:
+                start += os.write(fd, mv[start:stop])
+            self._pos = stop
+            self.offset += take
+            size -= take
+
+    def rest_is_zero(self) -> bool:
+        """After the end-of-archive marker: only zero padding may follow, boundedly."""
+        seen = 0
+        while True:
+            if self._pos == self._end and not self._fill():
+                return True
+            chunk = self._mv[self._pos : self._end]
+            if chunk.tobytes().count(0) != len(chunk):
+                return False
+            seen += len(chunk)
+            self._pos = self._end
+            if seen > _MAX_TRAILER:
+                return False
+
+
+class _DirStack:
+    """Open directory fds along the most recently used path, at most ``_WINDOW`` of them.
+
+    Tar emits members depth-first, so the parent of the next member is almost always on the
+    stack already and costs no syscall.  Open fds are always a suffix of the stack; a path
+    whose ancestors fell out of the window is walked again from the root.
+    """
+
+    def __init__(self, root_fd: int) -> None:
+        self.root_fd = root_fd
+        self._names: list[bytes] = []
+        self._fds: list[int] = []
+
+    def fd_for(self, parts: Sequence[bytes]) -> int:
+        """An fd for directory ``parts`` (never through a symlink); valid until the next call."""
+        names = self._names
+        fds = self._fds
+        limit = min(len(names), len(parts))
+        n = 0
+        while n < limit and names[n] == parts[n]:
+            n += 1
+        if n and fds[n - 1] < 0:
+            n = 0
+        self._truncate(n)
+        fd = fds[n - 1] if n else self.root_fd
+        for comp in parts[n:]:
+            fd = os.open(comp, _DIR_FLAGS, dir_fd=fd)
+            names.append(comp)
+            fds.append(fd)
+            old = len(fds) - _WINDOW - 1
+            if old >= 0 and fds[old] >= 0:
+                os.close(fds[old])
+                fds[old] = -1
+        return fd
+
+    def _truncate(self, n: int) -> None:
+        fds = self._fds
+        while len(fds) > n:
+            fd = fds.pop()
+            self._names.pop()
+            if fd >= 0:
+                os.close(fd)
+
+    def close(self) -> None:
+        self._truncate(0)
+
+
+class _Extractor:
+    """One extraction: the member loop, the creators, the limits and the final pass."""
+
+    def __init__(
+        self,
+        stream: BinaryIO,
+        root_fd: int,
+        limits: ExtractLimits,
+        check_cancel: Callable[[], None] | None,
+    ) -> None:
+        self.reader = _Reader(stream)
+        self.root_fd = root_fd
+        self.dirs = _DirStack(root_fd)
+        self.limits = limits
+        self.check_cancel = check_cancel
+        self.stats = ExtractStats()
+        self.members = 0
+        self.umask = _umask()
+        self.atime_ns = time.time_ns()
+        self.pax_global: dict[bytes, bytes] = {}
+        #: (path, mode, mtime_ns) of every directory, in creation order
+        self.dir_meta: list[tuple[bytes, int, int]] = []
+        self.dir_meta_bytes = 0
+        self.root_meta: tuple[int, int] | None = None
+        self.unchecked_bytes = 0
+        self.unchecked_members = 0
+
+    def run(self) -> ExtractStats:
+        try:
+            self._check_space(0)
+            while self._member():
+                pass
+            self._finish_dirs()
+            return self.stats
+        finally:
+            self.dirs.close()
+            self.reader.close()
+
+    # -- limits -------------------------------------------------------------------------------
+
+    def _check_space(self, upcoming: int) -> None:
+        try:
+            st = os.fstatvfs(self.root_fd)
+        except OSError as exc:
+            raise HostIOError(f"statvfs of the extraction root: {exc.strerror}") from exc
+        free = st.f_bavail * st.f_frsize
+        if free - upcoming < self.limits.min_free_bytes:
+            raise LimitExceeded(
+                f"host filesystem would drop below {self.limits.min_free_bytes} free bytes"
+                f" ({free} free, {upcoming} about to be written)"
+            )
+        self.unchecked_bytes = 0
+        self.unchecked_members = 0
+
+    # -- the member loop ----------------------------------------------------------------------
+
+    def _member(self) -> bool:
+        """Read and create one member; False after the end-of-archive marker."""
+        if self.check_cancel is not None:
+            self.check_cancel()
+        reader = self.reader
+        pax: dict[bytes, bytes] | None = None
+        long_name: bytes | None = None
+        long_link: bytes | None = None
+        while True:
+            where = f"header at offset {reader.offset}"
+            block = reader.read(_BLOCK, "a header")
+            if not block:
+                raise HostileArchive("truncated archive: no end-of-archive marker")
+            if block == _ZERO_BLOCK:
+                if pax is not None or long_name is not None or long_link is not None:
+                    raise HostileArchive(f"{where}: extended header without a member")
+                if not reader.rest_is_zero():
+                    raise HostileArchive("data after the end-of-archive marker")
+                return False
+            try:
+                info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+            except (tarfile.HeaderError, ValueError) as exc:
+                raise HostileArchive(f"{where}: bad tar header ({exc})") from exc
+            kind = info.type
+            if kind not in _EXTENDED:
+                break
+            size = info.size
+            if not 0 <= size <= _MAX_EXT_HEADER:
+                raise HostileArchive(f"{where}: extended header of {size} bytes")
+            data = reader.read(size, "an extended header") if size else b""
+            if size and not data:
+                raise HostileArchive("truncated archive: stream ends inside an extended header")
+            reader.skip(-size % _BLOCK, "padding")
+            if kind == tarfile.XHDTYPE:
+                if pax is not None:
+                    raise HostileArchive(f"{where}: repeated pax header")
+                pax = _parse_pax(data, where)
+            elif kind == tarfile.XGLTYPE:
+                self._count(where)
+                self.pax_global.update(_parse_pax(data, where))
+            elif kind == tarfile.GNUTYPE_LONGNAME:
+                if long_name is not None:
+                    raise HostileArchive(f"{where}: repeated GNU long name")
+                long_name = data.split(b"\0", 1)[0]
+            else:
+                if long_link is not None:
+                    raise HostileArchive(f"{where}: repeated GNU long link")
+                long_link = data.split(b"\0", 1)[0]
+
+        ext = self.pax_global
+        if pax is not None:
+            ext = {**ext, **pax}
+        name = ext.get(b"path") or long_name or info.name.encode("utf-8", "surrogateescape")
+        self._count(_show(name))
+        mtime_ns = int(info.mtime) * _NS
+        size = info.size
+        if ext:
+            if ext.get(b"mtime"):
+                mtime_ns = _pax_time_ns(ext[b"mtime"], _show(name))
+            if ext.get(b"size"):
+                size = _pax_int(ext[b"size"], _show(name))
+        if not -_MAX_NS <= mtime_ns <= _MAX_NS:
+            raise HostileArchive(f"{_show(name)}: mtime out of range")
+        mode = info.mode & 0o7777
+        if kind in _REGULAR:
+            self._file(name, mode, size, mtime_ns)
+            return True
+        if size:
+            raise HostileArchive(f"{_show(name)}: unexpected payload on a non-file member")
+        if kind == tarfile.DIRTYPE:
+            self._dir(name, mode, mtime_ns)
+        elif kind == tarfile.SYMTYPE:
+            target = ext.get(b"linkpath") or long_link
+            if target is None:
+                target = info.linkname.encode("utf-8", "surrogateescape")
+            self._symlink(name, target, mtime_ns)
+        elif kind == tarfile.LNKTYPE:
+            target = ext.get(b"linkpath") or long_link
+            if target is None:
+                target = info.linkname.encode("utf-8", "surrogateescape")
+            self._hardlink(name, target)
+        else:
+            what = _KNOWN_BAD.get(kind, f"unsupported member type {kind!r}")
+            raise HostileArchive(f"{_show(name)}: {what}")
+        return True
+
+    def _count(self, what: str) -> None:
+        self.members += 1
+        if self.members > self.limits.max_files:
+            raise LimitExceeded(f"{what}: more than {self.limits.max_files} members")
+        self.unchecked_members += 1
+        if self.unchecked_members >= _SPACE_CHECK_MEMBERS:
+            self._check_space(0)
+
+    # -- creators -----------------------------------------------------------------------------
+
+    def _parent(self, parts: list[bytes], shown: str) -> int:
+        if len(parts) == 1:
+            return self.root_fd
+        try:
+            return self.dirs.fd_for(parts[:-1])
+        except OSError as exc:
+            raise _refuse_os(exc, shown) from exc
+
+    def _file(self, name: bytes, mode: int, size: int, mtime_ns: int) -> None:
+        parts = _split(name, is_dir=False)
+        if mode & 0o7000:
+            raise HostileArchive(f"{_show(name)}: setuid, setgid or sticky bit on a file")
+        if size < 0:
+            raise HostileArchive(f"{_show(name)}: negative size")
+        if self.stats.bytes + size > self.limits.max_bytes:
+            raise LimitExceeded(f"{_show(name)}: more than {self.limits.max_bytes} bytes of files")
+        self.unchecked_bytes += size
+        if self.unchecked_bytes >= _SPACE_CHECK_BYTES:
+            self._check_space(size)
+        parent = self._parent(parts, _show(name))
+        try:
+            fd = os.open(parts[-1], _FILE_FLAGS, mode, dir_fd=parent)
+        except OSError as exc:
+            raise _refuse_os(exc, _show(name)) from exc
+        try:
+            remaining = size
+            while remaining:
+                step = min(remaining, _CHUNK)
+                self.reader.copy_to(fd, step, _show(name))
+                remaining -= step
+                if remaining:
+                    if self.check_cancel is not None:
+                        self.check_cancel()
+                    self._check_space(remaining)
+            self.reader.skip(-size % _BLOCK, "padding")
+            if self.umask is None or mode & self.umask:
+                os.fchmod(fd, mode)
+            os.utime(fd, ns=(self.atime_ns, mtime_ns))
+        except OSError as exc:
+            raise HostIOError(f"{_show(name)}: {exc.strerror or exc}") from exc
+        finally:
+            try:
+                os.close(fd)
+            except OSError as exc:
+                raise HostIOError(f"{_show(name)}: {exc.strerror or exc}") from exc
+        self.stats.files += 1
+        self.stats.bytes += size
+
+    def _dir(self, name: bytes, mode: int, mtime_ns: int) -> None:
+        parts = _split(name, is_dir=True)
+        if mode & 0o4000:
+            raise HostileArchive(f"{_show(name)}: setuid bit on a directory")
+        if not parts:
+            if self.root_meta is not None:
+                raise HostileArchive(f"{_show(name)}: the root directory appears twice")
+            self.root_meta = (mode, mtime_ns)
+            return
+        parent = self._parent(parts, _show(name))
+        try:
+            os.mkdir(parts[-1], 0o700, dir_fd=parent)
+        except OSError as exc:
+            raise _refuse_os(exc, _show(name)) from exc
+        path = b"/".join(parts)
+        self.dir_meta_bytes += len(path) + 64
+        if self.dir_meta_bytes > _MAX_DIR_META:
+            raise LimitExceeded(f"{_show(name)}: directory names exceed {_MAX_DIR_META} bytes")
+        self.dir_meta.append((path, mode, mtime_ns))
+        self.stats.dirs += 1
+
+    def _symlink(self, name: bytes, target: bytes, mtime_ns: int) -> None:
+        parts = _split(name, is_dir=False)
+        _check_symlink(name, target, len(parts) - 1)
+        parent = self._parent(parts, _show(name))
+        try:
+            os.symlink(target, parts[-1], dir_fd=parent)
+        except OSError as exc:
+            raise _refuse_os(exc, _show(name)) from exc
+        try:
+            os.utime(parts[-1], ns=(self.atime_ns, mtime_ns), dir_fd=parent, follow_symlinks=False)
+        except OSError as exc:
+            raise HostIOError(f"{_show(name)}: {exc.strerror or exc}") from exc
+        self.stats.symlinks += 1
+
+    def _hardlink(self, name: bytes, target: bytes) -> None:
+        parts = _split(name, is_dir=False)
+        shown = f"{_show(name)}: hardlink target {_show(target)}"
+        try:
+            tparts = _split(target, is_dir=False)
+        except HostileArchive as exc:
+            raise HostileArchive(f"{shown} is refused ({exc.args[0]})") from exc
+        try:
+            tparent = os.dup(self.dirs.fd_for(tparts[:-1]))
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.ENAMETOOLONG):
+                raise HostileArchive(f"{shown} is not an earlier regular file") from exc
+            raise HostIOError(f"{shown}: {exc.strerror or exc}") from exc
+        try:
+            try:
+                st = os.stat(tparts[-1], dir_fd=tparent, follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG):
+                    raise HostileArchive(f"{shown} is not an earlier regular file") from exc
+                raise HostIOError(f"{shown}: {exc.strerror or exc}") from exc
+            if not stat.S_ISREG(st.st_mode):
+                raise HostileArchive(f"{shown} is not an earlier regular file")
+            parent = self._parent(parts, _show(name))
+            try:
+                os.link(
+                    tparts[-1],
+                    parts[-1],
+                    src_dir_fd=tparent,
+                    dst_dir_fd=parent,
+                    follow_symlinks=False,
+                )
+            except OSError as exc:
+                raise _refuse_os(exc, _show(name)) from exc
+        finally:
+            os.close(tparent)
+        self.stats.hardlinks += 1
+
+    # -- the final pass -----------------------------------------------------------------------
+
+    def _finish_dirs(self) -> None:
+        """Apply directory modes and mtimes, descendants before ancestors, then the root's."""
+        dirs = self.dirs
+        for count, (path, mode, mtime_ns) in enumerate(reversed(self.dir_meta)):
+            if self.check_cancel is not None and count % 1024 == 1023:
+                self.check_cancel()
+            parts = path.split(b"/")
+            try:
+                parent = dirs.fd_for(parts[:-1])
+                fd = os.open(parts[-1], _DIR_FLAGS, dir_fd=parent)
+                try:
+                    os.fchmod(fd, mode)
+                    os.utime(fd, ns=(self.atime_ns, mtime_ns))
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise HostIOError(f"{_show(path)}: {exc.strerror or exc}") from exc
+        self.dir_meta.clear()
+        dirs.close()
+        if self.root_meta is not None:
+            mode, mtime_ns = self.root_meta
+            try:
+                os.fchmod(self.root_fd, mode)
+                os.utime(self.root_fd, ns=(self.atime_ns, mtime_ns))
+            except OSError as exc:
+                raise HostIOError(f"extraction root: {exc.strerror or exc}") from exc
