@@ -180,7 +180,7 @@ def create_app(state: AppState) -> FastAPI:
         for value in state_ or []:
             if value not in STATES:
                 raise UsageError(f"state: unknown state {value!r} (known: {', '.join(STATES)})")
-        jobs = state.manager.store.list(states=state_, sandbox=sandbox, limit=limit)
+        jobs = state.manager.list_jobs(states=state_, sandbox=sandbox, limit=limit)
         return JobList(jobs=[JobOut(**j.to_json()) for j in jobs])
 
     @app.get("/v1/pulls/{job_id}", dependencies=v1, responses=errors)
@@ -202,7 +202,7 @@ def create_app(state: AppState) -> FastAPI:
         """Server-sent events: ``job`` on every state change, ``progress`` (rate-limited)."""
         manager = state.manager
         queue = manager.events.subscribe()
-        active = manager.store.list(states=("queued", "running"), limit=1000)
+        active = manager.list_jobs(states=("queued", "running"), limit=1000)
 
         async def stream() -> AsyncIterator[str]:
             try:

@@ -25,7 +25,7 @@ import dataclasses
 import random
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,7 @@ class EventBroker:
 
 @dataclasses.dataclass(slots=True)
 class _Running:
+    job: Job
     task: asyncio.Task[None]
     sandbox: str
     started: float
@@ -251,7 +252,19 @@ class JobManager:
         job = self.store.get(job_id)
         if job is None:
             raise UnknownJob(f"no job {job_id!r}")
-        return job
+        return self.live(job)
+
+    def live(self, job: Job) -> Job:
+        """The in-memory record of a running job (fresher progress than the store's)."""
+        run = self._running.get(job.id)
+        return run.job if run is not None else job
+
+    def list_jobs(
+        self, *, states: Iterable[str] | None = None, sandbox: str | None = None, limit: int = 100
+    ) -> list[Job]:
+        return [
+            self.live(job) for job in self.store.list(states=states, sandbox=sandbox, limit=limit)
+        ]
 
     def cancel(self, job_id: str) -> Job:
         job = self.get(job_id)
@@ -309,7 +322,9 @@ class JobManager:
             self._queue.remove(job_id)
             per_box[job.sandbox] = per_box.get(job.sandbox, 0) + 1
             task = asyncio.get_running_loop().create_task(self._run(job), name=f"job {job.id}")
-            self._running[job.id] = _Running(task=task, sandbox=job.sandbox, started=time.time())
+            self._running[job.id] = _Running(
+                job=job, task=task, sandbox=job.sandbox, started=time.time()
+            )
         self.metrics.queued.set(len(self._queue))
         self.metrics.in_flight.set(len(self._running))
 

@@ -59,6 +59,7 @@ def sd_notify(message: str) -> bool:
         return False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.setblocking(False)  # a stuck manager must never block the event loop
             sock.connect(addr)
             sock.sendall(message.encode())
     except OSError as err:
