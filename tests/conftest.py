@@ -1,0 +1,160 @@
+"""Shared fixtures: a real sshd, the list of real transports, and a process watcher.
+
+Tests are plain sync functions that call ``asyncio.run(...)`` (there is no
+pytest-asyncio).  A transport binds to the event loop it first runs in, so
+fixtures hand out *builders* and each test builds its transport inside its own
+``asyncio.run``.
+
+Adding a backend to the conformance suite is one entry in
+:data:`REAL_TRANSPORTS`: a function that takes the pytest ``request`` (to pull
+in the fixtures it needs, e.g. a server) and returns a :class:`TransportCase`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from wsync.testing.sshd import SshdServer, SshdUnavailable
+from wsync.transports.base import Transport
+from wsync.transports.local import LocalTransport
+from wsync.transports.ssh import SshTransport
+from wsync.uri import parse
+
+# -- a real OpenSSH server ---------------------------------------------------
+
+
+def start_sshd(workdir: Path) -> SshdServer:
+    """Start an :class:`SshdServer`, skipping only when sshd is not installed.
+
+    In CI (``CI`` or ``WSYNC_REQUIRE_SSHD`` set) a missing sshd fails instead,
+    so the ssh tests can never silently stop running there.
+    """
+    server = SshdServer(workdir)
+    try:
+        return server.start()
+    except SshdUnavailable as exc:
+        if os.environ.get("CI") or os.environ.get("WSYNC_REQUIRE_SSHD"):
+            pytest.fail(f"sshd is required here: {exc}")
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdServer]:
+    """One sshd for the whole session (tests that stop or restart sshd start their own)."""
+    server = start_sshd(tmp_path_factory.mktemp("sshd"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# -- the real transports -----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportCase:
+    """How to build one real transport for one test."""
+
+    name: str
+    #: builds a fresh transport; call it inside the test's event loop
+    make: Callable[[], Transport]
+    #: the guest's processes run on this machine, so tests may look in /proc
+    guest_is_local: bool = True
+
+
+def _local_case(request: pytest.FixtureRequest) -> TransportCase:
+    return TransportCase("local", LocalTransport)
+
+
+def _ssh_case(request: pytest.FixtureRequest) -> TransportCase:
+    server: SshdServer = request.getfixturevalue("sshd")
+    uri = parse(server.uri("/work"))
+    options = server.transport_options()
+    return TransportCase("ssh", lambda: SshTransport.from_uri(uri, options))
+
+
+#: every real transport the conformance suite must pass; one line per backend
+REAL_TRANSPORTS = [
+    pytest.param(_local_case, id="local"),
+    pytest.param(_ssh_case, id="ssh", marks=pytest.mark.ssh),
+]
+
+
+@pytest.fixture(params=REAL_TRANSPORTS)
+def transport_case(request: pytest.FixtureRequest) -> TransportCase:
+    build: Callable[[pytest.FixtureRequest], TransportCase] = request.param
+    return build(request)
+
+
+# -- processes started by tests ----------------------------------------------
+
+
+class ProcessWatch:
+    """Finds processes by a unique ``sleep`` argument, and kills leftovers at teardown.
+
+    ``sleep_arg()`` returns a duration like ``"30.48213"`` that no other
+    process uses, so ``pids(arg)`` finds exactly the processes a test started
+    (through any transport) and teardown can end them by pid.
+    """
+
+    def __init__(self) -> None:
+        self._issued: list[str] = []
+
+    def sleep_arg(self, seconds: int = 30) -> str:
+        arg = f"{seconds}.{random.randrange(10**7):07d}"
+        self._issued.append(arg)
+        return arg
+
+    @staticmethod
+    def pids(arg: str) -> list[int]:
+        """Live (non-zombie) pids whose argv contains ``arg`` as a whole argument."""
+        needle = arg.encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if needle in argv and state != "Z":
+                found.append(int(entry.name))
+        return found
+
+    def wait_gone(self, arg: str, timeout: float = 10.0) -> list[int]:
+        """Poll until no process carries ``arg``; return what is left at the deadline."""
+        deadline = time.monotonic() + timeout
+        while (left := self.pids(arg)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return left
+
+    def wait_present(self, arg: str, timeout: float = 10.0) -> list[int]:
+        deadline = time.monotonic() + timeout
+        while not (found := self.pids(arg)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return found
+
+    def kill_all(self) -> None:
+        for arg in self._issued:
+            for pid in self.pids(arg):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def procs() -> Iterator[ProcessWatch]:
+    watch = ProcessWatch()
+    try:
+        yield watch
+    finally:
+        watch.kill_all()

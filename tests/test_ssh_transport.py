@@ -1,0 +1,164 @@
+"""``ssh://`` failure modes against a real OpenSSH sshd on loopback.
+
+The conformance suite covers what a healthy connection does; these tests
+cover how it fails: every failure must come out as the right wsync error
+(fatal vs retryable) with a message that tells the user what to do, and a
+lost connection must heal on the next exec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import ProcessWatch, start_sshd
+from wsync.errors import AuthFailed, SandboxUnreachable, TransportError, TransportTimeout
+from wsync.testing.sshd import SshdServer, write_keypair
+from wsync.transports.registry import open_transport
+from wsync.transports.ssh import SshTransport
+from wsync.uri import parse
+
+pytestmark = pytest.mark.ssh
+
+
+def ssh_transport(server: SshdServer, **overrides: Any) -> SshTransport:
+    options = {**server.transport_options(), **overrides}
+    _, transport = open_transport(server.uri("/work"), options)
+    assert isinstance(transport, SshTransport)
+    return transport
+
+
+async def exec_once(transport: SshTransport, *argv: str) -> bytes:
+    try:
+        return (await transport.exec(list(argv), timeout=30.0)).stdout
+    finally:
+        await transport.aclose()
+
+
+def test_registry_builds_it_and_description_has_no_secrets(sshd: SshdServer) -> None:
+    transport = ssh_transport(sshd)
+    assert transport.description == f"ssh://{sshd.user}@127.0.0.1:{sshd.port}"
+    assert str(sshd.client_key) not in transport.description
+    assert asyncio.run(exec_once(transport, "echo", "hi")) == b"hi\n"
+
+
+def test_unknown_host_key_is_refused_with_a_fix(sshd: SshdServer, tmp_path: Path) -> None:
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    transport = ssh_transport(sshd, known_hosts=str(empty))
+    with pytest.raises(SandboxUnreachable) as info:
+        asyncio.run(exec_once(transport, "true"))
+    assert not isinstance(info.value, AuthFailed)
+    message = str(info.value)
+    assert "host key" in message
+    assert f"ssh-keyscan -p {sshd.port} 127.0.0.1" in message
+    assert "--known-hosts" in message
+    assert "\n" not in message
+
+
+def test_host_keys_are_verified_by_default(
+    sshd: SshdServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No known_hosts option and an empty ~/.ssh: refuse, never trust on first use."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    options = {k: v for k, v in sshd.transport_options().items() if k != "known_hosts"}
+    transport = SshTransport.from_uri(parse(sshd.uri("/work")), options)
+    with pytest.raises(SandboxUnreachable, match="host key"):
+        asyncio.run(exec_once(transport, "true"))
+
+
+def test_changed_host_key_is_refused(sshd: SshdServer, tmp_path: Path) -> None:
+    other = write_keypair(tmp_path / "other_host_key")
+    pinned = tmp_path / "known_hosts"
+    pinned.write_text(f"[127.0.0.1]:{sshd.port} {other}\n")
+    transport = ssh_transport(sshd, known_hosts=str(pinned))
+    with pytest.raises(SandboxUnreachable, match="host key"):
+        asyncio.run(exec_once(transport, "true"))
+
+
+def test_wrong_client_key_is_auth_failed(
+    sshd: SshdServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    stranger = tmp_path / "id_stranger"
+    write_keypair(stranger)
+    transport = ssh_transport(sshd, ssh_key=str(stranger))
+    with pytest.raises(AuthFailed) as info:
+        asyncio.run(exec_once(transport, "true"))
+    assert "authentication failed" in str(info.value)
+    assert "PRIVATE KEY" not in str(info.value)
+    assert info.value.exit_code == 3
+
+
+def test_closed_port_is_unreachable() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens once the socket is closed
+    transport = SshTransport.from_uri(
+        parse(f"ssh://nobody@127.0.0.1:{port}/work"), {"ssh_config": "none"}
+    )
+    with pytest.raises(SandboxUnreachable) as info:
+        asyncio.run(exec_once(transport, "true"))
+    assert not isinstance(info.value, TransportError)
+    assert f"127.0.0.1:{port}" in str(info.value)
+
+
+def test_deadline_closes_the_channel_and_the_connection_stays_usable(
+    sshd: SshdServer, procs: ProcessWatch
+) -> None:
+    arg = procs.sleep_arg()
+
+    async def main() -> bytes:
+        transport = ssh_transport(sshd, max_sessions=2)
+        try:
+            for _ in range(3):  # more timeouts than slots: slots must come back
+                with pytest.raises(TransportTimeout):
+                    await transport.exec(["sleep", arg], timeout=0.5)
+            return (await transport.exec(["echo", "still here"], timeout=30.0)).stdout
+        finally:
+            await transport.aclose()
+
+    assert asyncio.run(main()) == b"still here\n"
+    assert procs.wait_gone(arg) == []
+
+
+def test_lost_connection_is_retryable_and_heals(tmp_path: Path, procs: ProcessWatch) -> None:
+    """Kill the server side mid-exec, then restart sshd entirely: exec recovers each time."""
+    server = start_sshd(tmp_path / "sshd")
+    arg = procs.sleep_arg()
+    try:
+
+        async def main() -> None:
+            transport = ssh_transport(server)
+            try:
+                assert (await transport.exec(["echo", "one"], timeout=30.0)).stdout == b"one\n"
+                running = asyncio.create_task(transport.exec(["sleep", arg], timeout=30.0))
+                assert await asyncio.to_thread(procs.wait_present, arg)
+                assert server.kill_connections() >= 1
+                with pytest.raises(TransportError) as info:
+                    await running
+                assert not isinstance(info.value, TransportTimeout)
+                # the next exec reconnects on its own
+                assert (await transport.exec(["echo", "two"], timeout=30.0)).stdout == b"two\n"
+
+                server.stop()
+                # The first exec may still meet the dying connection; by the second at
+                # the latest it must try to reconnect, and that failure is retryable too.
+                seen = []
+                for _ in range(2):
+                    with pytest.raises(TransportError) as down:
+                        await transport.exec(["true"], timeout=30.0)
+                    seen.append(str(down.value))
+                assert "reconnect failed" in seen[-1], seen
+                server.start()  # same port, same host key
+                assert (await transport.exec(["echo", "three"], timeout=30.0)).stdout == b"three\n"
+            finally:
+                await transport.aclose()
+
+        asyncio.run(main())
+    finally:
+        server.stop()
