@@ -30,7 +30,7 @@ from wsync.errors import (
 )
 from wsync.protocol import records, scripts
 from wsync.protocol.envelope import Envelope, EnvelopeParser, wire_length
-from wsync.protocol.hashing import ALGORITHMS, PROBE_INPUT, Algorithm
+from wsync.protocol.hashing import ALGORITHMS, PROBE_ALGORITHM, PROBE_INPUT, Algorithm
 from wsync.protocol.policy import backoff
 from wsync.transports.base import Transport
 
@@ -72,7 +72,12 @@ class GuestSession:
     # -- the one retry loop ----------------------------------------------------
 
     async def call(
-        self, what: str, build: Callable[[str], list[str]], *, max_length: int, hashed: bool = True
+        self,
+        what: str,
+        build: Callable[[str], list[str]],
+        *,
+        max_length: int,
+        algorithm: Algorithm | None = None,
     ) -> Envelope:
         last = "none"
         for attempt in range(1, self.options.max_attempts + 1):
@@ -88,7 +93,10 @@ class GuestSession:
                 )
                 self.stats.transferred += len(result.stdout)
                 parser = EnvelopeParser(
-                    nonce, algorithm=self.algorithm if hashed else None, max_length=max_length
+                    nonce,
+                    algorithm=algorithm or self.algorithm,
+                    max_length=max_length,
+                    allow_unhashed=algorithm is PROBE_ALGORITHM,
                 )
                 parser.receive_data(result.stdout)
                 parser.receive_eof()
@@ -124,7 +132,7 @@ class GuestSession:
                 gate=self.gate, nonce=nonce, workspace=workspace, staging_root=root
             ),
             max_length=_SMALL,
-            hashed=False,
+            algorithm=PROBE_ALGORITHM,
         )
         report = records.parse_probe(envelope.payload)
         if report.workspace == "missing":
@@ -190,12 +198,23 @@ class GuestSession:
         )
         return records.parse_status(envelope.payload, self.algorithm)
 
-    async def read(self, file: str, offset: int, length: int) -> bytes:
+    async def read(
+        self, file: str, offset: int, length: int, size: Callable[[], int] | None = None
+    ) -> bytes:
+        """Read ``file[offset:offset+n]`` verified, where n ≤ ``length``.
+
+        Without ``size`` exactly ``length`` bytes are read.  With it, every
+        attempt asks for ``min(size(), length)`` bytes, so a read size that
+        shrinks after a loss takes effect on the very next retry; the caller
+        continues from ``offset + len(result)``.
+        """
         assert self.algorithm is not None
         algorithm = self.algorithm.name
-        envelope = await self.call(
-            f"read {file}@{offset}+{length}",
-            lambda nonce: scripts.read(
+        asked = [length]
+
+        def build(nonce: str) -> list[str]:
+            asked[0] = min(size(), length) if size is not None else length
+            return scripts.read(
                 gate=self.gate,
                 nonce=nonce,
                 algorithm=algorithm,
@@ -204,12 +223,16 @@ class GuestSession:
                 snapshot=self.snapshot,
                 file=file,
                 offset=offset,
-                length=length,
-            ),
-            max_length=length,
-        )
+                length=asked[0],
+            )
+
+        envelope = await self.call(f"read {file}@{offset}", build, max_length=length)
         if not envelope.ok:
             raise StagingFailed(f"reading {file}: {records.printable(envelope.text)}")
+        if len(envelope.payload) != asked[0]:
+            raise StagingFailed(
+                f"reading {file}: asked {asked[0]} bytes, got {len(envelope.payload)}"
+            )
         return envelope.payload
 
     async def cleanup(self) -> None:

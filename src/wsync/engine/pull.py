@@ -318,12 +318,16 @@ class _Pull:
             self.progress.bytes_fetched += len(data)
             self.emit()
 
+    def read_size(self) -> int:
+        return self.sizer.size
+
     async def fetch_chunk(self, chunk: Chunk, plan: GuestPlan) -> bytes:
         for _ in range(self.options.max_attempts):
             buf = bytearray()
             while len(buf) < chunk.length:
-                n = min(self.sizer.size, chunk.length - len(buf))
-                buf += await self.session.read("data", chunk.offset + len(buf), n)
+                buf += await self.session.read(
+                    "data", chunk.offset + len(buf), chunk.length - len(buf), self.read_size
+                )
                 self.sizer.success()
             if plan.algorithm.digest(buf) == chunk.digest:
                 return bytes(buf)

@@ -73,10 +73,19 @@ def wire_length(length: int, encoding: str) -> int:
 class EnvelopeParser:
     """Incremental parser for one envelope identified by ``nonce``."""
 
-    def __init__(self, nonce: str, *, algorithm: Algorithm | None, max_length: int) -> None:
+    def __init__(
+        self,
+        nonce: str,
+        *,
+        algorithm: Algorithm | None,
+        max_length: int,
+        allow_unhashed: bool = False,
+    ) -> None:
         self._begin = MAGIC + b" BEGIN " + nonce.encode("ascii") + b" "
         self._end = b"\n" + MAGIC + b" END " + nonce.encode("ascii") + b" "
         self._algorithm = algorithm
+        #: accept a ``-`` trailer (a guest without the hash tool; the probe only)
+        self._allow_unhashed = allow_unhashed
         self._max_length = max_length
         self._buf = bytearray()
         self.state = State.SEEK
@@ -120,7 +129,9 @@ class EnvelopeParser:
             raise ProtocolError(
                 f"payload is {len(payload)} bytes, header said {self._length}", "trailer-mismatch"
             )
-        if self._ok and self._algorithm is not None:
+        if self._digest == "-" and self._allow_unhashed:
+            pass
+        elif self._ok and self._algorithm is not None:
             actual = self._algorithm.digest(payload)
             if actual != self._digest:
                 raise ProtocolError(

@@ -1,0 +1,150 @@
+"""Every field-report fault, alone and in random schedules: exact tree or a clear failure.
+
+The invariant checked everywhere: a pull that returns has produced *exactly*
+the guest's tree; a pull that raises raises a WsyncError and leaves DEST as it
+was.  Never a wrong tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import assert_exact, local, make_tree, options, run_pull
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from wsync.chaos import FAULT_CODES, ChaosTransport, FaultPlan
+from wsync.errors import IntegrityFailed, WsyncError
+from wsync.transports.base import Capabilities
+from wsync.treediff import snapshot
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tree(tmp_path_factory.mktemp("chaos") / "ws", big=600 * 1024, small=30)
+
+
+@pytest.mark.parametrize("code", list(FAULT_CODES))
+def test_each_fault_alone_is_detected_and_survived(
+    tmp_path: Path, workspace: Path, code: str
+) -> None:
+    """A failure map that hits the first calls (probe, admit, status, reads) with one fault."""
+    plan = FaultPlan(failure_map=code * 3 + "." + code * 3, hang=0.2)
+    transport = ChaosTransport(local(), plan)
+    dest = tmp_path / "out"
+    result = run_pull(transport, workspace, dest, options(tmp_path, chunk_size=256 * 1024))
+    assert_exact(workspace, dest)
+    if code == "N":  # "no exit status" with intact output is not a fault for wsync
+        assert result.retries == 0
+    elif code == "A":  # bytes after the trailer are detected and ignored, not retried
+        assert result.retries == 0 and result.faults["extra-bytes"] == 6
+    else:
+        assert result.retries >= 6
+        assert sum(result.faults.values()) >= 6
+
+
+def test_all_faults_with_the_pre_attach_ring(tmp_path: Path, workspace: Path) -> None:
+    plan = FaultPlan.parse("all=0.05,seed=5,hang=0.2")
+    assert plan.ring == 64 * 1024
+    transport = ChaosTransport(local(), plan)
+    dest = tmp_path / "out"
+    result = run_pull(transport, workspace, dest, options(tmp_path, chunk_size=128 * 1024))
+    assert_exact(workspace, dest)
+    assert result.retries > 0
+
+
+def test_without_stdin_the_ring_eats_big_reads_and_reads_shrink(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """A backend without stdin cannot be gated: reads above the ring size lose their
+    head every time, so wsync must shrink its reads below the ring to get through."""
+
+    transport = ChaosTransport(local(), FaultPlan(ring=96 * 1024))
+    transport.capabilities = Capabilities(stdin=False)  # type: ignore[misc]
+    dest = tmp_path / "out"
+    result = run_pull(transport, workspace, dest, options(tmp_path, chunk_size=1024 * 1024))
+    assert_exact(workspace, dest)
+    assert result.faults.get("no-envelope", 0) > 0
+
+
+def test_a_backend_that_always_lies_fails_clearly_and_leaves_dest(
+    tmp_path: Path, workspace: Path
+) -> None:
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (tmp_path / "state").mkdir()
+    transport = ChaosTransport(local(), FaultPlan(rates={"T": 1.0}))
+    opts = options(tmp_path, max_attempts=3, force=True)
+    with pytest.raises(IntegrityFailed, match="no verified answer"):
+        run_pull(transport, workspace, dest, opts)
+    assert list(dest.iterdir()) == []
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    schedule=st.text(alphabet=FAULT_CODES + "....", min_size=0, max_size=40),
+    seed=st.integers(0, 2**16),
+    rate=st.floats(0.0, 0.2),
+)
+def test_random_fault_schedules_never_produce_a_wrong_tree(
+    tmp_path_factory: pytest.TempPathFactory,
+    workspace: Path,
+    schedule: str,
+    seed: int,
+    rate: float,
+) -> None:
+    tmp = tmp_path_factory.mktemp("prop")
+    dest = tmp / "out"
+    dest.mkdir()
+    (dest / "previous").write_text("the old tree\n")
+    before = snapshot(dest)
+    rates = dict.fromkeys(FAULT_CODES, rate / len(FAULT_CODES))
+    plan = FaultPlan(failure_map=schedule, rates=rates, seed=seed, hang=0.1)
+    transport = ChaosTransport(local(), plan)
+    opts = options(tmp, chunk_size=128 * 1024, max_attempts=6, force=True, timeout=120)
+    try:
+        run_pull(transport, workspace, dest, opts)
+    except WsyncError:
+        assert snapshot(dest) == before  # untouched
+    else:
+        assert_exact(workspace, dest)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_cancellation_leaves_dest_untouched_and_resumes(tmp_path: Path) -> None:
+    """Cancel mid-pull (as the daemon does); the next pull reuses journaled chunks."""
+    ws = make_tree(tmp_path / "ws", big=4 * 1024 * 1024, small=10)
+    dest = tmp_path / "out"
+    opts = options(tmp_path, chunk_size=256 * 1024, parallel=1)
+
+    async def cancel_midway() -> None:
+        from wsync.engine.pull import pull
+
+        seen: list[int] = []
+
+        def progress(p: object) -> None:
+            seen.append(getattr(p, "chunks_done", 0))
+
+        transport = local()
+        task = asyncio.create_task(pull(transport, str(ws), dest, opts, on_progress=progress))
+        while not seen or max(seen) < 4:
+            await asyncio.sleep(0.01)
+            if task.done():
+                break
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await transport.aclose()
+
+    asyncio.run(cancel_midway())
+    assert not dest.exists()
+    result = run_pull(local(), ws, dest, opts)
+    assert_exact(ws, dest)
+    assert result.resumed_chunks >= 4
