@@ -12,10 +12,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import assert_exact, local, make_tree, options, run_pull
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import assert_exact, local, make_tree, options, run_pull
 from wsync.chaos import FAULT_CODES, ChaosTransport, FaultPlan
 from wsync.errors import IntegrityFailed, WsyncError
 from wsync.transports.base import Capabilities
