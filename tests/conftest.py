@@ -23,9 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from wsync.emulators.sprites import EmulatorThread
 from wsync.testing.sshd import SshdServer, SshdUnavailable
 from wsync.transports.base import Transport
 from wsync.transports.local import LocalTransport
+from wsync.transports.sprites import SpritesTransport
 from wsync.transports.ssh import SshTransport
 from wsync.uri import parse
 
@@ -82,10 +84,26 @@ def _ssh_case(request: pytest.FixtureRequest) -> TransportCase:
     return TransportCase("ssh", lambda: SshTransport.from_uri(uri, options))
 
 
+@pytest.fixture(scope="session")
+def sprites_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorThread]:
+    """The Sprites emulator (faults off) in a background thread, for the whole session."""
+    with EmulatorThread(tmp_path_factory.mktemp("sprites")) as emulator:
+        emulator.create_sprite("conformance")
+        yield emulator
+
+
+def _sprites_case(request: pytest.FixtureRequest) -> TransportCase:
+    emulator: EmulatorThread = request.getfixturevalue("sprites_emulator")
+    uri = parse("sprites://conformance/work")
+    options = emulator.transport_options()
+    return TransportCase("sprites", lambda: SpritesTransport.from_uri(uri, options))
+
+
 #: every real transport the conformance suite must pass; one line per backend
 REAL_TRANSPORTS = [
     pytest.param(_local_case, id="local"),
     pytest.param(_ssh_case, id="ssh", marks=pytest.mark.ssh),
+    pytest.param(_sprites_case, id="sprites"),
 ]
 
 

@@ -250,7 +250,8 @@ class SpritesTransport(Transport):
                     raise TransportTimeout(timeout) from None
                 except ConnectionClosed as closed:
                     clean = isinstance(closed, ConnectionClosedOK)
-                    code = closed.rcvd.code if closed.rcvd is not None else None
+                    # no close frame received: the TCP connection just ended (1006)
+                    code = closed.rcvd.code if closed.rcvd is not None else 1006
                     if not clean and not collector.exited:
                         raise TransportError(
                             f"{self.description}: connection dropped (code {code}) "
