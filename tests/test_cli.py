@@ -1,0 +1,216 @@
+"""The ``wsync`` command as a user meets it: help, exit codes, JSON, kill -9 and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_exact, make_tree
+from wsync.errors import EXIT_CODES
+
+REQUIRED_JSON = {
+    "ok",
+    "snapshot",
+    "files",
+    "bytes",
+    "transferred_bytes",
+    "chunks",
+    "resumed_chunks",
+    "retries",
+    "elapsed_s",
+}
+
+
+def wsync(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "wsync", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_help_explains_and_lists_exit_codes() -> None:
+    proc = wsync("pull", "--help")
+    assert proc.returncode == 0
+    for text in ("SANDBOX", "DEST", "--json", "--parallel", "ssh://", "exit codes"):
+        assert text in proc.stdout
+    for code in EXIT_CODES:
+        assert f"{code:>3}" in proc.stdout
+    assert wsync().returncode == 2
+
+
+def test_json_result_has_the_documented_fields(tmp_path: Path) -> None:
+    ws = make_tree(tmp_path / "ws", big=100_000)
+    proc = wsync(
+        "pull",
+        f"local:{ws}",
+        str(tmp_path / "out"),
+        "--json",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--staging-dir",
+        str(tmp_path / "stage"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result.keys() >= REQUIRED_JSON
+    assert result["ok"] is True and result["files"] > 60
+    assert_exact(ws, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["pull", "", "out"], 2, "empty"),
+        (["pull", "nonsense", "out"], 2, "not a sandbox URI"),
+        (["pull", "ftp://host/x", "out"], 2, "unknown sandbox scheme"),
+        (["pull", "ssh://host", "out"], 2, "missing workspace path"),
+        (["pull", "local:/x\udcff", "out"], 2, "not valid UTF-8"),
+        (["pull", "local:/definitely/not/here", "out"], 2, "does not exist"),
+        (["pull", "ssh://127.0.0.1:1/work", "out"], 3, ""),
+        (["pull", "local:/tmp", "out", "--parallel", "0"], 2, "at least 1"),
+        (["pull", "local:/tmp", "out", "--chunk-size", "lots"], 2, "not a size"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_a_documented_code(
+    tmp_path: Path, args: list[str], code: int, message: str
+) -> None:
+    args = [a if a != "out" else str(tmp_path / "out") for a in args]
+    proc = subprocess.run(
+        [sys.executable, "-m", "wsync", *args, "--state-dir", str(tmp_path / "s")],
+        capture_output=True,
+        timeout=120,
+    )
+    stderr = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == code, stderr
+    assert message in stderr
+    assert "Traceback" not in stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_json_on_failure_carries_error_and_exit_code(tmp_path: Path) -> None:
+    proc = wsync(
+        "pull",
+        "local:/definitely/not/here",
+        str(tmp_path / "out"),
+        "--json",
+        "--state-dir",
+        str(tmp_path / "s"),
+    )
+    assert proc.returncode == 2
+    result = json.loads(proc.stdout)
+    assert result["ok"] is False and result["exit_code"] == 2 and result["error"]
+
+
+def _chunks_on_disk(state: Path) -> int:
+    """Journaled chunks (``SEQ.HASH``), not the temp file of a write in flight."""
+    return sum(
+        1
+        for d in (state / "pulls").glob("*")
+        for p in d.glob("chunks/*")
+        if re.fullmatch(r"\d{8}\.[0-9a-f]+", p.name)
+    )
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_kill_9_at_a_random_point_then_resume(tmp_path: Path, seed: int) -> None:
+    """kill -9 costs at most the reads in flight; the rerun never refetches a chunk."""
+    rng = random.Random(seed)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for i in range(6):
+        (ws / f"blob{i}").write_bytes(rng.randbytes(3 * 1024 * 1024))
+    dest, state = tmp_path / "out", tmp_path / "state"
+    args = [
+        sys.executable,
+        "-m",
+        "wsync",
+        "pull",
+        f"local:{ws}",
+        str(dest),
+        "--json",
+        "--state-dir",
+        str(state),
+        "--staging-dir",
+        str(tmp_path / "stage"),
+        "--chunk-size",
+        "256K",
+        "--parallel",
+        "1",
+    ]
+    target = rng.randrange(1, 40)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (state / "pulls").exists() and _chunks_on_disk(state) >= target:
+            break
+        time.sleep(0.005)
+    proc.kill()
+    proc.communicate()
+    killed_with = _chunks_on_disk(state)
+    assert not dest.exists()
+
+    again = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    result = json.loads(again.stdout)
+    assert_exact(ws, dest)
+    assert result["resumed_chunks"] == killed_with >= 1
+    assert result["chunks"] > result["resumed_chunks"]
+
+
+def test_sigterm_exits_130_and_the_next_run_resumes(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "blob").write_bytes(rng.randbytes(12 * 1024 * 1024))
+    dest, state = tmp_path / "out", tmp_path / "state"
+    args = [
+        sys.executable,
+        "-m",
+        "wsync",
+        "pull",
+        f"local:{ws}",
+        str(dest),
+        "--json",
+        "--state-dir",
+        str(state),
+        "--staging-dir",
+        str(tmp_path / "stage"),
+        "--chunk-size",
+        "128K",
+        "--parallel",
+        "1",
+    ]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (state / "pulls").exists() and _chunks_on_disk(state) >= 5:
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert json.loads(out)["error_kind"] == "interrupted"
+    assert not dest.exists()
+    assert not any(p.name.startswith(".out.wsync-tmp") for p in tmp_path.iterdir())
+    again = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["resumed_chunks"] >= 5
+    assert_exact(ws, dest)
+
+
+@pytest.mark.parametrize("backend", ["local", "sprites"])
+def test_demo_shows_naive_corruption_and_an_exact_pull(tmp_path: Path, backend: str) -> None:
+    proc = wsync("demo", "--backend", backend, "--dir", str(tmp_path / "demo"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    outcome = json.loads(proc.stdout)
+    assert outcome["naive"]["exact"] is False
+    assert outcome["wsync"]["exact"] is True
+    assert os.path.isdir(outcome["wsync"]["dest"])

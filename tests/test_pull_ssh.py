@@ -1,0 +1,80 @@
+"""``wsync pull ssh://...`` against a real OpenSSH sshd on loopback, clean and under faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_exact, make_tree
+from wsync.testing.sshd import SshdServer
+
+pytestmark = pytest.mark.ssh
+
+
+def wsync(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "wsync", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def ssh_args(server: SshdServer) -> list[str]:
+    opts = server.transport_options()
+    return ["--ssh-key", str(opts["ssh_key"]), "--known-hosts", str(opts["known_hosts"])]
+
+
+@pytest.mark.parametrize("chaos", [None, "all,seed=9,hang=0.2"])
+def test_pull_over_ssh_is_exact(tmp_path: Path, sshd: SshdServer, chaos: str | None) -> None:
+    ws = make_tree(tmp_path / "ws", big=2 * 1024 * 1024)
+    dest = tmp_path / "out"
+    extra = ["--chaos", chaos] if chaos else []
+    proc = wsync(
+        "pull",
+        sshd.uri(str(ws)),
+        str(dest),
+        "--json",
+        "--chunk-size",
+        "512K",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--staging-dir",
+        str(tmp_path / "staging"),
+        *ssh_args(sshd),
+        *extra,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["ok"] and result["chunks"] >= 4
+    assert_exact(ws, dest)
+    if chaos:
+        assert result["retries"] > 0
+
+
+def test_unknown_host_key_is_refused_by_default(tmp_path: Path, sshd: SshdServer) -> None:
+    ws = make_tree(tmp_path / "ws", big=1024)
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    key = str(sshd.transport_options()["ssh_key"])
+    proc = wsync(
+        "pull",
+        sshd.uri(str(ws)),
+        str(tmp_path / "out"),
+        "--ssh-key",
+        key,
+        "--known-hosts",
+        str(empty),
+        "--state-dir",
+        str(tmp_path / "state"),
+    )
+    assert proc.returncode == 3
+    assert "host key" in proc.stderr.lower()
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
