@@ -12,6 +12,13 @@ an in-process imitation.  Everything lives in one directory the caller owns:
 * ``sshd_config`` and ``sshd.log`` (``LogLevel VERBOSE``; read it when a
   test fails).
 
+Sessions get ``HOME=<workdir>/home`` (empty) through ``SetEnv``, which
+overrides sshd's default environment: the account's shell rc files (root's
+``~/.bashrc`` here runs ``pyenv init``, ~100 ms per exec, and prints rehash
+warnings on stderr under concurrency) must not add latency or noise to tests
+that compare stderr byte for byte.  Pass ``isolate_home=False`` to see the
+account exactly as users' sandboxes do.
+
 The server listens on 127.0.0.1 only, logs in the current user by public key
 only, and allows 64 sessions per connection so the transport's concurrency is
 exercised rather than sshd's default limit of 10.  :meth:`SshdServer.restart`
@@ -109,6 +116,7 @@ class SshdServer:
         host: str = "127.0.0.1",
         start_timeout: float = 30.0,
         log_level: str = "VERBOSE",
+        isolate_home: bool = True,
     ) -> None:
         self.workdir = Path(workdir)
         self.host = host
@@ -123,6 +131,8 @@ class SshdServer:
         self.known_hosts = self.workdir / "known_hosts"
         self.config_path = self.workdir / "sshd_config"
         self.log_path = self.workdir / "sshd.log"
+        #: HOME of every session (None: the account's real home directory)
+        self.session_home: Path | None = self.workdir / "home" if isolate_home else None
         self.host_public_key = ""
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -262,6 +272,9 @@ class SshdServer:
             "MaxStartups 64",
             f"LogLevel {self.log_level}",
         ]
+        if self.session_home is not None:
+            self.session_home.mkdir(exist_ok=True)
+            lines.append(f"SetEnv {_quote(f'HOME={self.session_home}')}")
         self.config_path.write_text("\n".join(lines) + "\n")
         self.known_hosts.write_text(f"[{self.host}]:{port} {self.host_public_key}\n")
 
