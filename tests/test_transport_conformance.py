@@ -253,3 +253,23 @@ def test_aclose_is_idempotent(transport_case: TransportCase) -> None:
         assert transport_case.make().description.startswith(transport_case.name)
 
     asyncio.run(main())
+
+
+def test_cancelled_exec_kills_the_command(
+    transport_case: TransportCase, procs: ProcessWatch
+) -> None:
+    """The engine cancels execs on Ctrl-C or its overall deadline: nothing may linger."""
+    arg = procs.sleep_arg()
+
+    async def body(t: Transport) -> None:
+        task = asyncio.create_task(t.exec(["sleep", arg], timeout=GENEROUS))
+        assert await asyncio.to_thread(procs.wait_present, arg)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # the transport is still usable afterwards
+        assert (await t.exec(["echo", "ok"], timeout=GENEROUS)).stdout == b"ok\n"
+
+    run_with(transport_case, body)
+    if transport_case.guest_is_local:
+        assert procs.wait_gone(arg) == []
