@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from wsync.engine.api import ExtractLimits, GiB, MiB
-from wsync.engine.extract import ExtractStats, extract_tar_stream
+from wsync.engine.extract import ExtractStats, _header, extract_tar_stream
 from wsync.errors import HostileArchive, HostIOError, LimitExceeded, WsyncError
 
 T0 = 1_600_000_000  # whole seconds: GNU and busybox formats store seconds only
@@ -397,14 +397,14 @@ class GeneratedStream(io.RawIOBase):
         return n
 
 
-def _header(info: tarfile.TarInfo) -> bytes:
+def raw_header(info: tarfile.TarInfo) -> bytes:
     return info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")
 
 
 def test_many_empty_files_stop_at_max_files(root: Path) -> None:
     def chunks() -> Iterator[bytes]:
         for i in range(1_000_000):
-            yield _header(member(f"f{i}")[0])
+            yield raw_header(member(f"f{i}")[0])
 
     stream = GeneratedStream(chunks())
     with pytest.raises(LimitExceeded, match="more than 500 members"):
@@ -418,7 +418,7 @@ def test_huge_zero_member_refused_before_writing(root: Path) -> None:
     info.size = 10**12  # a terabyte of zeros, never materialised
 
     def chunks() -> Iterator[bytes]:
-        yield _header(info)
+        yield raw_header(info)
         zeros = bytes(MiB)
         while True:
             yield zeros
@@ -453,8 +453,8 @@ def test_min_free_bytes_refuses_a_large_file_before_writing(root: Path) -> None:
     info.size = free + 8 * GiB  # more than the disk holds: refused from the header
 
     def chunks() -> Iterator[bytes]:
-        yield _header(member("small", data=b"s")[0]) + b"s".ljust(512, b"\0")
-        yield _header(info)
+        yield raw_header(member("small", data=b"s")[0]) + b"s".ljust(512, b"\0")
+        yield raw_header(info)
         while True:
             yield bytes(MiB)
 
@@ -647,3 +647,39 @@ def test_fuzzed_archives_succeed_or_fail_cleanly(data: bytes) -> None:
                     assert path.resolve().is_relative_to(real_root)
         finally:
             restore_writable(root)
+
+
+@st.composite
+def header_blocks(draw: st.DrawFn) -> bytes:
+    info = tarfile.TarInfo(draw(st.binary(max_size=120)).decode("utf-8", "surrogateescape"))
+    info.type = draw(st.sampled_from([b"0", b"\0", b"1", b"2", b"5", b"7", b"L", b"x", b"S"]))
+    info.linkname = draw(st.binary(max_size=99)).decode("utf-8", "surrogateescape")
+    info.mode = draw(st.integers(0, 0o7777))
+    info.size = draw(st.integers(0, 2**40))
+    info.mtime = draw(st.integers(-(2**40), 2**40))
+    fmt = draw(st.sampled_from([tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT]))
+    try:
+        block = bytearray(info.tobuf(fmt, "utf-8", "surrogateescape")[-512:])
+    except ValueError:  # not representable in ustar
+        block = bytearray(info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")[-512:])
+    for _ in range(draw(st.integers(0, 3))):
+        block[draw(st.integers(0, 511))] = draw(st.integers(0, 255))
+        if draw(st.booleans()):  # re-seal the checksum so the mutation is parsed
+            block[148:156] = b"        "
+            block[148:156] = b"%06o\0 " % sum(block)
+    return bytes(block)
+
+
+@settings(max_examples=300, deadline=None)
+@given(header_blocks())
+def test_fast_header_parser_agrees_with_tarfile(block: bytes) -> None:
+    try:
+        info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+    except (tarfile.HeaderError, ValueError):
+        # frombuf also rejects garbage in fields wsync ignores (uid, gid, device numbers)
+        with contextlib.suppress(HostileArchive):
+            _header(block)
+        return
+    enc = ("utf-8", "surrogateescape")
+    expected = (info.type, info.name.encode(*enc), info.linkname.encode(*enc))
+    assert _header(block) == (*expected, info.mode, info.size, int(info.mtime))

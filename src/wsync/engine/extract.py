@@ -62,6 +62,7 @@ import dataclasses
 import errno
 import os
 import stat
+import struct
 import tarfile
 import time
 from collections.abc import Callable, Sequence
@@ -226,18 +227,12 @@ def _parse_pax(data: bytes, where: str) -> dict[bytes, bytes]:
     return out
 
 
-def _pax_int(value: bytes, where: str) -> int:
-    if not value.isdigit():
-        raise HostileArchive(f"{where}: malformed pax size")
-    return int(value)
-
-
-def _pax_time_ns(value: bytes, where: str) -> int:
+def _pax_time_ns(value: bytes, name: bytes) -> int:
     """An exact pax timestamp (``[-]seconds[.fraction]``) in nanoseconds, no float rounding."""
     neg = value.startswith(b"-")
     whole, _, frac = (value[1:] if neg else value).partition(b".")
     if not whole.isdigit() or (frac and not frac.isdigit()) or len(whole) > 30:
-        raise HostileArchive(f"{where}: malformed pax mtime")
+        raise HostileArchive(f"{_show(name)}: malformed pax mtime")
     ns = int(whole) * _NS + int((frac[:9] or b"0").ljust(9, b"0"))
     return -ns if neg else ns
 
@@ -253,6 +248,52 @@ def _refuse_os(exc: OSError, what: str) -> WsyncError:
     if exc.errno == errno.ENAMETOOLONG:
         return HostileArchive(f"{what}: name too long for the host")
     return HostIOError(f"{what}: {exc.strerror or exc}")
+
+
+#: name, mode, (uid, gid), size, mtime, chksum, type, linkname, (magic..devminor), prefix, (pad)
+_HEADER = struct.Struct("100s8s16x12s12s8sc100s88x155s12x")
+_GNU_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.GNUTYPE_SPARSE)
+
+
+def _header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
+    """``(type, name, linkname, mode, size, mtime)`` of one header block.
+
+    The common case (octal numbers, unsigned checksum) is parsed here with one ``struct``
+    call, three times faster than :meth:`tarfile.TarInfo.frombuf`, whose rules it mirrors
+    (a test compares the two on fuzzed headers); anything else (base-256 numbers, signed
+    checksums, bad headers) is left to ``frombuf``.
+    """
+    name, mode, size, mtime, chksum, kind, link, prefix = _HEADER.unpack(block)
+    try:
+        if (mode[0] | size[0] | mtime[0]) & 0x80:
+            raise ValueError("base-256")
+        if int(chksum.split(b"\0", 1)[0].strip() or b"0", 8) != sum(block) - sum(chksum) + 256:
+            raise ValueError("checksum")
+        imode = int(mode.split(b"\0", 1)[0].strip() or b"0", 8)
+        isize = int(size.split(b"\0", 1)[0].strip() or b"0", 8)
+        imtime = int(mtime.split(b"\0", 1)[0].strip() or b"0", 8)
+    except ValueError:
+        try:
+            info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        except (tarfile.HeaderError, ValueError) as exc:
+            raise HostileArchive(f"bad tar header ({exc})") from exc
+        return (
+            info.type,
+            info.name.encode("utf-8", "surrogateescape"),
+            info.linkname.encode("utf-8", "surrogateescape"),
+            info.mode,
+            info.size,
+            int(info.mtime),
+        )
+    name = name.split(b"\0", 1)[0]
+    if kind == tarfile.AREGTYPE and name.endswith(b"/"):
+        kind = tarfile.DIRTYPE
+    if kind == tarfile.DIRTYPE:
+        name = name.rstrip(b"/")
+    prefix = prefix.split(b"\0", 1)[0]
+    if prefix and kind not in _GNU_TYPES:
+        name = prefix + b"/" + name
+    return kind, name, link.split(b"\0", 1)[0], imode, isize, imtime
 
 
 class _Reader:
@@ -320,12 +361,12 @@ class _Reader:
         if size and len(self.read(size, what)) != size:
             raise HostileArchive(f"truncated archive: stream ends inside {what}")
 
-    def copy_to(self, fd: int, size: int, what: str) -> None:
+    def copy_to(self, fd: int, size: int, name: bytes) -> None:
         """Write the next ``size`` payload bytes to ``fd`` straight from the buffer."""
         mv = self._mv
         while size:
             if self._pos == self._end and not self._fill():
-                raise HostileArchive(f"truncated archive: stream ends inside {what}")
+                raise HostileArchive(f"truncated archive: stream ends inside {_show(name)}")
             take = min(size, self._end - self._pos)
             start = self._pos
             stop = start + take
@@ -462,28 +503,27 @@ class _Extractor:
         long_name: bytes | None = None
         long_link: bytes | None = None
         while True:
-            where = f"header at offset {reader.offset}"
+            at = reader.offset
             block = reader.read(_BLOCK, "a header")
             if not block:
                 raise HostileArchive("truncated archive: no end-of-archive marker")
             if block == _ZERO_BLOCK:
                 if pax is not None or long_name is not None or long_link is not None:
-                    raise HostileArchive(f"{where}: extended header without a member")
+                    raise HostileArchive(f"header at offset {at}: extended header alone")
                 if not reader.rest_is_zero():
                     raise HostileArchive("data after the end-of-archive marker")
                 return False
             try:
-                info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
-            except (tarfile.HeaderError, ValueError) as exc:
-                raise HostileArchive(f"{where}: bad tar header ({exc})") from exc
-            kind = info.type
+                kind, name, link, mode, size, mtime = _header(block)
+            except HostileArchive as exc:
+                raise HostileArchive(f"header at offset {at}: {exc.args[0]}") from exc
             if kind not in _EXTENDED:
                 break
-            size = info.size
+            where = f"header at offset {at}"
             if not 0 <= size <= _MAX_EXT_HEADER:
                 raise HostileArchive(f"{where}: extended header of {size} bytes")
-            data = reader.read(size, "an extended header") if size else b""
-            if size and not data:
+            data = reader.read(size, "an extended header")
+            if len(data) != size:
                 raise HostileArchive("truncated archive: stream ends inside an extended header")
             reader.skip(-size % _BLOCK, "padding")
             if kind == tarfile.XHDTYPE:
@@ -491,7 +531,7 @@ class _Extractor:
                     raise HostileArchive(f"{where}: repeated pax header")
                 pax = _parse_pax(data, where)
             elif kind == tarfile.XGLTYPE:
-                self._count(where)
+                self._count(where.encode())
                 self.pax_global.update(_parse_pax(data, where))
             elif kind == tarfile.GNUTYPE_LONGNAME:
                 if long_name is not None:
@@ -502,21 +542,21 @@ class _Extractor:
                     raise HostileArchive(f"{where}: repeated GNU long link")
                 long_link = data.split(b"\0", 1)[0]
 
-        ext = self.pax_global
-        if pax is not None:
-            ext = {**ext, **pax}
-        name = ext.get(b"path") or long_name or info.name.encode("utf-8", "surrogateescape")
-        self._count(_show(name))
-        mtime_ns = int(info.mtime) * _NS
-        size = info.size
-        if ext:
+        mtime_ns = mtime * _NS
+        if pax is not None or self.pax_global or long_name is not None or long_link is not None:
+            ext = {**self.pax_global, **(pax or {})}
+            name = ext.get(b"path") or long_name or name
+            link = ext.get(b"linkpath") or long_link or link
             if ext.get(b"mtime"):
-                mtime_ns = _pax_time_ns(ext[b"mtime"], _show(name))
+                mtime_ns = _pax_time_ns(ext[b"mtime"], name)
             if ext.get(b"size"):
-                size = _pax_int(ext[b"size"], _show(name))
+                if not ext[b"size"].isdigit():
+                    raise HostileArchive(f"{_show(name)}: malformed pax size")
+                size = int(ext[b"size"])
+        self._count(name)
         if not -_MAX_NS <= mtime_ns <= _MAX_NS:
             raise HostileArchive(f"{_show(name)}: mtime out of range")
-        mode = info.mode & 0o7777
+        mode &= 0o7777
         if kind in _REGULAR:
             self._file(name, mode, size, mtime_ns)
             return True
@@ -525,37 +565,31 @@ class _Extractor:
         if kind == tarfile.DIRTYPE:
             self._dir(name, mode, mtime_ns)
         elif kind == tarfile.SYMTYPE:
-            target = ext.get(b"linkpath") or long_link
-            if target is None:
-                target = info.linkname.encode("utf-8", "surrogateescape")
-            self._symlink(name, target, mtime_ns)
+            self._symlink(name, link, mtime_ns)
         elif kind == tarfile.LNKTYPE:
-            target = ext.get(b"linkpath") or long_link
-            if target is None:
-                target = info.linkname.encode("utf-8", "surrogateescape")
-            self._hardlink(name, target)
+            self._hardlink(name, link)
         else:
             what = _KNOWN_BAD.get(kind, f"unsupported member type {kind!r}")
             raise HostileArchive(f"{_show(name)}: {what}")
         return True
 
-    def _count(self, what: str) -> None:
+    def _count(self, name: bytes) -> None:
         self.members += 1
         if self.members > self.limits.max_files:
-            raise LimitExceeded(f"{what}: more than {self.limits.max_files} members")
+            raise LimitExceeded(f"{_show(name)}: more than {self.limits.max_files} members")
         self.unchecked_members += 1
         if self.unchecked_members >= _SPACE_CHECK_MEMBERS:
             self._check_space(0)
 
     # -- creators -----------------------------------------------------------------------------
 
-    def _parent(self, parts: list[bytes], shown: str) -> int:
+    def _parent(self, parts: list[bytes], name: bytes) -> int:
         if len(parts) == 1:
             return self.root_fd
         try:
             return self.dirs.fd_for(parts[:-1])
         except OSError as exc:
-            raise _refuse_os(exc, shown) from exc
+            raise _refuse_os(exc, _show(name)) from exc
 
     def _file(self, name: bytes, mode: int, size: int, mtime_ns: int) -> None:
         parts = _split(name, is_dir=False)
@@ -568,7 +602,7 @@ class _Extractor:
         self.unchecked_bytes += size
         if self.unchecked_bytes >= _SPACE_CHECK_BYTES:
             self._check_space(size)
-        parent = self._parent(parts, _show(name))
+        parent = self._parent(parts, name)
         try:
             fd = os.open(parts[-1], _FILE_FLAGS, mode, dir_fd=parent)
         except OSError as exc:
@@ -577,7 +611,7 @@ class _Extractor:
             remaining = size
             while remaining:
                 step = min(remaining, _CHUNK)
-                self.reader.copy_to(fd, step, _show(name))
+                self.reader.copy_to(fd, step, name)
                 remaining -= step
                 if remaining:
                     if self.check_cancel is not None:
@@ -606,7 +640,7 @@ class _Extractor:
                 raise HostileArchive(f"{_show(name)}: the root directory appears twice")
             self.root_meta = (mode, mtime_ns)
             return
-        parent = self._parent(parts, _show(name))
+        parent = self._parent(parts, name)
         try:
             os.mkdir(parts[-1], 0o700, dir_fd=parent)
         except OSError as exc:
@@ -621,7 +655,7 @@ class _Extractor:
     def _symlink(self, name: bytes, target: bytes, mtime_ns: int) -> None:
         parts = _split(name, is_dir=False)
         _check_symlink(name, target, len(parts) - 1)
-        parent = self._parent(parts, _show(name))
+        parent = self._parent(parts, name)
         try:
             os.symlink(target, parts[-1], dir_fd=parent)
         except OSError as exc:
@@ -654,7 +688,7 @@ class _Extractor:
                 raise HostIOError(f"{shown}: {exc.strerror or exc}") from exc
             if not stat.S_ISREG(st.st_mode):
                 raise HostileArchive(f"{shown} is not an earlier regular file")
-            parent = self._parent(parts, _show(name))
+            parent = self._parent(parts, name)
             try:
                 os.link(
                     tparts[-1],
