@@ -117,10 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"wsync {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     parser.add_argument("--debug", action="store_true", help="debug logs and tracebacks")
+    # the same flags after the subcommand (``wsync pull ... --debug``); SUPPRESS
+    # keeps a subparser from resetting a flag given before the subcommand
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
         "pull",
+        parents=[common],
         help="copy a sandbox workspace into DEST, exactly",
         description="Copy the workspace named by SANDBOX into DEST. DEST ends up holding exactly "
         "the guest's tree (it is replaced atomically), or is left untouched on failure. "
@@ -184,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser(
         "doctor",
+        parents=[common],
         help="probe a sandbox and measure whether its exec channel loses bytes",
         description="Probe the guest's tools, then measure the backend the way the field reports "
         "do: random files of 16K..4M read back with one plain exec each (exit code trusted), "
@@ -196,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser(
         "demo",
+        parents=[common],
         help="show a lossy backend corrupting a naive copy while wsync comes back exact",
         description="Create a sample workspace, pull it through a backend with every field-report "
         "fault switched on, compare a naive single-stream copy with wsync pull, and print "

@@ -31,7 +31,7 @@ from wsync.errors import (
 from wsync.protocol import records, scripts
 from wsync.protocol.envelope import Envelope, EnvelopeParser, wire_length
 from wsync.protocol.hashing import ALGORITHMS, PROBE_ALGORITHM, PROBE_INPUT, Algorithm
-from wsync.protocol.policy import backoff
+from wsync.protocol.policy import SIZE_FAULTS, backoff
 from wsync.transports.base import Transport
 
 log = structlog.get_logger("wsync.guest")
@@ -113,7 +113,8 @@ class GuestSession:
                 last, detail = "transport", str(exc)
             self.stats.retries += 1
             self.stats.faults[last] += 1
-            self.on_loss()
+            if last in SIZE_FAULTS:
+                self.on_loss()
             log.debug("retry", call=what, attempt=attempt, fault=last, detail=detail)
             if attempt < self.options.max_attempts:
                 await asyncio.sleep(backoff(attempt, rng=self._rng))
