@@ -327,3 +327,32 @@ def test_token_file_unix_socket_and_state_dir_lock(tmp_path: Path) -> None:
         assert not sock.exists(), "the unix socket is removed on a clean exit"
     finally:
         daemon.close()
+
+
+def test_log_redaction_masks_secret_keys_registered_values_and_url_passwords() -> None:
+    from wsync.daemon.logs import REDACTED, redact, register_secret
+
+    register_secret("s3cr3t-backend-token")
+    event = redact(
+        None,
+        "info",
+        {
+            "event": "pull.start",
+            "token": "abc",
+            "Authorization": "Bearer abc",
+            "options": {"sprites_token": "x", "ssh_key": "/etc/wsync/key", "token_file": "/t"},
+            "note": "sent s3cr3t-backend-token upstream",
+            "uri": "ssh://agent:hunter2@host/work",
+            "argv": ["x", "s3cr3t-backend-token"],
+        },
+    )
+    assert event["token"] == REDACTED and event["Authorization"] == REDACTED
+    assert event["options"] == {
+        "sprites_token": REDACTED,
+        "ssh_key": "/etc/wsync/key",
+        "token_file": "/t",
+    }
+    assert event["note"] == f"sent {REDACTED} upstream"
+    assert event["uri"] == f"ssh://agent:{REDACTED}@host/work"
+    assert event["argv"] == ["x", REDACTED]
+    assert event["event"] == "pull.start"

@@ -359,17 +359,13 @@ class JobManager:
             else:
                 job.exit_code = 0
         except asyncio.CancelledError:
-            state = "cancelled" if run.cancel_requested or not self._shutting_down else "queued"
-            summary = self._failure(job, None)
-            job.error = (
-                "cancelled by request"
-                if state == "cancelled"
-                else "interrupted by daemon shutdown; resumes on restart"
-            )
-            job.error_kind, job.exit_code = "interrupted", 130
-            summary.update(error=job.error, error_kind="interrupted", exit_code=130)
+            state, summary = self._interrupted(job, run)
         except WsyncError as err:
-            summary = self._failure(job, err)
+            if run.cancel_requested or self._shutting_down:
+                # the engine failed *because* it was cancelled: report the cancel
+                state, summary = self._interrupted(job, run)
+            else:
+                summary = self._failure(job, err)
         except Exception as err:  # a bug: keep the daemon alive, report exit 1
             log.exception("pull.crashed")
             summary = self._failure(job, InternalError(f"{type(err).__name__}: {err}"))
@@ -397,6 +393,19 @@ class JobManager:
         )
         self._announce(job)
         self._pump()
+
+    def _interrupted(self, job: Job, run: _Running) -> tuple[str, dict[str, Any]]:
+        """A cancel by request ends the job; a shutdown puts it back in the queue."""
+        state = "cancelled" if run.cancel_requested or not self._shutting_down else "queued"
+        summary = self._failure(job, None)
+        job.error = (
+            "cancelled by request"
+            if state == "cancelled"
+            else "interrupted by daemon shutdown; resumes on restart"
+        )
+        job.error_kind, job.exit_code = "interrupted", 130
+        summary.update(error=job.error, error_kind="interrupted", exit_code=130)
+        return state, summary
 
     def _failure(self, job: Job, err: WsyncError | None) -> dict[str, Any]:
         """A failed job's result: the PullResult shape, filled from the last progress."""

@@ -93,6 +93,10 @@ def configure(level: str = "info") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+    for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).handlers.clear()
         logging.getLogger(name).propagate = True
+    # one line per request would drown the pull logs; the API has metrics instead
+    access = logging.getLogger("uvicorn.access")
+    access.handlers.clear()
+    access.propagate = False
