@@ -34,6 +34,10 @@ from wsync.errors import UsageError, WsyncError
 SSE_KEEPALIVE = 15.0
 
 
+class Unauthorized(Exception):
+    """Missing or wrong bearer token (HTTP 401)."""
+
+
 class AppState:
     """What the routes need from the running daemon; the server owns its lifetime."""
 
@@ -151,13 +155,10 @@ def create_app(state: AppState) -> FastAPI:
             given.strip().encode(), state.token.encode()
         )
         if not ok:
-            raise _Unauthorized()
+            raise Unauthorized()
 
-    class _Unauthorized(Exception):
-        pass
-
-    @app.exception_handler(_Unauthorized)
-    async def _unauthorized(_request: Request, _err: _Unauthorized) -> JSONResponse:
+    @app.exception_handler(Unauthorized)
+    async def _unauthorized(_request: Request, _err: Unauthorized) -> JSONResponse:
         return _error(
             401, "missing or wrong bearer token", "auth", **{"WWW-Authenticate": "Bearer"}
         )
