@@ -4,37 +4,63 @@ from __future__ import annotations
 
 import random
 
-from wsync.protocol.policy import ReadSizer, backoff
+from wsync.protocol.policy import ReadSizer, backoff, bucket
 from wsync.protocol.scripts import BLOCK
 
+MiB = 1 << 20
 
-def test_read_size_grows_shrinks_and_stays_aligned() -> None:
-    sizer = ReadSizer(maximum=4 << 20, start=1 << 20)
-    sizer.success()
-    assert sizer.size == 2 << 20
+
+def test_buckets_are_power_of_two_blocks() -> None:
+    assert bucket(1) == BLOCK
+    assert bucket(BLOCK) == BLOCK
+    assert bucket(BLOCK + 1) == 2 * BLOCK
+    assert bucket(3 * MiB) == 4 * MiB
+
+
+def test_read_size_grows_on_success_and_stays_aligned() -> None:
+    sizer = ReadSizer(maximum=4 * MiB, start=MiB)
+    sizer.success(MiB)
+    assert sizer.size == 2 * MiB
     for _ in range(10):
-        sizer.success()
-    assert sizer.size == 4 << 20
-    sizer.loss()
-    assert sizer.size == 4 << 20  # one loss may be chance
-    for _ in range(20):
-        sizer.loss()
-    assert sizer.size == BLOCK
-    assert sizer.size % BLOCK == 0
+        sizer.success(sizer.size)
+    assert sizer.size == 4 * MiB
 
 
-def test_a_size_that_keeps_failing_is_not_retried_every_other_read() -> None:
+def test_a_size_that_always_fails_is_left_quickly_and_probed_rarely() -> None:
     """Model a backend that loses every read above 96 KiB (a pre-attach ring)."""
-    sizer = ReadSizer(maximum=4 << 20, start=1 << 20, patience=32)
-    failures = 0
-    for _ in range(1000):
+    sizer = ReadSizer(maximum=4 * MiB, start=MiB, decay=64)
+    failures = reads = 0
+    while reads < 1000:
         if sizer.size > 96 * 1024:
             failures += 1
-            sizer.loss()
+            sizer.loss(sizer.size, delivered=96 * 1024)
         else:
-            sizer.success()
-    # two losses (one may be chance) per probe after ``patience`` clean reads
-    assert failures < 1000 * 2 / 32 + 10
+            reads += 1
+            sizer.success(sizer.size)
+    assert sizer.size <= 96 * 1024
+    assert failures < 60  # two failed probes per 64 reads, not one in two
+
+
+def test_the_first_read_finds_the_ring_size_in_two_failures() -> None:
+    sizer = ReadSizer(maximum=4 * MiB, start=MiB)
+    sizer.loss(MiB, delivered=64 * 1024 + 100)
+    assert sizer.size == MiB  # once may be chance
+    sizer.loss(MiB, delivered=64 * 1024 + 100)
+    assert sizer.size == 64 * 1024
+
+
+def test_random_losses_do_not_shrink_reads() -> None:
+    """35% of reads lost at random, at every size: reads stay large."""
+    sizer = ReadSizer(maximum=4 * MiB, start=4 * MiB)
+    rng = random.Random(3)
+    sizes = []
+    for _ in range(2000):
+        if rng.random() < 0.35:
+            sizer.loss(sizer.size)
+        else:
+            sizer.success(sizer.size)
+        sizes.append(sizer.size)
+    assert sum(sizes) / len(sizes) > 2 * MiB
 
 
 def test_backoff_is_capped_and_jittered() -> None:
@@ -42,15 +68,3 @@ def test_backoff_is_capped_and_jittered() -> None:
     waits = [backoff(attempt, rng=rng) for attempt in range(1, 40)]
     assert all(0 <= w <= 2.0 for w in waits)
     assert len(set(waits)) > 30
-
-
-def test_random_isolated_losses_do_not_shrink_reads() -> None:
-    sizer = ReadSizer(maximum=4 << 20, start=4 << 20)
-    rng = random.Random(3)
-    for _ in range(1000):
-        if rng.random() < 0.1:
-            sizer.loss()
-            sizer.success()  # the retry succeeded
-        else:
-            sizer.success()
-    assert sizer.size == 4 << 20

@@ -31,7 +31,7 @@ from wsync.errors import (
 from wsync.protocol import records, scripts
 from wsync.protocol.envelope import Envelope, EnvelopeParser, wire_length
 from wsync.protocol.hashing import ALGORITHMS, PROBE_ALGORITHM, PROBE_INPUT, Algorithm
-from wsync.protocol.policy import SIZE_FAULTS, backoff
+from wsync.protocol.policy import SIZE_FAULTS, ReadSizer, backoff
 from wsync.transports.base import Transport
 
 log = structlog.get_logger("wsync.guest")
@@ -66,8 +66,6 @@ class GuestSession:
         self.algorithm: Algorithm | None = None
         self.snapshot = ""
         self._rng = random.Random()  # noqa: S311 - backoff jitter, not a secret
-        #: called on every detected loss (the pull shrinks its read size)
-        self.on_loss: Callable[[], None] = lambda: None
 
     # -- the one retry loop ----------------------------------------------------
 
@@ -78,8 +76,15 @@ class GuestSession:
         *,
         max_length: int,
         algorithm: Algorithm | None = None,
+        observe: Callable[[str | None, int], None] | None = None,
     ) -> Envelope:
+        """Exec ``build(nonce)`` until a verified envelope comes back.
+
+        ``observe`` hears the outcome of every attempt: None for success, or
+        the fault kind, and how many bytes arrived (the read size listens here).
+        """
         last = "none"
+        received = 0
         for attempt in range(1, self.options.max_attempts + 1):
             nonce = secrets.token_hex(8)
             argv = build(nonce)
@@ -92,6 +97,7 @@ class GuestSession:
                     max_output=bound,
                 )
                 self.stats.transferred += len(result.stdout)
+                received = len(result.stdout)
                 parser = EnvelopeParser(
                     nonce,
                     algorithm=algorithm or self.algorithm,
@@ -103,18 +109,20 @@ class GuestSession:
                 envelope = parser.result()
                 if envelope.noise or envelope.trailing:
                     self.stats.faults["extra-bytes"] += 1
+                if observe is not None:
+                    observe(None, received)
                 return envelope
             except ProtocolError as exc:
                 last = exc.fault
                 detail = str(exc)
             except TransportTimeout as exc:
-                last, detail = "timeout", str(exc)
+                last, detail, received = "timeout", str(exc), 0
             except TransportError as exc:
-                last, detail = "transport", str(exc)
+                last, detail, received = "transport", str(exc), 0
             self.stats.retries += 1
             self.stats.faults[last] += 1
-            if last in SIZE_FAULTS:
-                self.on_loss()
+            if observe is not None:
+                observe(last, received)
             log.debug("retry", call=what, attempt=attempt, fault=last, detail=detail)
             if attempt < self.options.max_attempts:
                 await asyncio.sleep(backoff(attempt, rng=self._rng))
@@ -200,21 +208,21 @@ class GuestSession:
         return records.parse_status(envelope.payload, self.algorithm)
 
     async def read(
-        self, file: str, offset: int, length: int, size: Callable[[], int] | None = None
+        self, file: str, offset: int, length: int, sizer: ReadSizer | None = None
     ) -> bytes:
         """Read ``file[offset:offset+n]`` verified, where n ≤ ``length``.
 
-        Without ``size`` exactly ``length`` bytes are read.  With it, every
-        attempt asks for ``min(size(), length)`` bytes, so a read size that
-        shrinks after a loss takes effect on the very next retry; the caller
-        continues from ``offset + len(result)``.
+        Without ``sizer`` exactly ``length`` bytes are read.  With it, every
+        attempt asks for ``min(sizer.size, length)`` bytes and reports how it
+        went, so a read size that shrinks after a loss takes effect on the very
+        next retry; the caller continues from ``offset + len(result)``.
         """
         assert self.algorithm is not None
         algorithm = self.algorithm.name
         asked = [length]
 
         def build(nonce: str) -> list[str]:
-            asked[0] = min(size(), length) if size is not None else length
+            asked[0] = min(sizer.size, length) if sizer is not None else length
             return scripts.read(
                 gate=self.gate,
                 nonce=nonce,
@@ -227,7 +235,17 @@ class GuestSession:
                 length=asked[0],
             )
 
-        envelope = await self.call(f"read {file}@{offset}", build, max_length=length)
+        def observe(fault: str | None, received: int) -> None:
+            if sizer is None:
+                return
+            if fault is None:
+                sizer.success(asked[0])
+            elif fault in SIZE_FAULTS:
+                sizer.loss(asked[0], received)
+
+        envelope = await self.call(
+            f"read {file}@{offset}", build, max_length=length, observe=observe
+        )
         if not envelope.ok:
             raise StagingFailed(f"reading {file}: {records.printable(envelope.text)}")
         if len(envelope.payload) != asked[0]:

@@ -112,7 +112,6 @@ class _Pull:
         self.stats = CallStats()
         self.session = GuestSession(transport, options, self.stats)
         self.sizer = ReadSizer(options.chunk_size)
-        self.session.on_loss = self.sizer.loss
         self.progress = Progress()
         self.warnings: list[str] = []
         self.reconciled = False
@@ -318,17 +317,13 @@ class _Pull:
             self.progress.bytes_fetched += len(data)
             self.emit()
 
-    def read_size(self) -> int:
-        return self.sizer.size
-
     async def fetch_chunk(self, chunk: Chunk, plan: GuestPlan) -> bytes:
         for _ in range(self.options.max_attempts):
             buf = bytearray()
             while len(buf) < chunk.length:
                 buf += await self.session.read(
-                    "data", chunk.offset + len(buf), chunk.length - len(buf), self.read_size
+                    "data", chunk.offset + len(buf), chunk.length - len(buf), self.sizer
                 )
-                self.sizer.success()
             if plan.algorithm.digest(buf) == chunk.digest:
                 return bytes(buf)
             self.stats.faults["chunk-hash-mismatch"] += 1

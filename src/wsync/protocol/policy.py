@@ -14,47 +14,70 @@ import random
 from wsync.protocol.scripts import BLOCK
 
 
+def bucket(length: int) -> int:
+    """The power-of-two multiple of BLOCK that a read of ``length`` bytes is judged in."""
+    size = BLOCK
+    while size < length:
+        size *= 2
+    return size
+
+
 class ReadSizer:
     """Adaptive read size, shared by all readers of one pull.
 
-    Losses that depend on size (a 64 KiB pre-attach ring, a frame limit) repeat
-    at that size every time; random losses do not.  So a loss halves the read
-    size only when the previous read was lost too; then the ceiling drops to
-    the new size and is probed upwards again only after ``patience`` clean
-    reads.  A backend that always loses above some size costs about one failed
-    read per ``patience`` reads; random faults do not shrink reads at all.
+    Losses that depend on size (a 64 KiB pre-attach ring, a frame limit) hit
+    every read above that size; random losses hit reads of any size now and
+    then.  So the sizer keeps, per power-of-two size, the balance of reads that
+    came back whole against reads that lost their head or tail.  A size is
+    left once its losses outnumber its successes by two (random faults rarely
+    manage that; a ring does it in two reads), and the next size tried is
+    below what those failed reads actually delivered, which for a ring is the
+    ring size.  The size grows one doubling per success while the bigger size
+    is not known bad.  Balances decay (halve every ``decay`` reads), so a size
+    that failed is probed again now and then.
     """
 
     def __init__(
-        self, maximum: int, start: int = 1024 * 1024, minimum: int = BLOCK, patience: int = 32
+        self, maximum: int, start: int = 1024 * 1024, minimum: int = BLOCK, decay: int = 64
     ) -> None:
-        self.minimum = minimum
-        self.maximum = max(minimum, maximum)
-        self.patience = patience
-        self.ceiling = self.maximum
-        self.size = self._clamp(start)
-        self._clean = 0
-        self._lost = 0
+        self.minimum = bucket(minimum)
+        self.maximum = max(self.minimum, maximum - maximum % BLOCK)
+        self.decay = decay
+        self._balance: dict[int, int] = {}  # losses minus successes, per size
+        self._delivered: dict[int, int] = {}  # most bytes a lost read of this size got
+        self._events = 0
+        self.size = max(self.minimum, min(self.maximum, bucket(start)))
 
-    def _clamp(self, size: int) -> int:
-        size = max(self.minimum, min(self.ceiling, size))
-        return size - size % BLOCK or BLOCK
+    def usable(self, size: int) -> bool:
+        size = bucket(size)
+        return size <= self.minimum or self._balance.get(size, 0) < 2
 
-    def success(self) -> None:
-        self._lost = 0
-        self._clean += 1
-        if self._clean >= self.patience and self.ceiling < self.maximum:
-            self.ceiling = min(self.maximum, self.ceiling * 2)
-            self._clean = 0
-        self.size = self._clamp(self.size * 2)
+    def success(self, length: int) -> None:
+        size = bucket(length)
+        self._balance[size] = self._balance.get(size, 0) - 1
+        self._tick()
+        bigger = min(self.maximum, self.size * 2)
+        if self.usable(bigger):
+            self.size = bigger
 
-    def loss(self) -> None:
-        """A read came back damaged in a way a smaller read might avoid."""
-        self._lost += 1
-        self._clean = 0
-        if self._lost >= 2:
-            self.ceiling = max(self.minimum, self.size // 2)
-            self.size = self._clamp(self.size // 2)
+    def loss(self, length: int, delivered: int = 0) -> None:
+        """A read of ``length`` bytes lost its head or tail; ``delivered`` bytes arrived."""
+        size = bucket(length)
+        self._balance[size] = self._balance.get(size, 0) + 1
+        self._delivered[size] = max(self._delivered.get(size, 0), delivered)
+        self._tick()
+        if not self.usable(self.size):
+            hint = self.minimum
+            while hint * 2 <= self._delivered.get(bucket(self.size), 0):
+                hint *= 2
+            self.size = max(self.minimum, min(self.size // 2, hint))
+            while not self.usable(self.size):
+                self.size = max(self.minimum, self.size // 2)
+
+    def _tick(self) -> None:
+        self._events += 1
+        if self._events % self.decay == 0:
+            self._balance = {k: v // 2 if v > 0 else 0 for k, v in self._balance.items()}
 
 
 #: faults a smaller read may avoid (the others say nothing about size)
