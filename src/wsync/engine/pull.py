@@ -19,6 +19,7 @@ untouched; the journal stays, so the next run resumes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import secrets
@@ -117,6 +118,11 @@ class _Pull:
         self.reconciled = False
         self.last_emit = 0.0
         self.done_digest = ""
+        #: journal writes run here, so that a cancelled pull can wait for the
+        #: writes in flight before it releases the journal (to_thread cannot)
+        self.io = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, options.parallel), thread_name_prefix="wsync-journal"
+        )
 
     # -- progress ----------------------------------------------------------------
 
@@ -139,6 +145,8 @@ class _Pull:
         plan = await self.session.probe(self.workspace)
         snapshot = self.choose_snapshot(plan)
         self.progress.snapshot = snapshot
+        # every later log line of this pull (workers inherit the context) names it
+        structlog.contextvars.bind_contextvars(snapshot=snapshot)
         self.emit("admit")
         self.reconciled = await self.session.admit(snapshot, self.workspace, plan.compressor)
         journaled = self.journal.chunks()
@@ -183,10 +191,12 @@ class _Pull:
         except BaseException:
             feed.abort("pull stopped")
             thread.join(timeout=60)
+            self.io.shutdown(wait=True)
             with contextlib.suppress(OSError):
                 rmtree(tmp)
             raise
         finally:
+            self.io.shutdown(wait=True)
             feed.close()
         if old is not None:
             with contextlib.suppress(OSError):
@@ -311,7 +321,8 @@ class _Pull:
     ) -> None:
         while (chunk := await queue.get()) is not None:
             data = await self.fetch_chunk(chunk, plan)
-            path = await asyncio.to_thread(self.journal.store, chunk.seq, chunk.digest, data)
+            store = self.io.submit(self.journal.store, chunk.seq, chunk.digest, data)
+            path = await asyncio.wrap_future(store)
             feed.publish(chunk.seq, path)
             self.progress.chunks_done += 1
             self.progress.bytes_fetched += len(data)
