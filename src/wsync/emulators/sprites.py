@@ -181,6 +181,31 @@ def kill_group(proc: asyncio.subprocess.Process) -> None:
         proc.kill()
 
 
+async def end_process(proc: asyncio.subprocess.Process, *, kill: bool) -> int:
+    """Optionally kill, then close the pipes and reap; returns the raw return code.
+
+    Closing the subprocess transport matters: asyncio's ``wait()`` resolves only
+    once every pipe is disconnected, and a pipe whose reader was abandoned (its
+    buffer full, reading paused) never sees EOF — ``wait()`` would hang and the
+    transport would leak.  There is no public close on ``Process``.
+    """
+    if kill:
+        kill_group(proc)
+    elif proc.returncode is None:
+        # pipes all closed but the command still runs: wait for it (the session
+        # is cancelled, and the command killed, if the client goes away)
+        return await proc.wait()
+    transport = getattr(proc, "_transport", None)
+    if transport is not None:
+        transport.close()
+    try:
+        async with asyncio.timeout(10):
+            return await proc.wait()
+    except TimeoutError:
+        log.warning("sprites emulator: pid %d did not exit after close", proc.pid)
+        return -signal.SIGKILL
+
+
 class _Session:
     """One exec: a subprocess, its output pipeline and one WebSocket."""
 
@@ -281,12 +306,13 @@ class _Session:
                 asyncio.create_task(self.pump(STDERR, proc.stderr)): STDERR,
             }
             try:
-                code = await proc.wait()
-                # a signal death is reported the way a shell does: 128 + signal number
-                self.exit_code = code if code >= 0 else 128 - code
+                # Not ``proc.wait()`` first: asyncio only reports the exit once every
+                # pipe is closed, and a child of the command may hold them open.
                 pending = set(pumps)
                 while pending:
                     _, pending = await asyncio.wait(pending, timeout=PIPE_GRACE)
+                    if proc.returncode is None:
+                        continue
                     for task in pending:
                         if pumps[task] in self.reading:  # a child holds the pipe open
                             task.cancel()
@@ -295,6 +321,9 @@ class _Session:
                 for task in pumps:
                     task.cancel()
                 await asyncio.gather(*pumps, return_exceptions=True)
+            code = await end_process(proc, kill=False)
+            # a signal death is reported the way a shell does: 128 + signal number
+            self.exit_code = code if code >= 0 else 128 - code
         if self.held_err:
             data, self.held_err = self.held_err, b""
             self.plan.merged = False
@@ -432,17 +461,9 @@ class _Session:
             await self.reap()
 
     async def reap(self) -> None:
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.returncode is None:
-            kill_group(proc)
-            await proc.wait()
-        # pipes abandoned to a lingering child would otherwise leak their transports
-        transport = getattr(proc, "_transport", None)
-        if transport is not None:
-            transport.close()
-        self.emu.procs.discard(proc)
+        if self.proc is not None:
+            await end_process(self.proc, kill=self.proc.returncode is None)
+            self.emu.procs.discard(self.proc)
 
 
 class SpritesEmulator:
@@ -500,9 +521,8 @@ class SpritesEmulator:
             await self._server.wait_closed()
             self._server = None
         for proc in list(self.procs):
-            if proc.returncode is None:
-                kill_group(proc)
-                await proc.wait()
+            await end_process(proc, kill=proc.returncode is None)
+        self.procs.clear()
 
     async def __aenter__(self) -> SpritesEmulator:
         await self.start()
