@@ -1,13 +1,13 @@
 """The confined extractor against real archives (GNU tar, busybox tar, tarfile-built hostile ones).
 
 Every test writes real files under ``tmp_path``: the extraction root sits two levels deep so
-that an escape via ``..`` would land in a directory the test watches (``_outside`` snapshot).
+that an escape via ``..`` would land in a directory the test watches (``outside`` snapshot).
+Parsing the stream itself (headers, truncation, trailers) is tested in ``test_tarstream.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import shutil
@@ -19,47 +19,30 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from extract_helpers import (
+    DIR,
+    LIMITS,
+    LNK,
+    SYM,
+    T0,
+    build,
+    extract,
+    gnu_tar,
+    make_root,
+    member,
+    outside,
+    restore_writable,
+    small_archive,
+    snapshot,
+)
 from wsync.engine.api import ExtractLimits, GiB, MiB
-from wsync.engine.extract import ExtractStats, _header, extract_tar_stream
+from wsync.engine.extract import extract_tar_stream
 from wsync.errors import HostileArchive, HostIOError, LimitExceeded, WsyncError
 
-T0 = 1_600_000_000  # whole seconds: GNU and busybox formats store seconds only
-LIMITS = ExtractLimits(min_free_bytes=0)
-
-
 # -- helpers ------------------------------------------------------------------------------------
-
-
-def snapshot(root: Path) -> dict[bytes, tuple[object, ...]]:
-    """Type, mode, mtime_ns, content hash, link target and hardlink group of every entry."""
-    out: dict[bytes, tuple[object, ...]] = {}
-    first_name: dict[int, bytes] = {}
-    base = os.fsencode(root)
-    for dirpath, dirnames, filenames in os.walk(base):
-        dirnames.sort()
-        for entry in (
-            [b"", *sorted(dirnames + filenames)]
-            if dirpath == base
-            else sorted(dirnames + filenames)
-        ):
-            path = os.path.join(dirpath, entry) if entry else dirpath
-            rel = os.path.relpath(path, base)
-            st = os.lstat(path)
-            mode = stat.S_IMODE(st.st_mode)
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", os.readlink(path), st.st_mtime_ns)
-            elif stat.S_ISDIR(st.st_mode):
-                out[rel] = ("dir", mode, st.st_mtime_ns)
-            else:
-                assert stat.S_ISREG(st.st_mode), rel
-                digest = hashlib.sha256(Path(os.fsdecode(path)).read_bytes()).hexdigest()
-                group = first_name.setdefault(st.st_ino, rel)
-                out[rel] = ("file", mode, st.st_mtime_ns, digest, group)
-    return out
 
 
 def make_tree(src: Path) -> None:
@@ -112,63 +95,7 @@ def make_tree(src: Path) -> None:
 
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
-    (tmp_path / "sentinel").write_text("outside")
-    (tmp_path / "outside").mkdir()
-    (tmp_path / "outside" / "passwd").write_text("secret")
-    root = tmp_path / "stage" / "root"
-    root.mkdir(parents=True)
-    return root
-
-
-def _outside(root: Path) -> dict[bytes, tuple[object, ...]]:
-    snap = snapshot(root.parent.parent)
-    return {k: v for k, v in snap.items() if not k.startswith(b"stage")}
-
-
-def extract(data: bytes, root: Path, limits: ExtractLimits = LIMITS) -> ExtractStats:
-    return extract_tar_stream(io.BufferedReader(io.BytesIO(data)), root, limits)  # type: ignore[arg-type]
-
-
-def member(
-    name: str,
-    kind: bytes = tarfile.REGTYPE,
-    data: bytes = b"",
-    *,
-    mode: int = 0o644,
-    link: str = "",
-    pax: dict[str, str] | None = None,
-) -> tuple[tarfile.TarInfo, bytes]:
-    info = tarfile.TarInfo(name)
-    info.type = kind
-    info.mode = mode
-    info.mtime = T0
-    info.linkname = link
-    info.size = len(data) if kind == tarfile.REGTYPE else 0
-    if pax:
-        info.pax_headers = pax
-    return info, data
-
-
-def build(*members: tuple[tarfile.TarInfo, bytes], fmt: int = tarfile.GNU_FORMAT) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(
-        fileobj=buf, mode="w", format=fmt, encoding="utf-8", errors="surrogateescape"
-    ) as tf:
-        for info, data in members:
-            tf.addfile(info, io.BytesIO(data) if info.isreg() else None)
-    return buf.getvalue()
-
-
-def gnu_tar(src: Path, *args: str) -> bytes:
-    return subprocess.run(
-        ["tar", *args, "-cf", "-", "-C", str(src), "."], check=True, capture_output=True
-    ).stdout
-
-
-def restore_writable(path: Path) -> None:
-    """Let pytest remove read-only directories when tests run as a normal user."""
-    for dirpath, _dirs, _files in os.walk(path):
-        os.chmod(dirpath, 0o755)
+    return make_root(tmp_path)
 
 
 # -- round trips --------------------------------------------------------------------------------
@@ -238,10 +165,6 @@ def test_symlink_climbing_to_root_alone_is_fine(root: Path) -> None:
 
 
 # -- hostile archives ---------------------------------------------------------------------------
-
-DIR = tarfile.DIRTYPE
-SYM = tarfile.SYMTYPE
-LNK = tarfile.LNKTYPE
 
 HOSTILE: dict[str, list[tuple[tarfile.TarInfo, bytes]]] = {
     "dotdot": [member("../sentinel", data=b"pwned")],
@@ -340,13 +263,13 @@ REASON: dict[str, str] = {
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_archive_is_refused(root: Path, case: str) -> None:
     fmt = tarfile.PAX_FORMAT if "pax" in case else tarfile.GNU_FORMAT
-    before = _outside(root)
+    before = outside(root)
     with pytest.raises(HostileArchive) as err:
         extract(build(*HOSTILE[case], fmt=fmt), root)
     message = str(err.value)
     assert REASON[case] in message
     assert "\n" not in message
-    assert _outside(root) == before
+    assert outside(root) == before
     assert not Path("/etc/wsync-test-pwned").exists()
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:  # whatever was created stays inside root
@@ -465,88 +388,10 @@ def test_min_free_bytes_refuses_a_large_file_before_writing(root: Path) -> None:
     assert os.listdir(root) == ["small"]
 
 
-# -- truncation and stream errors ---------------------------------------------------------------
+# -- cancellation and fds -----------------------------------------------------------------------
 
 
-@pytest.fixture
-def small_archive() -> bytes:
-    return build(
-        member("d", DIR),
-        member("d/a", data=b"A" * 5000),
-        member("d/b", data=b"B" * 700),
-        member("d/l", SYM, link="a"),
-    )
-
-
-def _offsets(archive: bytes) -> list[int]:
-    """Start offsets of each member header in a GNU-format archive."""
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tf:
-        return [m.offset for m in tf.getmembers()]
-
-
-def test_truncated_mid_member_is_refused(root: Path, small_archive: bytes) -> None:
-    cut = _offsets(small_archive)[1] + 512 + 2000  # inside d/a's data
-    with pytest.raises(HostileArchive, match="truncated"):
-        extract(small_archive[:cut], root)
-
-
-def test_truncated_mid_header_is_refused(root: Path, small_archive: bytes) -> None:
-    cut = _offsets(small_archive)[2] + 100
-    with pytest.raises(HostileArchive, match="truncated"):
-        extract(small_archive[:cut], root)
-
-
-@pytest.mark.parametrize("index", [1, 2, 3])
-def test_cut_at_member_boundary_without_end_marker_is_refused(
-    root: Path, small_archive: bytes, index: int
-) -> None:
-    with pytest.raises(HostileArchive, match="no end-of-archive marker"):
-        extract(small_archive[: _offsets(small_archive)[index]], root)
-
-
-def test_lone_zero_block_end_is_accepted(root: Path, small_archive: bytes) -> None:
-    end = _offsets(small_archive)[3] + 512
-    assert extract(small_archive[:end] + bytes(512), root).files == 2
-
-
-def test_data_after_end_marker_is_refused(root: Path, small_archive: bytes) -> None:
-    with pytest.raises(HostileArchive, match="after the end-of-archive"):
-        extract(small_archive + b"garbage", root)
-
-
-def test_corrupt_compressed_stream_is_refused(root: Path, small_archive: bytes) -> None:
-    frame = bytearray(zstandard.ZstdCompressor().compress(small_archive))
-    frame[len(frame) // 2] ^= 0xFF
-    reader = zstandard.ZstdDecompressor().stream_reader(bytes(frame))
-    with pytest.raises(HostileArchive), reader:
-        extract_tar_stream(reader, root, LIMITS)  # type: ignore[arg-type]
-
-
-def test_zstd_stream_reader_round_trip(tmp_path: Path, root: Path) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "f").write_bytes(os.urandom(5 * MiB))
-    os.utime(src / "f", (T0, T0))
-    os.utime(src, (T0, T0))
-    raw = zstandard.ZstdCompressor().compress(gnu_tar(src))
-    with zstandard.ZstdDecompressor().stream_reader(raw) as reader:
-        extract_tar_stream(reader, root, LIMITS)  # type: ignore[arg-type]
-    assert snapshot(root) == snapshot(src)
-
-
-def test_stream_oserror_is_a_host_error(root: Path) -> None:
-    class Broken(io.RawIOBase):
-        def readable(self) -> bool:
-            return True
-
-        def readinto(self, buf: memoryview) -> int:  # type: ignore[override]
-            raise OSError(5, "Input/output error")
-
-    with pytest.raises(HostIOError):
-        extract_tar_stream(Broken(), root, LIMITS)  # type: ignore[arg-type]
-
-
-def test_check_cancel_aborts(root: Path, small_archive: bytes) -> None:
+def test_check_cancel_aborts(root: Path) -> None:
     calls = []
 
     def cancel() -> None:
@@ -555,7 +400,7 @@ def test_check_cancel_aborts(root: Path, small_archive: bytes) -> None:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        extract_tar_stream(io.BytesIO(small_archive), root, LIMITS, check_cancel=cancel)
+        extract_tar_stream(io.BytesIO(small_archive()), root, LIMITS, check_cancel=cancel)
     assert len(calls) == 3
 
 
@@ -647,39 +492,3 @@ def test_fuzzed_archives_succeed_or_fail_cleanly(data: bytes) -> None:
                     assert path.resolve().is_relative_to(real_root)
         finally:
             restore_writable(root)
-
-
-@st.composite
-def header_blocks(draw: st.DrawFn) -> bytes:
-    info = tarfile.TarInfo(draw(st.binary(max_size=120)).decode("utf-8", "surrogateescape"))
-    info.type = draw(st.sampled_from([b"0", b"\0", b"1", b"2", b"5", b"7", b"L", b"x", b"S"]))
-    info.linkname = draw(st.binary(max_size=99)).decode("utf-8", "surrogateescape")
-    info.mode = draw(st.integers(0, 0o7777))
-    info.size = draw(st.integers(0, 2**40))
-    info.mtime = draw(st.integers(-(2**40), 2**40))
-    fmt = draw(st.sampled_from([tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT]))
-    try:
-        block = bytearray(info.tobuf(fmt, "utf-8", "surrogateescape")[-512:])
-    except ValueError:  # not representable in ustar
-        block = bytearray(info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")[-512:])
-    for _ in range(draw(st.integers(0, 3))):
-        block[draw(st.integers(0, 511))] = draw(st.integers(0, 255))
-        if draw(st.booleans()):  # re-seal the checksum so the mutation is parsed
-            block[148:156] = b"        "
-            block[148:156] = b"%06o\0 " % sum(block)
-    return bytes(block)
-
-
-@settings(max_examples=300, deadline=None)
-@given(header_blocks())
-def test_fast_header_parser_agrees_with_tarfile(block: bytes) -> None:
-    try:
-        info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
-    except (tarfile.HeaderError, ValueError):
-        # frombuf also rejects garbage in fields wsync ignores (uid, gid, device numbers)
-        with contextlib.suppress(HostileArchive):
-            _header(block)
-        return
-    enc = ("utf-8", "surrogateescape")
-    expected = (info.type, info.name.encode(*enc), info.linkname.encode(*enc))
-    assert _header(block) == (*expected, info.mode, info.size, int(info.mtime))

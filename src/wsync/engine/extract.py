@@ -1,15 +1,9 @@
 """The confined, streaming tar extractor: the guest's archive can only write inside ``root``.
 
-The guest is hostile (DESIGN.md, guarantee 5), so nothing in the archive is trusted.  Python's
-``tarfile`` is used for one thing only, parsing a 512-byte header
-(:meth:`tarfile.TarInfo.frombuf`); reading the stream, pax and GNU long-name records, and all
-file creation are done here, because ``tarfile``'s own stream reader
-
-* treats an invalid or short header in mid-archive as a normal end of archive, so a truncated
-  or corrupted stream "succeeds" with part of the tree;
-* reads a pax or GNU long-name record of any declared size into memory (a memory bomb), and
-  recurses once per chained extended header;
-* and this Python (3.11.7) predates the 2025 fixes to its extraction filters.
+The guest is hostile (DESIGN.md, guarantee 5), so nothing in the archive is trusted.  The
+stream is parsed into members by our own reader (:mod:`wsync.engine.tarstream`, which says why
+``tarfile``'s is not used); every member is judged and every file created here, not by
+``tarfile``, whose extraction filters in this Python (3.11.7) predate their 2025 fixes.
 
 Confinement
 -----------
@@ -38,9 +32,8 @@ way and must be a regular file (``lstat``), and only regular files are hardlinke
 Refused: absolute names, ``..`` components, empty names, NUL bytes, devices, FIFOs and every
 other type (sparse, volume, multi-volume, dump-dir...), setuid anywhere, setgid and sticky on
 non-directories (refused, never silently stripped; setgid and sticky on directories are kept),
-payloads on non-file members, data after the end-of-archive marker, and a stream that ends
-without one.  Truncation is reported as :class:`HostileArchive` ("truncated"): the pull driver
-has already checked length and hash, so a stream that still ends early is the guest's fault.
+and payloads on non-file members.  Malformed, truncated or trailing stream data is refused by
+the reader.
 
 Limits stop bombs before the bytes land: the member count and the sum of declared file sizes
 are checked from the header before anything is written, and free space on ``root``'s
@@ -49,11 +42,11 @@ every 64 MiB or 8192 members, so the filesystem cannot drop more than 64 MiB bel
 ``min_free_bytes``.
 
 Speed (one ``openat`` + ``write`` + ``futimens`` + ``close`` per small file, ``fchmod`` only when
-the umask changed the mode): the stream is read into one reused 1 MiB buffer (``readinto``)
-and file data is written straight from memoryview slices of it.  Directories are created 0o700
-so read-only ones do not block their children; their final mode and mtime are applied at the
-end in reverse creation order, which puts every directory after all its descendants.  Nothing is
-fsynced: the caller syncs the filesystem before swapping ``root`` into place.
+the umask changed the mode): file data is written straight from the reader's buffer.
+Directories are created 0o700 so read-only ones do not block their children; their final mode
+and mtime are applied at the end in reverse creation order, which puts every directory after
+all its descendants.  Nothing is fsynced: the caller syncs the filesystem before swapping
+``root`` into place.
 """
 
 from __future__ import annotations
@@ -62,7 +55,6 @@ import dataclasses
 import errno
 import os
 import stat
-import struct
 import tarfile
 import time
 from collections.abc import Callable, Sequence
@@ -70,21 +62,15 @@ from pathlib import Path
 from typing import BinaryIO
 
 from wsync.engine.api import ExtractLimits, MiB
+from wsync.engine.tarstream import TarReader, show_name
 from wsync.errors import HostileArchive, HostIOError, LimitExceeded, WsyncError
 
 __all__ = ["ExtractStats", "extract_tar_stream"]
 
-_BLOCK = 512
-_ZERO_BLOCK = bytes(_BLOCK)
-_BUFSIZE = 1 * MiB
-#: largest pax / GNU long-name record we read into memory
-_MAX_EXT_HEADER = 1 * MiB
 #: longest member name or link target, in bytes
 _MAX_NAME = 64 * 1024
 #: bytes of directory paths kept for the final metadata pass
 _MAX_DIR_META = 512 * MiB
-#: zero padding accepted after the end-of-archive marker (GNU tar pads to 10 KiB records)
-_MAX_TRAILER = 1 * MiB
 _SPACE_CHECK_BYTES = 64 * MiB
 _SPACE_CHECK_MEMBERS = 8192
 #: directory fds kept open along the current path
@@ -93,19 +79,15 @@ _CHUNK = 64 * MiB
 
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_NS = 1_000_000_000
 _MAX_NS = 2**63 - 1
 
 _REGULAR = frozenset((tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE))
-_EXTENDED = frozenset((tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, b"K"))
 _KNOWN_BAD = {
     tarfile.CHRTYPE: "character device",
     tarfile.BLKTYPE: "block device",
     tarfile.FIFOTYPE: "FIFO",
     tarfile.GNUTYPE_SPARSE: "GNU sparse file",
 }
-#: pax keywords we act on; every other keyword is ignored (uid, uname, atime, xattrs...)
-_PAX_KEYS = frozenset((b"path", b"linkpath", b"size", b"mtime"))
 
 
 @dataclasses.dataclass
@@ -145,12 +127,6 @@ def extract_tar_stream(
         os.close(root_fd)
 
 
-def _show(name: bytes) -> str:
-    """A member name for a one-line message: quoted, non-printables escaped, shortened."""
-    text = repr(name.decode("utf-8", "backslashreplace"))
-    return text if len(text) <= 160 else text[:120] + "..." + text[-30:]
-
-
 def _umask() -> int | None:
     """The process umask without changing it (racy ``os.umask`` is not thread-safe)."""
     try:
@@ -168,73 +144,42 @@ def _split(name: bytes, *, is_dir: bool) -> list[bytes]:
     if not name:
         raise HostileArchive("member with an empty name")
     if b"\0" in name:
-        raise HostileArchive(f"{_show(name)}: NUL byte in name")
+        raise HostileArchive(f"{show_name(name)}: NUL byte in name")
     if len(name) > _MAX_NAME:
-        raise HostileArchive(f"{_show(name)}: name longer than {_MAX_NAME} bytes")
+        raise HostileArchive(f"{show_name(name)}: name longer than {_MAX_NAME} bytes")
     if name[0] == 0x2F:  # "/"
-        raise HostileArchive(f"{_show(name)}: absolute name")
+        raise HostileArchive(f"{show_name(name)}: absolute name")
     parts = [p for p in name.split(b"/") if p and p != b"."]
     if b".." in parts:
-        raise HostileArchive(f"{_show(name)}: '..' component")
+        raise HostileArchive(f"{show_name(name)}: '..' component")
     if not is_dir and (not parts or name.endswith(b"/")):
-        raise HostileArchive(f"{_show(name)}: not a file name")
+        raise HostileArchive(f"{show_name(name)}: not a file name")
     return parts
 
 
 def _check_symlink(name: bytes, target: bytes, parent_depth: int) -> None:
     """Refuse a symlink whose target could resolve outside the tree (module docstring)."""
     if not target:
-        raise HostileArchive(f"{_show(name)}: symlink with an empty target")
+        raise HostileArchive(f"{show_name(name)}: symlink with an empty target")
     if b"\0" in target or len(target) > _MAX_NAME:
-        raise HostileArchive(f"{_show(name)}: malformed symlink target")
+        raise HostileArchive(f"{show_name(name)}: malformed symlink target")
     if target[0] == 0x2F:
-        raise HostileArchive(f"{_show(name)}: absolute symlink target {_show(target)}")
+        raise HostileArchive(f"{show_name(name)}: absolute symlink target {show_name(target)}")
     ups = 0
     seen_normal = False
     for part in target.split(b"/"):
         if part == b"..":
             if seen_normal:
-                raise HostileArchive(f"{_show(name)}: symlink target {_show(target)} has '..' late")
+                raise HostileArchive(
+                    f"{show_name(name)}: symlink target {show_name(target)} has '..' late"
+                )
             ups += 1
         elif part and part != b".":
             seen_normal = True
     if ups > parent_depth:
-        raise HostileArchive(f"{_show(name)}: symlink target {_show(target)} leaves the tree")
-
-
-def _parse_pax(data: bytes, where: str) -> dict[bytes, bytes]:
-    """Parse pax records (``"%d %s=%s\\n"``) strictly; keep only the keywords we act on."""
-    out: dict[bytes, bytes] = {}
-    pos = 0
-    end = len(data)
-    while pos < end:
-        space = data.find(b" ", pos, pos + 12)
-        digits = data[pos:space] if space > pos else b""
-        if not digits.isdigit():
-            raise HostileArchive(f"{where}: malformed pax record")
-        length = int(digits)
-        record_end = pos + length
-        if length < len(digits) + 3 or record_end > end or data[record_end - 1] != 0x0A:
-            raise HostileArchive(f"{where}: malformed pax record")
-        key, eq, value = data[space + 1 : record_end - 1].partition(b"=")
-        if not eq or not key:
-            raise HostileArchive(f"{where}: malformed pax record")
-        if key.startswith(b"GNU.sparse."):
-            raise HostileArchive(f"{where}: sparse files are not supported")
-        if key in _PAX_KEYS:
-            out[key] = value
-        pos = record_end
-    return out
-
-
-def _pax_time_ns(value: bytes, name: bytes) -> int:
-    """An exact pax timestamp (``[-]seconds[.fraction]``) in nanoseconds, no float rounding."""
-    neg = value.startswith(b"-")
-    whole, _, frac = (value[1:] if neg else value).partition(b".")
-    if not whole.isdigit() or (frac and not frac.isdigit()) or len(whole) > 30:
-        raise HostileArchive(f"{_show(name)}: malformed pax mtime")
-    ns = int(whole) * _NS + int((frac[:9] or b"0").ljust(9, b"0"))
-    return -ns if neg else ns
+        raise HostileArchive(
+            f"{show_name(name)}: symlink target {show_name(target)} leaves the tree"
+        )
 
 
 def _refuse_os(exc: OSError, what: str) -> WsyncError:
@@ -248,147 +193,6 @@ def _refuse_os(exc: OSError, what: str) -> WsyncError:
     if exc.errno == errno.ENAMETOOLONG:
         return HostileArchive(f"{what}: name too long for the host")
     return HostIOError(f"{what}: {exc.strerror or exc}")
-
-
-#: name, mode, (uid, gid), size, mtime, chksum, type, linkname, (magic..devminor), prefix, (pad)
-_HEADER = struct.Struct("100s8s16x12s12s8sc100s88x155s12x")
-_GNU_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.GNUTYPE_SPARSE)
-
-
-def _header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
-    """``(type, name, linkname, mode, size, mtime)`` of one header block.
-
-    The common case (octal numbers, unsigned checksum) is parsed here with one ``struct``
-    call, three times faster than :meth:`tarfile.TarInfo.frombuf`, whose rules it mirrors
-    (a test compares the two on fuzzed headers); anything else (base-256 numbers, signed
-    checksums, bad headers) is left to ``frombuf``.
-    """
-    name, mode, size, mtime, chksum, kind, link, prefix = _HEADER.unpack(block)
-    try:
-        if (mode[0] | size[0] | mtime[0]) & 0x80:
-            raise ValueError("base-256")
-        if int(chksum.split(b"\0", 1)[0].strip() or b"0", 8) != sum(block) - sum(chksum) + 256:
-            raise ValueError("checksum")
-        imode = int(mode.split(b"\0", 1)[0].strip() or b"0", 8)
-        isize = int(size.split(b"\0", 1)[0].strip() or b"0", 8)
-        imtime = int(mtime.split(b"\0", 1)[0].strip() or b"0", 8)
-    except ValueError:
-        try:
-            info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
-        except (tarfile.HeaderError, ValueError) as exc:
-            raise HostileArchive(f"bad tar header ({exc})") from exc
-        return (
-            info.type,
-            info.name.encode("utf-8", "surrogateescape"),
-            info.linkname.encode("utf-8", "surrogateescape"),
-            info.mode,
-            info.size,
-            int(info.mtime),
-        )
-    name = name.split(b"\0", 1)[0]
-    if kind == tarfile.AREGTYPE and name.endswith(b"/"):
-        kind = tarfile.DIRTYPE
-    if kind == tarfile.DIRTYPE:
-        name = name.rstrip(b"/")
-    prefix = prefix.split(b"\0", 1)[0]
-    if prefix and kind not in _GNU_TYPES:
-        name = prefix + b"/" + name
-    return kind, name, link.split(b"\0", 1)[0], imode, isize, imtime
-
-
-class _Reader:
-    """The tar stream through one reused buffer; every short read is an error."""
-
-    def __init__(self, stream: BinaryIO) -> None:
-        self._stream = stream
-        self._buf = bytearray(_BUFSIZE)
-        self._mv = memoryview(self._buf)
-        self._pos = 0
-        self._end = 0
-        self.offset = 0  # stream offset of _buf[_pos], for messages
-        self._readinto: Callable[[memoryview], int | None] | None = getattr(
-            stream, "readinto", None
-        )
-
-    def close(self) -> None:
-        self._mv.release()
-
-    def _fill(self) -> int:
-        """Refill the (exhausted) buffer; 0 at end of stream."""
-        try:
-            if self._readinto is not None:
-                n = self._readinto(self._mv) or 0
-            else:
-                data = self._stream.read(_BUFSIZE)
-                n = len(data)
-                if n > _BUFSIZE:
-                    raise HostileArchive("archive stream returned more than asked")
-                self._mv[:n] = data
-        except WsyncError:
-            raise
-        except OSError as exc:
-            raise HostIOError(f"reading the archive stream: {exc}") from exc
-        except Exception as exc:  # the decompressor is foreign code: corrupt input lands here
-            raise HostileArchive(
-                f"undecodable archive stream: {type(exc).__name__}: {exc}"
-            ) from exc
-        self._pos = 0
-        self._end = n
-        return n
-
-    def read(self, size: int, what: str) -> bytes:
-        """Exactly ``size`` bytes; at a clean end of stream before any byte, ``b""``."""
-        pos = self._pos
-        if self._end - pos >= size:
-            self._pos = pos + size
-            self.offset += size
-            return bytes(self._mv[pos : pos + size])
-        parts: list[bytes] = []
-        need = size
-        while need:
-            if self._pos == self._end and not self._fill():
-                if need == size:
-                    return b""
-                raise HostileArchive(f"truncated archive: stream ends inside {what}")
-            take = min(need, self._end - self._pos)
-            parts.append(bytes(self._mv[self._pos : self._pos + take]))
-            self._pos += take
-            need -= take
-        self.offset += size
-        return b"".join(parts)
-
-    def skip(self, size: int, what: str) -> None:
-        if size and len(self.read(size, what)) != size:
-            raise HostileArchive(f"truncated archive: stream ends inside {what}")
-
-    def copy_to(self, fd: int, size: int, name: bytes) -> None:
-        """Write the next ``size`` payload bytes to ``fd`` straight from the buffer."""
-        mv = self._mv
-        while size:
-            if self._pos == self._end and not self._fill():
-                raise HostileArchive(f"truncated archive: stream ends inside {_show(name)}")
-            take = min(size, self._end - self._pos)
-            start = self._pos
-            stop = start + take
-            while start < stop:
-                start += os.write(fd, mv[start:stop])
-            self._pos = stop
-            self.offset += take
-            size -= take
-
-    def rest_is_zero(self) -> bool:
-        """After the end-of-archive marker: only zero padding may follow, boundedly."""
-        seen = 0
-        while True:
-            if self._pos == self._end and not self._fill():
-                return True
-            chunk = self._mv[self._pos : self._end]
-            if chunk.tobytes().count(0) != len(chunk):
-                return False
-            seen += len(chunk)
-            self._pos = self._end
-            if seen > _MAX_TRAILER:
-                return False
 
 
 class _DirStack:
@@ -448,7 +252,7 @@ class _Extractor:
         limits: ExtractLimits,
         check_cancel: Callable[[], None] | None,
     ) -> None:
-        self.reader = _Reader(stream)
+        self.reader = TarReader(stream, self._count)
         self.root_fd = root_fd
         self.dirs = _DirStack(root_fd)
         self.limits = limits
@@ -457,7 +261,6 @@ class _Extractor:
         self.members = 0
         self.umask = _umask()
         self.atime_ns = time.time_ns()
-        self.pax_global: dict[bytes, bytes] = {}
         #: (path, mode, mtime_ns) of every directory, in creation order
         self.dir_meta: list[tuple[bytes, int, int]] = []
         self.dir_meta_bytes = 0
@@ -498,70 +301,19 @@ class _Extractor:
         """Read and create one member; False after the end-of-archive marker."""
         if self.check_cancel is not None:
             self.check_cancel()
-        reader = self.reader
-        pax: dict[bytes, bytes] | None = None
-        long_name: bytes | None = None
-        long_link: bytes | None = None
-        while True:
-            at = reader.offset
-            block = reader.read(_BLOCK, "a header")
-            if not block:
-                raise HostileArchive("truncated archive: no end-of-archive marker")
-            if block == _ZERO_BLOCK:
-                if pax is not None or long_name is not None or long_link is not None:
-                    raise HostileArchive(f"header at offset {at}: extended header alone")
-                if not reader.rest_is_zero():
-                    raise HostileArchive("data after the end-of-archive marker")
-                return False
-            try:
-                kind, name, link, mode, size, mtime = _header(block)
-            except HostileArchive as exc:
-                raise HostileArchive(f"header at offset {at}: {exc.args[0]}") from exc
-            if kind not in _EXTENDED:
-                break
-            where = f"header at offset {at}"
-            if not 0 <= size <= _MAX_EXT_HEADER:
-                raise HostileArchive(f"{where}: extended header of {size} bytes")
-            data = reader.read(size, "an extended header")
-            if len(data) != size:
-                raise HostileArchive("truncated archive: stream ends inside an extended header")
-            reader.skip(-size % _BLOCK, "padding")
-            if kind == tarfile.XHDTYPE:
-                if pax is not None:
-                    raise HostileArchive(f"{where}: repeated pax header")
-                pax = _parse_pax(data, where)
-            elif kind == tarfile.XGLTYPE:
-                self._count(where.encode())
-                self.pax_global.update(_parse_pax(data, where))
-            elif kind == tarfile.GNUTYPE_LONGNAME:
-                if long_name is not None:
-                    raise HostileArchive(f"{where}: repeated GNU long name")
-                long_name = data.split(b"\0", 1)[0]
-            else:
-                if long_link is not None:
-                    raise HostileArchive(f"{where}: repeated GNU long link")
-                long_link = data.split(b"\0", 1)[0]
-
-        mtime_ns = mtime * _NS
-        if pax is not None or self.pax_global or long_name is not None or long_link is not None:
-            ext = {**self.pax_global, **(pax or {})}
-            name = ext.get(b"path") or long_name or name
-            link = ext.get(b"linkpath") or long_link or link
-            if ext.get(b"mtime"):
-                mtime_ns = _pax_time_ns(ext[b"mtime"], name)
-            if ext.get(b"size"):
-                if not ext[b"size"].isdigit():
-                    raise HostileArchive(f"{_show(name)}: malformed pax size")
-                size = int(ext[b"size"])
+        member = self.reader.next_member()
+        if member is None:
+            return False
+        kind, name, link, mode, size, mtime_ns = member
         self._count(name)
         if not -_MAX_NS <= mtime_ns <= _MAX_NS:
-            raise HostileArchive(f"{_show(name)}: mtime out of range")
+            raise HostileArchive(f"{show_name(name)}: mtime out of range")
         mode &= 0o7777
         if kind in _REGULAR:
             self._file(name, mode, size, mtime_ns)
             return True
         if size:
-            raise HostileArchive(f"{_show(name)}: unexpected payload on a non-file member")
+            raise HostileArchive(f"{show_name(name)}: unexpected payload on a non-file member")
         if kind == tarfile.DIRTYPE:
             self._dir(name, mode, mtime_ns)
         elif kind == tarfile.SYMTYPE:
@@ -570,13 +322,13 @@ class _Extractor:
             self._hardlink(name, link)
         else:
             what = _KNOWN_BAD.get(kind, f"unsupported member type {kind!r}")
-            raise HostileArchive(f"{_show(name)}: {what}")
+            raise HostileArchive(f"{show_name(name)}: {what}")
         return True
 
     def _count(self, name: bytes) -> None:
         self.members += 1
         if self.members > self.limits.max_files:
-            raise LimitExceeded(f"{_show(name)}: more than {self.limits.max_files} members")
+            raise LimitExceeded(f"{show_name(name)}: more than {self.limits.max_files} members")
         self.unchecked_members += 1
         if self.unchecked_members >= _SPACE_CHECK_MEMBERS:
             self._check_space(0)
@@ -589,16 +341,18 @@ class _Extractor:
         try:
             return self.dirs.fd_for(parts[:-1])
         except OSError as exc:
-            raise _refuse_os(exc, _show(name)) from exc
+            raise _refuse_os(exc, show_name(name)) from exc
 
     def _file(self, name: bytes, mode: int, size: int, mtime_ns: int) -> None:
         parts = _split(name, is_dir=False)
         if mode & 0o7000:
-            raise HostileArchive(f"{_show(name)}: setuid, setgid or sticky bit on a file")
+            raise HostileArchive(f"{show_name(name)}: setuid, setgid or sticky bit on a file")
         if size < 0:
-            raise HostileArchive(f"{_show(name)}: negative size")
+            raise HostileArchive(f"{show_name(name)}: negative size")
         if self.stats.bytes + size > self.limits.max_bytes:
-            raise LimitExceeded(f"{_show(name)}: more than {self.limits.max_bytes} bytes of files")
+            raise LimitExceeded(
+                f"{show_name(name)}: more than {self.limits.max_bytes} bytes of files"
+            )
         self.unchecked_bytes += size
         if self.unchecked_bytes >= _SPACE_CHECK_BYTES:
             self._check_space(size)
@@ -606,7 +360,7 @@ class _Extractor:
         try:
             fd = os.open(parts[-1], _FILE_FLAGS, mode, dir_fd=parent)
         except OSError as exc:
-            raise _refuse_os(exc, _show(name)) from exc
+            raise _refuse_os(exc, show_name(name)) from exc
         try:
             remaining = size
             while remaining:
@@ -617,38 +371,38 @@ class _Extractor:
                     if self.check_cancel is not None:
                         self.check_cancel()
                     self._check_space(remaining)
-            self.reader.skip(-size % _BLOCK, "padding")
+            self.reader.skip_padding(size)
             if self.umask is None or mode & self.umask:
                 os.fchmod(fd, mode)
             os.utime(fd, ns=(self.atime_ns, mtime_ns))
         except OSError as exc:
-            raise HostIOError(f"{_show(name)}: {exc.strerror or exc}") from exc
+            raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
         finally:
             try:
                 os.close(fd)
             except OSError as exc:
-                raise HostIOError(f"{_show(name)}: {exc.strerror or exc}") from exc
+                raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
         self.stats.files += 1
         self.stats.bytes += size
 
     def _dir(self, name: bytes, mode: int, mtime_ns: int) -> None:
         parts = _split(name, is_dir=True)
         if mode & 0o4000:
-            raise HostileArchive(f"{_show(name)}: setuid bit on a directory")
+            raise HostileArchive(f"{show_name(name)}: setuid bit on a directory")
         if not parts:
             if self.root_meta is not None:
-                raise HostileArchive(f"{_show(name)}: the root directory appears twice")
+                raise HostileArchive(f"{show_name(name)}: the root directory appears twice")
             self.root_meta = (mode, mtime_ns)
             return
         parent = self._parent(parts, name)
         try:
             os.mkdir(parts[-1], 0o700, dir_fd=parent)
         except OSError as exc:
-            raise _refuse_os(exc, _show(name)) from exc
+            raise _refuse_os(exc, show_name(name)) from exc
         path = b"/".join(parts)
         self.dir_meta_bytes += len(path) + 64
         if self.dir_meta_bytes > _MAX_DIR_META:
-            raise LimitExceeded(f"{_show(name)}: directory names exceed {_MAX_DIR_META} bytes")
+            raise LimitExceeded(f"{show_name(name)}: directory names exceed {_MAX_DIR_META} bytes")
         self.dir_meta.append((path, mode, mtime_ns))
         self.stats.dirs += 1
 
@@ -659,16 +413,16 @@ class _Extractor:
         try:
             os.symlink(target, parts[-1], dir_fd=parent)
         except OSError as exc:
-            raise _refuse_os(exc, _show(name)) from exc
+            raise _refuse_os(exc, show_name(name)) from exc
         try:
             os.utime(parts[-1], ns=(self.atime_ns, mtime_ns), dir_fd=parent, follow_symlinks=False)
         except OSError as exc:
-            raise HostIOError(f"{_show(name)}: {exc.strerror or exc}") from exc
+            raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
         self.stats.symlinks += 1
 
     def _hardlink(self, name: bytes, target: bytes) -> None:
         parts = _split(name, is_dir=False)
-        shown = f"{_show(name)}: hardlink target {_show(target)}"
+        shown = f"{show_name(name)}: hardlink target {show_name(target)}"
         try:
             tparts = _split(target, is_dir=False)
         except HostileArchive as exc:
@@ -698,7 +452,7 @@ class _Extractor:
                     follow_symlinks=False,
                 )
             except OSError as exc:
-                raise _refuse_os(exc, _show(name)) from exc
+                raise _refuse_os(exc, show_name(name)) from exc
         finally:
             os.close(tparent)
         self.stats.hardlinks += 1
@@ -721,7 +475,7 @@ class _Extractor:
                 finally:
                     os.close(fd)
             except OSError as exc:
-                raise HostIOError(f"{_show(path)}: {exc.strerror or exc}") from exc
+                raise HostIOError(f"{show_name(path)}: {exc.strerror or exc}") from exc
         self.dir_meta.clear()
         dirs.close()
         if self.root_meta is not None:

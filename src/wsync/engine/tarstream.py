@@ -1,0 +1,307 @@
+"""The tar stream reader: the extractor's input parsed into members, every short read an error.
+
+The guest is hostile (DESIGN.md, guarantee 5), so nothing in the archive is trusted.  Python's
+``tarfile`` is used for one thing only, parsing the 512-byte headers that the fast path below
+leaves to :meth:`tarfile.TarInfo.frombuf`; reading the stream and the pax and GNU long-name
+records is done here, because ``tarfile``'s own stream reader
+
+* treats an invalid or short header in mid-archive as a normal end of archive, so a truncated
+  or corrupted stream "succeeds" with part of the tree;
+* reads a pax or GNU long-name record of any declared size into memory (a memory bomb), and
+  recurses once per chained extended header;
+* and this Python (3.11.7) predates the 2025 fixes to its extraction filters.
+
+Refused here: bad headers, an extended header larger than 1 MiB, repeated or dangling extended
+headers, malformed pax records, pax sparse files, data after the end-of-archive marker, and a
+stream that ends without one.  Truncation is reported as :class:`HostileArchive`
+("truncated"): the pull driver has already checked length and hash, so a stream that still
+ends early is the guest's fault.  What the members *mean* (names, types, modes, links) is
+judged by the extractor (:mod:`wsync.engine.extract`), which owns confinement and limits.
+
+Speed: the stream is read into one reused 1 MiB buffer (``readinto``), file data is handed to
+the extractor as writes straight from memoryview slices of it, and the common header is parsed
+with one ``struct`` call instead of ``frombuf``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tarfile
+from collections.abc import Callable
+from typing import BinaryIO
+
+from wsync.engine.api import MiB
+from wsync.errors import HostileArchive, HostIOError, WsyncError
+
+__all__ = ["BLOCK", "Member", "TarReader", "parse_header", "show_name"]
+
+BLOCK = 512
+_ZERO_BLOCK = bytes(BLOCK)
+_BUFSIZE = 1 * MiB
+#: largest pax / GNU long-name record we read into memory
+_MAX_EXT_HEADER = 1 * MiB
+#: zero padding accepted after the end-of-archive marker (GNU tar pads to 10 KiB records)
+_MAX_TRAILER = 1 * MiB
+_NS = 1_000_000_000
+
+_EXTENDED = frozenset((tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, b"K"))
+#: pax keywords we act on; every other keyword is ignored (uid, uname, atime, xattrs...)
+_PAX_KEYS = frozenset((b"path", b"linkpath", b"size", b"mtime"))
+
+#: ``(type, name, linkname, mode, size, mtime_ns)`` of one member, extended headers applied;
+#: a plain tuple because one is built per member on the hot path
+Member = tuple[bytes, bytes, bytes, int, int, int]
+
+
+def show_name(name: bytes) -> str:
+    """A member name for a one-line message: quoted, non-printables escaped, shortened."""
+    text = repr(name.decode("utf-8", "backslashreplace"))
+    return text if len(text) <= 160 else text[:120] + "..." + text[-30:]
+
+
+#: name, mode, (uid, gid), size, mtime, chksum, type, linkname, (magic..devminor), prefix, (pad)
+_HEADER = struct.Struct("100s8s16x12s12s8sc100s88x155s12x")
+_GNU_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.GNUTYPE_SPARSE)
+
+
+def parse_header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
+    """``(type, name, linkname, mode, size, mtime)`` of one header block.
+
+    The common case (octal numbers, unsigned checksum) is parsed here with one ``struct``
+    call, three times faster than :meth:`tarfile.TarInfo.frombuf`, whose rules it mirrors
+    (a test compares the two on fuzzed headers); anything else (base-256 numbers, signed
+    checksums, bad headers) is left to ``frombuf``.
+    """
+    name, mode, size, mtime, chksum, kind, link, prefix = _HEADER.unpack(block)
+    try:
+        if (mode[0] | size[0] | mtime[0]) & 0x80:
+            raise ValueError("base-256")
+        if int(chksum.split(b"\0", 1)[0].strip() or b"0", 8) != sum(block) - sum(chksum) + 256:
+            raise ValueError("checksum")
+        imode = int(mode.split(b"\0", 1)[0].strip() or b"0", 8)
+        isize = int(size.split(b"\0", 1)[0].strip() or b"0", 8)
+        imtime = int(mtime.split(b"\0", 1)[0].strip() or b"0", 8)
+    except ValueError:
+        try:
+            info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        except (tarfile.HeaderError, ValueError) as exc:
+            raise HostileArchive(f"bad tar header ({exc})") from exc
+        return (
+            info.type,
+            info.name.encode("utf-8", "surrogateescape"),
+            info.linkname.encode("utf-8", "surrogateescape"),
+            info.mode,
+            info.size,
+            int(info.mtime),
+        )
+    name = name.split(b"\0", 1)[0]
+    if kind == tarfile.AREGTYPE and name.endswith(b"/"):
+        kind = tarfile.DIRTYPE
+    if kind == tarfile.DIRTYPE:
+        name = name.rstrip(b"/")
+    prefix = prefix.split(b"\0", 1)[0]
+    if prefix and kind not in _GNU_TYPES:
+        name = prefix + b"/" + name
+    return kind, name, link.split(b"\0", 1)[0], imode, isize, imtime
+
+
+def _parse_pax(data: bytes, where: str) -> dict[bytes, bytes]:
+    """Parse pax records (``"%d %s=%s\\n"``) strictly; keep only the keywords we act on."""
+    out: dict[bytes, bytes] = {}
+    pos = 0
+    end = len(data)
+    while pos < end:
+        space = data.find(b" ", pos, pos + 12)
+        digits = data[pos:space] if space > pos else b""
+        if not digits.isdigit():
+            raise HostileArchive(f"{where}: malformed pax record")
+        length = int(digits)
+        record_end = pos + length
+        if length < len(digits) + 3 or record_end > end or data[record_end - 1] != 0x0A:
+            raise HostileArchive(f"{where}: malformed pax record")
+        key, eq, value = data[space + 1 : record_end - 1].partition(b"=")
+        if not eq or not key:
+            raise HostileArchive(f"{where}: malformed pax record")
+        if key.startswith(b"GNU.sparse."):
+            raise HostileArchive(f"{where}: sparse files are not supported")
+        if key in _PAX_KEYS:
+            out[key] = value
+        pos = record_end
+    return out
+
+
+def _pax_time_ns(value: bytes, name: bytes) -> int:
+    """An exact pax timestamp (``[-]seconds[.fraction]``) in nanoseconds, no float rounding."""
+    neg = value.startswith(b"-")
+    whole, _, frac = (value[1:] if neg else value).partition(b".")
+    if not whole.isdigit() or (frac and not frac.isdigit()) or len(whole) > 30:
+        raise HostileArchive(f"{show_name(name)}: malformed pax mtime")
+    ns = int(whole) * _NS + int((frac[:9] or b"0").ljust(9, b"0"))
+    return -ns if neg else ns
+
+
+class TarReader:
+    """The tar stream through one reused buffer; every short read is an error.
+
+    :meth:`next_member` returns the next member's header with its extended headers applied;
+    the caller then consumes a regular file's payload with :meth:`copy_to` and
+    :meth:`skip_padding` before asking for the next member.  ``on_global_header`` is called
+    with a description of each pax global header as it is read, so that the caller counts it
+    against its member limit (each one is a record in memory).
+    """
+
+    def __init__(self, stream: BinaryIO, on_global_header: Callable[[bytes], None]) -> None:
+        self._stream = stream
+        self._on_global_header = on_global_header
+        self.pax_global: dict[bytes, bytes] = {}
+        self._buf = bytearray(_BUFSIZE)
+        self._mv = memoryview(self._buf)
+        self._pos = 0
+        self._end = 0
+        self.offset = 0  # stream offset of _buf[_pos], for messages
+        self._readinto: Callable[[memoryview], int | None] | None = getattr(
+            stream, "readinto", None
+        )
+
+    def close(self) -> None:
+        self._mv.release()
+
+    def _fill(self) -> int:
+        """Refill the (exhausted) buffer; 0 at end of stream."""
+        try:
+            if self._readinto is not None:
+                n = self._readinto(self._mv) or 0
+            else:
+                data = self._stream.read(_BUFSIZE)
+                n = len(data)
+                if n > _BUFSIZE:
+                    raise HostileArchive("archive stream returned more than asked")
+                self._mv[:n] = data
+        except WsyncError:
+            raise
+        except OSError as exc:
+            raise HostIOError(f"reading the archive stream: {exc}") from exc
+        except Exception as exc:  # the decompressor is foreign code: corrupt input lands here
+            raise HostileArchive(
+                f"undecodable archive stream: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._pos = 0
+        self._end = n
+        return n
+
+    def read(self, size: int, what: str) -> bytes:
+        """Exactly ``size`` bytes; at a clean end of stream before any byte, ``b""``."""
+        pos = self._pos
+        if self._end - pos >= size:
+            self._pos = pos + size
+            self.offset += size
+            return bytes(self._mv[pos : pos + size])
+        parts: list[bytes] = []
+        need = size
+        while need:
+            if self._pos == self._end and not self._fill():
+                if need == size:
+                    return b""
+                raise HostileArchive(f"truncated archive: stream ends inside {what}")
+            take = min(need, self._end - self._pos)
+            parts.append(bytes(self._mv[self._pos : self._pos + take]))
+            self._pos += take
+            need -= take
+        self.offset += size
+        return b"".join(parts)
+
+    def skip(self, size: int, what: str) -> None:
+        if size and len(self.read(size, what)) != size:
+            raise HostileArchive(f"truncated archive: stream ends inside {what}")
+
+    def skip_padding(self, size: int) -> None:
+        """Skip the zero padding that rounds ``size`` bytes of payload up to whole blocks."""
+        self.skip(-size % BLOCK, "padding")
+
+    def copy_to(self, fd: int, size: int, name: bytes) -> None:
+        """Write the next ``size`` payload bytes to ``fd`` straight from the buffer."""
+        mv = self._mv
+        while size:
+            if self._pos == self._end and not self._fill():
+                raise HostileArchive(f"truncated archive: stream ends inside {show_name(name)}")
+            take = min(size, self._end - self._pos)
+            start = self._pos
+            stop = start + take
+            while start < stop:
+                start += os.write(fd, mv[start:stop])
+            self._pos = stop
+            self.offset += take
+            size -= take
+
+    def rest_is_zero(self) -> bool:
+        """After the end-of-archive marker: only zero padding may follow, boundedly."""
+        seen = 0
+        while True:
+            if self._pos == self._end and not self._fill():
+                return True
+            chunk = self._mv[self._pos : self._end]
+            if chunk.tobytes().count(0) != len(chunk):
+                return False
+            seen += len(chunk)
+            self._pos = self._end
+            if seen > _MAX_TRAILER:
+                return False
+
+    def next_member(self) -> Member | None:
+        """The next member, extended headers applied; ``None`` after the end-of-archive marker."""
+        pax: dict[bytes, bytes] | None = None
+        long_name: bytes | None = None
+        long_link: bytes | None = None
+        while True:
+            at = self.offset
+            block = self.read(BLOCK, "a header")
+            if not block:
+                raise HostileArchive("truncated archive: no end-of-archive marker")
+            if block == _ZERO_BLOCK:
+                if pax is not None or long_name is not None or long_link is not None:
+                    raise HostileArchive(f"header at offset {at}: extended header alone")
+                if not self.rest_is_zero():
+                    raise HostileArchive("data after the end-of-archive marker")
+                return None
+            try:
+                kind, name, link, mode, size, mtime = parse_header(block)
+            except HostileArchive as exc:
+                raise HostileArchive(f"header at offset {at}: {exc.args[0]}") from exc
+            if kind not in _EXTENDED:
+                break
+            where = f"header at offset {at}"
+            if not 0 <= size <= _MAX_EXT_HEADER:
+                raise HostileArchive(f"{where}: extended header of {size} bytes")
+            data = self.read(size, "an extended header")
+            if len(data) != size:
+                raise HostileArchive("truncated archive: stream ends inside an extended header")
+            self.skip_padding(size)
+            if kind == tarfile.XHDTYPE:
+                if pax is not None:
+                    raise HostileArchive(f"{where}: repeated pax header")
+                pax = _parse_pax(data, where)
+            elif kind == tarfile.XGLTYPE:
+                self._on_global_header(where.encode())
+                self.pax_global.update(_parse_pax(data, where))
+            elif kind == tarfile.GNUTYPE_LONGNAME:
+                if long_name is not None:
+                    raise HostileArchive(f"{where}: repeated GNU long name")
+                long_name = data.split(b"\0", 1)[0]
+            else:
+                if long_link is not None:
+                    raise HostileArchive(f"{where}: repeated GNU long link")
+                long_link = data.split(b"\0", 1)[0]
+
+        mtime_ns = mtime * _NS
+        if pax is not None or self.pax_global or long_name is not None or long_link is not None:
+            ext = {**self.pax_global, **(pax or {})}
+            name = ext.get(b"path") or long_name or name
+            link = ext.get(b"linkpath") or long_link or link
+            if ext.get(b"mtime"):
+                mtime_ns = _pax_time_ns(ext[b"mtime"], name)
+            if ext.get(b"size"):
+                if not ext[b"size"].isdigit():
+                    raise HostileArchive(f"{show_name(name)}: malformed pax size")
+                size = int(ext[b"size"])
+        return kind, name, link, mode, size, mtime_ns

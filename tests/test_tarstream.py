@@ -1,0 +1,206 @@
+"""The tar stream reader: headers, extended records, truncation, trailers, foreign streams.
+
+Archives come from GNU tar and ``tarfile`` and are cut, padded or corrupted at known offsets;
+they go through the public extractor (a refused stream must refuse the whole extraction) or,
+where the parse alone is the point, through :class:`TarReader` and :func:`parse_header`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extract_helpers import LIMITS, SYM, T0, build, extract, gnu_tar, make_root, member, snapshot
+from extract_helpers import small_archive as build_small_archive
+from wsync.engine.api import MiB
+from wsync.engine.extract import extract_tar_stream
+from wsync.engine.tarstream import Member, TarReader, parse_header
+from wsync.errors import HostileArchive, HostIOError
+
+NS = 1_000_000_000
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return make_root(tmp_path)
+
+
+@pytest.fixture
+def small_archive() -> bytes:
+    return build_small_archive()
+
+
+# -- truncation and stream errors ---------------------------------------------------------------
+
+
+def _offsets(archive: bytes) -> list[int]:
+    """Start offsets of each member header in a GNU-format archive."""
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tf:
+        return [m.offset for m in tf.getmembers()]
+
+
+def test_truncated_mid_member_is_refused(root: Path, small_archive: bytes) -> None:
+    cut = _offsets(small_archive)[1] + 512 + 2000  # inside d/a's data
+    with pytest.raises(HostileArchive, match="truncated"):
+        extract(small_archive[:cut], root)
+
+
+def test_truncated_mid_header_is_refused(root: Path, small_archive: bytes) -> None:
+    cut = _offsets(small_archive)[2] + 100
+    with pytest.raises(HostileArchive, match="truncated"):
+        extract(small_archive[:cut], root)
+
+
+@pytest.mark.parametrize("index", [1, 2, 3])
+def test_cut_at_member_boundary_without_end_marker_is_refused(
+    root: Path, small_archive: bytes, index: int
+) -> None:
+    with pytest.raises(HostileArchive, match="no end-of-archive marker"):
+        extract(small_archive[: _offsets(small_archive)[index]], root)
+
+
+def test_lone_zero_block_end_is_accepted(root: Path, small_archive: bytes) -> None:
+    end = _offsets(small_archive)[3] + 512
+    assert extract(small_archive[:end] + bytes(512), root).files == 2
+
+
+def test_data_after_end_marker_is_refused(root: Path, small_archive: bytes) -> None:
+    with pytest.raises(HostileArchive, match="after the end-of-archive"):
+        extract(small_archive + b"garbage", root)
+
+
+def test_corrupt_compressed_stream_is_refused(root: Path, small_archive: bytes) -> None:
+    frame = bytearray(zstandard.ZstdCompressor().compress(small_archive))
+    frame[len(frame) // 2] ^= 0xFF
+    reader = zstandard.ZstdDecompressor().stream_reader(bytes(frame))
+    with pytest.raises(HostileArchive), reader:
+        extract_tar_stream(reader, root, LIMITS)  # type: ignore[arg-type]
+
+
+def test_zstd_stream_reader_round_trip(tmp_path: Path, root: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(os.urandom(5 * MiB))
+    os.utime(src / "f", (T0, T0))
+    os.utime(src, (T0, T0))
+    raw = zstandard.ZstdCompressor().compress(gnu_tar(src))
+    with zstandard.ZstdDecompressor().stream_reader(raw) as reader:
+        extract_tar_stream(reader, root, LIMITS)  # type: ignore[arg-type]
+    assert snapshot(root) == snapshot(src)
+
+
+def test_stream_oserror_is_a_host_error(root: Path) -> None:
+    class Broken(io.RawIOBase):
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buf: memoryview) -> int:  # type: ignore[override]
+            raise OSError(5, "Input/output error")
+
+    with pytest.raises(HostIOError):
+        extract_tar_stream(Broken(), root, LIMITS)  # type: ignore[arg-type]
+
+
+# -- headers: the struct fast path against tarfile.frombuf -------------------------------------
+
+
+@st.composite
+def header_blocks(draw: st.DrawFn) -> bytes:
+    info = tarfile.TarInfo(draw(st.binary(max_size=120)).decode("utf-8", "surrogateescape"))
+    info.type = draw(st.sampled_from([b"0", b"\0", b"1", b"2", b"5", b"7", b"L", b"x", b"S"]))
+    info.linkname = draw(st.binary(max_size=99)).decode("utf-8", "surrogateescape")
+    info.mode = draw(st.integers(0, 0o7777))
+    info.size = draw(st.integers(0, 2**40))
+    info.mtime = draw(st.integers(-(2**40), 2**40))
+    fmt = draw(st.sampled_from([tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT]))
+    try:
+        block = bytearray(info.tobuf(fmt, "utf-8", "surrogateescape")[-512:])
+    except ValueError:  # not representable in ustar
+        block = bytearray(info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")[-512:])
+    for _ in range(draw(st.integers(0, 3))):
+        block[draw(st.integers(0, 511))] = draw(st.integers(0, 255))
+        if draw(st.booleans()):  # re-seal the checksum so the mutation is parsed
+            block[148:156] = b"        "
+            block[148:156] = b"%06o\0 " % sum(block)
+    return bytes(block)
+
+
+@settings(max_examples=300, deadline=None)
+@given(header_blocks())
+def test_fast_header_parser_agrees_with_tarfile(block: bytes) -> None:
+    try:
+        info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+    except (tarfile.HeaderError, ValueError):
+        # frombuf also rejects garbage in fields wsync ignores (uid, gid, device numbers)
+        with contextlib.suppress(HostileArchive):
+            parse_header(block)
+        return
+    enc = ("utf-8", "surrogateescape")
+    expected = (info.type, info.name.encode(*enc), info.linkname.encode(*enc))
+    assert parse_header(block) == (*expected, info.mode, info.size, int(info.mtime))
+
+
+# -- members as parsed --------------------------------------------------------------------------
+
+
+def parse_all(data: bytes, tmp_path: Path) -> tuple[list[Member], list[bytes], list[bytes]]:
+    """Every member of ``data`` as :class:`TarReader` returns it, their payloads, and the
+    global headers it reported."""
+    globals_seen: list[bytes] = []
+    members: list[Member] = []
+    payloads: list[bytes] = []
+    out = tmp_path / "payload"
+    reader = TarReader(io.BytesIO(data), globals_seen.append)
+    try:
+        while (m := reader.next_member()) is not None:
+            members.append(m)
+            fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                reader.copy_to(fd, m[4], m[1])
+            finally:
+                os.close(fd)
+            reader.skip_padding(m[4])
+            payloads.append(out.read_bytes())
+    finally:
+        reader.close()
+    return members, payloads, globals_seen
+
+
+def test_gnu_long_name_and_long_link_replace_the_header_fields(tmp_path: Path) -> None:
+    data = build(member("n" * 150, data=b"long"), member("l", SYM, link="t" * 120))
+    members, payloads, globals_seen = parse_all(data, tmp_path)
+    assert members == [
+        (tarfile.REGTYPE, b"n" * 150, b"", 0o644, 4, T0 * NS),
+        (tarfile.SYMTYPE, b"l", b"t" * 120, 0o644, 0, T0 * NS),
+    ]
+    assert payloads == [b"long", b""]
+    assert globals_seen == []
+
+
+def test_pax_records_and_global_header_apply_exactly(tmp_path: Path) -> None:
+    buf = io.BytesIO()
+    with tarfile.open(
+        fileobj=buf, mode="w", format=tarfile.PAX_FORMAT, pax_headers={"mtime": "1600000001.25"}
+    ) as tf:
+        for info, payload in (
+            member("p", data=b"pax", pax={"mtime": "1600000000.5", "path": "paxname"}),
+            member("g", data=b"global"),
+            member("l", SYM, link="t" * 120),
+        ):
+            tf.addfile(info, io.BytesIO(payload) if info.isreg() else None)
+    members, payloads, globals_seen = parse_all(buf.getvalue(), tmp_path)
+    assert members == [
+        (tarfile.REGTYPE, b"paxname", b"", 0o644, 3, 1_600_000_000_500_000_000),
+        (tarfile.REGTYPE, b"g", b"", 0o644, 6, 1_600_000_001_250_000_000),
+        (tarfile.SYMTYPE, b"l", b"t" * 120, 0o644, 0, 1_600_000_001_250_000_000),
+    ]
+    assert payloads == [b"pax", b"global", b""]
+    assert globals_seen == [b"header at offset 0"]
