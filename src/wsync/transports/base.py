@@ -44,6 +44,35 @@ class ExecResult:
     notes: tuple[str, ...] = ()
 
 
+class BoundedBuffer:
+    """Keeps the first ``limit`` bytes and drops the rest, remembering that it did.
+
+    The ``max_output`` rule above, for transports that collect output as it arrives (local,
+    ssh): memory stays bounded however much the guest prints, and ``truncated`` records that
+    something was dropped so the result cannot pass for complete.
+    """
+
+    __slots__ = ("_chunks", "_kept", "limit", "truncated")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._chunks: list[bytes] = []
+        self._kept = 0
+        self.truncated = False
+
+    def feed(self, data: bytes) -> None:
+        room = self.limit - self._kept
+        if len(data) > room:
+            self.truncated = True
+            data = data[: max(room, 0)]
+        if data:
+            self._chunks.append(data)
+            self._kept += len(data)
+
+    def getvalue(self) -> bytes:
+        return b"".join(self._chunks)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Capabilities:
     """What the backend can do; the engine adapts its scripts to it."""

@@ -34,6 +34,7 @@ from typing import Any
 from wsync.errors import TransportError, TransportTimeout, UsageError
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
+    BoundedBuffer,
     Capabilities,
     ExecResult,
     Transport,
@@ -42,30 +43,6 @@ from wsync.uri import SandboxURI
 
 #: how long to wait for the kernel to report a SIGKILLed group leader's exit
 _REAP_GRACE = 10.0
-
-
-class BoundedBuffer:
-    """Keeps the first ``limit`` bytes, counts the rest and drops them."""
-
-    __slots__ = ("_chunks", "_kept", "limit", "truncated")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._chunks: list[bytes] = []
-        self._kept = 0
-        self.truncated = False
-
-    def feed(self, data: bytes) -> None:
-        room = self.limit - self._kept
-        if len(data) > room:
-            self.truncated = True
-            data = data[: max(room, 0)]
-        if data:
-            self._chunks.append(data)
-            self._kept += len(data)
-
-    def getvalue(self) -> bytes:
-        return b"".join(self._chunks)
 
 
 class _ExecProtocol(asyncio.SubprocessProtocol):

@@ -55,8 +55,13 @@ from wsync.errors import (
     TransportTimeout,
     UsageError,
 )
-from wsync.transports.base import DEFAULT_MAX_OUTPUT, Capabilities, ExecResult, Transport
-from wsync.transports.local import BoundedBuffer
+from wsync.transports.base import (
+    DEFAULT_MAX_OUTPUT,
+    BoundedBuffer,
+    Capabilities,
+    ExecResult,
+    Transport,
+)
 from wsync.uri import SandboxURI
 
 DEFAULT_CONNECT_TIMEOUT = 20.0
