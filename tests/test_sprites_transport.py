@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from conftest import ProcessWatch
 from wsync.emulators.sprites import SpritesEmulator, SpritesFaults
 from wsync.errors import (
     AuthFailed,
@@ -245,3 +246,19 @@ def test_options_and_environment_resolution(
         SpritesTransport.from_uri(uri, {"token_file": str(tmp_path / "missing")})
     assert SpritesTransport.capabilities.separate_stderr is False
     assert SpritesTransport.capabilities.stdin is True
+
+
+def test_a_child_holding_the_pipes_does_not_pin_the_exec(
+    tmp_path: Path, procs: ProcessWatch
+) -> None:
+    """An un-redirected background child keeps stdout open; the exec still ends after
+    the command exits (within the emulator's pipe grace), with its output intact."""
+
+    async def body(emu: SpritesEmulator, t: SpritesTransport) -> None:
+        script = f"head -c 200000 /dev/zero; sleep {procs.sleep_arg()} & echo started"
+        r = await t.exec(["sh", "-c", script], timeout=15)
+        assert r.stdout == b"\0" * 200000 + b"started\n"
+        assert r.exit_status == 0
+        assert emu.stats["pipes_abandoned"] >= 1
+
+    with_emulator(tmp_path, body)

@@ -9,6 +9,7 @@ schedule can be replayed.
 
 from __future__ import annotations
 
-from wsync.emulators.sprites import EmulatorThread, SpritesEmulator, SpritesFaults
+from wsync.emulators.sprites import EmulatorThread, SpritesEmulator
+from wsync.emulators.sprites_faults import SpritesFaults
 
 __all__ = ["EmulatorThread", "SpritesEmulator", "SpritesFaults"]
