@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""Benchmark wsync against rsync and a plain tar|zstd stream, measured in one run.
+
+    python3 bench/bench.py [--workdir DIR] [--quick] [--runs N]
+
+Workspace: a copy of this Python's standard library directory (about 1 GB,
+~60k files, site-packages included) plus a few large random files.  Every tool
+copies it from a throwaway OpenSSH server on loopback (the same machine, so
+the numbers measure the tools, not a network).  Reported per row: wall time
+(best of N runs), peak RSS of the host-side command tree, and the ratio to
+rsync and to the plain stream.  Extra rows: wsync through the fault injector
+(all field-report faults on) and through the Sprites emulator, clean and with
+all faults, with the faulty/clean throughput ratio.
+
+This is a script, not a test: nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from wsync.testing.sshd import SshdServer
+from wsync.treediff import diff
+
+
+def make_workspace(root: Path, quick: bool) -> Path:
+    ws = root / ("ws-quick" if quick else "ws")
+    if ws.exists():
+        return ws
+    tmp = root / "ws.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    src = stdlib / "json" if quick else stdlib
+    print(f"building workspace from {src} ...", file=sys.stderr)
+    shutil.copytree(src, tmp / "lib", symlinks=True, ignore_dangling_symlinks=True)
+    rng = random.Random(1)
+    for i in range(3):
+        size = (4 if quick else 64) * 1024 * 1024
+        (tmp / f"blob{i}.bin").write_bytes(rng.randbytes(size))
+    tmp.rename(ws)
+    return ws
+
+
+def tree_rss_kib(root: int) -> int:
+    """Summed VmRSS of ``root`` and all its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, ()))
+        try:
+            with open(f"/proc/{pid}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"VmRSS:"):
+                        total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
+
+
+def run(command: str) -> tuple[float, int, bytes]:
+    """Run a shell pipeline; return (wall seconds, peak summed RSS KiB of its tree, stdout)."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(  # noqa: S602 - fixed benchmark pipelines, no guest input
+        command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    peak, stop = 0, threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, tree_rss_kib(proc.pid))
+            stop.wait(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, err = proc.communicate()
+    elapsed = time.perf_counter() - started
+    stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmark command failed ({proc.returncode}): {command}\n{err.decode()}")
+    return elapsed, peak, out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "wsync-bench")
+    parser.add_argument("--quick", action="store_true", help="small workspace (smoke run)")
+    parser.add_argument("--runs", type=int, default=1, help="runs per row; the best is kept")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    args = parser.parse_args()
+    root = args.workdir.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    ws = make_workspace(root, args.quick)
+    subprocess.run(["tar", "-cf", "/dev/null", "-C", str(ws), "."], check=True)  # warm cache
+    files = sum(len(d) + len(f) for _, d, f in os.walk(ws))
+    size = sum(p.stat().st_size for p in ws.rglob("*") if p.is_file() and not p.is_symlink())
+    print(f"workspace {ws}: {files} entries, {size / 2**20:.0f} MiB", file=sys.stderr)
+
+    rows: list[dict[str, object]] = []
+    with SshdServer(root / "sshd") as sshd:
+        opts = sshd.transport_options()
+        key, kh = str(opts["ssh_key"]), str(opts["known_hosts"])
+        ssh = (
+            f"ssh -i {shlex.quote(key)} -o UserKnownHostsFile={shlex.quote(kh)} "
+            f"-o StrictHostKeyChecking=yes -o BatchMode=yes -p {sshd.port}"
+        )
+        target = f"{sshd.user}@{sshd.host}"
+        py = shlex.quote(sys.executable)
+
+        def dest(name: str) -> Path:
+            d = root / "out" / name
+            if d.exists():
+                subprocess.run(["rm", "-rf", str(d)], check=True)
+            d.parent.mkdir(parents=True, exist_ok=True)
+            return d
+
+        def measure(name: str, build: object, check: bool = True) -> dict[str, object]:
+            best: dict[str, object] | None = None
+            for _ in range(args.runs):
+                d = dest(name)
+                wall, rss, out = run(build(d))  # type: ignore[operator]
+                row: dict[str, object] = {
+                    "name": name,
+                    "wall_s": round(wall, 2),
+                    "rss_mib": round(rss / 1024, 1),
+                }
+                if out.strip().startswith(b"{"):
+                    result = json.loads(out)
+                    row["retries"] = result.get("retries")
+                if check:
+                    problems = diff(ws, d)
+                    row["exact"] = not problems
+                if best is None or float(row["wall_s"]) < float(best["wall_s"]):  # type: ignore[arg-type]
+                    best = row
+            assert best is not None
+            print(f"  {best}", file=sys.stderr)
+            rows.append(best)
+            return best
+
+        state = root / "state"
+        wsync_common = f"--json --state-dir {shlex.quote(str(state))} --ssh-key {shlex.quote(key)} --known-hosts {shlex.quote(kh)}"
+        rsync = measure(
+            "rsync -a over ssh",
+            lambda d: (
+                f"rsync -a -e {shlex.quote(ssh)} {target}:{shlex.quote(str(ws))}/ {shlex.quote(str(d))}/"
+            ),
+        )
+        plain = measure(
+            "plain ssh tar|zstd stream",
+            lambda d: (
+                f"mkdir -p {shlex.quote(str(d))} && {ssh} {target} "
+                f"{shlex.quote(f'tar -cf - -C {shlex.quote(str(ws))} . | zstd -q -c -T0')} "
+                f"| zstd -q -d -c | tar -xf - -C {shlex.quote(str(d))}"
+            ),
+        )
+        clean = measure(
+            "wsync pull over ssh",
+            lambda d: (
+                f"{py} -m wsync pull {shlex.quote(sshd.uri(str(ws)))} {shlex.quote(str(d))} {wsync_common}"
+            ),
+        )
+        faulty = measure(
+            "wsync pull over ssh, all faults",
+            lambda d: (
+                f"{py} -m wsync pull {shlex.quote(sshd.uri(str(ws)))} {shlex.quote(str(d))} {wsync_common} --chaos all"
+            ),
+        )
+
+    from wsync.emulators.sprites import EmulatorThread, SpritesFaults
+
+    with EmulatorThread(root / "sprites", faults=SpritesFaults.off()) as emu:
+        emu.create_sprite("bench")
+        sopts = emu.transport_options()
+        env_prefix = f"SPRITES_TOKEN={shlex.quote(sopts['token'])} "
+        common = f"--json --state-dir {shlex.quote(str(state))} --sprites-url {shlex.quote(sopts['sprites_url'])}"
+        uri = shlex.quote(f"sprites://bench{ws}")
+        s_clean = measure(
+            "wsync pull sprites emulator, clean",
+            lambda d: f"{env_prefix}{py} -m wsync pull {uri} {shlex.quote(str(d))} {common}",
+        )
+        emu.set_faults(SpritesFaults.all_on(seed=3))
+        s_faulty = measure(
+            "wsync pull sprites emulator, all faults",
+            lambda d: f"{env_prefix}{py} -m wsync pull {uri} {shlex.quote(str(d))} {common}",
+        )
+
+    def ratio(a: dict[str, object], b: dict[str, object]) -> float:
+        return round(float(a["wall_s"]) / float(b["wall_s"]), 2)  # type: ignore[arg-type]
+
+    print(f"\n{'row':<42} {'wall s':>8} {'RSS MiB':>8} {'exact':>6} {'retries':>8}")
+    for row in rows:
+        print(
+            f"{row['name']:<42} {row['wall_s']:>8} {row['rss_mib']:>8} "
+            f"{row.get('exact', '-')!s:>6} {row.get('retries', '-')!s:>8}"
+        )
+    summary = {
+        "wsync/rsync wall": ratio(clean, rsync),
+        "wsync/plain-stream wall": ratio(clean, plain),
+        "ssh: clean/faulty throughput (faulty ÷ clean speed)": ratio(clean, faulty),
+        "sprites: clean/faulty throughput (faulty ÷ clean speed)": ratio(s_clean, s_faulty),
+    }
+    print()
+    for k, v in summary.items():
+        print(f"{k:<58} {v}")
+    if args.json:
+        print(json.dumps({"rows": rows, "ratios": summary, "files": files, "bytes": size}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
