@@ -88,10 +88,16 @@ def kill_group(proc: asyncio.subprocess.Process) -> None:
     Only abandoned execs are killed this way: a command that exits normally
     leaves its detached children alone (wsync's producer must survive).
     """
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+    # os.killpg/os.kill, not proc.kill(): Popen.send_signal() polls first, which can
+    # reap the child behind asyncio's child watcher ("Unknown child process").
+    # start_new_session=True made the command its group's leader (pgid == pid).
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
+    except ProcessLookupError:
+        return
+    except PermissionError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
 
 
 async def end_process(proc: asyncio.subprocess.Process, *, kill: bool) -> int:
@@ -104,6 +110,12 @@ async def end_process(proc: asyncio.subprocess.Process, *, kill: bool) -> int:
     """
     if kill:
         kill_group(proc)
+        # Let asyncio's child watcher see the death before closing: the transport's
+        # close() calls Popen.poll(), which would reap the child behind its back.
+        for _ in range(500):
+            if proc.returncode is not None:
+                break
+            await asyncio.sleep(0.01)
     elif proc.returncode is None:
         # pipes all closed but the command still runs: wait for it (the session
         # is cancelled, and the command killed, if the client goes away)
