@@ -131,10 +131,17 @@ def main() -> int:
         py = shlex.quote(sys.executable)
 
         def dest(name: str) -> Path:
+            """A fresh destination, with the filesystem quiet again.
+
+            Deleting the previous 1 GB tree leaves seconds of journal and
+            writeback work behind; without the sync the next row pays for it.
+            """
             d = root / "out" / name
             if d.exists():
                 subprocess.run(["rm", "-rf", str(d)], check=True)
             d.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["sync"], check=True)
+            time.sleep(2)
             return d
 
         def measure(name: str, build: object, check: bool = True) -> dict[str, object]:
