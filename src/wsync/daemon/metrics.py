@@ -71,7 +71,7 @@ class Metrics:
         )
         self.faults = Counter(
             "wsync_integrity_faults",
-            "Integrity faults detected in guest output, by kind (head-missing, hash-mismatch, ...)",
+            "Integrity faults detected in guest output, by kind (no-envelope, truncated, ...)",
             ["sandbox", "kind"],
             registry=r,
         )

@@ -78,7 +78,7 @@ class Progress:
     resumed_chunks: int = 0
     retries: int = 0
     transferred_bytes: int = 0
-    #: integrity faults detected, by kind ("head-missing", "hash-mismatch", ...)
+    #: integrity faults detected, by kind ("no-envelope", "truncated", "hash-mismatch", ...)
     faults: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
