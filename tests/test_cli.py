@@ -73,6 +73,7 @@ def test_json_result_has_the_documented_fields(tmp_path: Path) -> None:
         (["pull", "ftp://host/x", "out"], 2, "unknown sandbox scheme"),
         (["pull", "ssh://host", "out"], 2, "missing workspace path"),
         (["pull", "local:/x\udcff", "out"], 2, "not valid UTF-8"),
+        (["pull", "ssh://host/w%ff", "out"], 2, "not valid UTF-8"),
         (["pull", "local:/definitely/not/here", "out"], 2, "does not exist"),
         (["pull", "ssh://127.0.0.1:1/work", "out"], 3, ""),
         (["pull", "local:/tmp", "out", "--parallel", "0"], 2, "at least 1"),
@@ -214,3 +215,29 @@ def test_demo_shows_naive_corruption_and_an_exact_pull(tmp_path: Path, backend: 
     assert outcome["naive"]["exact"] is False
     assert outcome["wsync"]["exact"] is True
     assert os.path.isdir(outcome["wsync"]["dest"])
+
+
+def test_relative_local_paths_are_pinned_to_the_current_directory(tmp_path: Path) -> None:
+    make_tree(tmp_path / "ws", big=1000)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "wsync",
+            "pull",
+            "local:ws",
+            "out",
+            "--json",
+            "--state-dir",
+            "state",
+            "--staging-dir",
+            str(tmp_path / "stage"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["sandbox"] == f"local:{tmp_path / 'ws'}"
+    assert_exact(tmp_path / "ws", tmp_path / "out")

@@ -11,6 +11,7 @@ import pytest
 
 from helpers import assert_exact, busybox_bin, local, make_tree, options, run_pull
 from wsync.errors import GuestToolsMissing, StagingFailed, UsageError
+from wsync.protocol import scripts
 from wsync.protocol.hashing import ALGORITHMS
 from wsync.transports.local import LocalTransport
 
@@ -30,7 +31,8 @@ def test_exact_tree_default_guest(tmp_path: Path, workspace: Path) -> None:
     # hardlinks stay hardlinks
     assert (dest / "blob.bin").stat().st_ino == (dest / "hardlink.bin").stat().st_ino
     # staging removed and the journal forgotten after success
-    assert list(Path(opts.staging_root).iterdir()) == []
+    # only the (content-addressed, shared) producer script stays in the root
+    assert [p.name for p in Path(opts.staging_root).iterdir()] == [scripts.PRODUCER_NAME]
     assert list((opts.state_dir / "pulls").iterdir()) == []
 
 
@@ -184,23 +186,34 @@ def test_guest_write_failure_is_a_failure_never_a_success(tmp_path: Path, worksp
         run_pull(UlimitTransport(), workspace, dest, opts)
     assert info.value.exit_code == 5
     assert not dest.exists()
-    staged = list(Path(opts.staging_root).iterdir())
+    staged = list(Path(opts.staging_root).glob("s*"))
     assert len(staged) == 1
     assert (staged[0] / "failed").exists() and not (staged[0] / "done").exists()
+    assert "compressor exited" in str(info.value) or "cannot" in str(info.value)
 
 
-def test_stale_staging_is_garbage_collected(tmp_path: Path, workspace: Path) -> None:
+def test_stale_staging_is_garbage_collected_and_nothing_else(
+    tmp_path: Path, workspace: Path
+) -> None:
     opts = options(tmp_path, staging_ttl=120)
-    stale = Path(opts.staging_root) / "s-old-abandoned"
-    stale.mkdir(parents=True)
-    (stale / "data").write_bytes(b"x" * 1000)
+    root = Path(opts.staging_root)
     old = time.time() - 3600
-    os.utime(stale, (old, old))
-    fresh = Path(opts.staging_root) / "s-fresh-other"
-    fresh.mkdir()
+
+    def snapshot_dir(name: str, *, ours: bool, age: float) -> Path:
+        d = root / name
+        (d / "launch").mkdir(parents=True) if ours else d.mkdir(parents=True)
+        (d / "data").write_bytes(b"x" * 1000)
+        os.utime(d, (age, age))
+        return d
+
+    stale = snapshot_dir("s20200101-000000-deadbeef", ours=True, age=old)
+    fresh = snapshot_dir("s20200101-000000-feedf00d", ours=True, age=time.time())
+    # a staging root shared with other things: an old directory that is not ours
+    foreign = snapshot_dir("some-users-data", ours=False, age=old)
+    shaped = snapshot_dir("s-looks-like-ours-but-has-no-token", ours=False, age=old)
     run_pull(local(), workspace, tmp_path / "out", opts)
     assert not stale.exists()
-    assert fresh.exists()
+    assert fresh.exists() and foreign.exists() and shaped.exists()
 
 
 def test_keep_staging_and_reconciled_admission(tmp_path: Path, workspace: Path) -> None:
@@ -223,3 +236,71 @@ def test_keep_staging_and_reconciled_admission(tmp_path: Path, workspace: Path) 
             await transport.aclose()
 
     assert asyncio.run(admit_twice()) == (False, True)
+
+
+def _tar_wrapper(tmp_path: Path, exit_code: int) -> LocalTransport:
+    """A guest whose tar works but exits with ``exit_code`` and complains on stderr."""
+    bindir = tmp_path / "fake-tar"
+    bindir.mkdir()
+    real = shutil.which("tar")
+    script = bindir / "tar"
+    script.write_text(
+        f"#!/bin/sh\n{real} \"$@\"\necho 'tar: ./src/f1.txt: file changed as we read it' >&2\n"
+        f"exit {exit_code}\n"
+    )
+    script.chmod(0o755)
+    return LocalTransport(env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
+
+
+def test_tar_exit_1_is_a_warning_with_its_message(tmp_path: Path, workspace: Path) -> None:
+    dest = tmp_path / "out"
+    result = run_pull(_tar_wrapper(tmp_path, 1), workspace, dest, options(tmp_path))
+    assert_exact(workspace, dest)
+    assert len(result.warnings) == 1
+    assert "file changed as we read it" in result.warnings[0]
+
+
+def test_tar_exit_2_is_a_staging_failure(tmp_path: Path, workspace: Path) -> None:
+    dest = tmp_path / "out"
+    with pytest.raises(StagingFailed, match="tar exited 2"):
+        run_pull(_tar_wrapper(tmp_path, 2), workspace, dest, options(tmp_path))
+    assert not dest.exists()
+
+
+def test_overall_deadline_is_a_clear_failure(tmp_path: Path, workspace: Path) -> None:
+    from wsync.chaos import ChaosTransport, FaultPlan
+    from wsync.errors import IntegrityFailed
+
+    transport = ChaosTransport(local(), FaultPlan(rates={"W": 1.0}, hang=0.5))
+    dest = tmp_path / "out"
+    with pytest.raises(IntegrityFailed, match="deadline"):
+        run_pull(transport, workspace, dest, options(tmp_path, timeout=2.0))
+    assert not dest.exists()
+
+
+def test_an_adopted_failed_snapshot_is_replaced_by_a_fresh_one(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """A guest failure must not stick: the next run starts afresh instead of
+    adopting the failed snapshot forever."""
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    with pytest.raises(StagingFailed):
+        run_pull(UlimitTransport(), workspace, dest, opts)
+    result = run_pull(local(), workspace, dest, opts)
+    assert_exact(workspace, dest)
+    assert any("started afresh" in w for w in result.warnings)
+
+
+def test_busybox_tar_exit_1_is_a_failure_not_a_warning(tmp_path: Path, workspace: Path) -> None:
+    """Busybox tar exits 1 when it leaves unreadable files out: not an exact copy."""
+    path = busybox_bin(tmp_path / "bb")
+    (path / "tar").unlink()
+    wrapper = path / "tar"
+    wrapper.write_text(f'#!{path}/sh\n{shutil.which("busybox")} tar "$@"\nexit 1\n')
+    wrapper.chmod(0o755)
+    transport = LocalTransport(env={"PATH": str(path), "HOME": str(tmp_path)})
+    dest = tmp_path / "out"
+    with pytest.raises(StagingFailed, match="tar exited 1"):
+        run_pull(transport, workspace, dest, options(tmp_path))
+    assert not dest.exists()

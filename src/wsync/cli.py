@@ -292,7 +292,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
                 args.sandbox, args.dest, options, transport_options(args), on_progress=bar
             )
         )
-    except WsyncError as exc:
+    except Exception as exc:
         if bar:
             bar.close()
         if args.json:

@@ -10,6 +10,7 @@ field report 3 finding 5).  The scheme table itself lives in
 from __future__ import annotations
 
 import dataclasses
+import os
 import urllib.parse
 
 from wsync.errors import UsageError
@@ -56,11 +57,20 @@ def parse(raw: str) -> SandboxURI:
         # opaque form: local:PATH
         if not rest:
             raise UsageError(f"{raw!r}: missing workspace path")
+        if scheme == "local":
+            # the guest is this machine: pin a relative path to the current
+            # directory now, so the journal key and the guest agree on it
+            rest = os.path.abspath(os.path.expanduser(rest))
+            raw = f"local:{rest}"
         return SandboxURI(scheme=scheme, path=rest, raw=raw)
     parts = urllib.parse.urlsplit(raw)
     if parts.query or parts.fragment:
         raise UsageError(f"{raw!r}: query strings and fragments are not supported")
-    path = urllib.parse.unquote(parts.path)
+    try:
+        path = urllib.parse.unquote(parts.path, errors="strict")
+    except UnicodeDecodeError:
+        raise UsageError(f"{raw!r}: the path's %-escapes are not valid UTF-8") from None
+    check_text(path, "workspace path")
     if path.startswith("/~"):
         path = path[1:]
     if not path or path == "/":

@@ -150,6 +150,8 @@ class GuestSession:
             raise UsageError(f"workspace {workspace!r} in the sandbox is not a readable directory")
         need = ["tar", "dd", "wc"] + (["base64"] if self.b64 else [])
         missing = [tool for tool in need if not report.has(tool)]
+        if report.has("dd") and not report.has("dd_bytes"):
+            missing.append("dd with iflag=skip_bytes,count_bytes (GNU coreutils or busybox)")
         if missing:
             raise GuestToolsMissing(", ".join(missing))
         for algorithm in ALGORITHMS.values():
@@ -164,7 +166,9 @@ class GuestSession:
         self.algorithm = algorithm
         return GuestPlan(algorithm, compressor, report)
 
-    async def admit(self, snapshot: str, workspace: str, compressor: str) -> bool:
+    async def admit(
+        self, snapshot: str, workspace: str, compressor: str, *, installed: bool = False
+    ) -> bool:
         """Start (or adopt) the snapshot's producer.  True when adopted."""
         assert self.algorithm is not None
         self.snapshot = snapshot
@@ -185,11 +189,33 @@ class GuestSession:
             ),
             max_length=_SMALL,
         )
+        if not envelope.ok and envelope.text == "producer-missing" and not installed:
+            await self.install_producer()
+            return await self.admit(snapshot, workspace, compressor, installed=True)
         if not envelope.ok:
             if envelope.text == "workspace-missing":
                 raise UsageError(f"workspace {workspace!r} does not exist in the sandbox")
             raise StagingFailed(records.printable(envelope.text))
         return records.parse_admit(envelope.payload)
+
+    async def install_producer(self) -> None:
+        assert self.algorithm is not None
+        algorithm = self.algorithm
+        envelope = await self.call(
+            "install",
+            lambda nonce: scripts.install_producer(
+                gate=self.gate,
+                nonce=nonce,
+                algorithm=algorithm.name,
+                b64=self.b64,
+                staging_root=self.options.staging_root,
+            ),
+            max_length=_SMALL,
+        )
+        if not envelope.ok:
+            raise StagingFailed(records.printable(envelope.text))
+        if envelope.text != algorithm.digest(scripts.PRODUCER.encode()):
+            raise StagingFailed("the producer script arrived damaged in the guest")
 
     async def status(self) -> records.StatusReport:
         assert self.algorithm is not None

@@ -24,6 +24,7 @@ import fcntl
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,14 @@ def _key(*parts: str) -> str:
     return h.hexdigest()[:32]
 
 
+#: journals of pulls nobody resumed for this long are removed
+STALE_AFTER = 7 * 24 * 3600.0
+
+
 class Journal:
-    def __init__(self, state_dir: Path, sandbox: str, dest: Path) -> None:
+    def __init__(self, state_dir: Path, sandbox: str, dest: Path, min_free: int = 0) -> None:
         self.key = _key(sandbox, str(dest))
+        self.min_free = min_free
         self.dir = state_dir / "pulls" / self.key
         self.chunks_dir = self.dir / "chunks"
         self._lock_fd: int | None = None
@@ -52,6 +58,7 @@ class Journal:
         with host_io(f"opening the journal in {self.dir}"):
             self.chunks_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            os.utime(fd)  # the lock's mtime says when this pull last ran
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -60,6 +67,7 @@ class Journal:
                 "another wsync pull of this sandbox into this DEST is running"
             ) from None
         self._lock_fd = fd
+        self._collect_stale()
         try:
             self.meta = json.loads((self.dir / "meta.json").read_text("utf-8"))
         except FileNotFoundError:
@@ -67,6 +75,24 @@ class Journal:
         except (OSError, ValueError):
             self.meta = None  # a damaged meta only costs a fresh start
         return self
+
+    def _collect_stale(self) -> None:
+        """Remove other pulls' journals untouched for a week (failed, never resumed)."""
+        now = time.time()
+        for other in self.dir.parent.iterdir():
+            if other == self.dir:
+                continue
+            with contextlib.suppress(OSError):
+                if now - (other / "lock").stat().st_mtime < STALE_AFTER:
+                    continue
+                fd = os.open(other / "lock", os.O_RDWR | os.O_CLOEXEC)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    rmtree(other)
+                except BlockingIOError:
+                    pass  # in use right now
+                finally:
+                    os.close(fd)
 
     def close(self) -> None:
         if self._lock_fd is not None:
@@ -110,6 +136,13 @@ class Journal:
     def store(self, seq: int, digest: str, data: bytes) -> Path:
         """Write one verified chunk durably; only then does it count."""
         path = self.chunk_path(seq, digest)
+        with host_io("checking free space in the state directory"):
+            st = os.statvfs(self.chunks_dir)
+        if st.f_bavail * st.f_frsize - len(data) < self.min_free:
+            raise HostIOError(
+                f"not enough free space for the journal in {self.chunks_dir} "
+                f"(keeping {self.min_free} bytes free)"
+            )
         try:
             write_atomic(path, data)
         except HostIOError:

@@ -58,6 +58,10 @@ _POLL_MIN, _POLL_MAX = 0.05, 1.0
 _DEAD_CONFIRMATIONS = 3
 
 
+class _ExtractorStopped(Exception):
+    """Internal: the extractor thread ended before the stream did."""
+
+
 def new_snapshot_id() -> str:
     return time.strftime("s%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(4)
 
@@ -103,6 +107,7 @@ class _Pull:
         options: PullOptions,
         journal: Journal,
         on_progress: ProgressCallback | None,
+        stats: CallStats | None = None,
     ) -> None:
         self.transport = transport
         self.workspace = workspace
@@ -110,7 +115,7 @@ class _Pull:
         self.options = options
         self.journal = journal
         self.on_progress = on_progress
-        self.stats = CallStats()
+        self.stats = stats or CallStats()
         self.session = GuestSession(transport, options, self.stats)
         self.sizer = ReadSizer(options.chunk_size)
         self.progress = Progress()
@@ -140,9 +145,11 @@ class _Pull:
 
     # -- the pull ------------------------------------------------------------------
 
-    async def run(self) -> tuple[ExtractStats, int, int]:
+    async def run(self) -> tuple[ExtractStats, int, int, Path | None]:
+        """Everything up to and including the swap.  Returns what ``finish`` needs."""
         self.emit("probe")
         plan = await self.session.probe(self.workspace)
+        self.plan = plan
         snapshot = self.choose_snapshot(plan)
         self.progress.snapshot = snapshot
         # every later log line of this pull (workers inherit the context) names it
@@ -187,29 +194,46 @@ class _Pull:
             self.emit("swap")
             with host_io(f"flushing {tmp}"):
                 syncfs(tmp)
+            # recorded before the swap: a kill right after it must not make
+            # the next run refuse a DEST that wsync itself just wrote
+            DestRegistry(self.options.state_dir).record(self.dest)
             old = swap_into_place(tmp, self.dest)
-        except BaseException:
+        except BaseException as exc:
             feed.abort("pull stopped")
             thread.join(timeout=60)
             self.io.shutdown(wait=True)
             with contextlib.suppress(OSError):
                 rmtree(tmp)
+            if isinstance(exc, _ExtractorStopped) and "error" in box:
+                raise box["error"] from None
             raise
         finally:
             self.io.shutdown(wait=True)
             feed.close()
-        if old is not None:
-            with contextlib.suppress(OSError):
-                rmtree(old)
-        DestRegistry(self.options.state_dir).record(self.dest)
+        return stats, chunks, length, old
+
+    async def finish(self, old: Path | None) -> None:
+        """After the swap DEST is final: nothing here may fail the pull.
+
+        The old tree is removed, the guest staging cleaned up and the journal
+        forgotten; problems become warnings.
+        """
         self.emit("cleanup")
+        if old is not None:
+            try:
+                await asyncio.to_thread(rmtree, old)
+            except OSError as exc:
+                self.warnings.append(f"the previous tree was not fully removed: {old}: {exc}")
         if not self.options.keep_staging:
             try:
-                await self.session.cleanup()
-            except WsyncError as exc:
-                self.warnings.append(f"guest staging not removed: {exc}")
-        self.journal.remove()
-        return stats, chunks, length
+                async with asyncio.timeout(self.options.call_timeout * 2):
+                    await self.session.cleanup()
+            except (WsyncError, TimeoutError) as exc:
+                self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
+        try:
+            self.journal.remove()
+        except WsyncError as exc:
+            self.warnings.append(f"journal not removed: {exc}")
 
     def choose_snapshot(self, plan: GuestPlan) -> str:
         wanted = {
@@ -221,7 +245,10 @@ class _Pull:
             "compressor": plan.compressor,
         }
         meta = self.journal.meta
-        if meta and all(meta.get(k) == v for k, v in wanted.items()) and meta.get("snapshot"):
+        fresh = meta is not None and (
+            time.time() - float(meta.get("created", 0)) < self.options.staging_ttl
+        )
+        if meta and fresh and all(meta.get(k) == v for k, v in wanted.items()):
             snapshot = str(meta["snapshot"])
             log.info("resuming", snapshot=snapshot)
             return snapshot
@@ -246,7 +273,7 @@ class _Pull:
                     group.create_task(self.worker(queue, feed, plan))
                     for _ in range(max(1, self.options.parallel))
                 ]
-                poll, dead = _POLL_MIN, 0
+                poll, dead, dead_since = _POLL_MIN, 0, 0.0
                 while True:
                     status = await self.session.status()
                     if not status.exists:
@@ -254,9 +281,10 @@ class _Pull:
                     if status.failed is not None:
                         raise StagingFailed(status.failed)
                     self.progress.archive_produced = status.data_size
+                    grew = index.consumed < status.index_size
                     while index.consumed < status.index_size:
                         n = min(_INDEX_READ, status.index_size - index.consumed)
-                        data = await self.session.read("index", index.consumed, n)
+                        data = await self.session.read("index", index.consumed, n, self.sizer)
                         for chunk in index.receive_data(data):
                             self.admit_chunk(chunk, journaled, queue, feed)
                     if index.next_offset > limits.max_bytes:
@@ -265,17 +293,17 @@ class _Pull:
                         done = status.done
                         break
                     if not thread.is_alive():
-                        break  # the extractor failed: stop and report it
-                    dead = dead + 1 if not status.alive else 0
-                    if dead >= _DEAD_CONFIRMATIONS:
-                        raise ProducerVanished("the guest producer died without a result")
+                        raise _ExtractorStopped  # stop fetching; run() reports why
+                    if status.alive:
+                        dead = 0
+                    else:
+                        dead += 1
+                        dead_since = dead_since if dead > 1 else time.monotonic()
+                        if dead >= _DEAD_CONFIRMATIONS and time.monotonic() - dead_since > 5:
+                            raise ProducerVanished("the guest producer died without a result")
                     self.emit()
                     await asyncio.sleep(poll)
-                    poll = min(_POLL_MAX, poll * 1.5)
-                if status.done is None:
-                    for _ in workers:
-                        queue.put_nowait(None)
-                    return 0, 0
+                    poll = _POLL_MIN if grew else min(_POLL_MAX, poll * 1.5)
                 if not index.clean or index.next_seq != done.chunks:
                     raise IntegrityFailed(
                         f"index lists {index.next_seq} chunks, done record says {done.chunks}"
@@ -284,11 +312,7 @@ class _Pull:
                     raise IntegrityFailed(
                         f"index covers {index.next_offset} bytes, done record says {done.length}"
                     )
-                if done.tar_rc == 1:
-                    self.warnings.append(
-                        "tar reported files changed while archiving (exit 1): "
-                        + (status.tar_errors or "no details")
-                    )
+                self.check_tar(plan, done.tar_rc, status.tar_errors)
                 self.done_digest = done.digest
                 self.progress.archive_bytes = done.length
                 self.progress.chunks_total = done.chunks
@@ -298,6 +322,21 @@ class _Pull:
         except BaseExceptionGroup as group_error:
             raise _first_error(group_error) from None
         return done.chunks, done.length
+
+    def check_tar(self, plan: GuestPlan, tar_rc: int, errors: str) -> None:
+        """GNU tar exits 1 only for files that changed while read: a warning.
+
+        Busybox tar exits 1 for any error, unreadable files left out included,
+        so there exit 1 is a failure: the archive is not the workspace.
+        """
+        if tar_rc == 1 and "GNU tar" not in plan.probe.tar_version:
+            raise StagingFailed(f"tar exited 1: {errors or 'no details'}")
+        if tar_rc == 1:
+            self.warnings.append(
+                "tar reported files changed while archiving (exit 1): " + (errors or "no details")
+            )
+        elif errors:
+            self.warnings.append(f"tar printed: {errors}")
 
     def admit_chunk(
         self,
@@ -376,19 +415,38 @@ async def pull(
     started = time.monotonic()
     sandbox = sandbox or transport.description
     real = check_dest(Path(dest), transport, workspace, options)
-    journal = Journal(options.state_dir, sandbox, real).open()
+    journal = Journal(options.state_dir, sandbox, real, options.limits.min_free_bytes).open()
     runner = _Pull(transport, workspace, real, options, journal, on_progress)
     try:
         async with asyncio.timeout(options.timeout or None):
-            stats, chunks, length = await runner.run()
+            try:
+                stats, chunks, length, old = await runner.run()
+            except StagingFailed as exc:
+                if not runner.reconciled:
+                    raise
+                # we adopted a snapshot from an earlier run and it had failed or
+                # died: it would fail every run from now on, so start afresh once
+                log.warning("adopted snapshot failed; starting a fresh one", error=str(exc))
+                with contextlib.suppress(WsyncError):
+                    await runner.session.cleanup()
+                journal.meta = None
+                runner = _Pull(
+                    transport, workspace, real, options, journal, on_progress, runner.stats
+                )
+                runner.warnings.append(f"an adopted snapshot had failed ({exc}); started afresh")
+                stats, chunks, length, old = await runner.run()
     except TimeoutError:
+        journal.close()
         raise IntegrityFailed(
             f"the overall deadline of {options.timeout:.0f}s passed; run again to resume"
         ) from None
-    except asyncio.CancelledError:
+    except BaseException:
+        journal.close()
         raise
-    except KeyboardInterrupt:
-        raise Interrupted("stopped by the user; run the same command again to resume") from None
+    try:
+        await runner.finish(old)
+    except asyncio.CancelledError:
+        runner.warnings.append("stopped while cleaning up; DEST is complete")
     finally:
         journal.close()
     runner.emit("done", force=True)

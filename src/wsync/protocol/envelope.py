@@ -131,7 +131,7 @@ class EnvelopeParser:
             )
         if self._digest == "-" and self._allow_unhashed:
             pass
-        elif self._ok and self._algorithm is not None:
+        elif self._algorithm is not None:
             actual = self._algorithm.digest(payload)
             if actual != self._digest:
                 raise ProtocolError(

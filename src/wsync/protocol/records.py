@@ -149,7 +149,7 @@ def parse_status(payload: bytes, algorithm: Algorithm) -> StatusReport:
         index_size=_int(fields, "index_size"),
         data_size=_int(fields, "data_size"),
         done=done,
-        failed=printable(failed) if failed is not None else None,
+        failed=printable(failed.strip()) if failed is not None else None,
         tar_errors=printable(tail, 2000) if sep else "",
     )
 
@@ -169,6 +169,7 @@ class IndexParser:
     """Incremental parser of the append-only index: ``C <seq> <off> <len> <hash>`` lines."""
 
     def __init__(self, algorithm: Algorithm, max_chunk: int) -> None:
+        """``max_chunk`` is the snapshot's chunk size: every chunk but the last has it."""
         self._algorithm = algorithm
         self._max_chunk = max_chunk
         self._partial = b""
@@ -176,6 +177,7 @@ class IndexParser:
         self.consumed = 0
         self.next_seq = 0
         self.next_offset = 0
+        self._short_seen = False
 
     def receive_data(self, data: bytes) -> list[Chunk]:
         """Feed the next bytes of the index file; return the chunks now complete."""
@@ -200,6 +202,11 @@ class IndexParser:
             )
         if not 0 < length <= self._max_chunk:
             raise ProtocolError(f"index chunk {seq} has bad length {length}", "malformed")
+        if self._short_seen:
+            # only the last chunk may be short: a guest that indexes tiny chunks
+            # must not make the host hold millions of chunk records
+            raise ProtocolError(f"index chunk {seq} follows a short chunk", "malformed")
+        self._short_seen = length < self._max_chunk
         if not is_hex(digest, self._algorithm.hex_len):
             raise ProtocolError(f"index chunk {seq} has a bad hash", "malformed")
         self.next_seq += 1

@@ -26,6 +26,7 @@ attached, so nothing is printed before the host is listening.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from wsync.errors import UsageError
@@ -67,6 +68,13 @@ expand_home() {
 }
 nl='
 '
+alive() {
+  kill -0 "$1" 2>/dev/null || return 1
+  if [ -r "/proc/$1/stat" ]; then
+    case $(sed 's/.*) //' "/proc/$1/stat" | cut -d ' ' -f 1) in Z) return 1 ;; esac
+  fi
+  return 0
+}
 """
 
 _PROBE = r"""
@@ -82,6 +90,9 @@ done
 p="$p${nl}test_xxh128 $(printf wsync-probe | xxhsum -H2)"
 p="$p${nl}test_b2 $(printf wsync-probe | b2sum)"
 p="$p${nl}test_sha256 $(printf wsync-probe | sha256sum)"
+if [ "$(printf abcdef | dd bs=65536 iflag=skip_bytes,count_bytes skip=2 count=3 2>/dev/null)" = cde ]; then
+  p="$p${nl}has_dd_bytes 1"
+fi
 p="$p${nl}tar_version $(tar --version 2>&1 | head -n 1)"
 mkdir -p "$root"
 p="$p${nl}stage_free_kb $(df -Pk "$root" | awk 'NR == 2 { print $4 }')"
@@ -100,11 +111,15 @@ h() {
   esac
 }
 fail() {
-  printf '%s\n' "$1" > failed.tmp && mv -f failed.tmp failed
+  # failed.tmp was reserved at start: rewriting it in place (1<>, no
+  # truncation) needs no new disk blocks, so a full disk can still say why
+  printf '%s\n' "$1" 1<> failed.tmp
+  mv -f failed.tmp failed
   trap '' TERM
   kill -TERM 0 2>/dev/null
   exit 1
 }
+printf '%512s\n' '' > failed.tmp || exit 1
 echo $$ > pid.tmp && mv -f pid.tmp pid || fail "cannot write the pid file"
 : > index || fail "cannot create the index"
 : > data || fail "cannot create the data file"
@@ -114,6 +129,7 @@ case $comp in
   *) fail "unknown compressor" ;;
 esac
 { { tar -cf - -C "$ws" . 2>tar.err; echo $? > tar.rc; } | { z 2>comp.err; echo $? > comp.rc; } >> data; } &
+pp=$!
 seq=0 off=0
 index_upto() {
   sz=$(wc -c < data) || fail "cannot read the data size"
@@ -132,7 +148,7 @@ index_upto() {
     off=$((off + l))
   done
 }
-until [ -f comp.rc ]; do
+while [ ! -f comp.rc ] && alive "$pp"; do
   index_upto live
   sleep 0.2 2>/dev/null || sleep 1
 done
@@ -157,25 +173,52 @@ mv -f done.tmp done || fail "cannot write the done record"
 """
 
 _ADMIT = r"""
-root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 prod=$7
+root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 prod=$1/$7
 [ -d "$ws" ] || { emit err "workspace-missing"; exit 0; }
+[ -f "$prod" ] || { emit err "producer-missing"; exit 0; }
 umask 077
 mkdir -p "$root" || { emit err "cannot create the staging root"; exit 0; }
-find "$root" -mindepth 1 -maxdepth 1 -type d -mmin +"$ttl" ! -name "$id" -exec rm -rf {} \;
+# garbage-collect stale snapshots: only wsync's own (an id-shaped name holding
+# a launch/ token), never anything else that happens to live in the root
+for x in "$root"/s*; do
+  [ -d "$x/launch" ] || continue
+  [ "${x##*/}" = "$id" ] && continue
+  [ -n "$(find "$x" -maxdepth 0 -mmin +"$ttl")" ] || continue
+  pid=$(cat "$x/pid") && [ -n "$pid" ] && alive "$pid" && { kill -TERM "-$pid" || kill "$pid"; }
+  rm -rf "$x"
+done
 d=$root/$id
 mkdir -p "$d" || { emit err "cannot create the staging directory"; exit 0; }
 if mkdir "$d/launch"; then
   if command -v setsid >/dev/null 2>&1; then
-    setsid sh -c "$prod" wsync-producer "$d" "$ws" "$cs" "$hid" "$comp" </dev/null >/dev/null 2>&1 &
+    setsid sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" </dev/null >/dev/null 2>&1 &
   else
-    nohup sh -c "$prod" wsync-producer "$d" "$ws" "$cs" "$hid" "$comp" </dev/null >/dev/null 2>&1 &
+    nohup sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" </dev/null >/dev/null 2>&1 &
   fi
+  # record the pid before answering, so "alive" is known from the first status
+  echo $! > "$d/pid.launch" && mv -f "$d/pid.launch" "$d/pid" || {
+    kill $! 2>/dev/null
+    emit err "cannot write the pid file"
+    exit 0
+  }
   emit ok admitted
 elif [ -d "$d/launch" ]; then
   emit ok reconciled
 else
   emit err "cannot create the admission token"
 fi
+"""
+
+_INSTALL = r"""
+root=$1 name=$2 text=$3
+umask 077
+mkdir -p "$root" || { emit err "cannot create the staging root"; exit 0; }
+printf '%s' "$text" > "$root/$name.tmp" && mv -f "$root/$name.tmp" "$root/$name" || {
+  emit err "cannot write the producer script"
+  exit 0
+}
+dg=$(h < "$root/$name")
+emit ok "${dg%% *}"
 """
 
 _STATUS = r"""
@@ -186,10 +229,7 @@ p="exists 1"
 if [ -f "$d/done" ]; then p="$p${nl}$(sed 's/^/done_/' "$d/done")"; fi
 if [ -f "$d/failed" ]; then p="$p${nl}failed $(head -c 400 "$d/failed" | tr '\n' ' ')"; fi
 alive=0
-pid=$(cat "$d/pid") && [ -n "$pid" ] && kill -0 "$pid" && alive=1
-if [ "$alive" = 1 ] && [ -r "/proc/$pid/stat" ]; then
-  case $(sed 's/.*) //' "/proc/$pid/stat" | cut -d ' ' -f 1) in Z) alive=0 ;; esac
-fi
+pid=$(cat "$d/pid") && [ -n "$pid" ] && alive "$pid" && alive=1
 launched=0
 [ -d "$d/launch" ] && launched=1
 isz=$(wc -c < "$d/index") || isz=0
@@ -216,20 +256,34 @@ printf '\nWSYNC1 END %s %s\n' "$nonce" "$dg"
 _CLEANUP = r"""
 d=$1/$2
 if [ -d "$d" ]; then
-  pid=$(cat "$d/pid") && [ -n "$pid" ] && kill -0 "$pid" && { kill -TERM -- "-$pid" || kill "$pid"; }
+  pid=$(cat "$d/pid") && [ -n "$pid" ] && alive "$pid" && { kill -TERM "-$pid" || kill "$pid"; }
   rm -rf "$d" || { emit err "cannot remove the staging directory"; exit 0; }
 fi
 emit ok removed
 """
 
+
+def _compact(script: str) -> str:
+    """Drop indentation, blank lines and comment lines.
+
+    Scripts travel in argv, and some backends put argv into a URL (the Sprites
+    exec endpoint): servers refuse request lines over about 8 KiB.
+    """
+    lines = (line.strip() for line in script.splitlines())
+    return "\n".join(line for line in lines if line and not line.startswith("#")) + "\n"
+
+
 SCRIPTS: dict[str, str] = {
-    "probe": _PRELUDE + _PROBE,
-    "admit": _PRELUDE + _ADMIT,
-    "status": _PRELUDE + _STATUS,
-    "read": _PRELUDE + _READ,
-    "cleanup": _PRELUDE + _CLEANUP,
+    "probe": _compact(_PRELUDE + _PROBE),
+    "admit": _compact(_PRELUDE + _ADMIT),
+    "status": _compact(_PRELUDE + _STATUS),
+    "read": _compact(_PRELUDE + _READ),
+    "cleanup": _compact(_PRELUDE + _CLEANUP),
+    "install": _compact(_PRELUDE + _INSTALL),
 }
-PRODUCER = _PRODUCER
+PRODUCER = _compact(_PRODUCER)
+#: the producer's file name in the staging root (not snapshot-shaped: never GC'd)
+PRODUCER_NAME = ".producer-" + hashlib.sha256(PRODUCER.encode()).hexdigest()[:16] + ".sh"
 
 
 def check_snapshot_id(snapshot: str) -> str:
@@ -284,9 +338,22 @@ def admit(
         str(chunk_size),
         compressor,
         str(max(1, ttl_minutes)),
-        PRODUCER,
+        PRODUCER_NAME,
     )
     return render("admit", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
+
+
+def install_producer(
+    *, gate: bool, nonce: str, algorithm: str, b64: bool, staging_root: str
+) -> list[str]:
+    """Write the producer script into the staging root (answers its hash).
+
+    The producer travels on its own, not inside the admission call, so that
+    no single argv grows past what URL-based exec endpoints accept.  Its name
+    carries its hash: a changed producer never runs under an old name.
+    """
+    args = (staging_root, PRODUCER_NAME, PRODUCER)
+    return render("install", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
 
 
 def snapshot_dir(staging_root: str, snapshot: str) -> str:

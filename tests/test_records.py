@@ -1,0 +1,89 @@
+"""Guest record parsers: the index (incremental), status and probe records."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wsync.errors import ProtocolError
+from wsync.protocol.hashing import ALGORITHMS
+from wsync.protocol.records import IndexParser, parse_fields, parse_probe, parse_status
+
+XXH = ALGORITHMS["xxh128"]
+H = "0" * 32
+INDEX = f"C 0 0 100 {H}\nC 1 100 100 {H}\nC 2 200 40 {H}\n".encode()
+
+
+@pytest.mark.parametrize("step", [1, 7, len(INDEX)])
+def test_index_in_any_split(step: int) -> None:
+    parser = IndexParser(XXH, max_chunk=100)
+    chunks = []
+    for i in range(0, len(INDEX), step):
+        chunks += parser.receive_data(INDEX[i : i + step])
+    assert [(c.seq, c.offset, c.length) for c in chunks] == [
+        (0, 0, 100),
+        (1, 100, 100),
+        (2, 200, 40),
+    ]
+    assert parser.clean and parser.consumed == len(INDEX)
+
+
+def test_a_partial_last_line_waits() -> None:
+    parser = IndexParser(XXH, max_chunk=100)
+    assert parser.receive_data(INDEX[:-5]) and not parser.clean
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        f"C 1 0 100 {H}\n",  # out of order
+        f"C 0 5 100 {H}\n",  # gap
+        f"C 0 0 0 {H}\n",  # empty chunk
+        f"C 0 0 101 {H}\n",  # larger than a chunk
+        "C 0 0 100 xyz\n",  # bad hash
+        f"C 0 0 50 {H}\nC 1 50 50 {H}\n",  # a short chunk that is not the last
+        f"X 0 0 100 {H}\n",
+        "C" * 600,  # an endless line
+    ],
+)
+def test_bad_index_is_a_protocol_error(bad: str) -> None:
+    with pytest.raises(ProtocolError):
+        IndexParser(XXH, max_chunk=100).receive_data(bad.encode())
+
+
+def test_status_with_done_failed_and_tar_errors() -> None:
+    payload = (
+        f"exists 1\ndone_chunks 3\ndone_length 240\ndone_hash {H}\ndone_tar_rc 1\n"
+        "done_comp_rc 0\nalive 0\nlaunched 1\nindex_size 120\ndata_size 240\n"
+        "tar_err_follows\ntar: x: file changed\x1b[31m\n"
+    ).encode()
+    st_ = parse_status(payload, XXH)
+    assert st_.done is not None and st_.done.chunks == 3 and st_.done.tar_rc == 1
+    assert "file changed" in st_.tar_errors and "\x1b" not in st_.tar_errors
+    assert not parse_status(b"exists 0\n", XXH).exists
+
+
+def test_probe_report() -> None:
+    report = parse_probe(
+        b"proto 1\nhas_tar 1\nhas_zstd 0\ntest_xxh128 abc  stdin\nstage_free_kb 42\n"
+    )
+    assert report.has("tar") and not report.has("zstd")
+    assert report.self_tests["xxh128"] == "abc" and report.stage_free_kb == 42
+    with pytest.raises(ProtocolError):
+        parse_probe(b"proto 2\n")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_fuzz_parsers_raise_only_protocol_error(data: bytes) -> None:
+    for parse in (
+        lambda: IndexParser(XXH, 4096).receive_data(data),
+        lambda: parse_status(data, XXH),
+        lambda: parse_probe(data),
+        lambda: parse_fields(data),
+    ):
+        with contextlib.suppress(ProtocolError):
+            parse()
