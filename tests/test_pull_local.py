@@ -304,3 +304,37 @@ def test_busybox_tar_exit_1_is_a_failure_not_a_warning(tmp_path: Path, workspace
     with pytest.raises(StagingFailed, match="tar exited 1"):
         run_pull(transport, workspace, dest, options(tmp_path))
     assert not dest.exists()
+
+
+def test_the_producer_indexes_chunks_while_it_still_runs(tmp_path: Path) -> None:
+    """Chunks become readable before the archive is finished (pull overlaps produce)."""
+    import asyncio
+
+    from wsync.engine.guest import CallStats, GuestSession
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "blob").write_bytes(os.urandom(3 * 1024 * 1024))
+    bindir = tmp_path / "slow-tar"
+    bindir.mkdir()
+    (bindir / "tar").write_text(f'#!/bin/sh\n{shutil.which("tar")} "$@"\nsleep 4\n')
+    (bindir / "tar").chmod(0o755)
+    transport = LocalTransport(env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
+    opts = options(tmp_path, chunk_size=256 * 1024)
+
+    async def watch() -> tuple[int, bool]:
+        try:
+            session = GuestSession(transport, opts, CallStats())
+            plan = await session.probe(str(ws))
+            await session.admit("s-streaming", str(ws), plan.compressor)
+            for _ in range(200):
+                status = await session.status()
+                if status.index_size or status.done:
+                    return status.index_size, status.done is not None
+                await asyncio.sleep(0.05)
+            return 0, False
+        finally:
+            await transport.aclose()
+
+    indexed, finished = asyncio.run(watch())
+    assert indexed > 0 and not finished

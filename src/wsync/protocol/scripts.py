@@ -110,6 +110,13 @@ h() {
     sha256) sha256sum ;;
   esac
 }
+alive() {
+  kill -0 "$1" 2>/dev/null || return 1
+  if [ -r "/proc/$1/stat" ]; then
+    case $(sed 's/.*) //' "/proc/$1/stat" | cut -d ' ' -f 1) in Z) return 1 ;; esac
+  fi
+  return 0
+}
 fail() {
   # failed.tmp was reserved at start: rewriting it in place (1<>, no
   # truncation) needs no new disk blocks, so a full disk can still say why
