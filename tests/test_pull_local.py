@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_exact, busybox_bin, local, make_tree, options, run_pull
-from wsync.errors import GuestToolsMissing, StagingFailed, UsageError
+from wsync.errors import GuestToolsMissing, StagingFailed, UsageError, WsyncError
 from wsync.protocol import scripts
 from wsync.protocol.hashing import ALGORITHMS
 from wsync.transports.local import LocalTransport
@@ -314,26 +315,33 @@ def test_the_producer_indexes_chunks_while_it_still_runs(tmp_path: Path) -> None
 
     ws = tmp_path / "ws"
     ws.mkdir()
-    (ws / "blob").write_bytes(os.urandom(3 * 1024 * 1024))
+    # multithreaded zstd emits output in jobs of several MiB: give it a few
+    (ws / "blob").write_bytes(os.urandom(24 * 1024 * 1024))
     bindir = tmp_path / "slow-tar"
     bindir.mkdir()
-    (bindir / "tar").write_text(f'#!/bin/sh\n{shutil.which("tar")} "$@"\nsleep 4\n')
+    # archiving holds the pipe open for a long while after tar's last byte, so
+    # "done" cannot come first however slow this machine is (probe unaffected)
+    (bindir / "tar").write_text(
+        f'#!/bin/sh\n{shutil.which("tar")} "$@"\n[ "$1" = -cf ] && exec sleep 60\nexit 0\n'
+    )
     (bindir / "tar").chmod(0o755)
     transport = LocalTransport(env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
-    opts = options(tmp_path, chunk_size=256 * 1024)
+    opts = options(tmp_path, chunk_size=1024 * 1024)
 
     async def watch() -> tuple[int, bool]:
         try:
             session = GuestSession(transport, opts, CallStats())
             plan = await session.probe(str(ws))
             await session.admit("s-streaming", str(ws), plan.compressor)
-            for _ in range(200):
+            for _ in range(600):
                 status = await session.status()
                 if status.index_size or status.done:
                     return status.index_size, status.done is not None
                 await asyncio.sleep(0.05)
             return 0, False
         finally:
+            with contextlib.suppress(WsyncError):
+                await session.cleanup()  # stops the producer still waiting on tar
             await transport.aclose()
 
     indexed, finished = asyncio.run(watch())
