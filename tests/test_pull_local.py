@@ -217,26 +217,30 @@ def test_stale_staging_is_garbage_collected_and_nothing_else(
     assert fresh.exists() and foreign.exists() and shaped.exists()
 
 
-def test_keep_staging_and_reconciled_admission(tmp_path: Path, workspace: Path) -> None:
-    """Admitting a snapshot that already runs adopts it and says so."""
+def test_admission_is_idempotent_and_adoption_is_reported(tmp_path: Path, workspace: Path) -> None:
+    """Admitting a snapshot another run started adopts it and says so (``reconciled``);
+    a retry of our own admission (its answer lost on the wire) is still ``admitted``."""
     import asyncio
 
     from wsync.engine.guest import CallStats, GuestSession
 
     opts = options(tmp_path)
 
-    async def admit_twice() -> tuple[bool, bool]:
+    async def admit() -> tuple[bool, bool, bool]:
         transport = local()
         try:
-            session = GuestSession(transport, opts, CallStats())
-            plan = await session.probe(str(workspace))
-            first = await session.admit("s-twice", str(workspace), plan.compressor)
-            second = await session.admit("s-twice", str(workspace), plan.compressor)
-            return first, second
+            first = GuestSession(transport, opts, CallStats())
+            plan = await first.probe(str(workspace))
+            a = await first.admit("s-twice", str(workspace), plan.compressor)
+            retried = await first.admit("s-twice", str(workspace), plan.compressor)
+            other = GuestSession(transport, opts, CallStats())
+            await other.probe(str(workspace))
+            b = await other.admit("s-twice", str(workspace), plan.compressor)
+            return a, retried, b
         finally:
             await transport.aclose()
 
-    assert asyncio.run(admit_twice()) == (False, True)
+    assert asyncio.run(admit()) == (False, False, True)
 
 
 def _tar_wrapper(tmp_path: Path, exit_code: int) -> LocalTransport:

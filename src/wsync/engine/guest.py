@@ -65,6 +65,8 @@ class GuestSession:
         self.b64 = not transport.capabilities.binary_safe
         self.algorithm: Algorithm | None = None
         self.snapshot = ""
+        #: identifies this run to the guest (admission retries are not adoptions)
+        self.run_id = secrets.token_hex(8)
         self._rng = random.Random()  # noqa: S311 - backoff jitter, not a secret
 
     # -- the one retry loop ----------------------------------------------------
@@ -186,6 +188,7 @@ class GuestSession:
                 chunk_size=self.options.chunk_size,
                 compressor=compressor,
                 ttl_minutes=int(self.options.staging_ttl // 60),
+                run=self.run_id,
             ),
             max_length=_SMALL,
         )

@@ -180,7 +180,7 @@ mv -f done.tmp done || fail "cannot write the done record"
 """
 
 _ADMIT = r"""
-root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 prod=$1/$7
+root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 prod=$1/$7 run=$8
 [ -d "$ws" ] || { emit err "workspace-missing"; exit 0; }
 [ -f "$prod" ] || { emit err "producer-missing"; exit 0; }
 umask 077
@@ -197,6 +197,8 @@ done
 d=$root/$id
 mkdir -p "$d" || { emit err "cannot create the staging directory"; exit 0; }
 if mkdir "$d/launch"; then
+  # who launched: a retry of this very run (its answer was lost) is not an adoption
+  printf '%s' "$run" > "$d/launch/by" || { emit err "cannot write the admission token"; exit 0; }
   if command -v setsid >/dev/null 2>&1; then
     setsid sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" </dev/null >/dev/null 2>&1 &
   else
@@ -208,6 +210,8 @@ if mkdir "$d/launch"; then
     emit err "cannot write the pid file"
     exit 0
   }
+  emit ok admitted
+elif [ -d "$d/launch" ] && [ "$(cat "$d/launch/by")" = "$run" ]; then
   emit ok admitted
 elif [ -d "$d/launch" ]; then
   emit ok reconciled
@@ -334,7 +338,10 @@ def admit(
     chunk_size: int,
     compressor: str,
     ttl_minutes: int,
+    run: str,
 ) -> list[str]:
+    """``run`` identifies this wsync run: a retried admission it made itself
+    answers ``admitted`` again; only another run's snapshot is ``reconciled``."""
     check_snapshot_id(snapshot)
     if chunk_size <= 0 or chunk_size % BLOCK:
         raise UsageError(f"chunk size must be a positive multiple of {BLOCK}")
@@ -346,6 +353,7 @@ def admit(
         compressor,
         str(max(1, ttl_minutes)),
         PRODUCER_NAME,
+        run,
     )
     return render("admit", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
 
