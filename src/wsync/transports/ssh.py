@@ -123,6 +123,19 @@ class _ExecSession(asyncssh.SSHClientSession[bytes]):
             self.closed.set_result(None)
 
 
+#: the ciphers OpenSSH offers by default, AES-GCM first: with AES-NI it runs
+#: about twice as fast as chacha20-poly1305 in asyncssh (measured 395 vs 178
+#: MiB/s on loopback), and bulk reads are most of what wsync does
+CIPHERS = (
+    "aes128-gcm@openssh.com",
+    "aes256-gcm@openssh.com",
+    "chacha20-poly1305@openssh.com",
+    "aes128-ctr",
+    "aes192-ctr",
+    "aes256-ctr",
+)
+
+
 class SshTransport(Transport):
     """Exec over one shared, lazily (re)connected SSH connection."""
 
@@ -199,6 +212,7 @@ class SshTransport(Transport):
             "port": self.port if self.port is not None else (),
             "connect_timeout": self._connect_timeout,
             "keepalive_interval": KEEPALIVE_INTERVAL,
+            "encryption_algs": CIPHERS,
         }
         if self.user is not None:
             kwargs["username"] = self.user
