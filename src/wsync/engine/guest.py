@@ -69,6 +69,17 @@ class GuestSession:
         self.run_id = secrets.token_hex(8)
         self._rng = random.Random()  # noqa: S311 - backoff jitter, not a secret
 
+    def _wire(self, nonce: str) -> scripts.Wire:
+        """The arguments every guest call after the probe shares."""
+        assert self.algorithm is not None
+        return scripts.Wire(
+            gate=self.gate,
+            nonce=nonce,
+            algorithm=self.algorithm.name,
+            b64=self.b64,
+            staging_root=self.options.staging_root,
+        )
+
     # -- the one retry loop ----------------------------------------------------
 
     async def call(
@@ -174,15 +185,10 @@ class GuestSession:
         """Start (or adopt) the snapshot's producer.  True when adopted."""
         assert self.algorithm is not None
         self.snapshot = snapshot
-        algorithm = self.algorithm.name
         envelope = await self.call(
             "admit",
             lambda nonce: scripts.admit(
-                gate=self.gate,
-                nonce=nonce,
-                algorithm=algorithm,
-                b64=self.b64,
-                staging_root=self.options.staging_root,
+                **self._wire(nonce),
                 snapshot=snapshot,
                 workspace=workspace,
                 chunk_size=self.options.chunk_size,
@@ -207,11 +213,7 @@ class GuestSession:
         envelope = await self.call(
             "install",
             lambda nonce: scripts.install_producer(
-                gate=self.gate,
-                nonce=nonce,
-                algorithm=algorithm.name,
-                b64=self.b64,
-                staging_root=self.options.staging_root,
+                **self._wire(nonce),
             ),
             max_length=_SMALL,
         )
@@ -225,11 +227,7 @@ class GuestSession:
         envelope = await self.call(
             "status",
             lambda nonce: scripts.status(
-                gate=self.gate,
-                nonce=nonce,
-                algorithm=self.algorithm.name if self.algorithm else "none",
-                b64=self.b64,
-                staging_root=self.options.staging_root,
+                **self._wire(nonce),
                 snapshot=self.snapshot,
             ),
             max_length=_SMALL,
@@ -247,17 +245,12 @@ class GuestSession:
         next retry; the caller continues from ``offset + len(result)``.
         """
         assert self.algorithm is not None
-        algorithm = self.algorithm.name
         asked = [length]
 
         def build(nonce: str) -> list[str]:
             asked[0] = min(sizer.size, length) if sizer is not None else length
             return scripts.read(
-                gate=self.gate,
-                nonce=nonce,
-                algorithm=algorithm,
-                b64=self.b64,
-                staging_root=self.options.staging_root,
+                **self._wire(nonce),
                 snapshot=self.snapshot,
                 file=file,
                 offset=offset,
@@ -285,15 +278,10 @@ class GuestSession:
 
     async def cleanup(self) -> None:
         assert self.algorithm is not None
-        algorithm = self.algorithm.name
         envelope = await self.call(
             "cleanup",
             lambda nonce: scripts.cleanup(
-                gate=self.gate,
-                nonce=nonce,
-                algorithm=algorithm,
-                b64=self.b64,
-                staging_root=self.options.staging_root,
+                **self._wire(nonce),
                 snapshot=self.snapshot,
             ),
             max_length=_SMALL,

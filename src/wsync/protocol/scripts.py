@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import TypedDict
 
 from wsync.errors import UsageError
 
@@ -295,6 +296,16 @@ SCRIPTS: dict[str, str] = {
 PRODUCER = _compact(_PRODUCER)
 #: the producer's file name in the staging root (not snapshot-shaped: never GC'd)
 PRODUCER_NAME = ".producer-" + hashlib.sha256(PRODUCER.encode()).hexdigest()[:16] + ".sh"
+
+
+class Wire(TypedDict):
+    """What every call after the probe passes: how to talk, and where staging is."""
+
+    gate: bool
+    nonce: str
+    algorithm: str
+    b64: bool
+    staging_root: str
 
 
 def check_snapshot_id(snapshot: str) -> str:
