@@ -62,9 +62,5 @@ def _md5() -> Hasher:
 PROBE_ALGORITHM = Algorithm("md5", "md5sum", _md5, 32)
 
 
-def by_name(name: str) -> Algorithm:
-    return ALGORITHMS[name]
-
-
 def is_hex(value: str, length: int) -> bool:
     return len(value) == length and all(c in "0123456789abcdef" for c in value)
