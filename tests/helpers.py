@@ -48,47 +48,30 @@ def make_tree(root: Path, *, seed: int = 1, big: int = 3 * 1024 * 1024, small: i
     return root
 
 
+def tool_dir(directory: Path, tools: tuple[str, ...], *, target: str | None = None) -> Path:
+    """A PATH directory holding only ``tools``: each links to ``target`` (a
+    multi-call binary such as busybox) or to the host's own tool of that name."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for tool in tools:
+        found = target or shutil.which(tool)
+        link = directory / tool
+        if found and not link.exists():
+            link.symlink_to(found)
+    return directory
+
+
+BUSYBOX_APPLETS = (
+    "sh", "tar", "gzip", "sha256sum", "md5sum", "dd", "wc", "find", "mkdir", "rm", "mv",
+    "cat", "printf", "sleep", "head", "tr", "sed", "cut", "kill", "touch", "id", "df",
+    "awk", "setsid", "nohup", "base64", "echo", "test", "[", "ls", "chmod",
+)  # fmt: skip
+
+
 def busybox_bin(directory: Path) -> Path:
     """A PATH directory holding only busybox applets: a minimal guest."""
-    directory.mkdir(parents=True, exist_ok=True)
     busybox = shutil.which("busybox")
     assert busybox, "busybox must be installed (scripts/test.sh installs it)"
-    for applet in (
-        "sh",
-        "tar",
-        "gzip",
-        "sha256sum",
-        "dd",
-        "wc",
-        "find",
-        "mkdir",
-        "rm",
-        "mv",
-        "cat",
-        "printf",
-        "sleep",
-        "head",
-        "tr",
-        "sed",
-        "cut",
-        "kill",
-        "touch",
-        "id",
-        "df",
-        "awk",
-        "setsid",
-        "nohup",
-        "base64",
-        "echo",
-        "test",
-        "[",
-        "ls",
-        "chmod",
-    ):
-        link = directory / applet
-        if not link.exists():
-            link.symlink_to(busybox)
-    return directory
+    return tool_dir(directory, BUSYBOX_APPLETS, target=busybox)
 
 
 def local(env: Mapping[str, str] | None = None) -> LocalTransport:

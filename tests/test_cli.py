@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,6 +121,24 @@ def _chunks_on_disk(state: Path) -> int:
     )
 
 
+def pull_argv(ws: Path, dest: Path, state: Path, stage: Path, chunk: str) -> list[str]:
+    """A slow, one-read-at-a-time ``wsync pull --json``: easy to interrupt midway."""
+    return [
+        sys.executable, "-m", "wsync", "pull", f"local:{ws}", str(dest), "--json",
+        "--state-dir", str(state), "--staging-dir", str(stage),
+        "--chunk-size", chunk, "--parallel", "1",
+    ]  # fmt: skip
+
+
+def wait_for_chunks(proc: subprocess.Popen[Any], state: Path, n: int) -> None:
+    """Until ``n`` chunks are journaled, the pull ends, or a generous deadline."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (state / "pulls").exists() and _chunks_on_disk(state) >= n:
+            return
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_kill_9_at_a_random_point_then_resume(tmp_path: Path, seed: int) -> None:
     """kill -9 costs at most the reads in flight; the rerun never refetches a chunk."""
@@ -129,30 +148,10 @@ def test_kill_9_at_a_random_point_then_resume(tmp_path: Path, seed: int) -> None
     for i in range(6):
         (ws / f"blob{i}").write_bytes(rng.randbytes(3 * 1024 * 1024))
     dest, state = tmp_path / "out", tmp_path / "state"
-    args = [
-        sys.executable,
-        "-m",
-        "wsync",
-        "pull",
-        f"local:{ws}",
-        str(dest),
-        "--json",
-        "--state-dir",
-        str(state),
-        "--staging-dir",
-        str(tmp_path / "stage"),
-        "--chunk-size",
-        "256K",
-        "--parallel",
-        "1",
-    ]
+    args = pull_argv(ws, dest, state, tmp_path / "stage", "256K")
     target = rng.randrange(1, 40)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (state / "pulls").exists() and _chunks_on_disk(state) >= target:
-            break
-        time.sleep(0.005)
+    wait_for_chunks(proc, state, target)
     proc.kill()
     proc.communicate()
     killed_with = _chunks_on_disk(state)
@@ -172,29 +171,9 @@ def test_sigterm_exits_130_and_the_next_run_resumes(tmp_path: Path) -> None:
     ws.mkdir()
     (ws / "blob").write_bytes(rng.randbytes(12 * 1024 * 1024))
     dest, state = tmp_path / "out", tmp_path / "state"
-    args = [
-        sys.executable,
-        "-m",
-        "wsync",
-        "pull",
-        f"local:{ws}",
-        str(dest),
-        "--json",
-        "--state-dir",
-        str(state),
-        "--staging-dir",
-        str(tmp_path / "stage"),
-        "--chunk-size",
-        "128K",
-        "--parallel",
-        "1",
-    ]
+    args = pull_argv(ws, dest, state, tmp_path / "stage", "128K")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (state / "pulls").exists() and _chunks_on_disk(state) >= 5:
-            break
-        time.sleep(0.005)
+    wait_for_chunks(proc, state, 5)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

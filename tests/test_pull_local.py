@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_exact, busybox_bin, local, make_tree, options, run_pull
+from helpers import assert_exact, busybox_bin, local, make_tree, options, run_pull, tool_dir
 from wsync.errors import GuestToolsMissing, StagingFailed, UsageError, WsyncError
 from wsync.protocol import scripts
 from wsync.protocol.hashing import ALGORITHMS
@@ -58,9 +58,7 @@ def test_busybox_guest_with_sha256_and_gzip(tmp_path: Path, workspace: Path) -> 
 
 def test_no_xxhsum_falls_back_to_b2sum(tmp_path: Path, workspace: Path) -> None:
     """dash with coreutils but without xxhsum: BLAKE2b is used and verified."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    for tool in (
+    tools = (
         "sh",
         "tar",
         "zstd",
@@ -85,10 +83,8 @@ def test_no_xxhsum_falls_back_to_b2sum(tmp_path: Path, workspace: Path) -> None:
         "nohup",
         "base64",
         "kill",
-    ):
-        found = shutil.which(tool)
-        if found:
-            (bindir / tool).symlink_to(found)
+    )
+    bindir = tool_dir(tmp_path / "bin", tools)
     env = {"PATH": str(bindir), "HOME": str(tmp_path)}
     transport = LocalTransport(env=env)
     dest = tmp_path / "out"
@@ -98,12 +94,8 @@ def test_no_xxhsum_falls_back_to_b2sum(tmp_path: Path, workspace: Path) -> None:
 
 
 def test_guest_without_a_hash_tool_is_refused_clearly(tmp_path: Path, workspace: Path) -> None:
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    for tool in ("sh", "tar", "gzip", "dd", "wc", "mkdir", "printf", "cat", "head", "df", "awk"):
-        found = shutil.which(tool)
-        if found:
-            (bindir / tool).symlink_to(found)
+    tools = ("sh", "tar", "gzip", "dd", "wc", "mkdir", "printf", "cat", "head", "df", "awk")
+    bindir = tool_dir(tmp_path / "bin", tools)
     transport = LocalTransport(env={"PATH": str(bindir), "HOME": str(tmp_path)})
     dest = tmp_path / "out"
     with pytest.raises(GuestToolsMissing, match="hash tool"):
