@@ -60,6 +60,10 @@ class PullOptions:
     #: preferred compressor in the guest: "zstd" or "gzip" (falls back when missing)
     compressor: str = "zstd"
     limits: ExtractLimits = dataclasses.field(default_factory=ExtractLimits)
+    #: when set, DEST must lie beneath this directory, and DEST's parent is
+    #: reached from it without following symlinks at the time of the write
+    #: (the daemon sets it to the dest root that DEST was accepted under)
+    dest_root: Path | None = None
 
 
 @dataclasses.dataclass(slots=True)
