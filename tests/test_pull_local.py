@@ -174,7 +174,7 @@ class UlimitTransport(LocalTransport):
 def test_guest_write_failure_is_a_failure_never_a_success(tmp_path: Path, workspace: Path) -> None:
     """Field report 3, finding 1: a failed staging write must not end in 'done'."""
     dest = tmp_path / "out"
-    opts = options(tmp_path)
+    opts = options(tmp_path, keep_staging=True)
     with pytest.raises(StagingFailed) as info:
         run_pull(UlimitTransport(), workspace, dest, opts)
     assert info.value.exit_code == 5
@@ -183,6 +183,19 @@ def test_guest_write_failure_is_a_failure_never_a_success(tmp_path: Path, worksp
     assert len(staged) == 1
     assert (staged[0] / "failed").exists() and not (staged[0] / "done").exists()
     assert "compressor exited" in str(info.value) or "cannot" in str(info.value)
+
+
+def test_failed_snapshot_is_discarded_at_once(tmp_path: Path, workspace: Path) -> None:
+    """Issue 7 item 8: a snapshot that failed for good is removed from the guest at once
+    (a full guest disk does not stay full) and the next run starts afresh, not resumes it."""
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    with pytest.raises(StagingFailed):
+        run_pull(UlimitTransport(), workspace, dest, opts)
+    assert list(Path(opts.staging_root).glob("s*")) == []
+    result = run_pull(local(), workspace, dest, opts)
+    assert not result.reconciled and result.resumed_chunks == 0
+    assert_exact(workspace, dest)
 
 
 def test_stale_staging_is_garbage_collected_and_nothing_else(
@@ -278,12 +291,17 @@ def test_overall_deadline_is_a_clear_failure(tmp_path: Path, workspace: Path) ->
 def test_an_adopted_failed_snapshot_is_replaced_by_a_fresh_one(
     tmp_path: Path, workspace: Path
 ) -> None:
-    """A guest failure must not stick: the next run starts afresh instead of
+    """A guest failure must not stick: a run that finds its journal naming a failed
+    snapshot (its own run was killed before it could discard it) starts afresh instead of
     adopting the failed snapshot forever."""
+    from wsync.engine.journal import Journal
+
     dest = tmp_path / "out"
-    opts = options(tmp_path)
-    with pytest.raises(StagingFailed):
-        run_pull(UlimitTransport(), workspace, dest, opts)
+    opts = options(tmp_path, keep_staging=True)
+    with pytest.MonkeyPatch.context() as mp:  # killed before the discard
+        mp.setattr(Journal, "forget", lambda self: None)
+        with pytest.raises(StagingFailed):
+            run_pull(UlimitTransport(), workspace, dest, opts)
     result = run_pull(local(), workspace, dest, opts)
     assert_exact(workspace, dest)
     assert any("started afresh" in w for w in result.warnings)

@@ -57,7 +57,7 @@ def test_bad_index_is_a_protocol_error(bad: str) -> None:
 def test_status_with_done_failed_and_tar_errors() -> None:
     payload = (
         f"exists 1\ndone_chunks 3\ndone_length 240\ndone_hash {H}\ndone_tar_rc 1\n"
-        "done_comp_rc 0\nalive 0\nlaunched 1\nindex_size 120\ndata_size 240\n"
+        "done_comp_rc 0\ndone_unstable_bytes 0\ndone_gone_bytes 0\nalive 0\nlaunched 1\nindex_size 120\ndata_size 240\n"
         "tar_err_follows\ntar: x: file changed\x1b[31m\n"
     ).encode()
     st_ = parse_status(payload, XXH)

@@ -72,9 +72,18 @@ def test_lone_zero_block_end_is_accepted(root: Path, small_archive: bytes) -> No
     assert extract(small_archive[:end] + bytes(512), root).files == 2
 
 
-def test_data_after_end_marker_is_refused(root: Path, small_archive: bytes) -> None:
-    with pytest.raises(HostileArchive, match="after the end-of-archive"):
-        extract(small_archive + b"garbage", root)
+def test_data_after_end_marker_is_refused(tmp_path: Path, small_archive: bytes) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with pytest.raises(HostileArchive, match="truncated"):
+        extract(small_archive + b"garbage", tmp_path / "a")
+    with pytest.raises(HostileArchive, match="header at offset"):
+        extract(small_archive + b"garbage".ljust(512, b"!"), tmp_path / "b")
+
+
+def test_unbounded_zeros_after_end_marker_are_refused(root: Path, small_archive: bytes) -> None:
+    with pytest.raises(HostileArchive, match="zeros after an end-of-archive marker"):
+        extract(small_archive + bytes(2 * 1024 * 1024), root)
 
 
 def test_corrupt_compressed_stream_is_refused(root: Path, small_archive: bytes) -> None:

@@ -178,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--force", action="store_true", help="replace a non-empty DEST wsync did not write"
     )
     p.add_argument("--keep-staging", action="store_true", help="leave guest staging after success")
+    p.add_argument(
+        "--best-effort",
+        action="store_true",
+        help="files that change every time they are read are taken as last read (listed in "
+        "--json as unstable_files) instead of failing with exit 24",
+    )
     p.add_argument("--max-files", type=positive_int, default=5_000_000, metavar="N")
     p.add_argument(
         "--max-bytes",
@@ -278,6 +284,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         staging_root=args.staging_dir,
         force=args.force,
         keep_staging=args.keep_staging,
+        best_effort=args.best_effort,
         compressor="gzip" if args.gzip else "zstd",
         limits=ExtractLimits(max_files=args.max_files, max_bytes=args.max_bytes),
     )

@@ -16,6 +16,7 @@ code  class                    meaning
 6     IntegrityFailed          the bytes could not be verified after retries
 7     HostileArchive           the archive tried to escape DEST or hit a limit
 8     HostIOError              the host could not write DEST or the journal
+24    UnstableFiles            files kept changing while the guest read them
 130   Interrupted              stopped by a signal; the next run resumes
 ====  =======================  ===============================================
 
@@ -106,6 +107,16 @@ class HostIOError(WsyncError):
     template = "host write failed: {}"
 
 
+class UnstableFiles(WsyncError):
+    """Files changed every time the guest read them: DEST would hold a version that never
+    existed (a torn read), so the pull fails naming them, like rsync's exit 24.
+    ``--best-effort`` takes them as last read instead."""
+
+    exit_code = 24
+    kind = "unstable"
+    template = "files kept changing while the guest read them: {}"
+
+
 class Interrupted(WsyncError):
     exit_code = 130
     kind = "interrupted"
@@ -152,5 +163,6 @@ EXIT_CODES: dict[int, str] = {
     6: "integrity not established after retries",
     7: "hostile archive refused, or an extraction limit exceeded",
     8: "host-side write failed (DEST, journal or state directory)",
+    24: "files kept changing while read (DEST untouched; --best-effort takes them as read)",
     130: "interrupted; run the same command again to resume",
 }

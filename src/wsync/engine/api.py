@@ -60,6 +60,9 @@ class PullOptions:
     #: preferred compressor in the guest: "zstd" or "gzip" (falls back when missing)
     compressor: str = "zstd"
     limits: ExtractLimits = dataclasses.field(default_factory=ExtractLimits)
+    #: take files that never stopped changing while read as last read (listed in
+    #: ``unstable_files``) instead of failing with exit 24
+    best_effort: bool = False
     #: when set, DEST must lie beneath this directory, and DEST's parent is
     #: reached from it without following symlinks at the time of the write
     #: (the daemon sets it to the dest root that DEST was accepted under)
@@ -109,6 +112,8 @@ class PullResult:
     faults: dict[str, int] = dataclasses.field(default_factory=dict)
     elapsed_s: float = 0.0
     warnings: list[str] = dataclasses.field(default_factory=list)
+    #: files that changed every time they were read (only with ``best_effort``)
+    unstable_files: list[str] = dataclasses.field(default_factory=list)
     error: str | None = None
     error_kind: str | None = None
     exit_code: int = 0

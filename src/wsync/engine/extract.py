@@ -51,9 +51,11 @@ all its descendants.  Nothing is fsynced: the caller syncs the filesystem before
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
+import secrets
 import stat
 import tarfile
 import time
@@ -182,6 +184,11 @@ def _check_symlink(name: bytes, target: bytes, parent_depth: int) -> None:
         )
 
 
+def _replacement_name() -> str:
+    """A fresh name for an entry read again, moved over the old one once complete."""
+    return f".wsync-again-{secrets.token_hex(8)}"
+
+
 def _refuse_os(exc: OSError, what: str) -> WsyncError:
     """Map an ``OSError`` from path resolution to a refusal or a host error."""
     if exc.errno == errno.ENOENT:
@@ -265,6 +272,8 @@ class _Extractor:
         self.dir_meta: list[tuple[bytes, int, int]] = []
         self.dir_meta_bytes = 0
         self.root_meta: tuple[int, int] | None = None
+        #: (mode, mtime_ns) of directories that a later archive of the stream named again
+        self.dir_updates: dict[bytes, tuple[int, int]] = {}
         self.unchecked_bytes = 0
         self.unchecked_members = 0
 
@@ -357,8 +366,9 @@ class _Extractor:
         if self.unchecked_bytes >= _SPACE_CHECK_BYTES:
             self._check_space(size)
         parent = self._parent(parts, name)
+        leaf = _replacement_name() if self.reader.archive else parts[-1]
         try:
-            fd = os.open(parts[-1], _FILE_FLAGS, mode, dir_fd=parent)
+            fd = os.open(leaf, _FILE_FLAGS, mode, dir_fd=parent)
         except OSError as exc:
             raise _refuse_os(exc, show_name(name)) from exc
         try:
@@ -382,15 +392,16 @@ class _Extractor:
                 os.close(fd)
             except OSError as exc:
                 raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
-        self.stats.files += 1
         self.stats.bytes += size
+        if leaf is parts[-1] or not self._replace(parent, leaf, parts[-1], name):
+            self.stats.files += 1
 
     def _dir(self, name: bytes, mode: int, mtime_ns: int) -> None:
         parts = _split(name, is_dir=True)
         if mode & 0o4000:
             raise HostileArchive(f"{show_name(name)}: setuid bit on a directory")
         if not parts:
-            if self.root_meta is not None:
+            if self.root_meta is not None and not self.reader.archive:
                 raise HostileArchive(f"{show_name(name)}: the root directory appears twice")
             self.root_meta = (mode, mtime_ns)
             return
@@ -398,6 +409,10 @@ class _Extractor:
         try:
             os.mkdir(parts[-1], 0o700, dir_fd=parent)
         except OSError as exc:
+            if exc.errno == errno.EEXIST and self.reader.archive and self._is_dir(parent, parts):
+                # read again: the newer mode and mtime win in the final pass
+                self.dir_updates[b"/".join(parts)] = (mode, mtime_ns)
+                return
             raise _refuse_os(exc, show_name(name)) from exc
         path = b"/".join(parts)
         self.dir_meta_bytes += len(path) + 64
@@ -410,15 +425,17 @@ class _Extractor:
         parts = _split(name, is_dir=False)
         _check_symlink(name, target, len(parts) - 1)
         parent = self._parent(parts, name)
+        leaf = _replacement_name() if self.reader.archive else parts[-1]
         try:
-            os.symlink(target, parts[-1], dir_fd=parent)
+            os.symlink(target, leaf, dir_fd=parent)
         except OSError as exc:
             raise _refuse_os(exc, show_name(name)) from exc
         try:
-            os.utime(parts[-1], ns=(self.atime_ns, mtime_ns), dir_fd=parent, follow_symlinks=False)
+            os.utime(leaf, ns=(self.atime_ns, mtime_ns), dir_fd=parent, follow_symlinks=False)
         except OSError as exc:
             raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
-        self.stats.symlinks += 1
+        if leaf is parts[-1] or not self._replace(parent, leaf, parts[-1], name):
+            self.stats.symlinks += 1
 
     def _hardlink(self, name: bytes, target: bytes) -> None:
         parts = _split(name, is_dir=False)
@@ -443,28 +460,65 @@ class _Extractor:
             if not stat.S_ISREG(st.st_mode):
                 raise HostileArchive(f"{shown} is not an earlier regular file")
             parent = self._parent(parts, name)
+            leaf = _replacement_name() if self.reader.archive else parts[-1]
             try:
                 os.link(
                     tparts[-1],
-                    parts[-1],
+                    leaf,
                     src_dir_fd=tparent,
                     dst_dir_fd=parent,
                     follow_symlinks=False,
                 )
             except OSError as exc:
                 raise _refuse_os(exc, show_name(name)) from exc
+            if leaf is parts[-1] or not self._replace(parent, leaf, parts[-1], name):
+                self.stats.hardlinks += 1
         finally:
             os.close(tparent)
-        self.stats.hardlinks += 1
+
+    # -- later archives: files read again -----------------------------------------------------
+
+    def _replace(self, parent: int, new: str | bytes, leaf: bytes, name: bytes) -> bool:
+        """Move ``new`` over ``leaf`` (a later archive read the file again); True if it
+        replaced an entry.  ``rename`` never follows a symlink at the destination and never
+        replaces a directory with a non-directory, so this stays inside the tree."""
+        try:
+            os.stat(leaf, dir_fd=parent, follow_symlinks=False)
+            existed = True
+        except FileNotFoundError:
+            existed = False
+        except OSError as exc:
+            raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
+        try:
+            os.rename(new, leaf, src_dir_fd=parent, dst_dir_fd=parent)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(new, dir_fd=parent)
+            if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise HostileArchive(
+                    f"{show_name(name)}: read again as a non-directory where a directory is"
+                ) from exc
+            raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
+        return existed
+
+    def _is_dir(self, parent: int, parts: list[bytes]) -> bool:
+        try:
+            st = os.stat(parts[-1], dir_fd=parent, follow_symlinks=False)
+        except OSError:
+            return False
+        return stat.S_ISDIR(st.st_mode)
 
     # -- the final pass -----------------------------------------------------------------------
 
     def _finish_dirs(self) -> None:
         """Apply directory modes and mtimes, descendants before ancestors, then the root's."""
         dirs = self.dirs
+        updates = self.dir_updates
         for count, (path, mode, mtime_ns) in enumerate(reversed(self.dir_meta)):
             if self.check_cancel is not None and count % 1024 == 1023:
                 self.check_cancel()
+            if updates:
+                mode, mtime_ns = updates.get(path, (mode, mtime_ns))
             parts = path.split(b"/")
             try:
                 parent = dirs.fd_for(parts[:-1])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import random
 import secrets
 from collections.abc import Callable
@@ -210,17 +211,16 @@ class GuestSession:
     async def install_producer(self) -> None:
         assert self.algorithm is not None
         algorithm = self.algorithm
-        envelope = await self.call(
-            "install",
-            lambda nonce: scripts.install_producer(
-                **self._wire(nonce),
-            ),
-            max_length=_SMALL,
-        )
-        if not envelope.ok:
-            raise StagingFailed(records.printable(envelope.text))
+        for part in range(scripts.install_parts()):
+            build = functools.partial(self._install_argv, part)
+            envelope = await self.call("install", build, max_length=_SMALL)
+            if not envelope.ok:
+                raise StagingFailed(records.printable(envelope.text))
         if envelope.text != algorithm.digest(scripts.PRODUCER.encode()):
             raise StagingFailed("the producer script arrived damaged in the guest")
+
+    def _install_argv(self, part: int, nonce: str) -> list[str]:
+        return scripts.install_producer(**self._wire(nonce), part=part)
 
     async def status(self) -> records.StatusReport:
         assert self.algorithm is not None

@@ -111,6 +111,14 @@ class Journal:
                 os.unlink(entry.path)
             fsync_dir(self.chunks_dir)
 
+    def forget(self) -> None:
+        """Drop the snapshot and its chunks (it failed for good): the next run starts afresh."""
+        self.clear_chunks()
+        with host_io("clearing the journal"), contextlib.suppress(FileNotFoundError):
+            os.unlink(self.dir / "meta.json")
+            fsync_dir(self.dir)
+        self.meta = None
+
     def remove(self) -> None:
         """Forget this pull entirely (after success)."""
         with host_io("removing the journal"):

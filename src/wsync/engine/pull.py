@@ -37,17 +37,21 @@ from wsync.engine.feed import ChunkFeed, extract_feed
 from wsync.engine.fsutil import host_io, rmtree, swap_into_place, syncfs
 from wsync.engine.guest import CallStats, GuestPlan, GuestSession
 from wsync.engine.journal import DestRegistry, Journal
+from wsync.engine.settle import describe, read_list, remove_gone
+from wsync.engine.tarstream import show_name
 from wsync.errors import (
+    HostileArchive,
     IntegrityFailed,
     Interrupted,
     LimitExceeded,
     ProducerVanished,
     StagingFailed,
+    UnstableFiles,
     UsageError,
     WsyncError,
 )
 from wsync.protocol.policy import ReadSizer
-from wsync.protocol.records import Chunk, IndexParser
+from wsync.protocol.records import Chunk, DoneRecord, IndexParser
 from wsync.transports.base import Transport
 from wsync.transports.registry import open_transport
 
@@ -122,7 +126,9 @@ class _Pull:
         self.warnings: list[str] = []
         self.reconciled = False
         self.last_emit = 0.0
-        self.done_digest = ""
+        self.done: DoneRecord | None = None
+        #: files taken as last read although they kept changing (best effort only)
+        self.unstable: list[str] = []
         #: journal writes run here, so that a cancelled pull can wait for the
         #: writes in flight before it releases the journal (to_thread cannot)
         self.io = concurrent.futures.ThreadPoolExecutor(
@@ -186,11 +192,13 @@ class _Pull:
             if "error" in box:
                 raise box["error"]
             stats: ExtractStats = box["stats"]
-            if feed.length != length or feed.digest != self.done_digest:
+            assert self.done is not None
+            if feed.length != length or feed.digest != self.done.digest:
                 raise IntegrityFailed(
                     f"whole stream: {feed.length} bytes hashing to {feed.digest[:16]}…, "
-                    f"guest says {length} bytes hashing to {self.done_digest[:16]}…"
+                    f"guest says {length} bytes hashing to {self.done.digest[:16]}…"
                 )
+            await self.settle(tmp)
             self.emit("swap")
             with host_io(f"flushing {tmp}"):
                 syncfs(tmp)
@@ -313,7 +321,7 @@ class _Pull:
                         f"index covers {index.next_offset} bytes, done record says {done.length}"
                     )
                 self.check_tar(plan, done.tar_rc, status.tar_errors)
-                self.done_digest = done.digest
+                self.done = done
                 self.progress.archive_bytes = done.length
                 self.progress.chunks_total = done.chunks
                 feed.finish(done.chunks)
@@ -322,6 +330,37 @@ class _Pull:
         except BaseExceptionGroup as group_error:
             raise _first_error(group_error) from None
         return done.chunks, done.length
+
+    async def settle(self, root: Path) -> None:
+        """Apply the producer's lists of files that never settled and that vanished
+        (:mod:`wsync.engine.settle`) to the new tree at ``root``."""
+        assert self.done is not None
+        if self.done.unstable_bytes:
+            names = await read_list(self.session, "unstable", self.done.unstable_bytes, self.sizer)
+            if not self.options.best_effort:
+                raise UnstableFiles(describe(names))
+            self.unstable = [show_name(name) for name in names]
+            self.warnings.append(
+                f"taken as last read although they kept changing: {describe(names)}"
+            )
+        if self.done.gone_bytes:
+            names = await read_list(self.session, "gone", self.done.gone_bytes, self.sizer)
+            removed = await asyncio.to_thread(remove_gone, root, names)
+            if removed:
+                self.warnings.append(f"vanished while read, so not in DEST: {describe(names)}")
+
+    async def discard(self) -> None:
+        """Forget a snapshot that failed for a reason a retry of it cannot fix: remove the
+        guest staging now (a full guest disk must not stay full until the GC) and the
+        journal's chunks, so that the next run starts a fresh snapshot."""
+        if self.session.snapshot and self.session.algorithm and not self.options.keep_staging:
+            try:
+                async with asyncio.timeout(self.options.call_timeout * 2):
+                    await self.session.cleanup()
+            except (WsyncError, TimeoutError) as exc:
+                log.warning("failed snapshot not removed from the guest", error=str(exc))
+        with contextlib.suppress(WsyncError):
+            self.journal.forget()
 
     def check_tar(self, plan: GuestPlan, tar_rc: int, errors: str) -> None:
         """GNU tar exits 1 only for files that changed while read: a warning.
@@ -399,6 +438,18 @@ def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return leaves[0]
 
 
+#: failures that the same snapshot would repeat on every run: it is discarded at once
+_PERMANENT = (StagingFailed, HostileArchive, UnstableFiles)
+
+
+async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, Path | None]:
+    try:
+        return await runner.run()
+    except _PERMANENT:
+        await runner.discard()
+        raise
+
+
 async def pull(
     transport: Transport,
     workspace: str,
@@ -420,21 +471,18 @@ async def pull(
     try:
         async with asyncio.timeout(options.timeout or None):
             try:
-                stats, chunks, length, old = await runner.run()
+                stats, chunks, length, old = await _attempt(runner)
             except StagingFailed as exc:
                 if not runner.reconciled:
                     raise
                 # we adopted a snapshot from an earlier run and it had failed or
-                # died: it would fail every run from now on, so start afresh once
+                # died (and is now discarded): start afresh once
                 log.warning("adopted snapshot failed; starting a fresh one", error=str(exc))
-                with contextlib.suppress(WsyncError):
-                    await runner.session.cleanup()
-                journal.meta = None
                 runner = _Pull(
                     transport, workspace, real, options, journal, on_progress, runner.stats
                 )
                 runner.warnings.append(f"an adopted snapshot had failed ({exc}); started afresh")
-                stats, chunks, length, old = await runner.run()
+                stats, chunks, length, old = await _attempt(runner)
     except TimeoutError:
         journal.close()
         raise IntegrityFailed(
@@ -465,6 +513,7 @@ async def pull(
         faults=dict(runner.stats.faults),
         elapsed_s=time.monotonic() - started,
         warnings=runner.warnings,
+        unstable_files=runner.unstable,
     )
 
 

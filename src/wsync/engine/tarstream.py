@@ -12,11 +12,14 @@ records is done here, because ``tarfile``'s own stream reader
 * and this Python (3.11.7) predates the 2025 fixes to its extraction filters.
 
 Refused here: bad headers, an extended header larger than 1 MiB, repeated or dangling extended
-headers, malformed pax records, pax sparse files, data after the end-of-archive marker, and a
-stream that ends without one.  Truncation is reported as :class:`HostileArchive`
-("truncated"): the pull driver has already checked length and hash, so a stream that still
-ends early is the guest's fault.  What the members *mean* (names, types, modes, links) is
-judged by the extractor (:mod:`wsync.engine.extract`), which owns confinement and limits.
+headers, malformed pax records, pax sparse files, more than 1 MiB of zeros after an
+end-of-archive marker, and a stream that ends without one.  A stream may hold several archives
+one after the other (the producer appends archives of files it read again); each member says
+which archive it came from, and the extractor decides what a later one may do.  Truncation is
+reported as :class:`HostileArchive` ("truncated"): the pull driver has already checked length
+and hash, so a stream that still ends early is the guest's fault.  What the members *mean*
+(names, types, modes, links) is judged by the extractor (:mod:`wsync.engine.extract`), which
+owns confinement and limits.
 
 Speed: the stream is read into one reused 1 MiB buffer (``readinto``), file data is handed to
 the extractor as writes straight from memoryview slices of it, and the common header is parsed
@@ -155,6 +158,8 @@ class TarReader:
         self._stream = stream
         self._on_global_header = on_global_header
         self.pax_global: dict[bytes, bytes] = {}
+        #: which archive of the stream the last member came from (0: the first)
+        self.archive = 0
         self._buf = bytearray(_BUFSIZE)
         self._mv = memoryview(self._buf)
         self._pos = 0
@@ -234,19 +239,25 @@ class TarReader:
             self.offset += take
             size -= take
 
-    def rest_is_zero(self) -> bool:
-        """After the end-of-archive marker: only zero padding may follow, boundedly."""
+    def _next_archive(self) -> bytes | None:
+        """After an end-of-archive marker: ``None`` at the end of the stream, or the first
+        header block of the next archive (the producer appends archives of files it read
+        again because they changed while read, like ``tar --ignore-zeros`` reads them).
+
+        Only bounded zero padding may come between archives.
+        """
         seen = 0
         while True:
-            if self._pos == self._end and not self._fill():
-                return True
-            chunk = self._mv[self._pos : self._end]
-            if chunk.tobytes().count(0) != len(chunk):
-                return False
-            seen += len(chunk)
-            self._pos = self._end
+            block = self.read(BLOCK, "the end-of-archive padding")
+            if not block:
+                return None
+            if block != _ZERO_BLOCK:
+                self.archive += 1
+                self.pax_global = {}
+                return block
+            seen += BLOCK
             if seen > _MAX_TRAILER:
-                return False
+                raise HostileArchive("more than 1 MiB of zeros after an end-of-archive marker")
 
     def next_member(self) -> Member | None:
         """The next member, extended headers applied; ``None`` after the end-of-archive marker."""
@@ -261,9 +272,10 @@ class TarReader:
             if block == _ZERO_BLOCK:
                 if pax is not None or long_name is not None or long_link is not None:
                     raise HostileArchive(f"header at offset {at}: extended header alone")
-                if not self.rest_is_zero():
-                    raise HostileArchive("data after the end-of-archive marker")
-                return None
+                following = self._next_archive()
+                if following is None:
+                    return None
+                block, at = following, self.offset - BLOCK
             try:
                 kind, name, link, mode, size, mtime = parse_header(block)
             except HostileArchive as exc:

@@ -107,6 +107,10 @@ class DoneRecord:
     digest: str
     tar_rc: int
     comp_rc: int
+    #: sizes of the guest's NUL-separated lists of files that never stopped
+    #: changing while read, and of files that vanished after a first read
+    unstable_bytes: int = 0
+    gone_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,6 +144,8 @@ def parse_status(payload: bytes, algorithm: Algorithm) -> StatusReport:
             digest=digest,
             tar_rc=_int(fields, "done_tar_rc"),
             comp_rc=_int(fields, "done_comp_rc"),
+            unstable_bytes=_int(fields, "done_unstable_bytes"),
+            gone_bytes=_int(fields, "done_gone_bytes"),
         )
     failed = fields.get("failed")
     return StatusReport(
@@ -152,6 +158,23 @@ def parse_status(payload: bytes, algorithm: Algorithm) -> StatusReport:
         failed=printable(failed.strip()) if failed is not None else None,
         tar_errors=printable(tail, 2000) if sep else "",
     )
+
+
+def parse_name_list(payload: bytes) -> list[bytes]:
+    """Names from one of the producer's NUL-separated lists (``./a/b`` → ``a/b``).
+
+    The list is verified guest output but the guest is hostile: names are only ever used
+    through confined, no-follow lookups, and ones that could not name an entry (empty,
+    absolute, ``..``) are dropped here.
+    """
+    names = []
+    for raw in payload.split(b"\0"):
+        name = raw[2:] if raw.startswith(b"./") else raw
+        parts = name.split(b"/")
+        if not name or name.startswith(b"/") or b".." in parts or name == b".":
+            continue
+        names.append(name)
+    return names
 
 
 # -- the chunk index ---------------------------------------------------------

@@ -136,7 +136,41 @@ case $comp in
   gzip) z() { gzip -c -1; } ;;
   *) fail "unknown compressor" ;;
 esac
-{ { tar -cf - -C "$ws" . 2>tar.err; echo $? > tar.rc; } | { z 2>comp.err; echo $? > comp.rc; } >> data; } &
+# files whose status changed after a mark were (maybe) read torn: GNU tar reads
+# them again, up to 3 more rounds, appending whole archives to the same stream
+# (the host applies later archives over earlier ones); what never settles is
+# listed in "unstable", what vanished in "gone" (NUL-separated, for the host)
+D=$(pwd -P) || exit 1
+cn=-cnewer
+find . -maxdepth 0 -cnewer . >/dev/null 2>&1 || cn=-newer
+case $(tar --version 2>/dev/null) in *"GNU tar"*) gnu=1 ;; *) gnu=0 ;; esac
+tick() {
+  : > "$1" && : > tick.t || fail "cannot write a mark"
+  until [ -n "$(find tick.t -newer "$1")" ]; do sleep 0.01 2>/dev/null || sleep 1; : > tick.t; done
+}
+exists() {
+  (cd "$ws" && xargs -0 sh -c 'for f; do if [ -e "$f" ] || [ -L "$f" ]; then printf "%s\0" "$f"; else printf "%s\0" "$f" >&3; fi; done' sh) < "$1" > "$2" 3>> gone || fail "cannot check changed files"
+}
+rounds() {
+  tick m
+  tar -cf - -C "$ws" . 2>>tar.err
+  echo $? > tar.rc
+  (cd "$ws" && find . "$cn" "$D/m" \( -type f -o -type l -o -type d \) -print0) > chg || fail "cannot list changed files"
+  k=0
+  while [ -s chg ] && [ "$gnu" = 1 ] && [ $k -lt 3 ]; do
+    k=$((k + 1))
+    tick m
+    exists chg live
+    tar -cf - --null --no-recursion --ignore-failed-read -C "$ws" -T "$D/live" 2>>tar.err
+    rc=$?
+    [ $rc -gt "$(cat tar.rc)" ] && echo $rc > tar.rc
+    (cd "$ws" && xargs -0 sh -c 'c=$1 m=$2; shift 2; [ $# = 0 ] || find "$@" -maxdepth 0 "$c" "$m" -print0 2>/dev/null; :' sh "$cn" "$D/m") < live > chg || fail "cannot list changed files"
+  done
+  [ $k = 0 ] || exists live chk
+  if [ -s chg ]; then mv -f chg unstable || fail "cannot record unstable files"; fi
+}
+: > gone || fail "cannot create the gone list"
+{ rounds | { z 2>comp.err; echo $? > comp.rc; } >> data; } &
 pp=$!
 seq=0 off=0
 index_upto() {
@@ -175,8 +209,11 @@ len=$((len + 0))
 whole=$(h < data)
 whole=${whole%% *}
 [ -n "$whole" ] || fail "cannot hash the stream"
-printf 'chunks %s\nlength %s\nhash %s\ntar_rc %s\ncomp_rc %s\n' \
-  "$seq" "$len" "$whole" "$trc" "$crc" > done.tmp || fail "cannot write the done record"
+ub=0
+[ -f unstable ] && ub=$(wc -c < unstable)
+gb=$(wc -c < gone) || fail "cannot read the gone list"
+printf 'chunks %s\nlength %s\nhash %s\ntar_rc %s\ncomp_rc %s\nunstable_bytes %s\ngone_bytes %s\n' \
+  "$seq" "$len" "$whole" "$trc" "$crc" $((ub + 0)) $((gb + 0)) > done.tmp || fail "cannot write the done record"
 mv -f done.tmp done || fail "cannot write the done record"
 """
 
@@ -222,13 +259,19 @@ fi
 """
 
 _INSTALL = r"""
-root=$1 name=$2 text=$3
+root=$1 name=$2 i=$3 n=$4 text=$5
 umask 077
 mkdir -p "$root" || { emit err "cannot create the staging root"; exit 0; }
-printf '%s' "$text" > "$root/$name.tmp" && mv -f "$root/$name.tmp" "$root/$name" || {
-  emit err "cannot write the producer script"
-  exit 0
-}
+t=$root/$name.part
+printf '%s' "$text" > "$t$i" || { emit err "cannot write the producer script"; exit 0; }
+[ "$i" = $((n - 1)) ] || { emit ok "part $i"; exit 0; }
+j=0
+: > "$t" || { emit err "cannot write the producer script"; exit 0; }
+while [ $j -lt "$n" ]; do
+  cat "$t$j" >> "$t" || { emit err "cannot write the producer script"; exit 0; }
+  j=$((j + 1))
+done
+mv -f "$t" "$root/$name" || { emit err "cannot write the producer script"; exit 0; }
 dg=$(h < "$root/$name")
 emit ok "${dg%% *}"
 """
@@ -296,6 +339,11 @@ SCRIPTS: dict[str, str] = {
 PRODUCER = _compact(_PRODUCER)
 #: the producer's file name in the staging root (not snapshot-shaped: never GC'd)
 PRODUCER_NAME = ".producer-" + hashlib.sha256(PRODUCER.encode()).hexdigest()[:16] + ".sh"
+
+
+#: the snapshot files the host reads back: the stream, its index, and the lists
+#: of files that never settled or that vanished after being read
+READABLE = ("data", "index", "unstable", "gone")
 
 
 class Wire(TypedDict):
@@ -369,17 +417,29 @@ def admit(
     return render("admit", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
 
 
-def install_producer(
-    *, gate: bool, nonce: str, algorithm: str, b64: bool, staging_root: str
-) -> list[str]:
-    """Write the producer script into the staging root (answers its hash).
+#: producer text per install call: argv travels in a URL on some backends
+INSTALL_PART = 1536
 
-    The producer travels on its own, not inside the admission call, so that
-    no single argv grows past what URL-based exec endpoints accept.  Its name
-    carries its hash: a changed producer never runs under an old name.
+
+def install_producer(
+    *, gate: bool, nonce: str, algorithm: str, b64: bool, staging_root: str, part: int
+) -> list[str]:
+    """Write part ``part`` of the producer script into the staging root.
+
+    The producer travels on its own, in parts of :data:`INSTALL_PART` characters, so that
+    no argv grows past what URL-based exec endpoints accept (servers refuse request lines
+    over about 8 KiB).  Each part is its own file, kept, so a retried call is idempotent;
+    the call with the last part joins them and answers the script's hash.  The name carries
+    the hash: a changed producer never runs under an old name.
     """
-    args = (staging_root, PRODUCER_NAME, PRODUCER)
+    count = install_parts()
+    text = PRODUCER[part * INSTALL_PART : (part + 1) * INSTALL_PART]
+    args = (staging_root, PRODUCER_NAME, str(part), str(count), text)
     return render("install", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
+
+
+def install_parts() -> int:
+    return -(-len(PRODUCER) // INSTALL_PART)
 
 
 def snapshot_dir(staging_root: str, snapshot: str) -> str:
@@ -405,7 +465,7 @@ def read(
     offset: int,
     length: int,
 ) -> list[str]:
-    if file not in ("data", "index"):
+    if file not in READABLE:
         raise ValueError(file)
     path = f"{snapshot_dir(staging_root, snapshot)}/{file}"
     args = (path, str(offset), str(length))

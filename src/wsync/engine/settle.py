@@ -1,0 +1,108 @@
+"""Files that changed while the guest read them (DESIGN.md guarantee 8).
+
+A file written while ``tar`` reads it arrives torn: GNU tar pads a shrunk file with zeros and
+reads a rewritten one half old, half new, and only warns (exit 1).  So the producer marks the
+time before each read and asks ``find`` afterwards which entries changed since the mark; GNU
+tar reads those again (up to three more rounds) and appends the archives to the same stream,
+which the extractor applies over the earlier ones.  What still changed in the last round is
+listed in the snapshot's ``unstable`` file, what vanished after a first read in ``gone``.
+
+This module reads both lists back (with the same verified reads as the stream) and applies
+them: unstable files fail the pull with exit 24 unless ``--best-effort``; vanished files are
+removed from the new tree, because the version of them that it holds may be torn and the
+guest no longer has any.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from wsync.engine.api import MiB
+from wsync.engine.guest import GuestSession
+from wsync.engine.tarstream import show_name
+from wsync.errors import HostIOError, StagingFailed
+from wsync.protocol.policy import ReadSizer
+from wsync.protocol.records import parse_name_list
+
+#: largest list read back (a list this long means the workspace is being rewritten wholesale)
+MAX_LIST = 64 * MiB
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+async def read_list(session: GuestSession, file: str, size: int, sizer: ReadSizer) -> list[bytes]:
+    """One of the producer's name lists, every byte verified."""
+    if size > MAX_LIST:
+        raise StagingFailed(f"the guest's {file} list is {size} bytes (more than {MAX_LIST})")
+    data = bytearray()
+    while len(data) < size:
+        data += await session.read(file, len(data), size - len(data), sizer)
+    return parse_name_list(bytes(data))
+
+
+def describe(names: list[bytes], limit: int = 5) -> str:
+    """``'a', 'b' and 3 more`` for a one-line message."""
+    shown = ", ".join(show_name(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def remove_gone(root: Path, names: list[bytes]) -> int:
+    """Remove ``names`` from the tree at ``root``; return how many were there.
+
+    Parents are opened one component at a time without following symlinks, so a name can
+    only ever reach an entry inside the tree; names that are not there are skipped.
+    """
+    removed = 0
+    root_fd = os.open(root, _DIR_FLAGS)
+    try:
+        for name in names:
+            parts = [p for p in name.split(b"/") if p and p != b"."]
+            if not parts or b".." in parts:
+                continue
+            try:
+                parent = _open_parent(root_fd, parts[:-1])
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                    continue
+                raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
+            try:
+                removed += _remove(parent, parts[-1], name)
+            finally:
+                if parent != root_fd:
+                    os.close(parent)
+    finally:
+        os.close(root_fd)
+    return removed
+
+
+def _open_parent(root_fd: int, parts: list[bytes]) -> int:
+    fd = root_fd
+    try:
+        for part in parts:
+            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            if fd != root_fd:
+                os.close(fd)
+            fd = nxt
+    except BaseException:
+        if fd != root_fd:
+            os.close(fd)
+        raise
+    return fd
+
+
+def _remove(parent: int, leaf: bytes, name: bytes) -> int:
+    try:
+        st = os.stat(leaf, dir_fd=parent, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            os.chmod(leaf, stat.S_IRWXU, dir_fd=parent)
+            shutil.rmtree(os.fsdecode(leaf), dir_fd=parent)
+        else:
+            os.unlink(leaf, dir_fd=parent)
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
+    return 1

@@ -1,0 +1,254 @@
+"""Files that change while the guest reads them (issue 7 item 5, DESIGN.md guarantee 8).
+
+Every file in DEST must be a version that existed in the guest: a file written while tar
+read it is read again until it settles, or the pull fails with exit 24 naming it (or, with
+``best_effort``, takes it as last read and lists it).  The deterministic tests put a writer
+at exact points around the guest's real ``tar`` with a wrapper script; the racing tests run
+a real writer thread against a real pull.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from extract_helpers import DIR, SYM, build, extract, make_root, member, snapshot
+from helpers import assert_exact, busybox_bin, local, make_tree, options, run_pull
+from wsync.engine.settle import remove_gone
+from wsync.errors import HostileArchive, UnstableFiles
+from wsync.transports.local import LocalTransport
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    ws = make_tree(tmp_path / "ws", big=256 * 1024, small=20)
+    (ws / "log.txt").write_text("first\n")
+    (ws / "doomed.txt").write_text("here for now\n")
+    return ws
+
+
+def _writer_around_tar(tmp_path: Path, script: str, *, tar: str | None = None) -> LocalTransport:
+    """A guest whose real tar is wrapped by ``script`` (sh), which sees ``$WS`` (the
+    workspace), ``$FOLLOW`` (1 for a re-read round: tar was given a file list) and ``$N``
+    (how many times tar has run), and runs ``real_tar "$@"`` where it wants the read."""
+    bindir = tmp_path / "wrapped-tar"
+    bindir.mkdir(exist_ok=True)
+    real = tar or shutil.which("tar")
+    count = tmp_path / "tar-count"
+    wrapper = bindir / "tar"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'case " $* " in *" --version "*) exec ' + f'{real} "$@" ;; esac\n'
+        f'real_tar() {{ {real} "$@"; }}\n'
+        f"N=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo $N > {count}\n"
+        'FOLLOW=0; case " $* " in *" -T "*) FOLLOW=1 ;; esac\n'
+        f"WS={tmp_path / 'ws'}\n" + script + "\n"
+    )
+    wrapper.chmod(0o755)
+    path = f"{bindir}:{os.environ['PATH']}" if tar is None else f"{bindir}:{Path(real).parent}"
+    return LocalTransport(env={**os.environ, "PATH": path})
+
+
+def test_a_file_torn_by_a_writer_is_read_again(tmp_path: Path, workspace: Path) -> None:
+    """The first read sees a half-written version; the file is read again once settled."""
+    transport = _writer_around_tar(
+        tmp_path,
+        'if [ $N = 1 ]; then printf TORN > "$WS/log.txt"; fi\n'
+        'real_tar "$@"; rc=$?\n'
+        'if [ $N = 1 ]; then printf "FINAL\\n" > "$WS/log.txt"; fi\n'
+        "exit $rc",
+    )
+    dest = tmp_path / "out"
+    result = run_pull(transport, workspace, dest, options(tmp_path))
+    assert (dest / "log.txt").read_text() == "FINAL\n"
+    assert_exact(workspace, dest)
+    assert result.unstable_files == []
+    assert int((tmp_path / "tar-count").read_text()) == 2  # one re-read round
+
+
+def test_a_file_that_never_settles_fails_with_exit_24(tmp_path: Path, workspace: Path) -> None:
+    transport = _writer_around_tar(
+        tmp_path, 'real_tar "$@"; rc=$?\necho "write $N" >> "$WS/log.txt"\nexit $rc'
+    )
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (dest / "keep").write_text("old tree\n")
+    opts = options(tmp_path, force=True)
+    with pytest.raises(UnstableFiles, match=r"log\.txt") as info:
+        run_pull(transport, workspace, dest, opts)
+    assert info.value.exit_code == 24
+    assert sorted(p.name for p in dest.iterdir()) == ["keep"]  # DEST untouched
+    assert int((tmp_path / "tar-count").read_text()) == 4  # the first read and 3 re-reads
+    # the snapshot that failed is not resumed: the guest staging is gone at once
+    assert list(Path(opts.staging_root).glob("s*")) == []
+
+
+def test_best_effort_takes_the_last_read_and_lists_it(tmp_path: Path, workspace: Path) -> None:
+    transport = _writer_around_tar(
+        tmp_path, 'real_tar "$@"; rc=$?\necho "write $N" >> "$WS/log.txt"\nexit $rc'
+    )
+    dest = tmp_path / "out"
+    result = run_pull(transport, workspace, dest, options(tmp_path, best_effort=True))
+    assert result.unstable_files == ["'log.txt'"]
+    # the last read happened before the last write: a version that existed
+    assert (dest / "log.txt").read_text() == "first\nwrite 1\nwrite 2\nwrite 3\n"
+    assert any("kept changing" in w for w in result.warnings)
+
+
+def test_a_file_that_vanishes_after_a_torn_read_is_not_kept(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """Changed during the first read, gone before the second: DEST must not keep the torn
+    first version; the guest no longer has any."""
+    transport = _writer_around_tar(
+        tmp_path,
+        'if [ $FOLLOW = 1 ]; then rm -f "$WS/doomed.txt"; fi\n'
+        'real_tar "$@"; rc=$?\n'
+        'if [ $N = 1 ]; then echo torn >> "$WS/doomed.txt"; fi\n'
+        "exit $rc",
+    )
+    dest = tmp_path / "out"
+    result = run_pull(transport, workspace, dest, options(tmp_path))
+    assert not (dest / "doomed.txt").exists()
+    assert_exact(workspace, dest)
+    assert any("vanished" in w and "doomed.txt" in w for w in result.warnings)
+
+
+def test_busybox_guest_cannot_reread_so_it_fails_clearly(tmp_path: Path, workspace: Path) -> None:
+    bb = busybox_bin(tmp_path / "bb")
+    transport = _writer_around_tar(
+        tmp_path,
+        'real_tar "$@"; rc=$?\nif [ $N = 1 ]; then echo more >> "$WS/log.txt"; fi\nexit $rc',
+        tar=str(bb / "tar"),
+    )
+    with pytest.raises(UnstableFiles, match=r"log\.txt"):
+        run_pull(transport, workspace, tmp_path / "out", options(tmp_path, compressor="gzip"))
+    assert not (tmp_path / "out").exists()
+
+
+_VERSIONS = [os.urandom(4 * 1024 * 1024), bytes(4 * 1024 * 1024)]  # random, zeros
+
+
+@pytest.fixture
+def racing_writer(workspace: Path) -> Iterator[Path]:
+    """A real writer that rewrites a 4 MiB file (truncate, then write twice) without pause."""
+    target = workspace / "busy.bin"
+    target.write_bytes(_VERSIONS[0])
+    stop = threading.Event()
+
+    def write() -> None:
+        data = _VERSIONS
+        n = 0
+        while not stop.is_set():
+            with target.open("wb") as f:
+                f.write(data[n % 2][: 1024 * 1024])
+                f.write(data[n % 2][1024 * 1024 :])
+            n += 1
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    yield target
+    stop.set()
+    thread.join(timeout=30)
+
+
+def test_a_real_racing_writer_fails_the_pull_naming_the_file(
+    tmp_path: Path, workspace: Path, racing_writer: Path
+) -> None:
+    dest = tmp_path / "out"
+    with pytest.raises(UnstableFiles, match=r"busy\.bin"):
+        run_pull(local(), workspace, dest, options(tmp_path))
+    assert not dest.exists()
+
+
+def test_cli_best_effort_json_lists_the_racing_file(
+    tmp_path: Path, workspace: Path, racing_writer: Path
+) -> None:
+    dest = tmp_path / "out"
+    base = [sys.executable, "-m", "wsync", "pull", f"local:{workspace}", str(dest)]
+    base += ["--state-dir", str(tmp_path / "state"), "--staging-dir", str(tmp_path / "stg")]
+    proc = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 24, proc.stderr
+    assert json.loads(proc.stdout)["error_kind"] == "unstable"
+    proc = subprocess.run(
+        [*base, "--json", "--best-effort"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["unstable_files"] == ["'busy.bin'"]
+    assert (dest / "busy.bin").stat().st_size <= 4 * 1024 * 1024
+
+
+# -- the host side: later archives of the stream, the gone list --------------------------------
+
+
+def test_a_later_archive_replaces_what_it_read_again(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    first = build(
+        member("d", DIR, mode=0o755),
+        member("d/f", data=b"torn"),
+        member("d/l", SYM, link="f"),
+        member("g", data=b"stays"),
+    )
+    again = build(
+        member("d", DIR, mode=0o700),
+        member("d/f", data=b"settled", mode=0o600),
+        member("d/l", SYM, link="../g"),
+        member("n", DIR),
+        member("n/new", data=b"created while read"),
+    )
+    stats = extract(first + again, root)
+    got = snapshot(root)
+    assert (root / "d" / "f").read_bytes() == b"settled"
+    assert got[b"d/f"][1] == 0o600 and got[b"d"][1] == 0o700
+    assert os.readlink(root / "d" / "l") == "../g"
+    assert (root / "n" / "new").read_bytes() == b"created while read"
+    assert (root / "g").read_bytes() == b"stays"
+    assert sorted(os.listdir(root / "d")) == ["f", "l"]  # no temporary names left
+    assert (stats.files, stats.symlinks) == (3, 1)  # replacements are not new files
+
+
+def test_a_later_archive_cannot_put_a_file_over_a_directory(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    first = build(member("d", DIR), member("d/x", data=b"x"))
+    with pytest.raises(HostileArchive, match="non-directory where a directory is"):
+        extract(first + build(member("d", data=b"file now")), root)
+    assert (root / "d" / "x").read_bytes() == b"x"
+
+
+def test_a_later_archive_is_confined_like_the_first(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    first = build(member("s", SYM, link=str(tmp_path)))
+    with pytest.raises(HostileArchive):
+        extract(first + build(member("s/sentinel", data=b"overwritten")), root)
+    assert (tmp_path / "sentinel").read_text() == "outside"
+
+
+def test_gone_names_are_removed_without_following_links(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    extract(
+        build(
+            member("d", DIR),
+            member("d/f", data=b"f"),
+            member("d/sub", DIR),
+            member("d/sub/x", data=b"x"),
+            member("e", DIR),
+            member("e/y", data=b"y"),
+            member("link", SYM, link="e"),
+            member("keep", data=b"k"),
+        ),
+        root,
+    )
+    names = [b"d/f", b"d/sub", b"link/y", b"../sentinel", b"missing/x", b"d/nothing"]
+    assert remove_gone(root, names) == 2
+    assert sorted(os.listdir(root)) == ["d", "e", "keep", "link"]
+    assert os.listdir(root / "d") == [] and os.listdir(root / "e") == ["y"]
+    assert (tmp_path / "sentinel").read_text() == "outside"
