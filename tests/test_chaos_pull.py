@@ -150,3 +150,19 @@ def test_cancellation_leaves_dest_untouched_and_resumes(tmp_path: Path) -> None:
     result = run_pull(local(), ws, dest, opts)
     assert_exact(ws, dest)
     assert result.resumed_chunks >= 4
+
+
+def test_a_channel_that_corrupts_per_byte_shrinks_reads_until_they_pass(tmp_path: Path) -> None:
+    """One flipped bit per ~200 KB: 4 MiB reads almost never pass, 64 KiB ones nearly always.
+    Repeated hash mismatches must shrink the read size like any other size-related loss
+    (issue 8), so the pull completes instead of giving up on a chunk."""
+    import os
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "random.bin").write_bytes(os.urandom(12 * 1024 * 1024))
+    transport = ChaosTransport(local(), FaultPlan(flip=200 * 1024, seed=7))
+    dest = tmp_path / "out"
+    result = run_pull(transport, ws, dest, options(tmp_path, chunk_size=4 * 1024 * 1024))
+    assert_exact(ws, dest)
+    assert result.faults.get("hash-mismatch", 0) > 0

@@ -26,7 +26,9 @@ code  name                what the caller sees
 Independently, ``ring=N`` models the Sprites pre-attach history ring: a call
 *without stdin* keeps only the last N bytes of its output (deterministic, as in
 the field report's table).  A call with stdin is gated and loses nothing, which
-is exactly why wsync's read scripts wait for a stdin byte.
+is exactly why wsync's read scripts wait for a stdin byte.  And ``flip=N`` models a
+channel that corrupts at a constant rate per byte: every call's stdout gets one bit
+flipped per N bytes on average, so large reads almost always fail and small ones pass.
 
 This lives in the package, not in the tests, so ``wsync demo`` and the test
 suite exercise the same faults.
@@ -73,6 +75,8 @@ class FaultPlan:
     ring: int = 0
     #: how long a hang lasts at most before the timeout is raised, seconds
     hang: float = 1.0
+    #: flip one bit per this many stdout bytes on average, in every call (0: off)
+    flip: int = 0
 
     def __post_init__(self) -> None:
         bad = set(self.failure_map) - set(FAULT_CODES + CLEAN)
@@ -97,7 +101,7 @@ class FaultPlan:
                     continue
                 elif key == "map":
                     plan["failure_map"] = value
-                elif key in ("seed", "ring"):
+                elif key in ("seed", "ring", "flip"):
                     plan[key] = int(value)
                 elif key == "hang":
                     plan[key] = float(value)
@@ -124,6 +128,16 @@ class FaultPlan:
 
     def cut(self, n: int) -> int:
         return self._rng.randrange(n) if n > 0 else 0
+
+    def flips(self, n: int) -> list[int]:
+        """Offsets to corrupt in ``n`` bytes: a Poisson process of rate ``1/flip``."""
+        found: list[int] = []
+        if self.flip > 0:
+            at = self._rng.expovariate(1 / self.flip)
+            while at < n:
+                found.append(int(at))
+                at += self._rng.expovariate(1 / self.flip)
+        return found
 
 
 class ChaosTransport(Transport):
@@ -164,6 +178,11 @@ class ChaosTransport(Transport):
         if plan.ring and stdin is None and len(out) > plan.ring:
             out = out[-plan.ring :]
         status = result.exit_status
+        if plan.flip:
+            flipped = bytearray(out)
+            for at in plan.flips(len(out)):
+                flipped[at] ^= 1 << plan.cut(8)
+            out = bytes(flipped)
         if fault == "D":
             raise TransportError("connection dropped mid-read (injected)")
         if fault == "H":

@@ -263,7 +263,7 @@ class GuestSession:
             if fault is None:
                 sizer.success(asked[0])
             elif fault in SIZE_FAULTS:
-                sizer.loss(asked[0], received)
+                sizer.loss(asked[0], 0 if fault == "hash-mismatch" else received)
 
         envelope = await self.call(
             f"read {file}@{offset}", build, max_length=length, observe=observe

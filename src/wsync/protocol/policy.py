@@ -61,7 +61,12 @@ class ReadSizer:
             self.size = bigger
 
     def loss(self, length: int, delivered: int = 0) -> None:
-        """A read of ``length`` bytes lost its head or tail; ``delivered`` bytes arrived."""
+        """A read of ``length`` bytes lost its head or tail; ``delivered`` bytes arrived.
+
+        Corrupted reads deliver all their bytes yet say nothing of a size that works:
+        report them with ``delivered=0``, and a size they make unusable drops to the
+        minimum and grows back one doubling per success.
+        """
         size = bucket(length)
         self._balance[size] = self._balance.get(size, 0) + 1
         self._delivered[size] = max(self._delivered.get(size, 0), delivered)
@@ -80,8 +85,12 @@ class ReadSizer:
             self._balance = {k: v // 2 if v > 0 else 0 for k, v in self._balance.items()}
 
 
-#: faults a smaller read may avoid (the others say nothing about size)
-SIZE_FAULTS = frozenset({"no-envelope", "truncated", "trailer-mismatch", "oversize"})
+#: faults a smaller read may avoid (the others say nothing about size); a hash mismatch
+#: is one: a channel that corrupts at a constant rate per byte fails large reads almost
+#: always and small ones rarely
+SIZE_FAULTS = frozenset(
+    {"no-envelope", "truncated", "trailer-mismatch", "oversize", "hash-mismatch"}
+)
 
 
 def backoff(attempt: int, *, base: float = 0.05, cap: float = 2.0, rng: random.Random) -> float:
