@@ -166,3 +166,16 @@ def test_a_channel_that_corrupts_per_byte_shrinks_reads_until_they_pass(tmp_path
     result = run_pull(transport, ws, dest, options(tmp_path, chunk_size=4 * 1024 * 1024))
     assert_exact(ws, dest)
     assert result.faults.get("hash-mismatch", 0) > 0
+
+
+def test_a_lossy_text_channel_gets_base64_lines_and_an_exact_tree(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """Output decoded as UTF-8 with replacement, NULs dropped, CRLF line ends (the way SSE
+    and JSON exec APIs carry it): raw envelopes could not survive, base64 lines do."""
+    transport = ChaosTransport(local(), FaultPlan(text=True, rates={"H": 0.05, "S": 0.05}, seed=3))
+    assert not transport.capabilities.binary_safe
+    dest = tmp_path / "out"
+    result = run_pull(transport, workspace, dest, options(tmp_path, chunk_size=256 * 1024))
+    assert_exact(workspace, dest)
+    assert result.transferred_bytes > result.bytes * 4 // 3  # it went as base64

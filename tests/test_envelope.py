@@ -132,3 +132,40 @@ def test_fuzz_parses_or_raises_protocol_error(
         except ProtocolError:
             continue
         assert env.payload == b"payload-bytes" * 3
+
+
+# -- b64 on text channels (Cloudflare SSE, Daytona JSON: lossy text, added newlines) ----------
+
+
+@pytest.mark.parametrize("step", [None, 1, 13])
+def test_b64_survives_what_text_channels_do_to_line_breaks(step: int | None) -> None:
+    wire = render_envelope(NONCE, PAYLOAD, algorithm=XXH, b64=True)
+    assert max(len(line) for line in wire.split(b"\n")[1:-2]) <= 76  # short lines
+    for mangled in (
+        wire.replace(b"\n", b"\r\n"),  # CRLF line ends
+        wire.replace(b"\n", b"\n\n"),  # every line gained a newline
+    ):
+        assert feed(mangled, step).payload == PAYLOAD
+
+
+@pytest.mark.parametrize(
+    ("damage", "fault"),
+    [
+        (lambda w: w.replace(w[200:300], w[200:250]), "trailer-mismatch"),  # a fragment dropped
+        (lambda w: w[:150] + b"tar: spliced stderr\n" + w[150:], "trailer-mismatch"),
+        (lambda w: w[:150] + b"QUJD" + w[154:], "hash-mismatch"),  # valid base64, wrong bytes
+    ],
+)
+def test_b64_damage_is_detected(damage: object, fault: str) -> None:
+    wire = render_envelope(NONCE, PAYLOAD, algorithm=XXH, b64=True)
+    with pytest.raises(ProtocolError) as info:
+        feed(damage(wire))  # type: ignore[operator]
+    assert info.value.fault == fault
+
+
+def test_b64_payload_longer_than_its_bound_is_refused() -> None:
+    wire = render_envelope(NONCE, b"x" * 3000, algorithm=XXH, b64=True)
+    head, _, rest = wire.partition(b"\n")
+    padded = head + b"\n" + b"\n" * 5000 + rest
+    with pytest.raises(ProtocolError, match="longer than"):
+        feed(padded)

@@ -29,6 +29,9 @@ the field report's table).  A call with stdin is gated and loses nothing, which
 is exactly why wsync's read scripts wait for a stdin byte.  And ``flip=N`` models a
 channel that corrupts at a constant rate per byte: every call's stdout gets one bit
 flipped per N bytes on average, so large reads almost always fail and small ones pass.
+``text=1`` makes the channel a lossy text one, as SSE and JSON exec APIs are: stdout is
+decoded as UTF-8 with replacement characters, NULs vanish and every line ends in CRLF;
+the transport then declares itself not binary-safe, so wsync sends base64 lines.
 
 This lives in the package, not in the tests, so ``wsync demo`` and the test
 suite exercise the same faults.
@@ -77,6 +80,8 @@ class FaultPlan:
     hang: float = 1.0
     #: flip one bit per this many stdout bytes on average, in every call (0: off)
     flip: int = 0
+    #: a lossy text channel (see the module docstring)
+    text: bool = False
 
     def __post_init__(self) -> None:
         bad = set(self.failure_map) - set(FAULT_CODES + CLEAN)
@@ -105,6 +110,8 @@ class FaultPlan:
                     plan[key] = int(value)
                 elif key == "hang":
                     plan[key] = float(value)
+                elif key == "text":
+                    plan[key] = value not in ("", "0")
                 elif key in FAULT_CODES:
                     rates[key] = float(value)
                 else:
@@ -148,7 +155,8 @@ class ChaosTransport(Transport):
     def __init__(self, inner: Transport, plan: FaultPlan) -> None:
         self.inner = inner
         self.plan = plan
-        self.capabilities = inner.capabilities  # type: ignore[misc]
+        caps = inner.capabilities
+        self.capabilities = dataclasses.replace(caps, binary_safe=False) if plan.text else caps  # type: ignore[misc]
 
     @property
     def description(self) -> str:
@@ -178,6 +186,9 @@ class ChaosTransport(Transport):
         if plan.ring and stdin is None and len(out) > plan.ring:
             out = out[-plan.ring :]
         status = result.exit_status
+        if plan.text:
+            text = out.decode("utf-8", "replace").replace("\0", "")
+            out = text.replace("\r\n", "\n").replace("\n", "\r\n").encode()
         if plan.flip:
             flipped = bytearray(out)
             for at in plan.flips(len(out)):

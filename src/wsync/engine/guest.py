@@ -152,7 +152,7 @@ class GuestSession:
         envelope = await self.call(
             "probe",
             lambda nonce: scripts.probe(
-                gate=self.gate, nonce=nonce, workspace=workspace, staging_root=root
+                gate=self.gate, nonce=nonce, b64=self.b64, workspace=workspace, staging_root=root
             ),
             max_length=_SMALL,
             algorithm=PROBE_ALGORITHM,

@@ -8,7 +8,7 @@ or report exit 0 for a stream that was cut.  So no exec output is believed
 unless it is wrapped like this::
 
     WSYNC1 BEGIN <nonce> <status> <length> <encoding>\\n
-    <payload: exactly length bytes (raw) or base64 text of them (b64)>
+    <payload: exactly length bytes (raw) or base64 text of them in lines (b64)>
     \\nWSYNC1 END <nonce> <hash>\\n
 
 * ``nonce`` is fresh random hex per call, chosen by the host: output from any
@@ -23,6 +23,11 @@ unless it is wrapped like this::
   payload whose length and hash are both verified.
 * ``status`` is ``ok`` or ``err``; an ``err`` payload is a one-line reason
   from the guest script (e.g. "short-file").
+* ``b64`` is for text channels, which decode output lossily, add newlines and
+  cut long lines: base64 in lines of 76 characters, as ``base64`` prints it.
+  Its payload ends where the trailer begins; whitespace in it is dropped, and
+  then the decoded length and hash are checked as for ``raw``.  Its wire size
+  is bounded by :func:`wire_length` ("oversize" beyond).
 
 The parser is sans-I/O in the style of h11 and websockets: feed it bytes with
 :meth:`EnvelopeParser.receive_data` (in any split, one byte at a time works),
@@ -67,7 +72,15 @@ class Envelope:
 
 
 def wire_length(length: int, encoding: str) -> int:
-    return length if encoding == "raw" else 4 * ((length + 2) // 3)
+    """Most payload bytes on the wire for ``length`` payload bytes.
+
+    ``b64`` allows a line break of up to two bytes (``\\r\\n``) per 76 characters, and a
+    few more, since text channels were seen to add them.
+    """
+    if encoding == "raw":
+        return length
+    text = 4 * ((length + 2) // 3)
+    return text + 2 * (text // 76) + 64
 
 
 class EnvelopeParser:
@@ -122,7 +135,7 @@ class EnvelopeParser:
         payload = bytes(self._payload)
         if self._encoding == "b64":
             try:
-                payload = base64.b64decode(payload, validate=True)
+                payload = base64.b64decode(payload.translate(None, b" \t\r\n"), validate=True)
             except (binascii.Error, ValueError):
                 raise ProtocolError("payload is not valid base64", "trailer-mismatch") from None
         if len(payload) != self._length:
@@ -189,7 +202,7 @@ class EnvelopeParser:
             if len(self._buf) > _MAX_HEADER:
                 raise ProtocolError("envelope header too long", "malformed")
             return
-        line = bytes(self._buf[:nl])
+        line = bytes(self._buf[:nl]).removesuffix(b"\r")  # text channels may add CRs
         del self._buf[: nl + 1]
         fields = line.split(b" ")
         if len(fields) != 3:
@@ -210,12 +223,29 @@ class EnvelopeParser:
         self.state = State.PAYLOAD
 
     def _take_payload(self) -> None:
+        if self._encoding == "b64":
+            self._take_lines()
+            return
         need = self._wire_length - len(self._payload)
         take = min(need, len(self._buf))
         if take:
             self._payload += self._buf[:take]
             del self._buf[:take]
         if len(self._payload) == self._wire_length:
+            self.state = State.TRAILER
+
+    def _take_lines(self) -> None:
+        """b64: the payload runs up to the trailer, at most ``_wire_length`` bytes."""
+        at = self._buf.find(self._end)
+        take = at if at >= 0 else max(0, len(self._buf) - len(self._end) + 1)
+        if len(self._payload) + take > self._wire_length:
+            raise ProtocolError(
+                f"base64 payload longer than {self._wire_length} bytes", "trailer-mismatch"
+            )
+        if take:
+            self._payload += self._buf[:take]
+            del self._buf[:take]
+        if at >= 0:
             self.state = State.TRAILER
 
     def _trailer(self) -> None:
@@ -233,7 +263,7 @@ class EnvelopeParser:
             if len(self._buf) - len(prefix) > _MAX_TRAILER_HASH:
                 raise ProtocolError("envelope trailer too long", "malformed")
             return
-        token = bytes(self._buf[len(prefix) : nl])
+        token = bytes(self._buf[len(prefix) : nl]).removesuffix(b"\r")
         if not token or not all(c in b"0123456789abcdef-" for c in token):
             raise ProtocolError(f"bad trailer hash {token[:40]!r}", "malformed")
         self._digest = token.decode("ascii")
@@ -256,7 +286,7 @@ def render_envelope(
 ) -> bytes:
     """What a well-behaved guest prints; used by tests and emulators."""
     digest = algorithm.digest(payload) if algorithm is not None else "-"
-    body = base64.b64encode(payload) if b64 else payload
+    body = base64.encodebytes(payload) if b64 else payload
     status = b"ok" if ok else b"err"
     encoding = b"b64" if b64 else b"raw"
     fields = (MAGIC, b"BEGIN", nonce.encode(), status, str(len(payload)).encode(), encoding)

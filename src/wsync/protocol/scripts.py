@@ -57,7 +57,7 @@ emit() {
   n=$(printf '%s' "$2" | wc -c)
   dg=$(printf '%s' "$2" | h)
   printf 'WSYNC1 BEGIN %s %s %s %s\n' "$nonce" "$1" $((n + 0)) "$enc"
-  if [ "$enc" = b64 ]; then printf '%s' "$2" | base64 | tr -d '\n'; else printf '%s' "$2"; fi
+  if [ "$enc" = b64 ]; then printf '%s' "$2" | base64; else printf '%s' "$2"; fi
   printf '\nWSYNC1 END %s %s\n' "$nonce" "${dg%% *}"
 }
 expand_home() {
@@ -265,13 +265,18 @@ mkdir -p "$root" || { emit err "cannot create the staging root"; exit 0; }
 t=$root/$name.part
 printf '%s' "$text" > "$t$i" || { emit err "cannot write the producer script"; exit 0; }
 [ "$i" = $((n - 1)) ] || { emit ok "part $i"; exit 0; }
-j=0
-: > "$t" || { emit err "cannot write the producer script"; exit 0; }
-while [ $j -lt "$n" ]; do
-  cat "$t$j" >> "$t" || { emit err "cannot write the producer script"; exit 0; }
-  j=$((j + 1))
-done
-mv -f "$t" "$root/$name" || { emit err "cannot write the producer script"; exit 0; }
+# part 0 goes last, so a retry after the join finds none and just answers the hash
+if [ -f "${t}0" ]; then
+  j=0
+  : > "$t" || { emit err "cannot write the producer script"; exit 0; }
+  while [ $j -lt "$n" ]; do
+    cat "$t$j" >> "$t" || { emit err "cannot write the producer script"; exit 0; }
+    j=$((j + 1))
+  done
+  mv -f "$t" "$root/$name" || { emit err "cannot write the producer script"; exit 0; }
+  rm -f "$t"[1-9]*
+  rm -f "${t}0"
+fi
 dg=$(h < "$root/$name")
 emit ok "${dg%% *}"
 """
@@ -304,7 +309,7 @@ dg=$(rd | h)
 dg=${dg%% *}
 [ -n "$dg" ] || { emit err "hash-failed"; exit 0; }
 printf 'WSYNC1 BEGIN %s ok %s %s\n' "$nonce" "$l" "$enc"
-if [ "$enc" = b64 ]; then rd | base64 | tr -d '\n'; else rd; fi
+if [ "$enc" = b64 ]; then rd | base64; else rd; fi
 printf '\nWSYNC1 END %s %s\n' "$nonce" "$dg"
 """
 
@@ -379,9 +384,9 @@ def render(
     ]
 
 
-def probe(*, gate: bool, nonce: str, workspace: str, staging_root: str) -> list[str]:
+def probe(*, gate: bool, nonce: str, b64: bool, workspace: str, staging_root: str) -> list[str]:
     return render(
-        "probe", gate=gate, nonce=nonce, algorithm="md5", b64=False, args=(workspace, staging_root)
+        "probe", gate=gate, nonce=nonce, algorithm="md5", b64=b64, args=(workspace, staging_root)
     )
 
 
@@ -428,8 +433,9 @@ def install_producer(
 
     The producer travels on its own, in parts of :data:`INSTALL_PART` characters, so that
     no argv grows past what URL-based exec endpoints accept (servers refuse request lines
-    over about 8 KiB).  Each part is its own file, kept, so a retried call is idempotent;
-    the call with the last part joins them and answers the script's hash.  The name carries
+    over about 8 KiB).  Each part is its own file, so a retried call is idempotent; the
+    call with the last part joins them (if a retry of it has not already) and answers the
+    script's hash.  The name carries
     the hash: a changed producer never runs under an old name.
     """
     count = install_parts()

@@ -79,10 +79,16 @@ class Capabilities:
 
     #: stdin reaches the command (enables the stdin gate)
     stdin: bool = True
-    #: stdout carries arbitrary bytes (False: line-oriented text, use base64)
+    #: stdout carries arbitrary bytes (False: line-oriented text that may be decoded
+    #: lossily, gain newlines or lose long-line fragments: payloads go as base64 in
+    #: short lines)
     binary_safe: bool = True
     #: stdout and stderr arrive on separate channels
     separate_stderr: bool = True
+    #: :meth:`Transport.read_file` reads guest files through a file API (a fast path for
+    #: staged chunks; every result is verified by the chunk hash, exec reads are the
+    #: fallback)
+    file_read: bool = False
 
 
 class Transport(abc.ABC):
@@ -105,6 +111,16 @@ class Transport(abc.ABC):
         ``argv[0]`` is looked up on the guest's PATH.  Backends that take a
         command string instead of an argv join it with :func:`shlex.join`.
         """
+
+    async def read_file(self, path: str, offset: int, length: int, *, timeout: float) -> bytes:
+        """Up to ``length`` bytes of the guest file ``path`` from ``offset``, raw.
+
+        Only for transports whose capabilities say ``file_read``.  The result is not
+        trusted: it may be short or wrong, and the caller checks it against the chunk's
+        hash.  Raises :class:`~wsync.errors.TransportError` when the backend fails or
+        refuses the read (a path outside what its file API serves), and nothing foreign.
+        """
+        raise NotImplementedError(f"{self.scheme}: no file API")
 
     async def aclose(self) -> None:
         """Release connections.  Idempotent."""
