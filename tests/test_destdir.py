@@ -287,10 +287,13 @@ def test_left_over_tmp_trees_are_cleaned_by_the_next_pull(tmp_path: Path) -> Non
         (left / "link").symlink_to(workspace)
         for d in (left / "ro" / "x" / "y", left / "ro" / "x", left / "ro"):
             d.chmod(0o500)
-    kept = tmp_path / ".out2.wsync-tmp-0123456789ab"  # another DEST's: not ours to remove
-    kept.mkdir()
+    # other DESTs' (out2, and "out.wsync-tmp-0123456789ab"): not ours to remove
+    kept = [tmp_path / ".out2.wsync-tmp-0123456789ab"]
+    kept.append(tmp_path / ".out.wsync-tmp-0123456789ab.wsync-tmp-0123456789ab")
+    for other in kept:
+        other.mkdir()
     run_pull(local(), workspace, dest, options(tmp_path))
     assert_exact(workspace, dest)
-    assert beside(dest) == []
-    assert kept.is_dir()
+    assert beside(dest) == sorted(p.name for p in kept[1:])
+    assert all(p.is_dir() for p in kept)
     assert (workspace / "blob.bin").exists()

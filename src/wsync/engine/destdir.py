@@ -33,6 +33,7 @@ import errno
 import fcntl
 import os
 import platform
+import re
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -244,8 +245,11 @@ class DestDir:
         flags = os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             return os.open(name, flags | os.O_RDWR | os.O_CREAT, 0o644, dir_fd=self.parent_fd)
-        except PermissionError:  # another user's lock file: flock works read-only too
-            return os.open(name, flags | os.O_RDONLY, dir_fd=self.parent_fd)
+        except PermissionError as denied:  # another user's lock file: flock works read-only
+            try:
+                return os.open(name, flags | os.O_RDONLY, dir_fd=self.parent_fd)
+            except FileNotFoundError:
+                raise denied from None  # no lock file, and we may not create one
 
     def _names_fd(self, name: str, fd: int) -> bool:
         try:
@@ -296,14 +300,10 @@ class DestDir:
         """
         self.verify()
         warnings: list[str] = []
-        prefix = f".{self.name}.wsync-tmp-"
+        # exactly our names: DEST "out.wsync-tmp-x" has tmp trees that start like ours
+        ours = re.compile(re.escape(f".{self.name}.wsync-") + r"(tmp-[0-9a-f]{12}|old)")
         with host_io(f"listing {self.path.parent}"), os.scandir(self.parent_fd) as entries:
-            stale = [
-                e.name
-                for e in entries
-                if e.name != name
-                and (e.name.startswith(prefix) or e.name == f".{self.name}.wsync-old")
-            ]
+            stale = [e.name for e in entries if e.name != name and ours.fullmatch(e.name)]
         for other in stale:
             try:
                 self.remove(other)

@@ -53,11 +53,7 @@ def host_io(what: str) -> Iterator[None]:
         raise HostIOError(f"{what}: {exc.strerror or exc}") from exc
 
 
-def fsync_dir(path: Path | int) -> None:
-    """fsync a directory given by path or by an open fd (the fd stays open)."""
-    if isinstance(path, int):
-        os.fsync(path)
-        return
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -132,19 +128,6 @@ def swap_at(dir_fd: int, new: str, dest: str, shown: str) -> str | None:
         os.rename(new, dest, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         os.fsync(dir_fd)
         return old
-
-
-def swap_into_place(new: Path, dest: Path) -> Path | None:
-    """:func:`swap_at` by paths (``new`` must sit beside ``dest``)."""
-    if new.parent != dest.parent:
-        raise ValueError("swap_into_place needs two names in one directory")
-    with host_io(f"opening {dest.parent}"):
-        fd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        old = swap_at(fd, new.name, dest.name, str(dest))
-    finally:
-        os.close(fd)
-    return None if old is None else dest.parent / old
 
 
 def rmtree(path: Path) -> None:
