@@ -297,3 +297,29 @@ def test_left_over_tmp_trees_are_cleaned_by_the_next_pull(tmp_path: Path) -> Non
     assert beside(dest) == sorted(p.name for p in kept[1:])
     assert all(p.is_dir() for p in kept)
     assert (workspace / "blob.bin").exists()
+
+
+def test_discard_reports_a_failed_removal_and_never_raises(tmp_path: Path) -> None:
+    """The failure path's cleanup must not replace the pull's own error: a tmp tree that
+    cannot be removed (here a mount point inside it, EBUSY) becomes a message."""
+    dest = tmp_path / "out"
+    target = DestDir.open(dest)
+    try:
+        fd, warnings = target.make_tmp(".out.wsync-tmp-0123456789ab")
+        assert warnings == [] and fd >= 0
+        mnt = tmp_path / ".out.wsync-tmp-0123456789ab" / "mnt"
+        mnt.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+            capture_output=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace')}")
+        try:
+            problem = target.discard(".out.wsync-tmp-0123456789ab")
+        finally:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+        assert problem is not None and "wsync-tmp-0123456789ab/mnt" in problem
+    finally:
+        target.close()
