@@ -5,13 +5,22 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from helpers import assert_exact, busybox_bin, local, make_tree, options, run_pull, tool_dir
-from wsync.errors import GuestToolsMissing, StagingFailed, UsageError, WsyncError
+from wsync.engine.fsutil import rmtree
+from wsync.errors import (
+    GuestToolsMissing,
+    HostileArchive,
+    StagingFailed,
+    UsageError,
+    WsyncError,
+)
 from wsync.protocol import scripts
 from wsync.protocol.hashing import ALGORITHMS
 from wsync.transports.local import LocalTransport
@@ -360,3 +369,66 @@ def test_the_producer_indexes_chunks_while_it_still_runs(tmp_path: Path) -> None
 
     indexed, finished = asyncio.run(watch())
     assert indexed > 0 and not finished
+
+
+@pytest.fixture
+def deep(tmp_path: Path) -> Iterator[Callable[[Path, int, str], None]]:
+    """Builds ``top/d/d/…`` ``depth`` levels deep with ``leaf`` at the bottom (``fifo``:
+    a FIFO); every deep tree under ``tmp_path`` is removed afterwards with wsync's own
+    remover, as pytest's recursive cleanup cannot."""
+
+    def build(top: Path, depth: int, leaf: str) -> None:
+        top.mkdir()
+        fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        try:
+            if leaf == "fifo":
+                os.mkfifo("fifo", dir_fd=fd)
+            else:
+                os.close(os.open(leaf, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+        finally:
+            os.close(fd)
+
+    yield build
+    for entry in tmp_path.iterdir():
+        rmtree(entry)
+
+
+def test_a_deep_tree_pulls_twice_in_a_row(
+    tmp_path: Path, deep: Callable[[Path, int, str], None]
+) -> None:
+    """Issue 7 item 7: the second pull's removal of the old 1,200-deep tree raised
+    RecursionError in finish(), and every later pull failed the same way."""
+    workspace = tmp_path / "ws"
+    deep(workspace, 1200, "leaf")
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    for turn in range(2):
+        (workspace / "turn").write_text(f"{turn}\n")
+        result = run_pull(local(), workspace, dest, opts)
+        assert result.ok and result.warnings == []
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(limit + 4 * 1200)  # for treediff's os.walk, not for wsync
+        try:
+            assert_exact(workspace, dest)
+        finally:
+            sys.setrecursionlimit(limit)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")) == []
+
+
+def test_a_refusal_after_a_deep_tree_is_still_the_refusal(
+    tmp_path: Path, deep: Callable[[Path, int, str], None]
+) -> None:
+    """The cleanup of a 1,200-deep half-extracted tree must not turn exit 7 into an
+    internal error (it raised RecursionError), nor leave the tmp tree behind."""
+    workspace = tmp_path / "ws"
+    deep(workspace, 1200, "fifo")  # refused, after the whole deep path
+    dest = tmp_path / "out"
+    with pytest.raises(HostileArchive, match="FIFO"):
+        run_pull(local(), workspace, dest, options(tmp_path))
+    assert not dest.exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")) == []

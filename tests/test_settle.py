@@ -248,7 +248,11 @@ def test_gone_names_are_removed_without_following_links(tmp_path: Path) -> None:
         root,
     )
     names = [b"d/f", b"d/sub", b"link/y", b"../sentinel", b"missing/x", b"d/nothing"]
-    assert remove_gone(root, names) == 2
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert remove_gone(fd, names) == 2
+    finally:
+        os.close(fd)
     assert sorted(os.listdir(root)) == ["d", "e", "keep", "link"]
     assert os.listdir(root / "d") == [] and os.listdir(root / "e") == ["y"]
     assert (tmp_path / "sentinel").read_text() == "outside"

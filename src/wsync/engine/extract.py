@@ -105,19 +105,24 @@ class ExtractStats:
 
 def extract_tar_stream(
     stream: BinaryIO,
-    root: Path,
+    root: Path | int,
     limits: ExtractLimits,
     *,
     check_cancel: Callable[[], None] | None = None,
 ) -> ExtractStats:
     """Extract the uncompressed tar ``stream`` into the empty directory ``root``, confined.
 
-    Raises :class:`HostileArchive` (or :class:`LimitExceeded`) on anything refused,
+    ``root`` is a path or an already-open directory fd (which stays open; the pull passes
+    one so that nothing is resolved by path after its checks).  Raises
+    :class:`HostileArchive` (or :class:`LimitExceeded`) on anything refused,
     :class:`HostIOError` when the host cannot write, and whatever ``check_cancel`` raises.  On
     error ``root`` holds a partial tree that the caller discards.
     """
     try:
-        root_fd = os.open(root, _DIR_FLAGS)
+        if isinstance(root, int):
+            root_fd = os.open(".", _DIR_FLAGS, dir_fd=root)
+        else:
+            root_fd = os.open(root, _DIR_FLAGS)
     except OSError as exc:
         raise HostIOError(f"cannot open extraction root {str(root)!r}: {exc.strerror}") from exc
     try:

@@ -115,9 +115,10 @@ class ChunkFeed(io.RawIOBase):
 
 
 def extract_feed(
-    feed: ChunkFeed, compressor: str, root: Path, limits: ExtractLimits
+    feed: ChunkFeed, compressor: str, root: Path | int, limits: ExtractLimits
 ) -> ExtractStats:
-    """Decompress and extract the whole feed into ``root``, then drain it.
+    """Decompress and extract the whole feed into ``root`` (a path or an open
+    directory fd, which stays open), then drain it.
 
     Draining matters: the decompressor may stop at tar's end-of-archive
     blocks, but the whole-stream hash must cover every byte of the stream.

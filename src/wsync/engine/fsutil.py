@@ -9,7 +9,13 @@ failure, never a silent success.
 DEST is replaced with ``renameat2(RENAME_EXCHANGE)`` where the kernel and libc
 offer it (one atomic step: DEST is the old tree or the new one, never absent);
 elsewhere with two renames, leaving a short window where DEST is absent but
-never a mix of trees.
+never a mix of trees.  Both work on names relative to an open directory fd
+(:mod:`wsync.engine.destdir` holds DEST's parent that way), so a symlink
+swapped into the path after the checks cannot redirect them.
+
+Trees are removed by :func:`remove_tree_at`, iteratively: ``shutil.rmtree``
+recurses once per level and a guest's archive may be arbitrarily deep (a tree
+of ~1,000 directories raised ``RecursionError`` and blocked DEST for good).
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ import ctypes
 import ctypes.util
 import errno
 import os
-import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +37,11 @@ try:
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 except OSError:  # pragma: no cover - exotic libc
     _libc = None
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: directory fds a removal keeps open along its path; deeper ones are reopened
+#: through ``..`` (and checked) on the way back up, so any depth fits in few fds
+_WINDOW = 32
 
 
 @contextlib.contextmanager
@@ -67,9 +77,10 @@ def write_atomic(path: Path, data: bytes) -> None:
         fsync_dir(path.parent)
 
 
-def syncfs(path: Path) -> None:
-    """Flush the whole filesystem holding ``path`` (one call instead of an fsync per file)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def syncfs(path: Path | int) -> None:
+    """Flush the whole filesystem holding ``path`` or the open fd ``path``
+    (one call instead of an fsync per file)."""
+    fd = path if isinstance(path, int) else os.open(path, _DIR_FLAGS)
     try:
         if _libc is not None and hasattr(_libc, "syncfs"):
             if _libc.syncfs(fd) != 0:
@@ -78,62 +89,245 @@ def syncfs(path: Path) -> None:
         else:  # pragma: no cover
             os.sync()
     finally:
-        os.close(fd)
+        if fd is not path:
+            os.close(fd)
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths; False when the platform cannot."""
+def exchange_at(dir_fd: int, a: str, b: str) -> bool:
+    """Atomically swap names ``a`` and ``b`` in ``dir_fd``; False when the platform cannot."""
     if _libc is None or not hasattr(_libc, "renameat2"):
         return False
-    at_fdcwd = -100
-    rc = _libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    rc = _libc.renameat2(dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_EXCHANGE)
     if rc == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
         return False
-    raise OSError(err, os.strerror(err), str(b))
+    raise OSError(err, os.strerror(err), b)
 
 
-def swap_into_place(new: Path, dest: Path) -> Path | None:
-    """Make ``new`` appear at ``dest`` atomically.
+def swap_at(dir_fd: int, new: str, dest: str, shown: str) -> str | None:
+    """Make directory ``new`` appear as ``dest`` (both names in ``dir_fd``) atomically.
 
-    Returns the path now holding the *old* tree (to be removed by the caller),
-    or None when ``dest`` did not exist.
+    Returns the name now holding the *old* tree (to be removed by the caller),
+    or None when ``dest`` did not exist.  ``shown`` names DEST in errors.
     """
-    with host_io(f"replacing {dest}"):
-        if not os.path.lexists(dest):
-            os.rename(new, dest)
-            fsync_dir(dest.parent)
+    with host_io(f"replacing {shown}"):
+        try:
+            os.stat(dest, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            os.rename(new, dest, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.fsync(dir_fd)
             return None
-        if _exchange(new, dest):
-            fsync_dir(dest.parent)
+        if exchange_at(dir_fd, new, dest):
+            os.fsync(dir_fd)
             return new
-        old = dest.with_name(f".{dest.name}.wsync-old")
-        rmtree(old)
-        os.rename(dest, old)
-        os.rename(new, dest)
-        fsync_dir(dest.parent)
+        old = f".{dest}.wsync-old"
+        remove_tree_at(dir_fd, old, shown=f"{shown} (old tree {old})")
+        os.rename(dest, old, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.rename(new, dest, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.fsync(dir_fd)
         return old
 
 
 def rmtree(path: Path) -> None:
-    """Remove a tree we wrote, even where it holds read-only directories."""
+    """Remove ``path`` (a tree or a single entry) if it exists; see :func:`remove_tree_at`."""
+    path = Path(os.path.abspath(path))
+    try:
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise HostIOError(f"removing {path}: {exc.strerror or exc}") from exc
+    try:
+        remove_tree_at(parent, path.name, shown=str(path))
+    finally:
+        os.close(parent)
 
-    def onerror(func: object, failed: str, exc_info: object) -> None:
-        parent = os.path.dirname(failed)
-        with contextlib.suppress(OSError):
-            os.chmod(parent, stat.S_IRWXU)
-            if os.path.isdir(failed) and not os.path.islink(failed):
-                os.chmod(failed, stat.S_IRWXU)
-        if os.path.isdir(failed) and not os.path.islink(failed):
-            shutil.rmtree(failed, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(failed)
 
-    if os.path.lexists(path):
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, onerror=onerror)
-        else:
-            os.unlink(path)
+class _Frame:
+    """One directory on the removal path: its fd (or -1), identity and subdirectories left."""
+
+    __slots__ = ("dev", "fd", "ino", "name", "todo")
+
+    def __init__(self, fd: int, name: str, st: os.stat_result) -> None:
+        self.fd = fd
+        self.name = name
+        self.dev = st.st_dev
+        self.ino = st.st_ino
+        self.todo: list[str] = []
+
+
+class _Remover:
+    """The state of one :func:`remove_tree_at`: the path stack and the first failure."""
+
+    def __init__(self, shown: str) -> None:
+        self.shown = shown
+        self.stack: list[_Frame] = []
+        self.failure: tuple[str, OSError] | None = None
+        self.failures = 0
+
+    def path(self, name: str = "") -> str:
+        parts = [self.shown, *(f.name for f in self.stack[1:])]
+        if name:
+            parts.append(name)
+        return "/".join(parts)
+
+    def fail(self, name: str, exc: OSError) -> None:
+        self.failures += 1
+        if self.failure is None:
+            self.failure = (self.path(name), exc)
+
+    def enter(self, parent_fd: int, name: str) -> None:
+        """Open directory ``name`` (never via a symlink), push it, unlink its non-directories."""
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                # not a directory (any more): a symlink or a file took its place
+                self.unlink(parent_fd, name)
+            elif exc.errno == errno.EACCES and _make_searchable(parent_fd, name):
+                self.enter(parent_fd, name)
+            elif exc.errno != errno.ENOENT:
+                self.fail(name, exc)
+            return
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            os.close(fd)
+            self.fail(name, exc)
+            return
+        frame = _Frame(fd, name, st)
+        self.stack.append(frame)
+        # bound the open fds: close the one that just fell out of the window
+        out = len(self.stack) - _WINDOW - 1
+        if out >= 0 and self.stack[out].fd >= 0:
+            os.close(self.stack[out].fd)
+            self.stack[out].fd = -1
+        try:
+            if st.st_mode & 0o700 != 0o700 and st.st_uid == os.geteuid():
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o700)  # read-only: make it removable
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    try:
+                        is_dir = entry.is_dir(follow_symlinks=False)
+                    except OSError:
+                        is_dir = False
+                    if is_dir:
+                        frame.todo.append(entry.name)
+                    else:
+                        self.unlink(fd, entry.name)
+        except OSError as exc:
+            self.fail("", exc)  # the rmdir of this directory will fail and be counted too
+
+    def unlink(self, dir_fd: int, name: str) -> None:
+        """Unlink a non-directory in the top frame's directory (or the caller's)."""
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError as exc:
+            # a directory appeared under this name since the listing
+            if self.stack and self.stack[-1].fd == dir_fd:
+                self.stack[-1].todo.append(name)
+            else:
+                self.fail(name, exc)
+        except OSError as exc:
+            self.fail(name, exc)
+
+    def parent_fd(self, top_parent: int) -> int:
+        """The fd of the directory holding the top frame, reopened through ``..`` if closed."""
+        if len(self.stack) == 1:
+            return top_parent
+        parent = self.stack[-2]
+        if parent.fd < 0:
+            child = self.stack[-1]
+            fd = os.open("..", _DIR_FLAGS, dir_fd=child.fd)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (parent.dev, parent.ino):
+                os.close(fd)
+                raise OSError(errno.ESTALE, "the tree was moved while it was being removed")
+            parent.fd = fd
+        return parent.fd
+
+    def close(self) -> None:
+        for frame in self.stack:
+            if frame.fd >= 0:
+                os.close(frame.fd)
+        self.stack.clear()
+
+
+def _make_searchable(parent_fd: int, name: str) -> bool:
+    """Give the owner rwx on directory ``name`` without following a symlink; True if done."""
+    try:
+        fd = os.open(
+            name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent_fd
+        )
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o700 == 0o700:
+            return False
+        # fchmod refuses O_PATH fds; the /proc link names exactly this inode
+        os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(st.st_mode) | 0o700)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def remove_tree_at(parent_fd: int, name: str, *, shown: str | None = None) -> None:
+    """Remove entry ``name`` of the open directory ``parent_fd``, a whole tree if it is one.
+
+    Iterative (any depth, a bounded number of open fds), never follows a
+    symlink (links are unlinked, every directory is opened ``O_NOFOLLOW``
+    relative to its parent), makes read-only directories we own writable
+    first.  Removes everything it can; then raises :class:`HostIOError`
+    naming the first path it could not remove.  A missing ``name`` is fine.
+    """
+    shown = shown or name
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise HostIOError(f"removing {shown}: {exc.strerror or exc}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        with host_io(f"removing {shown}"), contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=parent_fd)
+        return
+    run = _Remover(shown)
+    try:
+        run.enter(parent_fd, name)
+        _walk(run, parent_fd)
+    except OSError as exc:
+        run.fail("", exc)
+    finally:
+        run.close()
+    if run.failure is not None:
+        where, error = run.failure
+        more = f" (and {run.failures - 1} more)" if run.failures > 1 else ""
+        raise HostIOError(f"cannot remove {where}: {error.strerror or error}{more}")
+
+
+def _walk(run: _Remover, top_parent: int) -> None:
+    """Depth first over ``run.stack``: descend into the next subdirectory, or rmdir and go up."""
+    stack = run.stack
+    while stack:
+        frame = stack[-1]
+        if frame.fd < 0:  # pragma: no cover - the top frame is always open
+            raise OSError(errno.EBADF, "lost a directory fd")
+        if frame.todo:
+            run.enter(frame.fd, frame.todo.pop())
+            continue
+        parent = run.parent_fd(top_parent)
+        stack.pop()
+        os.close(frame.fd)
+        try:
+            os.rmdir(frame.name, dir_fd=parent)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            run.fail(frame.name, exc)

@@ -12,6 +12,10 @@ and the directory is fsynced: ``kill -9`` at any moment loses at most the
 reads in flight.  On resume a chunk is reused only when the guest's index
 names the same hash and the file has the indexed length.
 
+The journal also carries the pull's :class:`~wsync.engine.destdir.DestDir`
+(DEST's parent fd and the DEST lock), so both locks are released together on
+every path that closes the journal.
+
 ``STATE/dests/`` remembers which destination directories wsync wrote, so a
 pull refuses to replace a non-empty directory it did not create (unless
 ``--force``): one typo must not wipe a home directory.
@@ -28,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from wsync.engine.destdir import DestDir
 from wsync.engine.fsutil import fsync_dir, host_io, rmtree, write_atomic
 from wsync.errors import HostIOError, UsageError
 
@@ -44,7 +49,16 @@ STALE_AFTER = 7 * 24 * 3600.0
 
 
 class Journal:
-    def __init__(self, state_dir: Path, sandbox: str, dest: Path, min_free: int = 0) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        sandbox: str,
+        dest: Path,
+        min_free: int = 0,
+        dest_dir: DestDir | None = None,
+    ) -> None:
+        #: DEST's parent fd and lock, closed with the journal (also when open fails)
+        self.dest_dir = dest_dir
         self.key = _key(sandbox, str(dest))
         self.min_free = min_free
         self.dir = state_dir / "pulls" / self.key
@@ -55,6 +69,13 @@ class Journal:
     # -- lifecycle -------------------------------------------------------------
 
     def open(self) -> Journal:
+        try:
+            return self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> Journal:
         with host_io(f"opening the journal in {self.dir}"):
             self.chunks_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -82,7 +103,7 @@ class Journal:
         for other in self.dir.parent.iterdir():
             if other == self.dir:
                 continue
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, HostIOError):
                 if now - (other / "lock").stat().st_mtime < STALE_AFTER:
                     continue
                 fd = os.open(other / "lock", os.O_RDWR | os.O_CLOEXEC)
@@ -98,6 +119,8 @@ class Journal:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        if self.dest_dir is not None:
+            self.dest_dir.close()
 
     def start(self, meta: dict[str, Any]) -> None:
         """Begin a new snapshot: forget old chunks, record the parameters durably."""

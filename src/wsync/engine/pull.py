@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import os
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Mapping
@@ -32,15 +33,17 @@ from typing import Any
 import structlog
 
 from wsync.engine.api import Progress, ProgressCallback, PullOptions, PullResult
+from wsync.engine.destdir import DestDir
 from wsync.engine.extract import ExtractStats
 from wsync.engine.feed import ChunkFeed, extract_feed
-from wsync.engine.fsutil import host_io, rmtree, swap_into_place, syncfs
+from wsync.engine.fsutil import host_io, syncfs
 from wsync.engine.guest import CallStats, GuestPlan, GuestSession
 from wsync.engine.journal import DestRegistry, Journal
 from wsync.engine.settle import describe, read_list, remove_gone
 from wsync.engine.tarstream import show_name
 from wsync.errors import (
     HostileArchive,
+    HostIOError,
     IntegrityFailed,
     Interrupted,
     LimitExceeded,
@@ -70,36 +73,44 @@ def new_snapshot_id() -> str:
     return time.strftime("s%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(4)
 
 
-def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOptions) -> Path:
-    """Refuse destinations that would lose data or loop; return the absolute DEST."""
-    dest = Path(os.path.abspath(dest))
-    if dest == dest.parent:
-        raise UsageError("DEST cannot be the filesystem root")
-    if not dest.parent.is_dir():
-        raise UsageError(f"the parent of DEST does not exist: {dest.parent}")
-    if dest.is_symlink():
-        raise UsageError(f"DEST is a symlink; name the directory itself: {dest}")
-    if dest.exists() and not dest.is_dir():
-        raise UsageError(f"DEST exists and is not a directory: {dest}")
-    real = dest.parent.resolve() / dest.name
-    inner = getattr(transport, "inner", transport)
-    if inner.scheme == "local":
-        source = Path(os.path.expanduser(workspace)).resolve()
-        if real == source or source in real.parents:
-            raise UsageError(f"DEST {dest} is inside the source workspace {source}")
-        if real in source.parents:
-            raise UsageError(f"the source workspace {source} is inside DEST {dest}")
-    if (
-        dest.is_dir()
-        and any(dest.iterdir())
-        and not options.force
-        and not DestRegistry(options.state_dir).owns(real)
-    ):
-        raise UsageError(
-            f"DEST {dest} is a non-empty directory that wsync did not write; "
-            "it would be replaced entirely (pass --force to allow this)"
-        )
-    return real
+def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOptions) -> DestDir:
+    """Refuse destinations that would lose data or loop; open and lock DEST's parent.
+
+    The returned :class:`DestDir` holds DEST's parent open (reached from
+    ``options.dest_root`` without symlinks when that is set) and the DEST
+    lock; every write of the pull goes through it.  The caller closes it.
+    """
+    target = DestDir.open(Path(dest), options.dest_root)
+    try:
+        real = target.path
+        inner = getattr(transport, "inner", transport)
+        if inner.scheme == "local":
+            source = Path(os.path.expanduser(workspace)).resolve()
+            if real == source or source in real.parents:
+                raise UsageError(f"DEST {dest} is inside the source workspace {source}")
+            if real in source.parents:
+                raise UsageError(f"the source workspace {source} is inside DEST {dest}")
+        target.lock()  # for the whole pull: a second pull into DEST fails here, at once
+        st = target.stat()
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise UsageError(f"DEST is a symlink; name the directory itself: {dest}")
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"DEST exists and is not a directory: {dest}")
+        if st is not None:
+            target.check_not_mount(st)
+            if (
+                not target.is_empty()
+                and not options.force
+                and not DestRegistry(options.state_dir).owns(real)
+            ):
+                raise UsageError(
+                    f"DEST {dest} is a non-empty directory that wsync did not write; "
+                    "it would be replaced entirely (pass --force to allow this)"
+                )
+    except BaseException:
+        target.close()
+        raise
+    return target
 
 
 class _Pull:
@@ -118,6 +129,10 @@ class _Pull:
         self.dest = dest
         self.options = options
         self.journal = journal
+        #: DEST's parent fd and the DEST lock (closed with the journal)
+        if journal.dest_dir is None:
+            raise ValueError("a pull's journal must carry its DestDir (see check_dest)")
+        self.target = journal.dest_dir
         self.on_progress = on_progress
         self.stats = stats or CallStats()
         self.session = GuestSession(transport, options, self.stats)
@@ -151,7 +166,7 @@ class _Pull:
 
     # -- the pull ------------------------------------------------------------------
 
-    async def run(self) -> tuple[ExtractStats, int, int, Path | None]:
+    async def run(self) -> tuple[ExtractStats, int, int, str | None]:
         """Everything up to and including the swap.  Returns what ``finish`` needs."""
         self.emit("probe")
         plan = await self.session.probe(self.workspace)
@@ -169,16 +184,15 @@ class _Pull:
             log.info("guest staging restarted; discarding journaled chunks", n=len(journaled))
             self.journal.clear_chunks()
             journaled = {}
-        tmp = self.dest.parent / f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
-        with host_io(f"preparing {tmp}"):
-            rmtree(tmp)
-            tmp.mkdir(mode=0o700)
+        tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
+        tmp_fd, leftovers = self.target.make_tmp(tmp)
+        self.warnings.extend(leftovers)
         feed = ChunkFeed(plan.algorithm)
         box: dict[str, Any] = {}
 
         def work() -> None:
             try:
-                box["stats"] = extract_feed(feed, plan.compressor, tmp, self.options.limits)
+                box["stats"] = extract_feed(feed, plan.compressor, tmp_fd, self.options.limits)
             except BaseException as exc:
                 box["error"] = exc
 
@@ -198,20 +212,19 @@ class _Pull:
                     f"whole stream: {feed.length} bytes hashing to {feed.digest[:16]}…, "
                     f"guest says {length} bytes hashing to {self.done.digest[:16]}…"
                 )
-            await self.settle(tmp)
+            await self.settle(tmp_fd)
             self.emit("swap")
-            with host_io(f"flushing {tmp}"):
-                syncfs(tmp)
+            with host_io(f"flushing {self.dest.parent / tmp}"):
+                syncfs(tmp_fd)
             # recorded before the swap: a kill right after it must not make
             # the next run refuse a DEST that wsync itself just wrote
             DestRegistry(self.options.state_dir).record(self.dest)
-            old = swap_into_place(tmp, self.dest)
+            old = self.target.swap(tmp)
         except BaseException as exc:
             feed.abort("pull stopped")
             thread.join(timeout=60)
             self.io.shutdown(wait=True)
-            with contextlib.suppress(OSError):
-                rmtree(tmp)
+            self.target.discard(tmp)  # never raises: the pull's own error is reported
             if isinstance(exc, _ExtractorStopped) and "error" in box:
                 raise box["error"] from None
             raise
@@ -220,7 +233,7 @@ class _Pull:
             feed.close()
         return stats, chunks, length, old
 
-    async def finish(self, old: Path | None) -> None:
+    async def finish(self, old: str | None) -> None:
         """After the swap DEST is final: nothing here may fail the pull.
 
         The old tree is removed, the guest staging cleaned up and the journal
@@ -229,9 +242,9 @@ class _Pull:
         self.emit("cleanup")
         if old is not None:
             try:
-                await asyncio.to_thread(rmtree, old)
-            except OSError as exc:
-                self.warnings.append(f"the previous tree was not fully removed: {old}: {exc}")
+                await asyncio.to_thread(self.target.removal(old))
+            except (HostIOError, OSError) as exc:
+                self.warnings.append(f"the previous tree was not fully removed: {exc}")
         if not self.options.keep_staging:
             try:
                 async with asyncio.timeout(self.options.call_timeout * 2):
@@ -331,9 +344,9 @@ class _Pull:
             raise _first_error(group_error) from None
         return done.chunks, done.length
 
-    async def settle(self, root: Path) -> None:
+    async def settle(self, root_fd: int) -> None:
         """Apply the producer's lists of files that never settled and that vanished
-        (:mod:`wsync.engine.settle`) to the new tree at ``root``."""
+        (:mod:`wsync.engine.settle`) to the new tree open at ``root_fd``."""
         assert self.done is not None
         if self.done.unstable_bytes:
             names = await read_list(self.session, "unstable", self.done.unstable_bytes, self.sizer)
@@ -345,7 +358,7 @@ class _Pull:
             )
         if self.done.gone_bytes:
             names = await read_list(self.session, "gone", self.done.gone_bytes, self.sizer)
-            removed = await asyncio.to_thread(remove_gone, root, names)
+            removed = await asyncio.to_thread(remove_gone, root_fd, names)
             if removed:
                 self.warnings.append(f"vanished while read, so not in DEST: {describe(names)}")
 
@@ -442,7 +455,7 @@ def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
 _PERMANENT = (StagingFailed, HostileArchive, UnstableFiles)
 
 
-async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, Path | None]:
+async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
     try:
         return await runner.run()
     except _PERMANENT:
@@ -465,8 +478,11 @@ async def pull(
     """
     started = time.monotonic()
     sandbox = sandbox or transport.description
-    real = check_dest(Path(dest), transport, workspace, options)
-    journal = Journal(options.state_dir, sandbox, real, options.limits.min_free_bytes).open()
+    target = check_dest(Path(dest), transport, workspace, options)
+    real = target.path
+    journal = Journal(
+        options.state_dir, sandbox, real, options.limits.min_free_bytes, target
+    ).open()
     runner = _Pull(transport, workspace, real, options, journal, on_progress)
     try:
         async with asyncio.timeout(options.timeout or None):

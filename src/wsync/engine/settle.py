@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
-import stat
-from pathlib import Path
 
 from wsync.engine.api import MiB
+from wsync.engine.fsutil import remove_tree_at
 from wsync.engine.guest import GuestSession
 from wsync.engine.tarstream import show_name
 from wsync.errors import HostIOError, StagingFailed
@@ -49,32 +47,37 @@ def describe(names: list[bytes], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def remove_gone(root: Path, names: list[bytes]) -> int:
-    """Remove ``names`` from the tree at ``root``; return how many were there.
+def remove_gone(root_fd: int, names: list[bytes]) -> int:
+    """Remove ``names`` from the tree open at ``root_fd``; return how many were there.
 
     Parents are opened one component at a time without following symlinks, so a name can
     only ever reach an entry inside the tree; names that are not there are skipped.
+    Directories go with :func:`~wsync.engine.fsutil.remove_tree_at` (iterative, no-follow).
     """
     removed = 0
-    root_fd = os.open(root, _DIR_FLAGS)
-    try:
-        for name in names:
-            parts = [p for p in name.split(b"/") if p and p != b"."]
-            if not parts or b".." in parts:
+    for name in names:
+        parts = [p for p in name.split(b"/") if p and p != b"."]
+        if not parts or b".." in parts:
+            continue
+        try:
+            parent = _open_parent(root_fd, parts[:-1])
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
                 continue
-            try:
-                parent = _open_parent(root_fd, parts[:-1])
-            except OSError as exc:
-                if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-                    continue
-                raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
-            try:
-                removed += _remove(parent, parts[-1], name)
-            finally:
-                if parent != root_fd:
-                    os.close(parent)
-    finally:
-        os.close(root_fd)
+            raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
+        leaf = os.fsdecode(parts[-1])
+        try:
+            os.stat(leaf, dir_fd=parent, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
+        else:
+            remove_tree_at(parent, leaf, shown=show_name(name))
+            removed += 1
+        finally:
+            if parent != root_fd:
+                os.close(parent)
     return removed
 
 
@@ -91,18 +94,3 @@ def _open_parent(root_fd: int, parts: list[bytes]) -> int:
             os.close(fd)
         raise
     return fd
-
-
-def _remove(parent: int, leaf: bytes, name: bytes) -> int:
-    try:
-        st = os.stat(leaf, dir_fd=parent, follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode):
-            os.chmod(leaf, stat.S_IRWXU, dir_fd=parent)
-            shutil.rmtree(os.fsdecode(leaf), dir_fd=parent)
-        else:
-            os.unlink(leaf, dir_fd=parent)
-    except FileNotFoundError:
-        return 0
-    except OSError as exc:
-        raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
-    return 1

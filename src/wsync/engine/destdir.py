@@ -1,0 +1,400 @@
+"""DEST's parent directory, held open: every write of a pull goes through one fd.
+
+Checking a path and then writing to it by name is a race: a symlink swapped
+into DEST's parent path between the check and the write sends the tree
+wherever it points (issue 7, item 2: a daemon job wrote outside its
+``dest_roots``).  So a pull opens DEST's parent once, at its start, and from
+then on names only entries *of that directory*: the temporary tree is created
+with ``mkdirat``, extracted into by fd, flushed with ``syncfs`` on its fd,
+swapped with ``renameat2`` relative to the parent fd, and the old tree is
+removed through it.
+
+With a *dest root* (the daemon's confinement) the parent is reached from the
+root without following any symlink: one ``openat2(RESOLVE_BENEATH |
+RESOLVE_NO_SYMLINKS)`` where the kernel has it, else a walk of
+``O_NOFOLLOW | O_DIRECTORY`` opens, one component at a time.  Just before the
+tmp tree is created and again before the swap, the walk is repeated and must
+reach the same directory, so a parent renamed away during the pull is refused
+too.  Without a root (the CLI, where the user names DEST) the resolved parent
+is opened once.
+
+The same object holds the DEST lock: ``flock`` on ``.NAME.wsync-lock`` beside
+DEST, for the whole pull, so two pulls of different sandboxes into one DEST
+cannot both succeed (item 13); holding it also makes every left-over
+``.NAME.wsync-tmp-*`` stale, so those are removed.  DEST on a mount point is
+refused at the start: the swap renames, and a mount point cannot be renamed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import platform
+import re
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import structlog
+
+from wsync.engine import fsutil
+from wsync.engine.fsutil import host_io, remove_tree_at, swap_at
+from wsync.errors import HostIOError, UsageError, WsyncError
+
+log = structlog.get_logger("wsync.destdir")
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+#: openat2 has one number on every architecture but alpha (and ia64, gone)
+_SYS_OPENAT2 = None if platform.machine().startswith("alpha") else 437
+_LOCK_TRIES = 16
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [
+        ("flags", ctypes.c_uint64),
+        ("mode", ctypes.c_uint64),
+        ("resolve", ctypes.c_uint64),
+    ]
+
+
+def _openat2_beneath(root_fd: int, rel: str) -> int | None:
+    """``openat2(root_fd, rel, O_DIRECTORY, RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS)``.
+
+    None when the kernel, libc or a seccomp filter does not offer it (the
+    caller then walks), else the fd; OSError for a real refusal.
+    """
+    libc = fsutil._libc
+    if libc is None or _SYS_OPENAT2 is None or not hasattr(libc, "syscall"):
+        return None
+    how = _OpenHow(_DIR_FLAGS, 0, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+    syscall = libc.syscall
+    syscall.restype = ctypes.c_long
+    fd = int(
+        syscall(
+            ctypes.c_long(_SYS_OPENAT2),
+            ctypes.c_int(root_fd),
+            ctypes.c_char_p(os.fsencode(rel)),
+            ctypes.byref(how),
+            ctypes.c_size_t(ctypes.sizeof(how)),
+        )
+    )
+    if fd >= 0:
+        return fd
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EPERM, errno.E2BIG):
+        return None
+    raise OSError(err, os.strerror(err), rel)
+
+
+def open_beneath(root_fd: int, parts: tuple[str, ...], *, use_openat2: bool = True) -> int:
+    """Open directory ``root/parts…`` without following any symlink; OSError if impossible.
+
+    ``parts`` are plain names (no ``..``); ``()`` opens the root itself again.
+    ``ELOOP`` means a component is a symlink, ``ENOTDIR`` that one is not a
+    directory, ``ENOENT`` that one is missing.
+    """
+    if not parts:
+        return os.open(".", _DIR_FLAGS, dir_fd=root_fd)
+    if any(p in ("", ".", "..") or "/" in p for p in parts):
+        raise OSError(errno.EINVAL, "not a plain path below the root", "/".join(parts))
+    if use_openat2:
+        fd = _openat2_beneath(root_fd, "/".join(parts))
+        if fd is not None:
+            return fd
+    fd = os.open(".", _DIR_FLAGS, dir_fd=root_fd)
+    try:
+        for part in parts:
+            try:
+                nxt = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+            except NotADirectoryError:
+                # O_NOFOLLOW|O_DIRECTORY on a symlink says ENOTDIR; say ELOOP as openat2 does
+                if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), part) from None
+                raise
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _mount_points() -> set[str]:
+    """Mount points of this process's mount namespace (empty if /proc cannot say)."""
+    points: set[str] = set()
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split(b" ")
+            if len(fields) > 4:
+                raw = fields[4]
+                # mountinfo escapes space, tab, newline and backslash as \ooo
+                text = raw.decode("unicode_escape").encode("latin-1")
+                points.add(os.fsdecode(text))
+    return points
+
+
+class DestDir:
+    """An open fd on DEST's parent, the DEST lock, and the writes made through them."""
+
+    def __init__(self, path: Path, parent_fd: int, root: Path | None, rel: tuple[str, ...]):
+        #: DEST as an absolute path whose parent part holds no symlink (as opened)
+        self.path = path
+        self.name = path.name
+        self.parent_fd = parent_fd
+        self.root = root
+        self._rel = rel
+        self._lock_fd: int | None = None
+        self._tmp_fd: int | None = None
+
+    # -- opening ----------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, dest: Path, root: Path | None = None) -> DestDir:
+        """Open DEST's parent (beneath ``root`` without symlinks when given); UsageError if not."""
+        dest = Path(os.path.abspath(dest))
+        if dest == dest.parent:
+            raise UsageError("DEST cannot be the filesystem root")
+        if root is None:
+            with _refusing(dest, None, dest.parent):
+                fd = os.open(dest.parent, _DIR_FLAGS)
+            return cls(Path(os.path.realpath(dest.parent)) / dest.name, fd, None, ())
+        real_root = Path(os.path.realpath(root))
+        rel: tuple[str, ...] | None = None
+        for base in (real_root, Path(os.path.abspath(root))):
+            if dest.is_relative_to(base) and dest != base:
+                rel = dest.relative_to(base).parts
+                break
+        if rel is None:
+            raise UsageError(f"DEST {dest} is not beneath the dest root {root}")
+        with _refusing(dest, root, real_root):
+            root_fd = os.open(real_root, _DIR_FLAGS)
+        try:
+            with _refusing(dest, root, real_root):
+                fd = open_beneath(root_fd, rel[:-1])
+        finally:
+            os.close(root_fd)
+        return cls(real_root.joinpath(*rel), fd, real_root, rel[:-1])
+
+    def verify(self) -> None:
+        """With a root: the walk from it must still reach the directory we hold."""
+        if self.root is None:
+            return
+        try:
+            root_fd = os.open(self.root, _DIR_FLAGS)
+            try:
+                fd = open_beneath(root_fd, self._rel)
+            finally:
+                os.close(root_fd)
+            try:
+                now, held = os.fstat(fd), os.fstat(self.parent_fd)
+            finally:
+                os.close(fd)
+            same = (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+            why = "it is another directory now"
+        except OSError as exc:
+            same, why = False, exc.strerror or str(exc)
+        if not same:
+            raise UsageError(
+                f"the parent of DEST {self.path} was replaced during the pull ({why}: "
+                f"renamed, or a symlink put in its path); refusing to write outside {self.root}"
+            )
+
+    # -- the DEST lock --------------------------------------------------------------------
+
+    @property
+    def lock_name(self) -> str:
+        return f".{self.name}.wsync-lock"
+
+    def lock(self) -> None:
+        """Hold the DEST lock until :meth:`close`; UsageError naming the holder if taken."""
+        name = self.lock_name
+        for _ in range(_LOCK_TRIES):
+            with host_io(f"locking DEST {self.path}"):
+                fd = self._open_lock(name)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_pid(fd)
+                os.close(fd)
+                who = f" (pid {holder})" if holder else ""
+                raise UsageError(
+                    f"DEST {self.path} is being written by another wsync pull{who}; "
+                    "wait for it to finish or choose another DEST"
+                ) from None
+            except OSError as exc:
+                os.close(fd)
+                raise HostIOError(f"locking DEST {self.path}: {exc.strerror or exc}") from exc
+            # the holder before us unlinks the name on release: a lock taken on
+            # an unlinked inode locks nothing, so take the one the name holds now
+            if self._names_fd(name, fd):
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                self._lock_fd = fd
+                return
+            os.close(fd)
+        raise HostIOError(f"could not take the lock {name} beside DEST {self.path}")
+
+    def _open_lock(self, name: str) -> int:
+        flags = os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(name, flags | os.O_RDWR | os.O_CREAT, 0o644, dir_fd=self.parent_fd)
+        except PermissionError as denied:  # another user's lock file: flock works read-only
+            try:
+                return os.open(name, flags | os.O_RDONLY, dir_fd=self.parent_fd)
+            except FileNotFoundError:
+                raise denied from None  # no lock file, and we may not create one
+
+    def _names_fd(self, name: str, fd: int) -> bool:
+        try:
+            now = os.stat(name, dir_fd=self.parent_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(fd)
+        return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+    # -- DEST itself ----------------------------------------------------------------------
+
+    def stat(self) -> os.stat_result | None:
+        """``lstat`` of DEST through the parent fd; None when it does not exist."""
+        try:
+            return os.stat(self.name, dir_fd=self.parent_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise HostIOError(f"checking DEST {self.path}: {exc.strerror or exc}") from exc
+
+    def check_not_mount(self, st: os.stat_result) -> None:
+        """Refuse a DEST that is a mount point: the swap could only fail, after the transfer."""
+        parent = os.fstat(self.parent_fd)
+        if st.st_dev != parent.st_dev or str(self.path) in _mount_points():
+            raise UsageError(
+                f"DEST {self.path} is a mount point, and wsync replaces DEST by renaming a "
+                "new tree over it, which a mount point does not allow; "
+                f"pull into a subdirectory of it instead (e.g. {self.path / 'workspace'})"
+            )
+
+    def is_empty(self) -> bool:
+        with host_io(f"reading DEST {self.path}"):
+            fd = os.open(self.name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
+            try:
+                with os.scandir(fd) as entries:
+                    return next(entries, None) is None
+            finally:
+                os.close(fd)
+
+    # -- the writes of a pull -------------------------------------------------------------
+
+    def make_tmp(self, name: str) -> tuple[int, list[str]]:
+        """Create the empty tmp tree ``name`` beside DEST; return its fd and warnings.
+
+        Left-overs of earlier runs are removed first: ``name`` itself (or the
+        pull fails), and, as the DEST lock says no other pull is writing here,
+        every other ``.NAME.wsync-tmp-*`` and ``.NAME.wsync-old`` (best effort).
+        """
+        self.verify()
+        warnings: list[str] = []
+        # exactly our names: DEST "out.wsync-tmp-x" has tmp trees that start like ours
+        ours = re.compile(re.escape(f".{self.name}.wsync-") + r"(tmp-[0-9a-f]{12}|old)")
+        with host_io(f"listing {self.path.parent}"), os.scandir(self.parent_fd) as entries:
+            stale = [e.name for e in entries if e.name != name and ours.fullmatch(e.name)]
+        for other in stale:
+            try:
+                self.remove(other)
+            except HostIOError as exc:
+                warnings.append(f"a left-over of an earlier pull was not removed: {exc}")
+        self.remove(name)
+        self.close_tmp()
+        shown = self.path.parent / name
+        with host_io(f"creating {shown}"):
+            os.mkdir(name, 0o700, dir_fd=self.parent_fd)
+            self._tmp_fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
+        return self._tmp_fd, warnings
+
+    def close_tmp(self) -> None:
+        if self._tmp_fd is not None:
+            os.close(self._tmp_fd)
+            self._tmp_fd = None
+
+    def swap(self, tmp: str) -> str | None:
+        """Swap the tmp tree into DEST; return the name now holding the old tree (or None)."""
+        self.verify()
+        self.close_tmp()
+        return swap_at(self.parent_fd, tmp, self.name, str(self.path))
+
+    def remove(self, name: str) -> None:
+        """Remove entry ``name`` beside DEST, whole tree; HostIOError naming what stayed."""
+        remove_tree_at(self.parent_fd, name, shown=str(self.path.parent / name))
+
+    def removal(self, name: str) -> Callable[[], None]:
+        """:meth:`remove` for a worker thread: it works on its own copy of the parent fd,
+        so closing this DestDir meanwhile cannot make it act on a reused fd number."""
+        fd = os.dup(self.parent_fd)
+        shown = str(self.path.parent / name)
+
+        def run() -> None:
+            try:
+                remove_tree_at(fd, name, shown=shown)
+            finally:
+                os.close(fd)
+
+        return run
+
+    def discard(self, name: str) -> str | None:
+        """Remove a tmp tree on a failure path: never raises (the pull's own error
+        must be what is reported), returns what went wrong, if anything."""
+        try:
+            self.close_tmp()
+            self.remove(name)
+        except (WsyncError, OSError) as exc:
+            log.warning("tmp tree not removed", path=str(self.path.parent / name), error=str(exc))
+            return str(exc)
+        return None
+
+    def close(self) -> None:
+        """Release the DEST lock (removing its file while still holding it) and the fds."""
+        self.close_tmp()
+        if self._lock_fd is not None:
+            fd, self._lock_fd = self._lock_fd, None
+            with contextlib.suppress(OSError):
+                if self._names_fd(self.lock_name, fd):
+                    os.unlink(self.lock_name, dir_fd=self.parent_fd)
+            os.close(fd)
+        if self.parent_fd >= 0:
+            os.close(self.parent_fd)
+            self.parent_fd = -1
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+@contextlib.contextmanager
+def _refusing(dest: Path, root: Path | None, where: Path) -> Iterator[None]:
+    """Turn an OSError from opening DEST's parent into a clear UsageError (or HostIOError)."""
+    try:
+        yield
+    except OSError as exc:
+        beneath = f" beneath the dest root {root}" if root is not None else ""
+        if exc.errno == errno.ENOENT:
+            raise UsageError(f"the parent of DEST does not exist{beneath}: {dest.parent}") from None
+        if exc.errno == errno.ELOOP:
+            raise UsageError(
+                f"the path of DEST {dest} crosses a symlink{beneath}; "
+                "name the real directory (a dest root is walked without following symlinks)"
+            ) from None
+        if exc.errno == errno.ENOTDIR:
+            raise UsageError(f"the parent of DEST is not a directory: {dest.parent}") from None
+        if exc.errno == errno.EXDEV:
+            raise UsageError(f"DEST {dest} is not beneath the dest root {root}") from None
+        raise HostIOError(f"opening {where}: {exc.strerror or exc}") from exc

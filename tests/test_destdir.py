@@ -1,0 +1,325 @@
+"""DEST is written through one held parent fd: confined by a dest root, locked, never a mount.
+
+Issue 7 items 2 (a symlink swapped into DEST's parent path sends the tree outside the
+daemon's roots), 13 (two sandboxes pulled into one DEST both succeed; DEST on a mount point
+fails only after the whole transfer) and 7 (left-over tmp trees block DEST).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_exact, local, make_tree, options, run_pull
+from wsync.engine.api import PullOptions, PullResult
+from wsync.engine.destdir import DestDir, open_beneath
+from wsync.engine.journal import Journal
+from wsync.engine.pull import pull
+from wsync.errors import UsageError
+from wsync.transports.local import LocalTransport
+
+Hook = Callable[[int], Awaitable[None]]
+
+
+class HookTransport(LocalTransport):
+    """The real ``local:`` transport, with a test hook awaited before every exec
+    (the n-th exec gets n): it changes the host while the pull runs."""
+
+    def __init__(self, hook: Hook) -> None:
+        super().__init__()
+        self.hook = hook
+        self.calls = 0
+
+    async def exec(self, argv, **kw):  # type: ignore[no-untyped-def,override]
+        self.calls += 1
+        await self.hook(self.calls)
+        return await super().exec(argv, **kw)
+
+
+def pull_as(
+    transport: LocalTransport, sandbox: str, workspace: Path, dest: Path, opts: PullOptions
+) -> Awaitable[PullResult]:
+    async def go() -> PullResult:
+        try:
+            return await pull(transport, str(workspace), dest, opts, sandbox=sandbox)
+        finally:
+            await transport.aclose()
+
+    return go()
+
+
+def small_tree(root: Path, text: str) -> Path:
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "file").write_text(text)
+    return root
+
+
+def beside(dest: Path) -> list[str]:
+    """What wsync left next to DEST (tmp trees, lock files)."""
+    return sorted(p.name for p in dest.parent.iterdir() if p.name.startswith(f".{dest.name}."))
+
+
+# -- item 2: confinement beneath a dest root ---------------------------------------------------
+
+
+@pytest.mark.parametrize("use_openat2", [True, False], ids=["openat2", "walk"])
+def test_open_beneath_refuses_every_symlink(tmp_path: Path, use_openat2: bool) -> None:
+    root = tmp_path / "root"
+    (root / "a" / "b").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (root / "a" / "link").symlink_to(tmp_path / "outside")
+    (root / "a" / "rel").symlink_to("b")
+    (root / "a" / "file").write_text("x")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        good = open_beneath(fd, ("a", "b"), use_openat2=use_openat2)
+        assert os.path.samestat(os.fstat(good), os.stat(root / "a" / "b"))
+        os.close(good)
+        for parts, code in [
+            (("a", "link"), "ELOOP"),
+            (("a", "rel"), "ELOOP"),
+            (("a", "link", "x"), "ELOOP"),
+            (("a", "file"), "ENOTDIR"),
+            (("a", "missing"), "ENOENT"),
+        ]:
+            with pytest.raises(OSError) as info:
+                open_beneath(fd, parts, use_openat2=use_openat2)
+            assert info.value.errno == getattr(__import__("errno"), code), parts
+        with pytest.raises(OSError):
+            open_beneath(fd, ("..", "outside"), use_openat2=use_openat2)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def confined(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(workspace, dest root, a directory outside the root that must stay empty)."""
+    workspace = small_tree(tmp_path / "ws", "guest data\n")
+    root = tmp_path / "roots"
+    (root / "a").mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    return workspace, root, outside
+
+
+@pytest.mark.parametrize("case", ["symlink-in-path", "outside-root", "dest-is-root"])
+def test_dest_root_refuses_at_start(
+    tmp_path: Path, confined: tuple[Path, Path, Path], case: str
+) -> None:
+    workspace, root, outside = confined
+    if case == "symlink-in-path":
+        (root / "link").symlink_to(outside)
+        dest, message = root / "link" / "out", "crosses a symlink"
+    elif case == "outside-root":
+        dest, message = outside / "out", "not beneath the dest root"
+    else:
+        dest, message = root, "not beneath the dest root"
+    transport = HookTransport(lambda n: asyncio.sleep(0))
+    with pytest.raises(UsageError, match=message) as info:
+        run_pull(transport, workspace, dest, options(tmp_path, dest_root=root))
+    assert info.value.exit_code == 2
+    assert transport.calls == 0  # refused before the guest was asked anything
+    assert list(outside.iterdir()) == []
+
+
+@pytest.mark.parametrize("when", ["before-tmp", "during-extraction"])
+@pytest.mark.parametrize("rooted", [True, False], ids=["dest-root", "cli"])
+def test_symlink_swapped_into_the_parent_path_during_the_pull(
+    tmp_path: Path, confined: tuple[Path, Path, Path], when: str, rooted: bool
+) -> None:
+    """After check_dest, ``roots/a`` is renamed away and replaced by a symlink to a
+    directory outside the root.  Nothing may land outside: with a dest root the pull is
+    refused; without one (the CLI) the tree lands in the directory that was checked."""
+    workspace, root, outside = confined
+    dest = root / "a" / "out"
+    swapped: list[int] = []
+
+    async def swap(n: int) -> None:
+        if swapped:
+            return
+        if when == "before-tmp" or any(
+            p.name.startswith(".out.wsync-tmp-") for p in (root / "a").iterdir()
+        ):
+            (root / "a").rename(root / "a-moved")
+            (root / "a").symlink_to(outside)
+            swapped.append(n)
+
+    opts = options(tmp_path, dest_root=root if rooted else None, chunk_size=64 * 1024)
+    transport = HookTransport(swap)
+    if rooted:
+        with pytest.raises(UsageError, match="replaced during the pull") as info:
+            run_pull(transport, workspace, dest, opts)
+        assert info.value.exit_code == 2
+        assert sorted(os.listdir(root / "a-moved")) == []  # the tmp tree was removed
+    else:
+        run_pull(transport, workspace, dest, opts)
+        assert_exact(workspace, root / "a-moved" / "out")
+        assert beside(root / "a-moved" / "out") == []
+    assert swapped
+    assert list(outside.iterdir()) == []
+
+
+def test_dest_root_pull_writes_beneath_the_root(
+    tmp_path: Path, confined: tuple[Path, Path, Path]
+) -> None:
+    workspace, root, _ = confined
+    dest = root / "a" / "out"
+    result = run_pull(local(), workspace, dest, options(tmp_path, dest_root=root))
+    assert result.dest == str(dest.resolve())
+    assert_exact(workspace, dest)
+    assert beside(dest) == []
+
+
+# -- item 13: DEST is locked for the whole pull -------------------------------------------------
+
+
+def test_two_sandboxes_into_one_dest_second_fails_at_once(tmp_path: Path) -> None:
+    ws1 = small_tree(tmp_path / "ws1", "one\n")
+    ws2 = small_tree(tmp_path / "ws2", "two\n")
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+
+    async def scenario() -> tuple[PullResult, BaseException | PullResult]:
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def hold(n: int) -> None:
+            started.set()
+            if n == 1:
+                await release.wait()
+
+        first = asyncio.create_task(pull_as(HookTransport(hold), "local:ws1", ws1, dest, opts))
+        await asyncio.wait_for(started.wait(), 60)
+        try:
+            second: BaseException | PullResult = await asyncio.wait_for(
+                pull_as(local(), "local:ws2", ws2, dest, opts), 60
+            )
+        except UsageError as exc:
+            second = exc
+        release.set()
+        return await asyncio.wait_for(first, 120), second
+
+    first, second = asyncio.run(scenario())
+    assert first.ok
+    assert_exact(ws1, dest)
+    assert isinstance(second, UsageError), second
+    assert second.exit_code == 2
+    assert f"being written by another wsync pull (pid {os.getpid()})" in str(second)
+    assert "\n" not in str(second)
+    assert beside(dest) == []  # the lock file goes with the lock
+    # released: the next pull into DEST works
+    run_pull(local(), ws2, dest, opts)
+    assert_exact(ws2, dest)
+
+
+def test_lock_survives_a_holder_that_unlinks_on_release(tmp_path: Path) -> None:
+    """The lock file is removed on release; a waiter that opened the old file must
+    not believe it holds the lock once a third pull took a new one."""
+    dest = tmp_path / "out"
+    a = DestDir.open(dest)
+    a.lock()
+    stale = os.open(tmp_path / ".out.wsync-lock", os.O_RDWR)  # opened before the release
+    a.close()
+    b = DestDir.open(dest)
+    b.lock()
+    try:
+        c = DestDir.open(dest)
+        with pytest.raises(UsageError, match="another wsync pull"):
+            c.lock()
+        c.close()
+    finally:
+        b.close()
+        os.close(stale)
+    assert beside(dest) == []
+
+
+# -- item 13: DEST on a mount point is refused before any transfer ------------------------------
+
+
+@pytest.fixture(params=["tmpfs", "bind"])
+def mounted_dest(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    dest = tmp_path / "out"
+    dest.mkdir()
+    if request.param == "tmpfs":
+        argv = ["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(dest)]
+    else:  # same filesystem, same st_dev: only the mount table tells
+        argv = ["mount", "--bind", str(dest), str(dest)]
+    done = subprocess.run(argv, capture_output=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount here ({request.param}): {done.stderr.decode(errors='replace')}")
+    try:
+        yield dest
+    finally:
+        subprocess.run(["umount", "-l", str(dest)], check=False)
+
+
+def test_dest_on_a_mount_point_fails_before_any_transfer(
+    tmp_path: Path, mounted_dest: Path
+) -> None:
+    workspace = small_tree(tmp_path / "ws", "x\n")
+    transport = HookTransport(lambda n: asyncio.sleep(0))
+    opts = options(tmp_path)
+    with pytest.raises(UsageError, match=r"is a mount point.*subdirectory") as info:
+        run_pull(transport, workspace, mounted_dest, opts)
+    assert info.value.exit_code == 2
+    assert transport.calls == 0
+    assert not Path(opts.staging_root).exists()
+    # the advice works
+    run_pull(local(), workspace, mounted_dest / "workspace", opts)
+    assert_exact(workspace, mounted_dest / "workspace")
+
+
+# -- item 7: left-overs of earlier runs -------------------------------------------------------
+
+
+def test_left_over_tmp_trees_are_cleaned_by_the_next_pull(tmp_path: Path) -> None:
+    workspace = make_tree(tmp_path / "ws", big=100_000, small=5)
+    dest = tmp_path / "out"
+    own = Journal(tmp_path / "state", "local", dest).key[:12]  # this pull's own tmp name
+    for name in (f".out.wsync-tmp-{own}", ".out.wsync-tmp-0123456789ab", ".out.wsync-old"):
+        left = tmp_path / name
+        (left / "ro" / "x" / "y").mkdir(parents=True)
+        (left / "ro" / "x" / "y" / "f").write_text("stale\n")
+        (left / "link").symlink_to(workspace)
+        for d in (left / "ro" / "x" / "y", left / "ro" / "x", left / "ro"):
+            d.chmod(0o500)
+    # other DESTs' (out2, and "out.wsync-tmp-0123456789ab"): not ours to remove
+    kept = [tmp_path / ".out2.wsync-tmp-0123456789ab"]
+    kept.append(tmp_path / ".out.wsync-tmp-0123456789ab.wsync-tmp-0123456789ab")
+    for other in kept:
+        other.mkdir()
+    run_pull(local(), workspace, dest, options(tmp_path))
+    assert_exact(workspace, dest)
+    assert beside(dest) == sorted(p.name for p in kept[1:])
+    assert all(p.is_dir() for p in kept)
+    assert (workspace / "blob.bin").exists()
+
+
+def test_discard_reports_a_failed_removal_and_never_raises(tmp_path: Path) -> None:
+    """The failure path's cleanup must not replace the pull's own error: a tmp tree that
+    cannot be removed (here a mount point inside it, EBUSY) becomes a message."""
+    dest = tmp_path / "out"
+    target = DestDir.open(dest)
+    try:
+        fd, warnings = target.make_tmp(".out.wsync-tmp-0123456789ab")
+        assert warnings == [] and fd >= 0
+        mnt = tmp_path / ".out.wsync-tmp-0123456789ab" / "mnt"
+        mnt.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+            capture_output=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace')}")
+        try:
+            problem = target.discard(".out.wsync-tmp-0123456789ab")
+        finally:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+        assert problem is not None and "wsync-tmp-0123456789ab/mnt" in problem
+    finally:
+        target.close()
