@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from helpers import assert_exact, local, make_tree, options, run_pull
 from wsync.chaos import FAULT_CODES, ChaosTransport, FaultPlan
-from wsync.errors import IntegrityFailed, WsyncError
+from wsync.errors import IntegrityFailed, TransportError, WsyncError
 from wsync.transports.base import Capabilities
+from wsync.transports.local import LocalTransport
 from wsync.treediff import snapshot
 
 
@@ -179,3 +180,48 @@ def test_a_lossy_text_channel_gets_base64_lines_and_an_exact_tree(
     result = run_pull(transport, workspace, dest, options(tmp_path, chunk_size=256 * 1024))
     assert_exact(workspace, dest)
     assert result.transferred_bytes > result.bytes * 4 // 3  # it went as base64
+
+
+class _CountingFiles(LocalTransport):
+    """The local file API, counting its calls; ``refuse`` makes it refuse every path
+    (as the Cloudflare Bridge refuses files outside /workspace)."""
+
+    def __init__(self, *, refuse: bool = False) -> None:
+        super().__init__(file_api=True)
+        self.refuse = refuse
+        self.calls = 0
+
+    async def read_file(self, path: str, offset: int, length: int, *, timeout: float) -> bytes:
+        self.calls += 1
+        if self.refuse:
+            raise TransportError("403 outside /workspace")
+        return await super().read_file(path, offset, length, timeout=timeout)
+
+
+def test_chunks_come_through_the_file_api_where_there_is_one(
+    tmp_path: Path, workspace: Path
+) -> None:
+    transport = _CountingFiles()
+    dest = tmp_path / "out"
+    result = run_pull(transport, workspace, dest, options(tmp_path, chunk_size=256 * 1024))
+    assert_exact(workspace, dest)
+    assert transport.calls == result.chunks and result.faults == {}
+
+
+def test_a_refusing_file_api_is_given_up_and_exec_reads_finish(
+    tmp_path: Path, workspace: Path
+) -> None:
+    transport = _CountingFiles(refuse=True)
+    dest = tmp_path / "out"
+    result = run_pull(transport, workspace, dest, options(tmp_path, chunk_size=256 * 1024))
+    assert_exact(workspace, dest)
+    assert transport.calls == 2 and result.faults["file-api-failed"] == 2
+
+
+def test_a_lying_file_api_is_caught_by_the_chunk_hash(tmp_path: Path, workspace: Path) -> None:
+    plan = FaultPlan(rates={"H": 0.2, "B": 0.2, "A": 0.1, "D": 0.1}, seed=11)
+    transport = ChaosTransport(LocalTransport(file_api=True), plan)
+    dest = tmp_path / "out"
+    result = run_pull(transport, workspace, dest, options(tmp_path, chunk_size=128 * 1024))
+    assert_exact(workspace, dest)
+    assert result.faults.get("file-api-mismatch", 0) + result.faults.get("file-api-failed", 0)

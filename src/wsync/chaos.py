@@ -215,6 +215,26 @@ class ChaosTransport(Transport):
         notes = (*result.notes, f"chaos:{NAMES[fault]}") if fault != CLEAN else result.notes
         return dataclasses.replace(result, stdout=out, exit_status=status, notes=notes)
 
+    async def read_file(self, path: str, offset: int, length: int, *, timeout: float) -> bytes:
+        """The file API lies the same ways: cut bodies, flipped bits, drops and hangs."""
+        plan = self.plan
+        fault = plan.next_fault()
+        plan.applied[fault] = plan.applied.get(fault, 0) + 1
+        if fault == "W":
+            await asyncio.sleep(min(timeout, plan.hang))
+            raise TransportTimeout(min(timeout, plan.hang))
+        if fault == "D":
+            raise TransportError("file read dropped (injected)")
+        data = await self.inner.read_file(path, offset, length, timeout=timeout)
+        if fault in ("H", "T", "F", "Z"):
+            data = data[: plan.cut(len(data))]
+        elif fault in ("S", "A"):
+            data = data + _NOISE
+        elif fault == "B" and data:
+            at = plan.cut(len(data))
+            data = data[:at] + bytes([data[at] ^ (1 << plan.cut(8))]) + data[at + 1 :]
+        return data
+
 
 def wrap(transport: Transport, spec: str | FaultPlan) -> ChaosTransport:
     plan = spec if isinstance(spec, FaultPlan) else FaultPlan.parse(spec)

@@ -420,6 +420,9 @@ class _Pull:
             self.emit()
 
     async def fetch_chunk(self, chunk: Chunk, plan: GuestPlan) -> bytes:
+        direct = await self.session.read_direct(chunk.offset, chunk.length, chunk.digest)
+        if direct is not None:
+            return direct
         for _ in range(self.options.max_attempts):
             buf = bytearray()
             while len(buf) < chunk.length:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import os
 import signal
@@ -85,11 +86,31 @@ class LocalTransport(Transport):
     scheme = "local"
     capabilities = Capabilities(stdin=True, binary_safe=True, separate_stderr=True)
 
-    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None, *, file_api: bool = False) -> None:
         #: None: inherit our environment unchanged; else the full child environment
         self._env: dict[str, str] | None = None
         if env:
             self._env = {**os.environ, **{str(k): str(v) for k, v in env.items()}}
+        if file_api:
+            # what the HTTP backends' file APIs offer, here for tests and the demo
+            self.capabilities = dataclasses.replace(self.capabilities, file_read=True)  # type: ignore[misc]
+
+    async def read_file(self, path: str, offset: int, length: int, *, timeout: float) -> bytes:
+        if not self.capabilities.file_read:
+            raise NotImplementedError("local: file API not enabled")
+
+        def read() -> bytes:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                return f.read(length)
+
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.to_thread(read)
+        except TimeoutError:
+            raise TransportTimeout(timeout) from None
+        except OSError as exc:
+            raise TransportError(f"local file read {path!r}: {exc.strerror or exc}") from exc
 
     @classmethod
     def from_uri(cls, uri: SandboxURI, options: Mapping[str, Any]) -> LocalTransport:
@@ -103,7 +124,7 @@ class LocalTransport(Transport):
         env = options.get("env")
         if env is not None and not isinstance(env, Mapping):
             raise UsageError("local transport option 'env' must be a mapping of strings")
-        return cls(env=env)
+        return cls(env=env, file_api=bool(options.get("file_api", False)))
 
     @property
     def description(self) -> str:
