@@ -48,13 +48,14 @@ async def _measure(transport: Transport, workspace: str, staging_root: str) -> d
         "hash": plan.algorithm.name,
         "tools": sorted(probe.tools),
         "stage_free_kb": probe.stage_free_kb,
+        "stage_root": probe.stage_root,
         "uid": probe.uid,
     }
     rows = []
     token = secrets.token_hex(4)
     for size in SIZES:
         snapshot = f"doctor-{token}-{size}"
-        folder = scripts.snapshot_dir(staging_root, snapshot)
+        folder = scripts.snapshot_dir(session.staging_root, snapshot)
         session.snapshot = snapshot
         row: dict[str, Any] = {"size": size}
         try:
