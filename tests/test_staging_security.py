@@ -496,3 +496,21 @@ def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:
     for argv in calls:
         assert sum(len(quote(a, safe="")) + 5 for a in argv) < 7600, argv[2][:40]
         assert len(argv[2]) < 6 * 1024
+
+
+def test_the_cli_refuses_a_staging_dir_inside_the_workspace(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """``wsync pull --staging-dir WS/x``: exit 2, one line, nothing written."""
+    import sys
+
+    dest = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "wsync", "pull", f"local:{workspace}", str(dest),
+         "--state-dir", str(tmp_path / "state"), "--staging-dir", str(workspace / "stage")],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "overlap" in proc.stderr
+    assert not (workspace / "stage").exists() and not dest.exists()

@@ -112,6 +112,7 @@ def _print(report: dict[str, Any]) -> None:
     out.write(f"tar          {probe['tar']}\n")
     out.write(f"compressor   {probe['compressor']}    hash {probe['hash']}\n")
     free = probe["stage_free_kb"]
+    out.write(f"staging root {printable(probe['stage_root'])}\n")
     out.write(f"staging free {free // 1024 if free is not None else '?'} MiB\n\n")
     out.write("plain exec (one `cat`, exit code trusted) vs wsync verified read\n")
     out.write(f"{'size':>8} {'exit':>5} {'received':>10} {'intact':>7} {'==tail':>7}  wsync\n")

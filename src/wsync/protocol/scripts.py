@@ -287,7 +287,9 @@ done
 d=$root/$id n= f=
 if [ ! -d "$d/launch" ]; then
   # refuse what cannot fit even at 4x compression, before starting anything
-  n=$(du -sk "$ws") n=${n%%[!0-9]*}
+  # bounded: a retried admission must not walk a huge cold tree forever
+  if command -v timeout >/dev/null; then n=$(timeout 20 du -sk "$ws"); else n=$(du -sk "$ws"); fi
+  n=${n%%[!0-9]*}
   f=$(df -Pk "$root" | awk 'NR == 2 { print $4 + 0 }')
   [ -n "$n" ] && [ -n "$f" ] && [ $((f * 4)) -lt $((n + 256)) ] && { emit err "disk-full $f $n"; exit 0; }
 fi
