@@ -150,12 +150,14 @@ def test_parents_of_the_root_are_checked_like_strictmodes(
     assert not (parent / "mine").exists()  # checked before anything was created
 
 
-def test_the_default_root_is_per_user_and_private(tmp_path: Path, workspace: Path) -> None:
+def test_the_default_root_is_per_user_and_private(
+    tmp_path: Path, workspace: Path, guest: dict[str, str] | None
+) -> None:
     """The default is ``/tmp/wsync-UID``, resolved in the guest; the journal keys
     on the configured (empty) value, so a resumed pull finds its snapshot."""
 
     async def probe() -> str:
-        transport = LocalTransport()
+        transport = LocalTransport(env=guest)
         try:
             session = GuestSession(transport, PullOptions(state_dir=tmp_path), CallStats())
             await session.probe(str(workspace))
@@ -169,6 +171,16 @@ def test_the_default_root_is_per_user_and_private(tmp_path: Path, workspace: Pat
     assert stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
     assert stat.S_IMODE(info.st_mode) & 0o077 == 0
     assert PullOptions().staging_root == ""
+
+
+def test_a_root_under_home_is_expanded_and_private(tmp_path: Path, workspace: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home)}
+    dest = tmp_path / "out"
+    pull(env, workspace, dest, options(tmp_path, staging_root="~/.cache/wsync"))
+    assert_exact(workspace, dest)
+    assert stat.S_IMODE((home / ".cache" / "wsync").stat().st_mode) == 0o700
 
 
 # -- item 13: a staging root overlapping the workspace -------------------------
