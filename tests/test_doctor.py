@@ -27,7 +27,8 @@ def rows(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
 
 
 def test_an_honest_backend_is_intact_everywhere(tmp_path: Path) -> None:
-    _, report = doctor(f"local:{tmp_path}", "--staging-dir", str(tmp_path / "stage"))
+    (tmp_path / "ws").mkdir()  # the staging root may not lie inside the workspace
+    _, report = doctor(f"local:{tmp_path}/ws", "--staging-dir", str(tmp_path / "stage"))
     assert not report["lossy"]
     assert all(r["intact"] and r["exit"] == 0 for r in report["rows"])
     assert report["probe"]["hash"] == "xxh128"
@@ -50,8 +51,9 @@ def test_the_sprites_emulator_reproduces_the_field_report_table(tmp_path: Path) 
 def _doctor_with_token(tmp_path: Path, options: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     token = tmp_path / "token"
     token.write_text(options["token"])
+    (tmp_path / "ws").mkdir()  # the staging root may not lie inside the workspace
     return doctor(
-        f"sprites://probe{tmp_path}",
+        f"sprites://probe{tmp_path}/ws",
         "--sprites-url",
         options["sprites_url"],
         "--sprites-token-file",

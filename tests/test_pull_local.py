@@ -92,6 +92,8 @@ def test_no_xxhsum_falls_back_to_b2sum(tmp_path: Path, workspace: Path) -> None:
         "nohup",
         "base64",
         "kill",
+        "ls",
+        "du",
     )
     bindir = tool_dir(tmp_path / "bin", tools)
     env = {"PATH": str(bindir), "HOME": str(tmp_path)}
@@ -103,7 +105,21 @@ def test_no_xxhsum_falls_back_to_b2sum(tmp_path: Path, workspace: Path) -> None:
 
 
 def test_guest_without_a_hash_tool_is_refused_clearly(tmp_path: Path, workspace: Path) -> None:
-    tools = ("sh", "tar", "gzip", "dd", "wc", "mkdir", "printf", "cat", "head", "df", "awk")
+    tools = (
+        "sh",
+        "tar",
+        "gzip",
+        "dd",
+        "wc",
+        "mkdir",
+        "printf",
+        "cat",
+        "head",
+        "df",
+        "awk",
+        "ls",
+        "id",
+    )
     bindir = tool_dir(tmp_path / "bin", tools)
     transport = LocalTransport(env={"PATH": str(bindir), "HOME": str(tmp_path)})
     dest = tmp_path / "out"

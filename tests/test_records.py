@@ -10,7 +10,16 @@ from hypothesis import strategies as st
 
 from wsync.errors import ProtocolError
 from wsync.protocol.hashing import ALGORITHMS
-from wsync.protocol.records import IndexParser, parse_fields, parse_probe, parse_status
+from wsync.protocol.records import (
+    AdmitReport,
+    IndexParser,
+    disk_full_message,
+    parse_admit,
+    parse_fields,
+    parse_probe,
+    parse_stage_refusal,
+    parse_status,
+)
 
 XXH = ALGORITHMS["xxh128"]
 H = "0" * 32
@@ -76,6 +85,49 @@ def test_probe_report() -> None:
         parse_probe(b"proto 2\n")
 
 
+def test_probe_reports_the_resolved_staging_root() -> None:
+    report = parse_probe(b"proto 1\nstage_root /tmp/wsync-1000\nstage_free_kb 7\n")
+    assert report.stage_root == "/tmp/wsync-1000"
+    assert parse_probe(b"proto 1\n").stage_root == ""
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        (b"admitted", AdmitReport(False)),
+        (b"reconciled 120 4000", AdmitReport(True, 120, 4000)),
+        (b"admitted  4000", AdmitReport(False, None, 4000)),
+        (b"admitted 12 ", AdmitReport(False, 12, None)),
+    ],
+)
+def test_admit_answers(payload: bytes, expected: AdmitReport) -> None:
+    assert parse_admit(payload) == expected
+
+
+@pytest.mark.parametrize("payload", [b"adopted", b"admitted 1 2 3", b""])
+def test_bad_admit_answers(payload: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        parse_admit(payload)
+
+
+def test_stage_refusals_name_the_path_and_owner() -> None:
+    owner = parse_stage_refusal("owner 65534 0 nobody\n/tmp/wsync-0")
+    assert owner is not None and not owner.usage
+    assert "/tmp/wsync-0 is owned by nobody (uid 65534)" in owner.message
+    inside = parse_stage_refusal("inside\n/w/stage\n/w")
+    assert inside is not None and inside.usage and "\n" not in inside.message
+    hostile = parse_stage_refusal("symlink\n/tmp/\x1b[31mx")
+    assert hostile is not None and "\x1b" not in hostile.message
+    assert parse_stage_refusal("something else") is None
+
+
+def test_the_disk_full_message_shape() -> None:
+    assert disk_full_message(2048, "/tmp/wsync-0", 6 * 1024 + 10) == (
+        "guest staging disk full: 2.0 MiB free at /tmp/wsync-0, the workspace needs about 6.0 MiB"
+    )
+    assert disk_full_message(0, "/s", None).endswith("the workspace needs more")
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=400))
 def test_fuzz_parsers_raise_only_protocol_error(data: bytes) -> None:
@@ -84,6 +136,8 @@ def test_fuzz_parsers_raise_only_protocol_error(data: bytes) -> None:
         lambda: parse_status(data, XXH),
         lambda: parse_probe(data),
         lambda: parse_fields(data),
+        lambda: parse_admit(data),
+        lambda: parse_stage_refusal(data.decode("utf-8", "replace")),
     ):
         with contextlib.suppress(ProtocolError):
             parse()

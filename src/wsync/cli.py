@@ -30,6 +30,14 @@ _EPILOG_EXIT = "exit codes:\n" + "\n".join(
     f"  {code:>3}  {text}" for code, text in EXIT_CODES.items()
 )
 
+#: the --staging-dir help (pull and doctor share it)
+STAGING_HELP = (
+    "staging root in the guest (default /tmp/wsync-UID, private to the pulling user); "
+    "created 0700 and refused (exit 5, naming it and its owner) when it is a symlink, "
+    "another user's, writable by others, or beneath a directory others can change; "
+    "refused (exit 2) when it overlaps the workspace"
+)
+
 SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 
@@ -169,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--staging-dir",
-        default="/tmp/wsync-staging",
+        default="",
         metavar="DIR",
-        help="staging root in the guest, outside the workspace (/tmp/wsync-staging)",
+        help=STAGING_HELP,
     )
     p.add_argument("--gzip", action="store_true", help="compress with gzip even if zstd exists")
     p.add_argument(
@@ -204,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI (its path is used for scratch)")
     d.add_argument("--json", action="store_true", help="print the report as JSON")
-    d.add_argument("--staging-dir", default="/tmp/wsync-staging", metavar="DIR")
+    d.add_argument("--staging-dir", default="", metavar="DIR", help=STAGING_HELP)
     add_transport_options(d)
 
     m = sub.add_parser(

@@ -48,13 +48,14 @@ async def _measure(transport: Transport, workspace: str, staging_root: str) -> d
         "hash": plan.algorithm.name,
         "tools": sorted(probe.tools),
         "stage_free_kb": probe.stage_free_kb,
+        "stage_root": probe.stage_root,
         "uid": probe.uid,
     }
     rows = []
     token = secrets.token_hex(4)
     for size in SIZES:
         snapshot = f"doctor-{token}-{size}"
-        folder = scripts.snapshot_dir(staging_root, snapshot)
+        folder = scripts.snapshot_dir(session.staging_root, snapshot)
         session.snapshot = snapshot
         row: dict[str, Any] = {"size": size}
         try:
@@ -111,6 +112,7 @@ def _print(report: dict[str, Any]) -> None:
     out.write(f"tar          {probe['tar']}\n")
     out.write(f"compressor   {probe['compressor']}    hash {probe['hash']}\n")
     free = probe["stage_free_kb"]
+    out.write(f"staging root {printable(probe['stage_root'])}\n")
     out.write(f"staging free {free // 1024 if free is not None else '?'} MiB\n\n")
     out.write("plain exec (one `cat`, exit code trusted) vs wsync verified read\n")
     out.write(f"{'size':>8} {'exit':>5} {'received':>10} {'intact':>7} {'==tail':>7}  wsync\n")

@@ -49,8 +49,10 @@ class PullOptions:
     max_attempts: int = 12
     #: producer chunk size (a multiple of 64 KiB)
     chunk_size: int = 4 * MiB
-    #: staging root in the guest, outside the workspace
-    staging_root: str = "/tmp/wsync-staging"
+    #: staging root in the guest, outside the workspace; "" means the per-user
+    #: ``/tmp/wsync-UID``, resolved in the guest (the journal keys on this
+    #: configured value, so resuming works whatever the guest resolves)
+    staging_root: str = ""
     #: stale guest staging older than this is garbage-collected, seconds
     staging_ttl: float = 24 * 3600.0
     #: replace a non-empty DEST that wsync did not write before

@@ -69,6 +69,12 @@ class GuestSession:
         #: the backend's file API is used for chunk reads (see read_direct)
         self.direct = transport.capabilities.file_read
         self._direct_failures = 0
+        #: the staging root's physical path as the probe resolved and checked
+        #: it; every later call uses this, never the configured value
+        self.staging_root = ""
+        #: what the admission measured (workspace size, free space), for the
+        #: message of a full staging disk
+        self.admission: records.AdmitReport | None = None
         #: identifies this run to the guest (admission retries are not adoptions)
         self.run_id = secrets.token_hex(8)
         self._rng = random.Random()  # noqa: S311 - backoff jitter, not a secret
@@ -81,7 +87,7 @@ class GuestSession:
             nonce=nonce,
             algorithm=self.algorithm.name,
             b64=self.b64,
-            staging_root=self.options.staging_root,
+            staging_root=self.staging_root,
         )
 
     # -- the one retry loop ----------------------------------------------------
@@ -160,12 +166,21 @@ class GuestSession:
             max_length=_SMALL,
             algorithm=PROBE_ALGORITHM,
         )
+        if not envelope.ok:
+            refusal = records.parse_stage_refusal(envelope.text)
+            if refusal is not None and refusal.usage:
+                raise UsageError(refusal.message)
+            if refusal is not None:
+                raise StagingFailed(refusal.message)
+            if envelope.text == "workspace-missing":
+                raise UsageError(f"workspace {workspace!r} does not exist in the sandbox")
+            raise StagingFailed(f"probe: {records.printable(envelope.text)}")
         report = records.parse_probe(envelope.payload)
         if report.workspace == "missing":
             raise UsageError(f"workspace {workspace!r} does not exist in the sandbox")
         if report.workspace != "dir":
             raise UsageError(f"workspace {workspace!r} in the sandbox is not a readable directory")
-        need = ["tar", "dd", "wc"] + (["base64"] if self.b64 else [])
+        need = ["tar", "dd", "wc", "ls", "id"] + (["base64"] if self.b64 else [])
         missing = [tool for tool in need if not report.has(tool)]
         if report.has("dd") and not report.has("dd_bytes"):
             missing.append("dd with iflag=skip_bytes,count_bytes (GNU coreutils or busybox)")
@@ -180,15 +195,23 @@ class GuestSession:
         compressor = next((c for c in order if report.has(c)), None)
         if compressor is None:
             raise GuestToolsMissing("a compressor (zstd or gzip)")
+        if not report.stage_root.startswith("/"):
+            raise StagingFailed("the probe did not establish a staging root")
+        self.staging_root = report.stage_root
         self.algorithm = algorithm
         return GuestPlan(algorithm, compressor, report)
 
     async def admit(
         self, snapshot: str, workspace: str, compressor: str, *, installed: bool = False
     ) -> bool:
-        """Start (or adopt) the snapshot's producer.  True when adopted."""
+        """Start (or adopt) the snapshot's producer.  True when adopted.
+
+        The guest runs the installed producer only if it hashes to ours; when
+        it does not (or is missing) it is installed afresh, once.
+        """
         assert self.algorithm is not None
         self.snapshot = snapshot
+        producer_hash = self.algorithm.digest(scripts.PRODUCER.encode())
         envelope = await self.call(
             "admit",
             lambda nonce: scripts.admit(
@@ -199,6 +222,7 @@ class GuestSession:
                 compressor=compressor,
                 ttl_minutes=int(self.options.staging_ttl // 60),
                 run=self.run_id,
+                producer_hash=producer_hash,
             ),
             max_length=_SMALL,
         )
@@ -206,10 +230,29 @@ class GuestSession:
             await self.install_producer()
             return await self.admit(snapshot, workspace, compressor, installed=True)
         if not envelope.ok:
-            if envelope.text == "workspace-missing":
-                raise UsageError(f"workspace {workspace!r} does not exist in the sandbox")
-            raise StagingFailed(records.printable(envelope.text))
-        return records.parse_admit(envelope.payload)
+            self._admission_failed(envelope.text, workspace)
+        self.admission = records.parse_admit(envelope.payload)
+        return self.admission.adopted
+
+    def _admission_failed(self, text: str, workspace: str) -> None:
+        """Raise the error an ``err`` answer of the admission stands for."""
+        if text == "workspace-missing":
+            raise UsageError(f"workspace {workspace!r} does not exist in the sandbox")
+        if text == "producer-missing":
+            raise StagingFailed(
+                "the producer script in the guest does not match its hash even after "
+                "installing it afresh"
+            )
+        if text == "unsafe-root":
+            raise StagingFailed(
+                f"the staging root {records.printable(self.staging_root)} is no longer a "
+                "private directory of the pulling user"
+            )
+        word, *figures = text.split(" ")
+        if word == "disk-full" and len(figures) == 2 and all(f.isdigit() for f in figures):
+            free, need = (int(f) for f in figures)
+            raise StagingFailed(records.disk_full_message(free, self.staging_root, need))
+        raise StagingFailed(records.printable(text))
 
     async def install_producer(self) -> None:
         assert self.algorithm is not None
@@ -235,7 +278,19 @@ class GuestSession:
             ),
             max_length=_SMALL,
         )
-        return records.parse_status(envelope.payload, self.algorithm)
+        report = records.parse_status(envelope.payload, self.algorithm)
+        if report.failed is not None and report.failed.startswith("disk-full "):
+            # the producer found the disk full: say so with the admission's figures
+            now = report.failed.split(" ")[1].rstrip(":")
+            known = self.admission
+            free = known.free_kb if known and known.free_kb is not None else None
+            if free is None:
+                free = int(now) if now.isdigit() and len(now) < 19 else 0
+            message = records.disk_full_message(
+                free, self.staging_root, known.need_kb if known else None
+            )
+            report = dataclasses.replace(report, failed=message)
+        return report
 
     async def read(
         self, file: str, offset: int, length: int, sizer: ReadSizer | None = None
@@ -291,7 +346,7 @@ class GuestSession:
         """
         if not self.direct or self.algorithm is None:
             return None
-        path = scripts.snapshot_dir(self.options.staging_root, self.snapshot) + "/data"
+        path = scripts.snapshot_dir(self.staging_root, self.snapshot) + "/data"
         try:
             data = await self.transport.read_file(
                 path, offset, length, timeout=self.options.call_timeout

@@ -62,6 +62,9 @@ class ProbeReport:
     tar_version: str
     stage_free_kb: int | None
     uid: str
+    #: the staging root's physical path, created and checked by the probe
+    #: ("" when the probe did not get that far: no workspace, or no ``ls``)
+    stage_root: str = ""
 
     def has(self, tool: str) -> bool:
         return tool in self.tools
@@ -81,20 +84,100 @@ def parse_probe(payload: bytes) -> ProbeReport:
         tar_version=printable(fields.get("tar_version", ""), 120),
         stage_free_kb=int(free) if free.isdigit() else None,
         uid=printable(fields.get("uid", ""), 20),
+        stage_root=fields.get("stage_root", ""),
     )
+
+
+def human(kib: int) -> str:
+    """KiB → a short human figure ("1.9 MiB")."""
+    size = float(kib)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "KiB" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def disk_full_message(free_kb: int, path: str, need_kb: int | None) -> str:
+    """The one shape every full-staging-disk failure is reported in (issue 7, item 12)."""
+    need = f"needs about {human(need_kb)}" if need_kb is not None else "needs more"
+    where = printable(path, 200)
+    return f"guest staging disk full: {human(free_kb)} free at {where}, the workspace {need}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageRefusal:
+    """Why the probe refused the staging root; ``usage`` refusals are the
+    user's to fix (exit 2), the others are the guest's state (exit 5)."""
+
+    usage: bool
+    message: str
+
+
+def parse_stage_refusal(text: str) -> StageRefusal | None:
+    """The probe's ``err`` answers about the staging root, or None for others.
+
+    Shape: a first line ``KIND [numbers...]``, then one path per line.
+    """
+    head, *paths = text.split("\n")
+    kind, *nums = head.split(" ")
+    path = printable(paths[0], 200) if paths else "?"
+    if kind == "inside" and len(paths) == 2:
+        return StageRefusal(
+            True,
+            f"the staging root {path} and the workspace {printable(paths[1], 200)} overlap "
+            "(one is inside the other); pass --staging-dir outside the workspace",
+        )
+    hint = "; refusing to stage there (remove it, or pass --staging-dir)"
+    if kind == "owner" and len(nums) >= 2:
+        name = printable(nums[2], 40) if len(nums) > 2 else "?"
+        return StageRefusal(
+            False,
+            f"staging root {path} is owned by {name} (uid {printable(nums[0], 12)}), "
+            f"not by the pulling user (uid {printable(nums[1], 12)}){hint}",
+        )
+    if kind == "writable" and nums:
+        mode = printable(nums[0], 12)
+        return StageRefusal(
+            False, f"staging root {path} is writable by other users (mode {mode}){hint}"
+        )
+    if kind == "ancestor" and len(nums) >= 2:
+        owner, mode = printable(nums[0], 12), printable(nums[1], 12)
+        return StageRefusal(
+            False,
+            f"{path}, a parent of the staging root, is owned by uid {owner} with mode "
+            f"{mode}: another user could replace what lies beneath it{hint}",
+        )
+    if kind == "symlink":
+        return StageRefusal(False, f"staging root {path} is a symlink{hint}")
+    if kind == "notdir":
+        return StageRefusal(False, f"staging root {path} is not a directory{hint}")
+    if kind == "create":
+        return StageRefusal(False, f"cannot create the staging root {path}")
+    return None
 
 
 # -- admission ---------------------------------------------------------------
 
 
-def parse_admit(payload: bytes) -> bool:
-    """True when an existing snapshot was adopted (``reconciled``)."""
-    word = payload.strip()
-    if word == b"admitted":
-        return False
-    if word == b"reconciled":
-        return True
-    raise ProtocolError(f"admit: unexpected answer {printable(word, 60)!r}", "malformed")
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdmitReport:
+    #: an existing snapshot of another run was adopted (``reconciled``)
+    adopted: bool
+    #: the workspace size and the staging root's free space when the snapshot
+    #: was admitted, KiB (None when the guest could not measure them)
+    need_kb: int | None = None
+    free_kb: int | None = None
+
+
+def parse_admit(payload: bytes) -> AdmitReport:
+    """``admitted|reconciled [NEED_KB FREE_KB]``."""
+    word, *figures = payload.strip().split(b" ")
+    if word not in (b"admitted", b"reconciled") or len(figures) > 2:
+        raise ProtocolError(f"admit: unexpected answer {printable(payload, 60)!r}", "malformed")
+    numbers = [int(f) if f.isdigit() and len(f) <= 19 else None for f in figures]
+    numbers += [None] * (2 - len(numbers))
+    return AdmitReport(word == b"reconciled", numbers[0], numbers[1])
 
 
 # -- status ------------------------------------------------------------------

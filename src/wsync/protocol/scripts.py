@@ -5,9 +5,24 @@ Every script is constant POSIX ``sh`` text (tested under dash and busybox
 into the text.  Transports that need one command string join the argv with
 :func:`shlex.join`, so each value is quoted exactly once, by ``shlex.quote``.
 
+The staging root is private to the pulling user (issue 7, item 1): by default
+``/tmp/wsync-UID``, computed in the guest; the probe creates it (umask 077)
+and refuses it, before anything else is written, when it overlaps the
+workspace (a usage error, exit 2) or when it is a symlink, not owned by the
+user, writable by group or others, or lies beneath a directory that someone
+other than root or the user could change (OpenSSH StrictModes; a staging
+failure, exit 5, naming the path and its owner).  Every later call uses the
+physical path the probe answered.  Only a producer that hashes to what the
+host expects is ever run, and a pid read back from staging is killed only when
+it is a process of this user running the producer (checked in ``/proc``).
+
 Layout in the guest (``ROOT`` is the staging root, outside the workspace)::
 
-    ROOT/SNAPSHOT/launch/   admission token: whoever creates it starts the producer
+    ROOT/.producer-HASH.sh  the producer script, checked against its hash before every run
+
+    ROOT/SNAPSHOT/launch/   admission token: whoever creates it starts the producer;
+                            ``launch/size`` holds the workspace size and the free
+                            space measured at admission (KiB), for a full disk's message
     ROOT/SNAPSHOT/pid       the detached producer's pid
     ROOT/SNAPSHOT/data      the compressed tar stream, append-only
     ROOT/SNAPSHOT/index     one line per chunk, appended only after the chunk
@@ -15,7 +30,8 @@ Layout in the guest (``ROOT`` is the staging root, outside the workspace)::
     ROOT/SNAPSHOT/done      written atomically (tmp + mv) when the stream is
                             complete: chunks, length, whole-stream hash, and
                             the exit status of tar and of the compressor
-    ROOT/SNAPSHOT/failed    written instead of ``done`` on any failed step
+    ROOT/SNAPSHOT/failed    written instead of ``done`` on any failed step;
+                            ``disk-full KB: ...`` when the disk was full then
 
 Every write in the producer is checked; a failed write ends in ``failed``,
 never in ``done`` (field report 3, finding 1).  Every script's answer is an
@@ -69,6 +85,7 @@ expand_home() {
 }
 nl='
 '
+lsn() { set -f; set -- $(ls -ldn "$1"); set +f; m=${1:-?} u=${3:-?}; }
 alive() {
   kill -0 "$1" 2>/dev/null || return 1
   if [ -r "/proc/$1/stat" ]; then
@@ -78,14 +95,61 @@ alive() {
 }
 """
 
+_STAGE = r"""
+me=$(id -u)
+no() { emit err "$1"; exit 0; }
+cdp() {
+  case $1 in /*) ;; *) set -- "./$1" ;; esac
+  cd -P "$1" && pwd -P
+}
+over() {
+  a=${1%/}/ b=${wp%/}/
+  case $a in "$b"*) no "inside${nl}$1${nl}$wp" ;; esac
+  case $b in "$a"*) no "inside${nl}$1${nl}$wp" ;; esac
+}
+chain() {
+  x=$1
+  while :; do
+    lsn "${x:-/}"
+    case $u in 0|"$me") ;; *) no "ancestor $u $m${nl}${x:-/}" ;; esac
+    case $m in ?????w*|????????w*) case $m in ?????????[tT]*) ;; *) no "ancestor $u $m${nl}${x:-/}" ;; esac ;; esac
+    [ -n "$x" ] || break
+    x=${x%/*}
+  done
+}
+# the staging root: private to this user, outside the workspace, its physical
+# path in R.  Nothing is created before the overlap check; ancestors are
+# checked like OpenSSH's StrictModes (root's or ours, writable only if sticky)
+stage() {
+  unset CDPATH
+  r=$(expand_home "${1:-/tmp/wsync-$me}")
+  wp=$(cdp "$2") || no "workspace-missing"
+  e=$r t=
+  while [ -n "$e" ] && [ ! -e "$e" ] && [ ! -L "$e" ]; do t=/${e##*/}$t; e=${e%/*}; done
+  ep=$(cdp "${e:-/}") || no "notdir${nl}${e:-/}"
+  over "${ep%/}$t"
+  [ -z "$t" ] || chain "$ep"
+  umask 077
+  mkdir -p "$r" || no "create${nl}$r"
+  [ -L "$r" ] && no "symlink${nl}$r"
+  R=$(cdp "$r") || no "notdir${nl}$r"
+  over "$R"
+  lsn "$R"
+  [ "$u" = "$me" ] || no "owner $u $me $(ls -ld "$R" | awk '{print $3}')${nl}$R"
+  case $m in d*) ;; *) no "notdir${nl}$R" ;; esac
+  case $m in ?????w*|????????w*) no "writable $m${nl}$R" ;; esac
+  chain "$R"
+}
+"""
+
 _PROBE = r"""
-ws=$(expand_home "$1") root=$2
+ws=$(expand_home "$1")
 p="proto 1${nl}uid $(id -u)"
 if [ -d "$ws" ]; then
   if [ -r "$ws" ] && [ -x "$ws" ]; then w=dir; else w=unreadable; fi
 elif [ -e "$ws" ]; then w=notdir; else w=missing; fi
 p="$p${nl}workspace $w"
-for t in tar zstd gzip xxhsum b2sum sha256sum setsid base64 dd wc find; do
+for t in tar zstd gzip xxhsum b2sum sha256sum setsid base64 dd wc find ls du id; do
   if command -v "$t" >/dev/null 2>&1; then p="$p${nl}has_$t 1"; else p="$p${nl}has_$t 0"; fi
 done
 p="$p${nl}test_xxh128 $(printf wsync-probe | xxhsum -H2)"
@@ -95,8 +159,10 @@ if [ "$(printf abcdef | dd bs=65536 iflag=skip_bytes,count_bytes skip=2 count=3 
   p="$p${nl}has_dd_bytes 1"
 fi
 p="$p${nl}tar_version $(tar --version 2>&1 | head -n 1)"
-mkdir -p "$root"
-p="$p${nl}stage_free_kb $(df -Pk "$root" | awk 'NR == 2 { print $4 }')"
+if [ "$w" = dir ] && command -v ls >/dev/null 2>&1 && command -v id >/dev/null 2>&1; then
+  stage "$2" "$ws"
+  p="$p${nl}stage_root $R${nl}stage_free_kb $(df -Pk "$R" | awk 'NR == 2 { print $4 }')"
+fi
 emit ok "$p"
 """
 
@@ -119,6 +185,9 @@ alive() {
   return 0
 }
 fail() {
+  # a failed write on a full disk says so: the host names the figures
+  f=$(df -Pk . | awk 'NR == 2 { print $4 + 0 }')
+  [ "${f:-9999}" -lt 1024 ] && set -- "disk-full $f: $1"
   # failed.tmp was reserved at start: rewriting it in place (1<>, no
   # truncation) needs no new disk blocks, so a full disk can still say why
   printf '%s\n' "$1" 1<> failed.tmp
@@ -217,26 +286,55 @@ printf 'chunks %s\nlength %s\nhash %s\ntar_rc %s\ncomp_rc %s\nunstable_bytes %s\
 mv -f done.tmp done || fail "cannot write the done record"
 """
 
+_KILL = r"""
+me=$(id -u)
+# a pid read from staging is killed only when it is a process of this user
+# running wsync's producer; without /proc nothing is killed
+mine() {
+  case $1 in ''|0*|1|*[!0-9]*|??????????*) return 1 ;; esac
+  [ -r "/proc/$1/cmdline" ] || return 1
+  lsn "/proc/$1"
+  [ "$u" = "$me" ] || return 1
+  case $(tr '\000' ' ' < "/proc/$1/cmdline") in *"$pn"*) return 0 ;; esac
+  return 1
+}
+stop() { pid=$(cat "$1/pid") && mine "$pid" && { kill -TERM "-$pid" || kill "$pid"; }; }
+"""
+
 _ADMIT = r"""
-root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 prod=$1/$7 run=$8
+root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$8 ph=$9
+# the probe checked the root and its ancestors; make sure it is still that
+lsn "$root"
+[ "$(cd -P "$root" && pwd -P)" = "$root" ] && [ "$u" = "$me" ] || { emit err "unsafe-root"; exit 0; }
+case $m in ?????w*|????????w*) emit err "unsafe-root"; exit 0 ;; esac
 [ -d "$ws" ] || { emit err "workspace-missing"; exit 0; }
-[ -f "$prod" ] || { emit err "producer-missing"; exit 0; }
+# run only the producer whose hash the host expects (else it is reinstalled)
+dg=$(h < "$prod")
+[ -f "$prod" ] && [ "${dg%% *}" = "$ph" ] || { emit err "producer-missing"; exit 0; }
 umask 077
-mkdir -p "$root" || { emit err "cannot create the staging root"; exit 0; }
 # garbage-collect stale snapshots: only wsync's own (an id-shaped name holding
 # a launch/ token), never anything else that happens to live in the root
 for x in "$root"/s*; do
   [ -d "$x/launch" ] || continue
   [ "${x##*/}" = "$id" ] && continue
   [ -n "$(find "$x" -maxdepth 0 -mmin +"$ttl")" ] || continue
-  pid=$(cat "$x/pid") && [ -n "$pid" ] && alive "$pid" && { kill -TERM "-$pid" || kill "$pid"; }
+  stop "$x"
   rm -rf "$x"
 done
-d=$root/$id
+d=$root/$id n= f=
+if [ ! -d "$d/launch" ]; then
+  # refuse what cannot fit even at 4x compression, before starting anything
+  # bounded: a retried admission must not walk a huge cold tree forever
+  if command -v timeout >/dev/null; then n=$(timeout 20 du -sk "$ws"); else n=$(du -sk "$ws"); fi
+  n=${n%%[!0-9]*}
+  f=$(df -Pk "$root" | awk 'NR == 2 { print $4 + 0 }')
+  [ -n "$n" ] && [ -n "$f" ] && [ $((f * 4)) -lt $((n + 256)) ] && { emit err "disk-full $f $n"; exit 0; }
+fi
 mkdir -p "$d" || { emit err "cannot create the staging directory"; exit 0; }
 if mkdir "$d/launch"; then
   # who launched: a retry of this very run (its answer was lost) is not an adoption
   printf '%s' "$run" > "$d/launch/by" || { emit err "cannot write the admission token"; exit 0; }
+  printf '%s %s' "$n" "$f" > "$d/launch/size"
   if command -v setsid >/dev/null 2>&1; then
     setsid sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" </dev/null >/dev/null 2>&1 &
   else
@@ -248,11 +346,11 @@ if mkdir "$d/launch"; then
     emit err "cannot write the pid file"
     exit 0
   }
-  emit ok admitted
+  emit ok "admitted $(cat "$d/launch/size")"
 elif [ -d "$d/launch" ] && [ "$(cat "$d/launch/by")" = "$run" ]; then
-  emit ok admitted
+  emit ok "admitted $(cat "$d/launch/size")"
 elif [ -d "$d/launch" ]; then
-  emit ok reconciled
+  emit ok "reconciled $(cat "$d/launch/size")"
 else
   emit err "cannot create the admission token"
 fi
@@ -314,9 +412,9 @@ printf '\nWSYNC1 END %s %s\n' "$nonce" "$dg"
 """
 
 _CLEANUP = r"""
-d=$1/$2
+d=$1/$2 pn=$3
 if [ -d "$d" ]; then
-  pid=$(cat "$d/pid") && [ -n "$pid" ] && alive "$pid" && { kill -TERM "-$pid" || kill "$pid"; }
+  stop "$d"
   rm -rf "$d" || { emit err "cannot remove the staging directory"; exit 0; }
 fi
 emit ok removed
@@ -334,11 +432,11 @@ def _compact(script: str) -> str:
 
 
 SCRIPTS: dict[str, str] = {
-    "probe": _compact(_PRELUDE + _PROBE),
-    "admit": _compact(_PRELUDE + _ADMIT),
+    "probe": _compact(_PRELUDE + _STAGE + _PROBE),
+    "admit": _compact(_PRELUDE + _KILL + _ADMIT),
     "status": _compact(_PRELUDE + _STATUS),
     "read": _compact(_PRELUDE + _READ),
-    "cleanup": _compact(_PRELUDE + _CLEANUP),
+    "cleanup": _compact(_PRELUDE + _KILL + _CLEANUP),
     "install": _compact(_PRELUDE + _INSTALL),
 }
 PRODUCER = _compact(_PRODUCER)
@@ -384,10 +482,30 @@ def render(
     ]
 
 
+def check_staging_root(root: str) -> str:
+    """The configured staging root, normalized; ``""`` (the default) means
+    ``/tmp/wsync-UID``, resolved in the guest by the probe.
+
+    Only absolute (or ``~/``) paths without ``.``/``..`` components: the probe
+    locates the root physically before creating anything, by walking up to
+    the nearest directory that exists.
+    """
+    if root == "":
+        return root
+    if any(ord(c) < 32 or ord(c) == 127 for c in root):
+        raise UsageError(f"--staging-dir holds a control character: {root!r}")
+    if not (root.startswith("/") or root == "~" or root.startswith("~/")):
+        raise UsageError(f"--staging-dir must be an absolute path (or start with ~/): {root!r}")
+    if {".", ".."} & set(root.split("/")):
+        raise UsageError(f"--staging-dir must not contain '.' or '..' components: {root!r}")
+    return re.sub("/+", "/", root).rstrip("/") or "/"
+
+
 def probe(*, gate: bool, nonce: str, b64: bool, workspace: str, staging_root: str) -> list[str]:
-    return render(
-        "probe", gate=gate, nonce=nonce, algorithm="md5", b64=b64, args=(workspace, staging_root)
-    )
+    """Answers the guest's tools and, once the workspace is a directory, the
+    staging root's physical path (created and checked; see :data:`_STAGE`)."""
+    args = (workspace, check_staging_root(staging_root))
+    return render("probe", gate=gate, nonce=nonce, algorithm="md5", b64=b64, args=args)
 
 
 def admit(
@@ -403,9 +521,15 @@ def admit(
     compressor: str,
     ttl_minutes: int,
     run: str,
+    producer_hash: str,
 ) -> list[str]:
     """``run`` identifies this wsync run: a retried admission it made itself
-    answers ``admitted`` again; only another run's snapshot is ``reconciled``."""
+    answers ``admitted`` again; only another run's snapshot is ``reconciled``.
+
+    The guest runs the installed producer only when it hashes to
+    ``producer_hash`` (with the negotiated algorithm); otherwise it answers
+    ``producer-missing`` and the host installs it afresh.
+    """
     check_snapshot_id(snapshot)
     if chunk_size <= 0 or chunk_size % BLOCK:
         raise UsageError(f"chunk size must be a positive multiple of {BLOCK}")
@@ -418,6 +542,7 @@ def admit(
         str(max(1, ttl_minutes)),
         PRODUCER_NAME,
         run,
+        producer_hash,
     )
     return render("admit", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
 
@@ -482,5 +607,5 @@ def cleanup(
     *, gate: bool, nonce: str, algorithm: str, b64: bool, staging_root: str, snapshot: str
 ) -> list[str]:
     check_snapshot_id(snapshot)
-    args = (staging_root, snapshot)
+    args = (staging_root, snapshot, PRODUCER_NAME)
     return render("cleanup", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)

@@ -1,0 +1,103 @@
+"""Issue 7, item 12: a full guest staging disk is named as such, with figures.
+
+Admission refuses a workspace that cannot fit even at 4x compression; a
+producer that runs out of space mid-way says the same thing instead of
+"cannot append to the index" or "compressor exited :".  The real case uses a
+small tmpfs (the tests run as root); where mounting is not permitted the
+admission check is still exercised through a guest whose ``df`` reports little.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from helpers import busybox_bin, options, run_pull
+from wsync.errors import StagingFailed
+from wsync.transports.local import LocalTransport
+
+SHAPE = (
+    r"guest staging disk full: [0-9.]+ [KMG]iB free at {path}, "
+    r"the workspace needs about {need}"
+)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs, mounted for this test only."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(mnt)],
+        capture_output=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def workspace_of(tmp_path: Path, mib: int) -> Path:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "random.bin").write_bytes(os.urandom(mib * 1024 * 1024))  # incompressible
+    (ws / "note.txt").write_text("hello\n")
+    return ws
+
+
+def test_admission_refuses_what_cannot_fit(tmp_path: Path, small_disk: Path) -> None:
+    ws = workspace_of(tmp_path, 12)
+    root = small_disk / "stage"
+    dest = tmp_path / "out"
+    with pytest.raises(StagingFailed) as info:
+        run_pull(LocalTransport(), ws, dest, options(tmp_path, staging_root=str(root)))
+    assert info.value.exit_code == 5
+    assert re.search(SHAPE.format(path=re.escape(str(root)), need=r"12\.\d MiB"), str(info.value))
+    assert list(root.glob("s*")) == []  # no snapshot was started
+    assert not dest.exists()
+
+
+def test_a_disk_that_fills_up_mid_way_says_so(tmp_path: Path, small_disk: Path) -> None:
+    """6 MiB might fit in 2 MiB if it compressed 3x: admitted, then the disk fills."""
+    ws = workspace_of(tmp_path, 6)
+    root = small_disk / "stage"
+    dest = tmp_path / "out"
+    with pytest.raises(StagingFailed) as info:
+        run_pull(LocalTransport(), ws, dest, options(tmp_path, staging_root=str(root)))
+    message = str(info.value)
+    assert info.value.exit_code == 5
+    assert re.search(SHAPE.format(path=re.escape(str(root)), need=r"6\.\d MiB"), message), message
+    assert "cannot append" not in message and "compressor exited" not in message
+    assert not dest.exists()
+
+
+@pytest.mark.parametrize("guest", ["dash", "busybox"])
+def test_admission_uses_the_guests_df_and_du(tmp_path: Path, guest: str) -> None:
+    """No mount needed: the guest's ``df`` says 100 KiB are free."""
+    ws = workspace_of(tmp_path, 1)
+    if guest == "busybox":
+        bindir = busybox_bin(tmp_path / "bb")
+        env = {"PATH": str(bindir), "HOME": str(tmp_path)}
+        (bindir / "df").unlink()
+    else:
+        bindir = tmp_path / "fake-df"
+        bindir.mkdir()
+        env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+    (bindir / "df").write_text(
+        "#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
+        "echo 'fake 1000 900 100 90% /'\n"
+    )
+    (bindir / "df").chmod(0o755)
+    root = tmp_path / "staging"
+    with pytest.raises(StagingFailed) as info:
+        run_pull(LocalTransport(env=env), ws, tmp_path / "out", options(tmp_path))
+    expect = SHAPE.format(path=re.escape(str(root)), need=r"1\.\d MiB")
+    assert re.search(expect.replace("[0-9.]+ [KMG]iB", "100 KiB"), str(info.value))
+    assert list(root.glob("s*")) == []

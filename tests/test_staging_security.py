@@ -1,0 +1,530 @@
+"""Issue 7, items 1 and 13: the guest staging root is private to the pulling user.
+
+Another user of the guest must not get code run (a planted producer script),
+choose what gets killed (a planted ``pid`` file), or read or steer the archive
+(a root they own, can write, or can swap).  A staging root that overlaps the
+workspace is a usage error found before anything is written.  Each refusal is
+checked under dash and under a busybox-only guest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import stat
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import ProcessWatch
+from helpers import assert_exact, busybox_bin, options, run_pull
+from wsync.engine.api import PullOptions
+from wsync.engine.guest import CallStats, GuestSession
+from wsync.errors import StagingFailed, UsageError, WsyncError
+from wsync.protocol import scripts
+from wsync.transports.local import LocalTransport
+
+NOBODY = 65534
+
+
+@pytest.fixture(params=["dash", "busybox"])
+def guest(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, str] | None:
+    """The guest's environment: the host's tools (dash), or busybox applets only."""
+    if request.param == "dash":
+        return None
+    return {"PATH": str(busybox_bin(tmp_path / "bb")), "HOME": str(tmp_path)}
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "a.txt").write_text("hello\n")
+    (ws / "sub").mkdir()
+    (ws / "sub" / "b.bin").write_bytes(os.urandom(100_000))
+    return ws
+
+
+def planted_producer(root: Path, marker: Path) -> Path:
+    """What another user would plant: a script that would run as the puller."""
+    script = root / scripts.PRODUCER_NAME
+    script.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    return script
+
+
+def pull(env: dict[str, str] | None, ws: Path, dest: Path, opts: PullOptions) -> None:
+    run_pull(LocalTransport(env=env), ws, dest, opts)
+
+
+# -- a planted producer is never run -------------------------------------------
+
+
+def test_a_planted_producer_in_our_own_root_is_replaced_not_run(
+    tmp_path: Path, workspace: Path, guest: dict[str, str] | None
+) -> None:
+    root = tmp_path / "staging"
+    root.mkdir(mode=0o700)
+    marker = tmp_path / "PWNED"
+    planted_producer(root, marker)
+    dest = tmp_path / "out"
+    pull(guest, workspace, dest, options(tmp_path, staging_root=str(root)))
+    assert not marker.exists()
+    assert_exact(workspace, dest)
+    # the installed producer is ours again
+    assert (root / scripts.PRODUCER_NAME).read_text() == scripts.PRODUCER
+
+
+@pytest.mark.parametrize("case", ["foreign-owner", "world-writable", "group-writable", "symlink"])
+def test_an_unsafe_root_is_refused_naming_it(
+    tmp_path: Path, workspace: Path, guest: dict[str, str] | None, case: str
+) -> None:
+    root = tmp_path / "staging"
+    real = tmp_path / "elsewhere"
+    real.mkdir(mode=0o700)
+    marker = tmp_path / "PWNED"
+    planted_producer(real, marker)
+    if case == "symlink":
+        root.symlink_to(real)
+    else:
+        real.rename(root)
+    if case == "foreign-owner":
+        os.chown(root, NOBODY, NOBODY)
+        expect = r"owned by \S+ \(uid 65534\), not by the pulling user \(uid 0\)"
+    elif case == "world-writable":
+        os.chmod(root, 0o777)
+        expect = r"writable by other users \(mode drwxrwxrwx"
+    elif case == "group-writable":
+        os.chmod(root, 0o770)
+        expect = r"writable by other users \(mode drwxrwx---"
+    else:
+        expect = "is a symlink"
+    dest = tmp_path / "out"
+    with pytest.raises(StagingFailed, match=expect) as info:
+        pull(guest, workspace, dest, options(tmp_path, staging_root=str(root)))
+    assert info.value.exit_code == 5
+    assert str(root) in str(info.value)
+    assert not marker.exists() and not dest.exists()
+    # nothing of ours was put into the refused root
+    target = root.resolve()
+    assert sorted(p.name for p in target.iterdir()) == [scripts.PRODUCER_NAME]
+
+
+@pytest.mark.parametrize(
+    ("parent_mode", "parent_owner", "refused"),
+    [
+        (0o777, 0, True),  # anyone may rename our root away and put theirs there
+        (0o1777, 0, False),  # sticky, like /tmp: fine
+        (0o755, NOBODY, True),  # another user owns a parent
+        (0o755, 0, False),
+    ],
+)
+def test_parents_of_the_root_are_checked_like_strictmodes(
+    tmp_path: Path,
+    workspace: Path,
+    guest: dict[str, str] | None,
+    parent_mode: int,
+    parent_owner: int,
+    refused: bool,
+) -> None:
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    os.chmod(parent, parent_mode)
+    os.chown(parent, parent_owner, parent_owner)
+    root = parent / "mine" / "staging"
+    dest = tmp_path / "out"
+    opts = options(tmp_path, staging_root=str(root))
+    if not refused:
+        pull(guest, workspace, dest, opts)
+        assert_exact(workspace, dest)
+        assert stat.S_IMODE(root.stat().st_mode) == 0o700
+        assert stat.S_IMODE((parent / "mine").stat().st_mode) == 0o700
+        return
+    with pytest.raises(StagingFailed, match=f"{parent}, a parent of the staging root") as info:
+        pull(guest, workspace, dest, opts)
+    assert info.value.exit_code == 5
+    assert not (parent / "mine").exists()  # checked before anything was created
+
+
+def test_the_default_root_is_per_user_and_private(
+    tmp_path: Path, workspace: Path, guest: dict[str, str] | None
+) -> None:
+    """The default is ``/tmp/wsync-UID``, resolved in the guest; the journal keys
+    on the configured (empty) value, so a resumed pull finds its snapshot."""
+
+    async def probe() -> str:
+        transport = LocalTransport(env=guest)
+        try:
+            session = GuestSession(transport, PullOptions(state_dir=tmp_path), CallStats())
+            await session.probe(str(workspace))
+            return session.staging_root
+        finally:
+            await transport.aclose()
+
+    root = asyncio.run(probe())
+    assert root == f"/tmp/wsync-{os.getuid()}"
+    info = os.lstat(root)
+    assert stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+    assert stat.S_IMODE(info.st_mode) & 0o077 == 0
+    assert PullOptions().staging_root == ""
+
+
+def test_a_root_under_home_is_expanded_and_private(tmp_path: Path, workspace: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home)}
+    dest = tmp_path / "out"
+    pull(env, workspace, dest, options(tmp_path, staging_root="~/.cache/wsync"))
+    assert_exact(workspace, dest)
+    assert stat.S_IMODE((home / ".cache" / "wsync").stat().st_mode) == 0o700
+
+
+# -- item 13: a staging root overlapping the workspace -------------------------
+
+
+@pytest.mark.parametrize("case", ["inside", "equal", "contains", "via-symlink"])
+def test_a_root_overlapping_the_workspace_is_a_usage_error(
+    tmp_path: Path, workspace: Path, guest: dict[str, str] | None, case: str
+) -> None:
+    if case == "inside":
+        root = workspace / "sub" / "stage" / "deeper"
+    elif case == "equal":
+        root = workspace
+    elif case == "contains":
+        root = tmp_path
+    else:
+        (tmp_path / "door").symlink_to(workspace)
+        root = tmp_path / "door" / "stage"
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    dest = tmp_path / "out"
+    with pytest.raises(UsageError, match="overlap") as info:
+        pull(guest, workspace, dest, options(tmp_path, staging_root=str(root)))
+    assert info.value.exit_code == 2
+    assert "\n" not in str(info.value)
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert [p for p in after if p.parts[0] not in ("state", "bb")] == [
+        p for p in before if p.parts[0] not in ("state", "bb")
+    ]
+
+
+@pytest.mark.parametrize("bad", ["relative/dir", "/tmp/../etc", "/tmp/./x", "/tmp/a\nb"])
+def test_a_malformed_staging_dir_is_a_usage_error(bad: str) -> None:
+    with pytest.raises(UsageError):
+        scripts.check_staging_root(bad)
+    assert scripts.check_staging_root("/tmp//x/") == "/tmp/x"
+    assert scripts.check_staging_root("~/stage") == "~/stage"
+
+
+# -- nothing read back from staging chooses what gets killed --------------------
+
+
+@pytest.fixture
+def bystander() -> Iterator[subprocess.Popen[bytes]]:
+    """A process of this user in a session of its own (its pid is its group):
+    what a planted ``pid`` file would point at."""
+    proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+
+
+def stale_snapshot(root: Path, name: str, pid: str) -> Path:
+    d = root / name
+    (d / "launch").mkdir(parents=True)
+    (d / "pid").write_text(pid + "\n")
+    old = time.time() - 3 * 3600
+    os.utime(d, (old, old))
+    return d
+
+
+def test_gc_does_not_kill_a_planted_pid(
+    tmp_path: Path,
+    workspace: Path,
+    guest: dict[str, str] | None,
+    bystander: subprocess.Popen[bytes],
+) -> None:
+    opts = options(tmp_path, staging_ttl=60)
+    root = Path(opts.staging_root)
+    root.mkdir(mode=0o700)
+    stale = stale_snapshot(root, "s20200101-000000-0badf00d", str(bystander.pid))
+    pull(guest, workspace, tmp_path / "out", opts)
+    assert not stale.exists()  # the stale snapshot is still collected
+    time.sleep(0.2)
+    assert bystander.poll() is None, "a planted pid was killed"
+
+
+def test_cleanup_does_not_kill_a_planted_pid(
+    tmp_path: Path,
+    workspace: Path,
+    guest: dict[str, str] | None,
+    bystander: subprocess.Popen[bytes],
+) -> None:
+    opts = options(tmp_path)
+
+    async def go() -> None:
+        transport = LocalTransport(env=guest)
+        try:
+            session = GuestSession(transport, opts, CallStats())
+            plan = await session.probe(str(workspace))
+            await session.admit("s-planted", str(workspace), plan.compressor)
+            for _ in range(600):
+                if (await session.status()).done:
+                    break
+                await asyncio.sleep(0.05)
+            pid = Path(opts.staging_root, "s-planted", "pid")
+            pid.write_text(f"{bystander.pid}\n")  # noqa: ASYNC240
+            await session.cleanup()
+        finally:
+            await transport.aclose()
+
+    asyncio.run(go())
+    assert not (Path(opts.staging_root) / "s-planted").exists()
+    time.sleep(0.2)
+    assert bystander.poll() is None, "a planted pid was killed"
+
+
+def _slow_tar(tmp_path: Path, arg: str, guest: dict[str, str] | None) -> dict[str, str]:
+    """The guest's tar holds the producer running (``sleep ARG``) after archiving."""
+    bindir = tmp_path / "slow-tar"
+    bindir.mkdir()
+    real = shutil.which("tar", path=(guest or os.environ)["PATH"])
+    sleep = shutil.which("sleep")
+    (bindir / "tar").write_text(
+        f'#!/bin/sh\n{real} "$@"\n[ "$1" = -cf ] && exec {sleep} {arg}\nexit 0\n'
+    )
+    (bindir / "tar").chmod(0o755)
+    env = dict(guest or os.environ)
+    env["PATH"] = f"{bindir}:{env['PATH']}"
+    return env
+
+
+def test_our_own_producer_is_still_stopped_by_cleanup_and_gc(
+    tmp_path: Path, workspace: Path, guest: dict[str, str] | None, procs: ProcessWatch
+) -> None:
+    """The checks keep the real case working: wsync's producer, run by this
+    user, is stopped when its snapshot is cleaned up or garbage-collected."""
+    opts = options(tmp_path, staging_ttl=60)
+    first, second = procs.sleep_arg(300), procs.sleep_arg(300)
+    env = _slow_tar(tmp_path, first, guest)
+
+    async def go() -> None:
+        transport = LocalTransport(env=env)
+        try:
+            session = GuestSession(transport, opts, CallStats())
+            plan = await session.probe(str(workspace))
+            await session.admit("s-first", str(workspace), plan.compressor)
+            assert procs.wait_present(first, timeout=30)
+            # cleanup stops a live producer
+            await session.cleanup()
+            assert procs.wait_gone(first, timeout=30) == []
+        finally:
+            await transport.aclose()
+
+    asyncio.run(go())
+    shutil.rmtree(tmp_path / "slow-tar")
+    env = _slow_tar(tmp_path, second, guest)
+
+    async def gc() -> None:
+        transport = LocalTransport(env=env)
+        try:
+            session = GuestSession(transport, opts, CallStats())
+            plan = await session.probe(str(workspace))
+            await session.admit("s-stale", str(workspace), plan.compressor)
+            stale_pids = set(procs.wait_present(second, timeout=30))
+            assert stale_pids
+            stale = Path(session.staging_root, "s-stale")
+            old = time.time() - 3 * 3600
+            os.utime(stale, (old, old))
+            # another snapshot's admission collects the stale one and its producer
+            # (the new snapshot's own tar sleeps with the same argument)
+            await session.admit("s-next", str(workspace), plan.compressor)
+            for _ in range(600):
+                if not stale_pids & set(procs.pids(second)):
+                    break
+                await asyncio.sleep(0.05)
+            assert not stale_pids & set(procs.pids(second))
+            assert not stale.exists()  # noqa: ASYNC240
+            await session.cleanup()
+        finally:
+            await transport.aclose()
+
+    asyncio.run(gc())
+
+
+def test_only_our_producer_counts_as_killable(
+    tmp_path: Path,
+    workspace: Path,
+    guest: dict[str, str] | None,
+    procs: ProcessWatch,
+    bystander: subprocess.Popen[bytes],
+) -> None:
+    """The guest's kill decision itself, asked about real processes: the live
+    producer yes; pid 1, odd spellings, and a process of ours that is not the
+    producer no.  (The producer also ends itself when its directory goes, so
+    the tests above could not tell a kill from that.)"""
+    arg = procs.sleep_arg(300)
+    env = _slow_tar(tmp_path, arg, guest)
+    opts = options(tmp_path)
+    ask = scripts._compact(
+        scripts._PRELUDE
+        + scripts._KILL
+        + 'pn=$1; shift; for p; do mine "$p" && echo y || echo n; done'
+    )
+
+    async def go() -> list[str]:
+        transport = LocalTransport(env=env)
+        try:
+            session = GuestSession(transport, opts, CallStats())
+            plan = await session.probe(str(workspace))
+            await session.admit("s-live", str(workspace), plan.compressor)
+            assert procs.wait_present(arg, timeout=30)
+            pid = Path(session.staging_root, "s-live", "pid").read_text().strip()  # noqa: ASYNC240
+            candidates = [pid, "1", f"0{pid}", f"{pid} ", f"-{pid}", str(bystander.pid), ""]
+            argv = ["sh", "-c", ask, "wsync", "0", "n", "md5", "raw", scripts.PRODUCER_NAME]
+            result = await transport.exec([*argv, *candidates], timeout=30)
+            await session.cleanup()
+            return result.stdout.decode().split()
+        finally:
+            await transport.aclose()
+
+    assert asyncio.run(go()) == ["y", "n", "n", "n", "n", "n", "n"]
+
+
+def test_a_planted_pid_1_is_never_signalled(tmp_path: Path, workspace: Path) -> None:
+    """``kill -TERM -1`` would hit every process of the user.  Run inside a pid
+    namespace, so that the old behaviour could not harm the machine: a process
+    there (the bystander) must survive an admission that collects a snapshot
+    whose ``pid`` file says ``1``."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare is not installed")
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a pid namespace here: {probe.stderr.decode().strip()}")
+    opts = options(tmp_path, staging_ttl=60)
+    root = Path(opts.staging_root)
+    root.mkdir(mode=0o700)
+    stale = stale_snapshot(root, "s20200101-000000-00000001", "1")
+    verdict = tmp_path / "verdict"
+
+    class Namespaced(LocalTransport):
+        """Each call runs in a fresh pid namespace beside a bystander ``sleep``."""
+
+        async def exec(self, argv, **kw):  # type: ignore[no-untyped-def,override]
+            wrap = (
+                'v=$1; shift; sleep 300 & s=$!; "$@"; sleep 0.3; '
+                'if kill -0 "$s"; then echo alive > "$v"; else echo killed > "$v"; fi; kill "$s"'
+            )
+            return await super().exec(
+                ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", wrap, "sh",
+                 str(verdict), *argv],
+                **kw,
+            )  # fmt: skip
+
+    async def go() -> None:
+        transport = Namespaced()
+        try:
+            session = GuestSession(transport, opts, CallStats())
+            plan = await session.probe(str(workspace))
+            with contextlib.suppress(WsyncError):
+                await session.admit("s-namespaced", str(workspace), plan.compressor)
+        finally:
+            await transport.aclose()
+
+    asyncio.run(go())
+    assert not stale.exists()
+    assert verdict.read_text().strip() == "alive"
+
+
+def test_without_proc_nothing_is_killed_and_staging_still_goes(
+    tmp_path: Path, workspace: Path, bystander: subprocess.Popen[bytes]
+) -> None:
+    """Where ``/proc`` is missing the pid cannot be checked: remove, never kill."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare is not installed")
+    hide = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", "mount -t tmpfs none /proc && true"],
+        capture_output=True,
+    )
+    if hide.returncode != 0:
+        pytest.skip(f"cannot hide /proc here: {hide.stderr.decode().strip()}")
+    opts = options(tmp_path, staging_ttl=60)
+    root = Path(opts.staging_root)
+    root.mkdir(mode=0o700)
+    d = stale_snapshot(root, "s-noproc", str(bystander.pid))
+
+    class NoProc(LocalTransport):
+        async def exec(self, argv, **kw):  # type: ignore[no-untyped-def,override]
+            wrap = 'mount -t tmpfs none /proc && exec "$@"'
+            return await super().exec(["unshare", "--mount", "sh", "-c", wrap, "sh", *argv], **kw)
+
+    async def go() -> None:
+        transport = NoProc()
+        try:
+            session = GuestSession(transport, opts, CallStats())
+            await session.probe(str(workspace))
+            session.snapshot = "s-noproc"
+            await session.cleanup()
+        finally:
+            await transport.aclose()
+
+    asyncio.run(go())
+    assert not d.exists()
+    time.sleep(0.2)
+    assert bystander.poll() is None
+
+
+def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:
+    """Scripts travel in argv, and some backends put argv into a URL whose
+    request line servers cap at 8 KiB: every call stays well below."""
+    from urllib.parse import quote
+
+    wire = scripts.Wire(gate=True, nonce="0" * 16, algorithm="b2", b64=True, staging_root="/s" * 20)
+    calls = [
+        scripts.probe(
+            gate=True, nonce="0" * 16, b64=True, workspace="/w" * 20, staging_root="/s" * 20
+        ),
+        *(scripts.install_producer(**wire, part=i) for i in range(scripts.install_parts())),
+        scripts.status(**wire, snapshot="s" * 64),
+        scripts.read(**wire, snapshot="s" * 64, file="data", offset=2**40, length=2**22),
+        scripts.cleanup(**wire, snapshot="s" * 64),
+        scripts.admit(
+            **wire,
+            snapshot="s" * 64,
+            workspace="/w" * 20,
+            chunk_size=4 * 2**20,
+            compressor="zstd",
+            ttl_minutes=1440,
+            run="r" * 16,
+            producer_hash="0" * 128,
+        ),
+    ]
+    for argv in calls:
+        assert sum(len(quote(a, safe="")) + 5 for a in argv) < 7600, argv[2][:40]
+        assert len(argv[2]) < 6 * 1024
+
+
+def test_the_cli_refuses_a_staging_dir_inside_the_workspace(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """``wsync pull --staging-dir WS/x``: exit 2, one line, nothing written."""
+    import sys
+
+    dest = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "wsync", "pull", f"local:{workspace}", str(dest),
+         "--state-dir", str(tmp_path / "state"), "--staging-dir", str(workspace / "stage")],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "overlap" in proc.stderr
+    assert not (workspace / "stage").exists() and not dest.exists()
