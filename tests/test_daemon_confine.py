@@ -23,10 +23,9 @@ from wsync.daemon.confine import Forbidden, check_local_source, confine_dest, co
 
 def test_confine_dest_creates_parents_and_refuses_symlinks(tmp_path: Path) -> None:
     root, outside = tmp_path / "root", tmp_path / "outside"
-    root.mkdir()
     outside.mkdir()
     dest = root / "a" / "b" / "dest"
-    assert confine_dest(dest, [root]) == root
+    assert confine_dest(dest, [root]) == root  # a missing root is created, as configured
     assert (root / "a" / "b").is_dir() and not dest.exists()
 
     # a directory on the way swapped for a symlink that points outside

@@ -59,8 +59,11 @@ def find_root(path: Path, roots: Sequence[Path], *, strict: bool) -> Path | None
 
 
 @contextlib.contextmanager
-def _open_root(root: Path) -> Iterator[int]:
+def _open_root(root: Path, *, create: bool) -> Iterator[int]:
+    """Open a root; with ``create``, make it first (the operator's own path, as configured)."""
     try:
+        if create:
+            os.makedirs(root, exist_ok=True)
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as err:
         raise HostIOError(f"cannot open the root {root}: {err.strerror}") from None
@@ -95,7 +98,7 @@ def walk_beneath(
     :class:`HostIOError` for other failures.
     """
     parts = path.relative_to(root).parts
-    with _open_root(root) as root_fd:
+    with _open_root(root, create=create) as root_fd:
         fd = root_fd
         shown = root
         try:
