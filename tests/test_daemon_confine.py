@@ -68,12 +68,17 @@ def test_local_sources_need_a_local_root_and_no_symlink_below_it(tmp_path: Path)
 
 
 def test_symlink_swapped_into_dest_parent_before_the_job_runs(tmp_path: Path) -> None:
-    """Accepted while DEST's parent is a real directory; run after it became a symlink."""
+    """Accepted while DEST's parent is a real directory; run after it became a symlink.
+
+    A second job, accepted into a second root, runs after a reload dropped
+    that root: the roots of the moment the job runs decide, not the old ones.
+    """
     make_tree(tmp_path / "ws", seed=21)
     make_tree(tmp_path / "ws-slow", seed=22, big=24 * 1024 * 1024)
-    roots, outside = tmp_path / "roots", tmp_path / "outside"
+    roots, outside, dropped = tmp_path / "roots", tmp_path / "outside", tmp_path / "dropped"
     (roots / "sub").mkdir(parents=True)
     outside.mkdir()
+    dropped.mkdir()
     config = base_config(
         tmp_path,
         f"""
@@ -87,22 +92,32 @@ parallel = 1
 """,
         max_concurrent=1,
     )
-    with running(tmp_path, config) as daemon:
+    two_roots = config.replace(
+        f'dest_roots = ["{roots}"]', f'dest_roots = ["{roots}", "{dropped}"]'
+    )
+    with running(tmp_path, two_roots) as daemon:
         slow = daemon.pull("slow")
         daemon.wait_until(
             lambda: daemon.job(slow["id"])["state"] == "running", what="the slow pull to run"
         )
         job = daemon.pull("ws", f"{roots}/sub/x")  # accepted: roots/sub is a directory
+        later = daemon.pull("ws", f"{dropped}/y")  # accepted: dropped is a root for now
         assert daemon.job(job["id"])["state"] == "queued"
         (roots / "sub").rename(tmp_path / "sub-was")
         (roots / "sub").symlink_to(outside)
+        daemon.config_path.write_text(config, encoding="utf-8")
+        assert daemon.request("POST", "/v1/reload")[0] == 200
         status, _ = daemon.request("DELETE", f"/v1/pulls/{slow['id']}")
         assert status == 202
         final = daemon.wait_job(job["id"], ("failed", "succeeded"), timeout=60)
+        second = daemon.wait_job(later["id"], ("failed", "succeeded"), timeout=60)
     assert final["state"] == "failed", final
     assert final["error_kind"] == "forbidden" and final["exit_code"] == 2, final
     assert "symlink" in final["error"] and f"{roots}/sub" in final["error"], final
     assert list(outside.iterdir()) == [], "nothing may be written outside the dest roots"
+    assert second["state"] == "failed" and second["error_kind"] == "forbidden", second
+    assert "no longer inside the allowed roots" in second["error"], second
+    assert list(dropped.iterdir()) == []
 
 
 def _post(daemon: DaemonProcess, sandbox: str, dest: str) -> tuple[int, dict[str, str]]:
