@@ -48,6 +48,7 @@ parallel = 1
 secrets = {{ token = "env:WSYNC_TEST_SECRET" }}
 {extra}
 """,
+        api=f'allow_uris = true\nlocal_roots = ["{tmp}"]',
         parallel=2,
     )
 
@@ -174,7 +175,9 @@ def test_destination_and_request_validation(daemon: DaemonProcess, tmp_path: Pat
         ({"sandbox": "ws", "dest": str(root)}, 403, "outside"),
         ({"sandbox": "nope"}, 422, "unknown sandbox 'nope'"),
         ({"sandbox": "ftp://h/x", "dest": f"{root}/f"}, 422, "unknown sandbox scheme"),
-        ({"sandbox": "local:/x"}, 422, "dest is required"),
+        ({"sandbox": "ssh://h/x"}, 422, "dest is required"),
+        ({"sandbox": "local:/etc", "dest": f"{root}/etc"}, 403, "outside api.local_roots"),
+        ({"sandbox": f"local:{root}/escape", "dest": f"{root}/e"}, 403, "api.local_roots"),
         ({"sandbox": ""}, 422, "body.sandbox"),
         ({"sandbox": "ws", "extra": 1}, 422, "body.extra"),
         ({"dest": "/x"}, 422, "body.sandbox: Field required"),

@@ -222,7 +222,8 @@ def assert_same_tree(src: Path, dest: Path) -> None:
         assert got[rel] == item, f"{rel} differs"
 
 
-def base_config(tmp: Path, extra: str = "", **limits: int) -> str:
+def base_config(tmp: Path, extra: str = "", *, api: str = "", **limits: int) -> str:
+    """A config with dest root ``tmp/roots``; ``api``: more lines for the [api] table."""
     lim = "\n".join(f"{k} = {v}" for k, v in limits.items())
     return f"""
 state_dir = "{tmp}/state"
@@ -231,6 +232,7 @@ shutdown_grace = 15
 
 [api]
 listen = "127.0.0.1:0"
+{api}
 
 [limits]
 chunk_size = 65536

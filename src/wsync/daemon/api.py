@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 import wsync
-from wsync.daemon.config import DestForbidden
+from wsync.daemon.confine import Forbidden
 from wsync.daemon.jobs import JobFinished, JobManager, NotAccepting, UnknownJob
 from wsync.daemon.metrics import Metrics
 from wsync.daemon.store import STATES
@@ -107,7 +107,7 @@ def _status_for(err: WsyncError) -> int:
         return 404
     if isinstance(err, JobFinished):
         return 409
-    if isinstance(err, DestForbidden):
+    if isinstance(err, Forbidden):  # dest or source outside the configured roots
         return 403
     if isinstance(err, NotAccepting):
         return 503

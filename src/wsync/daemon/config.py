@@ -34,6 +34,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from wsync.daemon.confine import Forbidden
 from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
 from wsync.errors import UsageError
 from wsync.transports.registry import SCHEMES
@@ -41,6 +42,8 @@ from wsync.uri import SandboxURI, parse
 
 DEFAULT_LISTEN = "127.0.0.1:8477"
 _LIMITS = ExtractLimits()
+#: shortest API token accepted, from WSYNC_API_TOKEN or the token file alike
+MIN_TOKEN_LENGTH = 16
 SANDBOX_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -62,7 +65,19 @@ class ApiConfig(_Strict):
     #: file holding the bearer token (first line); ``WSYNC_API_TOKEN`` wins
     token_file: Path | None = None
     #: accept a sandbox URI in ``POST /v1/pulls`` instead of a configured name
-    allow_uris: bool = True
+    #: (off by default: a request can then only name what the operator configured)
+    allow_uris: bool = False
+    #: directories of this host that a ``local:`` URI in a request may name
+    #: (its real path must lie under one); empty: ``local:`` requests are refused
+    local_roots: list[Path] = Field(default_factory=list)
+
+    @field_validator("local_roots")
+    @classmethod
+    def _check_local_roots(cls, value: list[Path]) -> list[Path]:
+        for root in value:
+            if not root.is_absolute():
+                raise ValueError(f"{root}: must be an absolute path")
+        return value
 
     @field_validator("listen")
     @classmethod
@@ -248,9 +263,18 @@ class DaemonConfig(BaseSettings):
     # -- derived values ---------------------------------------------------
 
     def api_token_value(self) -> str:
-        """The bearer token, from the environment or the token file."""
-        if self.api_token is not None and self.api_token.get_secret_value():
-            return self.api_token.get_secret_value()
+        """The bearer token, from the environment or the token file.
+
+        Both sources get the same minimum length: a short token is guessable
+        whichever way it arrived.
+        """
+        if self.api_token is not None and self.api_token.get_secret_value().strip():
+            token = self.api_token.get_secret_value().strip()
+            if len(token) < MIN_TOKEN_LENGTH:
+                raise ConfigError(
+                    f"WSYNC_API_TOKEN: the token must be at least {MIN_TOKEN_LENGTH} characters"
+                )
+            return token
         if self.api.token_file is None:
             raise ConfigError(
                 "api.token_file: no API token; set [api] token_file or WSYNC_API_TOKEN"
@@ -262,8 +286,10 @@ class DaemonConfig(BaseSettings):
                 f"api.token_file: cannot read {self.api.token_file}: {err.strerror}"
             ) from None
         token = text.strip().splitlines()[0].strip() if text.strip() else ""
-        if len(token) < 16:
-            raise ConfigError("api.token_file: the token must be at least 16 characters")
+        if len(token) < MIN_TOKEN_LENGTH:
+            raise ConfigError(
+                f"api.token_file: the token must be at least {MIN_TOKEN_LENGTH} characters"
+            )
         return token
 
     def pull_options(self, sandbox: SandboxConfig | None) -> PullOptions:
@@ -371,10 +397,8 @@ def check_dest(raw: str, roots: list[Path]) -> Path:
     raise DestForbidden(f"dest {raw!r} resolves outside the allowed roots ({allowed})")
 
 
-class DestForbidden(UsageError):
+class DestForbidden(Forbidden):
     """DEST is well-formed but outside every allowed root (HTTP 403)."""
-
-    kind = "forbidden"
 
 
 def format_validation_error(err: pydantic.ValidationError) -> str:

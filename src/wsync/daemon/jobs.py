@@ -15,6 +15,18 @@ Durability rules:
 * On SIGTERM, running pulls are cancelled (the engine keeps its journal) and
   their jobs go back to ``queued`` so the next start resumes them.  A user's
   ``DELETE`` is different: that job ends ``cancelled``.
+
+Each engine pull runs on its own thread and loop (:mod:`wsync.daemon.pullthread`):
+the engine's clean-up after a cancel blocks (thread joins, removing a large
+half-written tree), and on this loop it froze the API and SIGTERM handling.
+The job's own task stays here and is the only writer of the job's record, so
+the store is never written from another thread, and shutdown can record every
+job before it closes the store even when a pull's thread is still busy.
+
+Where a job may write is decided twice: when it is accepted, and again just
+before it runs against the configuration of *that* moment
+(:mod:`wsync.daemon.confine`), walking DEST's path from its root without
+following symlinks.
 """
 
 from __future__ import annotations
@@ -38,10 +50,13 @@ from wsync.daemon.config import (
     check_uri,
     resolve_transport_options,
 )
+from wsync.daemon.confine import Forbidden, check_local_source, confine_dest, confine_source
 from wsync.daemon.metrics import Metrics
+from wsync.daemon.pullthread import PullCancelled, PullThread
 from wsync.daemon.store import FINAL_STATES, Job, JobStore, new_job_id
 from wsync.engine.api import ProgressCallback, PullOptions, PullResult
-from wsync.errors import HostIOError, InternalError, UsageError, WsyncError
+from wsync.errors import InternalError, UsageError, WsyncError
+from wsync.uri import parse
 
 Puller = Callable[
     [str, Path, PullOptions, Mapping[str, Any] | None, ProgressCallback | None],
@@ -83,12 +98,33 @@ async def engine_pull(
     return await pull_uri(uri, dest, options, transport_options, on_progress=on_progress)
 
 
-def _make_parent(dest: Path) -> None:
-    """Create DEST's parent (already checked to lie inside a dest root)."""
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise HostIOError(f"cannot create {dest.parent}: {err.strerror}") from None
+def _make_parent(dest: Path, roots: list[Path]) -> Path:
+    """Re-confine DEST to the current roots and create its parent; return DEST's root.
+
+    Runs on the pull's thread just before the engine starts.  The parent is
+    created by an ``O_NOFOLLOW``/``mkdirat`` walk from the root, so a symlink
+    swapped into the path since the request was accepted is refused, never
+    followed (:func:`wsync.daemon.confine.confine_dest`).
+    """
+    return confine_dest(dest, roots)
+
+
+def _check_source(job: Job, config: DaemonConfig) -> None:
+    """Re-check a requested (not configured) source against the config of this moment.
+
+    A sandbox the operator configured is trusted as configured.  A URI that
+    came in a request needs ``api.allow_uris`` still on, and a ``local:`` one
+    must still lie under ``api.local_roots`` with no symlink below the root
+    (its path was stored resolved when the request was accepted).
+    """
+    box = config.sandboxes.get(job.sandbox)
+    if box is not None and box.uri == job.uri:
+        return
+    if not config.api.allow_uris:
+        raise Forbidden("sandbox URIs are disabled (api.allow_uris = false); job not started")
+    parsed = parse(job.uri)
+    if parsed.scheme == "local":
+        confine_source(Path(parsed.path), config.api.local_roots)
 
 
 class EventBroker:
@@ -135,6 +171,12 @@ class _Running:
     last_save: float = 0.0
     snapshot: str = ""
     cancel_requested: bool = False
+    thread: PullThread[PullResult] | None = None
+
+    def stop(self) -> None:
+        """Ask the pull's thread to stop; the job task records the outcome."""
+        if self.thread is not None:
+            self.thread.cancel()
 
 
 class JobManager:
@@ -157,6 +199,7 @@ class JobManager:
         self._schedulers: dict[str, asyncio.Task[None]] = {}
         self._accepting = False
         self._shutting_down = False
+        self._threads: list[PullThread[PullResult]] = []
 
     # -- lifecycle --------------------------------------------------------
 
@@ -179,21 +222,37 @@ class JobManager:
         return self._accepting
 
     async def shutdown(self, grace: float) -> None:
-        """Stop taking jobs; cancel in-flight pulls (journals persist); wait up to ``grace``."""
+        """Stop taking jobs; stop in-flight pulls (journals persist); every job recorded.
+
+        The pulls' threads get ``grace`` seconds to stop by themselves.  A job
+        whose thread is still busy after that has its task cancelled: the task
+        records the job as interrupted (back to ``queued``) at once, without
+        waiting for the thread, so when this returns no job task is left and
+        the store can be closed.  A thread still running then is abandoned
+        (see :meth:`busy_threads`); its journal survives like after ``kill -9``.
+        """
         self._accepting = False
         self._shutting_down = True
         for task in self._schedulers.values():
             task.cancel()
-        tasks = [run.task for run in self._running.values()]
-        for task in tasks:
-            task.cancel()
+        runs = list(self._running.values())
+        for run in runs:
+            run.stop()
+        tasks = [run.task for run in runs]
         waiting = [*tasks, *self._schedulers.values()]
         if waiting:
             _done, pending = await asyncio.wait(waiting, timeout=grace)
             if pending:
                 log.warning("shutdown.grace_exceeded", pending=len(pending))
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
         self._schedulers.clear()
         self.events.close()
+
+    def busy_threads(self) -> int:
+        """Pull threads still alive (after :meth:`shutdown`: ones that outlived the grace)."""
+        return sum(1 for t in self._threads if t.is_alive())
 
     def reload(self, config: DaemonConfig) -> None:
         """Adopt a new configuration: limits, roots, token, sandboxes and schedules."""
@@ -214,9 +273,16 @@ class JobManager:
             name, uri = sandbox, box.uri
             dest = dest or (str(box.dest) if box.dest else None)
         elif ":" in sandbox:
+            parsed = check_uri(sandbox)
             if not self.config.api.allow_uris:
-                raise UsageError("sandbox URIs are disabled (api.allow_uris); use a sandbox name")
-            uri = check_uri(sandbox).raw
+                raise Forbidden(
+                    "sandbox URIs are disabled (api.allow_uris = false); "
+                    "use a configured sandbox name"
+                )
+            uri = parsed.raw
+            if parsed.scheme == "local":
+                real = check_local_source(Path(parsed.path), self.config.api.local_roots)
+                uri = f"local:{real}"
             name = uri
         else:
             known = ", ".join(sorted(self.config.sandboxes)) or "none configured"
@@ -272,9 +338,11 @@ class JobManager:
             raise JobFinished(f"job {job_id} already {job.state}")
         run = self._running.get(job_id)
         if run is not None:
+            # only a request to the pull's thread: its clean-up (joins, removing
+            # a half-written tree) happens there, never on this loop
             run.cancel_requested = True
-            run.task.cancel()
-            return job  # the runner records the final state
+            run.stop()
+            return job  # the job task records the final state
         with contextlib.suppress(ValueError):
             self._queue.remove(job_id)
         job.state = "cancelled"
@@ -304,6 +372,7 @@ class JobManager:
 
     def _pump(self) -> None:
         """Start queued jobs while global and per-sandbox limits allow."""
+        self._threads = [t for t in self._threads if t.is_alive()]
         if not self._accepting:
             self.metrics.queued.set(len(self._queue))
             return
@@ -341,16 +410,8 @@ class JobManager:
         state = "failed"
         summary: dict[str, Any]
         try:
-            options = self.config.pull_options(box)
-            transport_options = resolve_transport_options(box)
-            _make_parent(Path(job.dest))
-            result = await self._puller(
-                job.uri,
-                Path(job.dest),
-                options,
-                transport_options,
-                lambda p: self._on_progress(job, run, p),
-            )
+            thread = self._start_thread(job, run, box)
+            result = await asyncio.shield(thread.done)
             summary = result.to_json()
             state = "succeeded" if result.ok else "failed"
             if not result.ok:
@@ -358,7 +419,8 @@ class JobManager:
                 job.exit_code = result.exit_code
             else:
                 job.exit_code = 0
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, PullCancelled):
+            # CancelledError: shutdown gave up waiting for the pull's thread
             state, summary = self._interrupted(job, run)
         except WsyncError as err:
             if run.cancel_requested or self._shutting_down:
@@ -386,6 +448,7 @@ class JobManager:
             "pull.end",
             state=state,
             elapsed_s=round(elapsed, 3),
+            snapshot=summary.get("snapshot") or run.snapshot,
             resumed_chunks=summary.get("resumed_chunks", 0),
             retries=summary.get("retries", 0),
             faults=summary.get("faults", {}),
@@ -393,6 +456,36 @@ class JobManager:
         )
         self._announce(job)
         self._pump()
+
+    def _start_thread(
+        self, job: Job, run: _Running, box: SandboxConfig | None
+    ) -> PullThread[PullResult]:
+        """Start the job's pull on its own thread, confined by the config of this moment."""
+        config = self.config
+        options = config.pull_options(box)
+        transport_options = resolve_transport_options(box)
+        dest = Path(job.dest)
+        puller = self._puller
+
+        def progress(p: Any) -> None:  # on the pull's thread: copy now, record on this loop
+            thread.to_main(self._on_progress, job, run, dataclasses.asdict(p))
+
+        async def work() -> PullResult:
+            structlog.contextvars.bind_contextvars(job_id=job.id, sandbox=job.sandbox, snapshot="")
+            _check_source(job, config)
+            root = _make_parent(dest, config.dest_roots)
+            confined = dataclasses.replace(options, dest_root=root)
+            return await puller(job.uri, dest, confined, transport_options, progress)
+
+        thread: PullThread[PullResult] = PullThread(f"wsync-pull-{job.id}", work)
+        # an outcome nobody awaits any more (shutdown gave up on it) is not an error
+        thread.done.add_done_callback(lambda f: f.cancelled() or f.exception())
+        run.thread = thread
+        self._threads.append(thread)
+        thread.start()
+        if run.cancel_requested:  # DELETE arrived between dispatch and now
+            thread.cancel()
+        return thread
 
     def _interrupted(self, job: Job, run: _Running) -> tuple[str, dict[str, Any]]:
         """A cancel by request ends the job; a shutdown puts it back in the queue."""
@@ -427,13 +520,16 @@ class JobManager:
             job.error, job.error_kind, job.exit_code = str(err), err.kind, err.exit_code
         return result.to_json()
 
-    def _on_progress(self, job: Job, run: _Running, progress: Any) -> None:
-        """Engine callback (often): keep the latest numbers, rate-limit events and writes."""
-        job.progress = dataclasses.asdict(progress)
-        if progress.snapshot and progress.snapshot != run.snapshot:
-            run.snapshot = progress.snapshot
-            structlog.contextvars.bind_contextvars(snapshot=progress.snapshot)
-            log.info("pull.snapshot", snapshot=progress.snapshot)
+    def _on_progress(self, job: Job, run: _Running, progress: dict[str, Any]) -> None:
+        """Engine progress (often, relayed from the pull's thread): keep the latest
+        numbers, rate-limit events and writes."""
+        if job.state != "running" or self._running.get(job.id) is not run:
+            return  # a late relay after the job was recorded
+        job.progress = progress
+        snapshot = str(progress.get("snapshot") or "")
+        if snapshot and snapshot != run.snapshot:
+            run.snapshot = snapshot
+            log.info("pull.snapshot", snapshot=snapshot)
         now = time.monotonic()
         if now - run.last_event >= PROGRESS_EVENT_INTERVAL:
             run.last_event = now

@@ -1,0 +1,170 @@
+"""Keeping the daemon inside its roots at the time of the write, not only of the request.
+
+Why a second check at run time: a request is accepted (``check_dest`` resolves
+the path and finds it inside a dest root), then waits in the queue, survives a
+restart, or outlives a reload that changed the roots.  Meanwhile anyone who can
+write inside a root can replace a directory on DEST's path with a symlink to
+``/etc``; a check done with ``Path.resolve`` at that point would simply follow
+it.  So just before a job runs, the path is walked again from the root, one
+component at a time with ``O_NOFOLLOW`` (the ``openat``/``mkdirat`` way): a
+component that is a symlink *now* stops the job with a clear error, and missing
+parents are created by ``mkdir`` relative to the directory fd just opened, so a
+symlink swapped in during the walk is never followed either.
+
+What this cannot close alone: between this walk and the engine's own writes a
+component could be swapped again.  That window is the engine's to close; it
+receives the root as :attr:`PullOptions.dest_root` and walks from it the same
+way when it writes.
+
+Local sources (``local:PATH`` given in a request) follow the same rules
+against ``api.local_roots``: the real path must lie under a configured root,
+and at run time no component below the root may be a symlink.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from wsync.errors import HostIOError, UsageError
+
+
+class Forbidden(UsageError):
+    """A well-formed request outside what the daemon is configured to allow (HTTP 403)."""
+
+    kind = "forbidden"
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def find_root(path: Path, roots: Sequence[Path], *, strict: bool) -> Path | None:
+    """The resolved root that ``path`` (already absolute, no ``..``) lies beneath.
+
+    ``strict``: the path must be *below* the root, not the root itself (a DEST
+    equal to a root would replace the whole root).  Roots are the operator's
+    own configuration, so their own symlinks are followed.
+    """
+    for root in roots:
+        real_root = root.resolve(strict=False)
+        if path == real_root and not strict:
+            return real_root
+        if path != real_root and path.is_relative_to(real_root):
+            return real_root
+    return None
+
+
+@contextlib.contextmanager
+def _open_root(root: Path, *, create: bool) -> Iterator[int]:
+    """Open a root; with ``create``, make it first (the operator's own path, as configured)."""
+    try:
+        if create:
+            os.makedirs(root, exist_ok=True)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise HostIOError(f"cannot open the root {root}: {err.strerror}") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _step(fd: int, name: str, shown: Path, what: str) -> int:
+    """Open directory ``name`` under ``fd`` without following a symlink; raise Forbidden."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=fd)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise Forbidden(
+                f"{what}: {shown} is a symlink or not a directory now; "
+                "refusing to follow it out of the configured root"
+            ) from None
+        raise
+
+
+def walk_beneath(
+    root: Path, path: Path, *, create: bool, what: str, leaf: str | None = None
+) -> os.stat_result | None:
+    """Walk from ``root`` down to ``path`` (a directory) with no symlink followed.
+
+    ``create``: make missing directories (mode 0777 & ~umask, like ``mkdir -p``)
+    with ``mkdirat`` relative to the parent fd just opened.  ``leaf``: a name
+    inside ``path`` to ``lstat`` through the final fd (None when it is absent).
+    Raises :class:`Forbidden` for a symlink or a non-directory on the way,
+    :class:`HostIOError` for other failures.
+    """
+    parts = path.relative_to(root).parts
+    with _open_root(root, create=create) as root_fd:
+        fd = root_fd
+        shown = root
+        try:
+            for name in parts:
+                shown = shown / name
+                try:
+                    nxt = _step(fd, name, shown, what)
+                except FileNotFoundError:
+                    if not create:
+                        raise Forbidden(f"{what}: {shown} does not exist") from None
+                    with contextlib.suppress(FileExistsError):  # raced: opened below
+                        os.mkdir(name, 0o777, dir_fd=fd)
+                    nxt = _step(fd, name, shown, what)
+                if fd != root_fd:
+                    os.close(fd)
+                fd = nxt
+            if leaf is None:
+                return None
+            try:
+                return os.stat(leaf, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return None
+        except OSError as err:
+            raise HostIOError(f"{what}: cannot open or create {shown}: {err.strerror}") from None
+        finally:
+            if fd != root_fd:
+                os.close(fd)
+
+
+def confine_dest(dest: Path, roots: Sequence[Path]) -> Path:
+    """Re-check DEST against the *current* roots just before a pull; return its root.
+
+    DEST must be strictly beneath a root, every directory between the root and
+    DEST's parent must be a real directory (missing ones are created here,
+    never through a symlink), and DEST itself must not be a symlink.
+    """
+    what = f"dest {dest}"
+    root = find_root(dest, roots, strict=True)
+    if root is None:
+        allowed = ", ".join(str(r) for r in roots) or "none configured"
+        raise Forbidden(f"{what} is no longer inside the allowed roots ({allowed})")
+    found = walk_beneath(root, dest.parent, create=True, what=what, leaf=dest.name)
+    if found is not None and stat.S_ISLNK(found.st_mode):
+        raise Forbidden(f"{what} is a symlink now; refusing to replace what it points to")
+    return root
+
+
+def check_local_source(path: Path, roots: Sequence[Path]) -> Path:
+    """The real path of a requested ``local:`` source, if it lies under a local root."""
+    if not roots:
+        raise Forbidden(
+            "local: sources are disabled for API requests; configure api.local_roots "
+            "to allow directories of this host to be pulled"
+        )
+    real = path.resolve(strict=False)
+    if find_root(real, roots, strict=False) is None:
+        allowed = ", ".join(str(r) for r in roots)
+        raise Forbidden(f"local source {str(path)!r} resolves outside api.local_roots ({allowed})")
+    return real
+
+
+def confine_source(path: Path, roots: Sequence[Path]) -> None:
+    """At run time: the source is still under a local root, with no symlink below the root."""
+    what = f"local source {path}"
+    root = find_root(path, roots, strict=False)
+    if root is None:
+        allowed = ", ".join(str(r) for r in roots) or "none configured"
+        raise Forbidden(f"{what} is no longer inside api.local_roots ({allowed})")
+    walk_beneath(root, path, create=False, what=what)

@@ -1,0 +1,178 @@
+"""The daemon stays inside its roots at the time of the write (issue 7, items 2-4).
+
+Destinations are confined again just before a job runs, walking from the root
+without following symlinks; ``local:`` sources in requests are off unless
+``api.local_roots`` allows them; a short ``WSYNC_API_TOKEN`` is refused like a
+short token file.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_daemon_harness import TOKEN, DaemonProcess, base_config, make_tree, running
+from wsync.daemon.confine import Forbidden, check_local_source, confine_dest, confine_source
+
+# -- the confinement walk itself, on real directories -----------------------
+
+
+def test_confine_dest_creates_parents_and_refuses_symlinks(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    dest = root / "a" / "b" / "dest"
+    assert confine_dest(dest, [root]) == root  # a missing root is created, as configured
+    assert (root / "a" / "b").is_dir() and not dest.exists()
+
+    # a directory on the way swapped for a symlink that points outside
+    (root / "a").rename(tmp_path / "old-a")
+    (root / "a").symlink_to(outside)
+    with pytest.raises(Forbidden, match=r"a is a symlink or not a directory now"):
+        confine_dest(root / "a" / "new" / "dest", [root])
+    assert list(outside.iterdir()) == [], "nothing was created through the symlink"
+
+    # DEST itself a symlink; a root that is no longer configured
+    (root / "c").mkdir()
+    (root / "c" / "dest").symlink_to(outside)
+    with pytest.raises(Forbidden, match=r"dest .* is a symlink now"):
+        confine_dest(root / "c" / "dest", [root])
+    with pytest.raises(Forbidden, match="no longer inside the allowed roots"):
+        confine_dest(root / "c" / "x", [tmp_path / "elsewhere"])
+    with pytest.raises(Forbidden, match="no longer inside"):
+        confine_dest(root, [root])  # the root itself is never a DEST
+
+
+def test_local_sources_need_a_local_root_and_no_symlink_below_it(tmp_path: Path) -> None:
+    root = tmp_path / "sources"
+    (root / "ws").mkdir(parents=True)
+    with pytest.raises(Forbidden, match="local: sources are disabled"):
+        check_local_source(root / "ws", [])
+    with pytest.raises(Forbidden, match=r"outside api\.local_roots"):
+        check_local_source(Path("/etc"), [root])
+    (root / "to-etc").symlink_to("/etc")
+    with pytest.raises(Forbidden, match=r"outside api\.local_roots"):
+        check_local_source(root / "to-etc", [root])
+    assert check_local_source(root / "ws", [root]) == root / "ws"
+    confine_source(root / "ws", [root])
+    (root / "ws").rename(root / "ws-old")
+    (root / "ws").symlink_to("/etc")
+    with pytest.raises(Forbidden, match="symlink or not a directory now"):
+        confine_source(root / "ws", [root])
+
+
+# -- through the daemon ------------------------------------------------------
+
+
+def test_symlink_swapped_into_dest_parent_before_the_job_runs(tmp_path: Path) -> None:
+    """Accepted while DEST's parent is a real directory; run after it became a symlink.
+
+    A second job, accepted into a second root, runs after a reload dropped
+    that root: the roots of the moment the job runs decide, not the old ones.
+    """
+    make_tree(tmp_path / "ws", seed=21)
+    make_tree(tmp_path / "ws-slow", seed=22, big=24 * 1024 * 1024)
+    roots, outside, dropped = tmp_path / "roots", tmp_path / "outside", tmp_path / "dropped"
+    (roots / "sub").mkdir(parents=True)
+    outside.mkdir()
+    dropped.mkdir()
+    config = base_config(
+        tmp_path,
+        f"""
+[sandboxes.ws]
+uri = "local:{tmp_path}/ws"
+
+[sandboxes.slow]
+uri = "local:{tmp_path}/ws-slow"
+dest = "{roots}/slow"
+parallel = 1
+""",
+        max_concurrent=1,
+    )
+    two_roots = config.replace(
+        f'dest_roots = ["{roots}"]', f'dest_roots = ["{roots}", "{dropped}"]'
+    )
+    with running(tmp_path, two_roots) as daemon:
+        slow = daemon.pull("slow")
+        daemon.wait_until(
+            lambda: daemon.job(slow["id"])["state"] == "running", what="the slow pull to run"
+        )
+        job = daemon.pull("ws", f"{roots}/sub/x")  # accepted: roots/sub is a directory
+        later = daemon.pull("ws", f"{dropped}/y")  # accepted: dropped is a root for now
+        assert daemon.job(job["id"])["state"] == "queued"
+        (roots / "sub").rename(tmp_path / "sub-was")
+        (roots / "sub").symlink_to(outside)
+        daemon.config_path.write_text(config, encoding="utf-8")
+        assert daemon.request("POST", "/v1/reload")[0] == 200
+        status, _ = daemon.request("DELETE", f"/v1/pulls/{slow['id']}")
+        assert status == 202
+        final = daemon.wait_job(job["id"], ("failed", "succeeded"), timeout=60)
+        second = daemon.wait_job(later["id"], ("failed", "succeeded"), timeout=60)
+    assert final["state"] == "failed", final
+    assert final["error_kind"] == "forbidden" and final["exit_code"] == 2, final
+    assert "symlink" in final["error"] and f"{roots}/sub" in final["error"], final
+    assert list(outside.iterdir()) == [], "nothing may be written outside the dest roots"
+    assert second["state"] == "failed" and second["error_kind"] == "forbidden", second
+    assert "no longer inside the allowed roots" in second["error"], second
+    assert list(dropped.iterdir()) == []
+
+
+def _post(daemon: DaemonProcess, sandbox: str, dest: str) -> tuple[int, dict[str, str]]:
+    status, body = daemon.request("POST", "/v1/pulls", {"sandbox": sandbox, "dest": dest})
+    return status, body
+
+
+def test_local_sources_through_the_api_are_off_by_default(tmp_path: Path) -> None:
+    secrets = tmp_path / "etc-wsync"
+    secrets.mkdir()
+    (secrets / "api-token").write_text(TOKEN, encoding="utf-8")
+    make_tree(tmp_path / "allowed" / "ws", seed=23)
+    (tmp_path / "roots").mkdir()
+    dest = f"{tmp_path}/roots/copy"
+    default = base_config(tmp_path)
+    with running(tmp_path, default) as daemon:
+        status, body = _post(daemon, f"local:{secrets}", dest)
+        assert status == 403 and body["kind"] == "forbidden", body
+        assert "api.allow_uris" in body["error"], body
+
+        uris_on = base_config(tmp_path, api="allow_uris = true")
+        daemon.config_path.write_text(uris_on, encoding="utf-8")
+        assert daemon.request("POST", "/v1/reload")[0] == 200
+        status, body = _post(daemon, f"local:{secrets}", dest)
+        assert status == 403 and "local: sources are disabled" in body["error"], body
+        assert "api.local_roots" in body["error"], body
+
+        with_root = base_config(
+            tmp_path, api=f'allow_uris = true\nlocal_roots = ["{tmp_path}/allowed"]'
+        )
+        daemon.config_path.write_text(with_root, encoding="utf-8")
+        assert daemon.request("POST", "/v1/reload")[0] == 200
+        status, body = _post(daemon, f"local:{secrets}", dest)
+        assert status == 403 and "outside api.local_roots" in body["error"], body
+        status, job = _post(daemon, f"local:{tmp_path}/allowed/ws", dest)
+        assert status == 202, job
+        done = daemon.wait_job(job["id"])
+        assert done["result"]["ok"] is True
+    assert not (tmp_path / "roots" / "copy" / "api-token").exists()
+
+
+def test_short_api_token_from_the_environment_is_refused_like_a_short_file(
+    tmp_path: Path,
+) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(base_config(tmp_path), encoding="utf-8")
+    env = {**os.environ, "WSYNC_API_TOKEN": "short-token"}
+    result = subprocess.run(
+        [sys.executable, "-m", "wsync.daemon", "--config", str(cfg)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "WSYNC_API_TOKEN: the token must be at least 16 characters" in result.stderr
+    assert "short-token" not in result.stderr and "Traceback" not in result.stderr
