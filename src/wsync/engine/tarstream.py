@@ -132,12 +132,17 @@ def _parse_pax(data: bytes, where: str) -> dict[bytes, bytes]:
 
 
 def _pax_time_ns(value: bytes, name: bytes) -> int:
-    """An exact pax timestamp (``[-]seconds[.fraction]``) in nanoseconds, no float rounding."""
+    """An exact pax timestamp (``[-]seconds[.fraction]``) in nanoseconds, no float rounding.
+
+    A date is never refused: more than 30 digits of seconds (far beyond any ``time_t``) reads
+    as ``10**30`` s, which the extractor clamps to what the host holds, like any large value.
+    """
     neg = value.startswith(b"-")
     whole, _, frac = (value[1:] if neg else value).partition(b".")
-    if not whole.isdigit() or (frac and not frac.isdigit()) or len(whole) > 30:
+    if not whole.isdigit() or (frac and not frac.isdigit()):  # bytes: ASCII digits only
         raise HostileArchive(f"{show_name(name)}: malformed pax mtime")
-    ns = int(whole) * _NS + int((frac[:9] or b"0").ljust(9, b"0"))
+    seconds = int(whole) if len(whole) <= 30 else 10**30
+    ns = seconds * _NS + int((frac[:9] or b"0").ljust(9, b"0"))
     return -ns if neg else ns
 
 
