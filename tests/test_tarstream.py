@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -125,6 +126,10 @@ def header_blocks(draw: st.DrawFn) -> bytes:
         block = bytearray(info.tobuf(fmt, "utf-8", "surrogateescape")[-512:])
     except ValueError:  # not representable in ustar
         block = bytearray(info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")[-512:])
+    if draw(st.booleans()):  # a prefix (or old-GNU atime) in any format
+        block[345:356] = draw(st.sampled_from([b"pre/fix", b"14724157400"])).ljust(11, b"\0")
+        block[148:156] = b"        "
+        block[148:156] = b"%06o\0 " % sum(block)
     for _ in range(draw(st.integers(0, 3))):
         block[draw(st.integers(0, 511))] = draw(st.integers(0, 255))
         if draw(st.booleans()):  # re-seal the checksum so the mutation is parsed
@@ -144,7 +149,12 @@ def test_fast_header_parser_agrees_with_tarfile(block: bytes) -> None:
             parse_header(block)
         return
     enc = ("utf-8", "surrogateescape")
-    expected = (info.type, info.name.encode(*enc), info.linkname.encode(*enc))
+    name = info.name.encode(*enc)
+    if block[257:263] != b"ustar\0" and info.type not in (b"L", b"K", b"S"):
+        # GNU tar's rule, not tarfile's: the prefix counts only under the POSIX magic
+        field = block[:100].split(b"\0", 1)[0]
+        name = field.rstrip(b"/") if info.type == tarfile.DIRTYPE else field
+    expected = (info.type, name, info.linkname.encode(*enc))
     assert parse_header(block) == (*expected, info.mode, info.size, int(info.mtime))
 
 
@@ -204,3 +214,25 @@ def test_pax_records_and_global_header_apply_exactly(tmp_path: Path) -> None:
     ]
     assert payloads == [b"pax", b"global", b""]
     assert globals_seen == [b"header at offset 0"]
+
+
+def test_prefix_counts_only_under_the_posix_magic(tmp_path: Path) -> None:
+    """An old-GNU header with an access time where ustar has its prefix (``tar -G``)."""
+    info, payload = member("f", data=b"x")
+    block = bytearray(info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape"))
+    block[345:357] = b"14724157400\0"
+    block[148:156] = b"        "
+    block[148:156] = b"%06o\0 " % sum(block)
+    data = bytes(block) + payload.ljust(512, b"\0") + bytes(1024)
+    listed = subprocess.run(["tar", "-tf", "-"], input=data, capture_output=True, check=True)
+    assert listed.stdout == b"f\n"  # what GNU tar makes of it
+    members, _payloads, _globals = parse_all(data, tmp_path)
+    assert [m[1] for m in members] == [b"f"]
+
+
+@pytest.mark.parametrize("digits", [21, 5000])
+def test_pax_size_with_too_many_digits_is_refused(root: Path, digits: int) -> None:
+    """5000 digits used to escape as a foreign ValueError (int() digit limit)."""
+    data = build(member("f", data=b"x", pax={"size": "1" * digits}), fmt=tarfile.PAX_FORMAT)
+    with pytest.raises(HostileArchive, match="malformed pax size"):
+        extract(data, root)

@@ -60,9 +60,11 @@ def show_name(name: bytes) -> str:
     return text if len(text) <= 160 else text[:120] + "..." + text[-30:]
 
 
-#: name, mode, (uid, gid), size, mtime, chksum, type, linkname, (magic..devminor), prefix, (pad)
-_HEADER = struct.Struct("100s8s16x12s12s8sc100s88x155s12x")
+#: name, mode, (uid, gid), size, mtime, chksum, type, linkname, magic,
+#: (version..devminor), prefix, (pad)
+_HEADER = struct.Struct("100s8s16x12s12s8sc100s6s82x155s12x")
 _GNU_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.GNUTYPE_SPARSE)
+_USTAR_MAGIC = b"ustar\0"
 
 
 def parse_header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
@@ -72,8 +74,15 @@ def parse_header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
     call, three times faster than :meth:`tarfile.TarInfo.frombuf`, whose rules it mirrors
     (a test compares the two on fuzzed headers); anything else (base-256 numbers, signed
     checksums, bad headers) is left to ``frombuf``.
+
+    One rule is GNU tar's, not ``tarfile``'s: the 155-byte prefix is part of the name only
+    under the POSIX magic ``ustar\0``.  Old-GNU headers (``ustar  \0``) keep access and
+    change times there (``tar -G``) and v7 headers have no prefix; ``tarfile`` would make
+    ``atime/name`` of them, a path GNU tar never extracts.
     """
-    name, mode, size, mtime, chksum, kind, link, prefix = _HEADER.unpack(block)
+    name, mode, size, mtime, chksum, kind, link, magic, prefix = _HEADER.unpack(block)
+    if magic != _USTAR_MAGIC:
+        prefix = b""
     try:
         if (mode[0] | size[0] | mtime[0]) & 0x80:
             raise ValueError("base-256")
@@ -87,23 +96,33 @@ def parse_header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
             info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
         except (tarfile.HeaderError, ValueError) as exc:
             raise HostileArchive(f"bad tar header ({exc})") from exc
+        full = info.name.encode("utf-8", "surrogateescape")
+        if not prefix and info.type not in _GNU_TYPES:  # frombuf joins any prefix
+            full = _own_name(name, info.type)
         return (
             info.type,
-            info.name.encode("utf-8", "surrogateescape"),
+            full,
             info.linkname.encode("utf-8", "surrogateescape"),
             info.mode,
             info.size,
             int(info.mtime),
         )
-    name = name.split(b"\0", 1)[0]
-    if kind == tarfile.AREGTYPE and name.endswith(b"/"):
+    if kind == tarfile.AREGTYPE and name.split(b"\0", 1)[0].endswith(b"/"):
         kind = tarfile.DIRTYPE
-    if kind == tarfile.DIRTYPE:
-        name = name.rstrip(b"/")
+    name = _own_name(name, kind)
     prefix = prefix.split(b"\0", 1)[0]
     if prefix and kind not in _GNU_TYPES:
         name = prefix + b"/" + name
     return kind, name, link.split(b"\0", 1)[0], imode, isize, imtime
+
+
+def _own_name(field: bytes, kind: bytes) -> bytes:
+    """The name field alone, as ``frombuf`` reads it: up to NUL, a directory's ``/`` dropped.
+
+    ``kind`` is the type after the v7 rule (a regular file named ``x/`` is a directory).
+    """
+    name = field.split(b"\0", 1)[0]
+    return name.rstrip(b"/") if kind == tarfile.DIRTYPE else name
 
 
 def _parse_pax(data: bytes, where: str) -> dict[bytes, bytes]:
@@ -306,7 +325,7 @@ class TarReader:
             if ext.get(b"mtime"):
                 mtime_ns = _pax_time_ns(ext[b"mtime"], name)
             if ext.get(b"size"):
-                if not ext[b"size"].isdigit():
+                if not ext[b"size"].isdigit() or len(ext[b"size"]) > 20:  # 2**64 has 20
                     raise HostileArchive(f"{show_name(name)}: malformed pax size")
                 size = int(ext[b"size"])
         return kind, name, link, mode, size, mtime_ns
