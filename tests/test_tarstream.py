@@ -138,6 +138,15 @@ def header_blocks(draw: st.DrawFn) -> bytes:
     return bytes(block)
 
 
+def lenient_number(field: bytes) -> bool:
+    """A numeric field that ``int(..., 8)`` takes but GNU tar does not read as octal."""
+    if field[0] in (0x80, 0xFF):
+        return False
+    text, nul, _ = field.partition(b"\0")
+    digits = text.strip(b" \t\n\v\f\r")
+    return bool(digits.strip(b"01234567")) if digits else not nul
+
+
 @settings(max_examples=300, deadline=None)
 @given(header_blocks())
 def test_fast_header_parser_agrees_with_tarfile(block: bytes) -> None:
@@ -148,6 +157,10 @@ def test_fast_header_parser_agrees_with_tarfile(block: bytes) -> None:
         with contextlib.suppress(HostileArchive):
             parse_header(block)
         return
+    if any(lenient_number(block[a:b]) for a, b in ((100, 108), (124, 136), (136, 148))):
+        with pytest.raises(HostileArchive, match="bad tar header"):
+            parse_header(block)  # "-1", "+7", "0o17", "1_0", blanks: GNU tar's rule
+        return
     enc = ("utf-8", "surrogateescape")
     name = info.name.encode(*enc)
     if block[257:263] != b"ustar\0" and info.type not in (b"L", b"K", b"S"):
@@ -156,6 +169,24 @@ def test_fast_header_parser_agrees_with_tarfile(block: bytes) -> None:
         name = field.rstrip(b"/") if info.type == tarfile.DIRTYPE else field
     expected = (info.type, name, info.linkname.encode(*enc))
     assert parse_header(block) == (*expected, info.mode, info.size, int(info.mtime))
+
+
+@pytest.mark.parametrize(
+    "value", [b"-1", b"+7", b"0o17", b"1_0", b" " * 12, b"12 x", b"\x81" + bytes(7)]
+)
+@pytest.mark.parametrize(
+    "field", [(100, 108), (124, 136), (136, 148)], ids=["mode", "size", "mtime"]
+)
+def test_numbers_python_reads_but_gnu_tar_does_not_are_refused(
+    field: tuple[int, int], value: bytes
+) -> None:
+    block = bytearray(member("f")[0].tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape"))
+    width = field[1] - field[0]
+    block[field[0] : field[1]] = value[:width].ljust(width, b"\0")  # blanks fill the field
+    block[148:156] = b"        "
+    block[148:156] = b"%06o\0 " % sum(block)
+    with pytest.raises(HostileArchive, match="bad tar header"):
+        parse_header(bytes(block))
 
 
 # -- members as parsed --------------------------------------------------------------------------
