@@ -103,6 +103,8 @@ _MIN_TIME_T = -(2**63)
 _MAX_TIME_T = 2**63 - 1
 
 _REGULAR = frozenset((tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE))
+#: the other types created: directories, symlinks, hardlinks (refused with a payload)
+_CREATED = frozenset((tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE))
 _KNOWN_BAD = {
     tarfile.CHRTYPE: "character device",
     tarfile.BLKTYPE: "block device",
@@ -340,17 +342,17 @@ class _Extractor:
         if kind in _REGULAR:
             self._file(name, mode, size, mtime_ns)
             return True
+        if kind not in _CREATED:
+            what = _KNOWN_BAD.get(kind, f"unsupported member type {kind!r}")
+            raise HostileArchive(f"{show_name(name)}: {what}")
         if size:
             raise HostileArchive(f"{show_name(name)}: unexpected payload on a non-file member")
         if kind == tarfile.DIRTYPE:
             self._dir(name, mode, mtime_ns)
         elif kind == tarfile.SYMTYPE:
             self._symlink(name, link, mtime_ns)
-        elif kind == tarfile.LNKTYPE:
-            self._hardlink(name, link)
         else:
-            what = _KNOWN_BAD.get(kind, f"unsupported member type {kind!r}")
-            raise HostileArchive(f"{show_name(name)}: {what}")
+            self._hardlink(name, link)
         return True
 
     def _count(self, name: bytes) -> None:
