@@ -157,7 +157,10 @@ def test_fast_header_parser_agrees_with_tarfile(block: bytes) -> None:
         with contextlib.suppress(HostileArchive):
             parse_header(block)
         return
-    if any(lenient_number(block[a:b]) for a, b in ((100, 108), (124, 136), (136, 148))):
+    numbers = [block[a:b] for a, b in ((100, 108), (124, 136), (136, 148), (148, 156))]
+    if any(f[0] == 0 and f[1] != 0 for f in numbers):
+        return  # GNU tar reads past one leading NUL, frombuf stops: the corpus compares
+    if any(lenient_number(f[1:] if f[0] == 0 else f) for f in numbers[:3]):
         with pytest.raises(HostileArchive, match="bad tar header"):
             parse_header(block)  # "-1", "+7", "0o17", "1_0", blanks: GNU tar's rule
         return

@@ -74,10 +74,11 @@ def parse_header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
     :meth:`tarfile.TarInfo.frombuf`, whose rules it follows where they are GNU tar's; a test
     compares the two on fuzzed headers).  Two rules are GNU tar's instead:
 
-    * numbers are octal digits between optional blanks, or GNU base-256; ``frombuf`` hands
-      the field to ``int(..., 8)``, which also takes ``-1``, ``+7``, ``0o17`` and ``1_0``
-      (GNU tar reads the first two as base-64 and refuses the others), and reads an all-blank
-      field as 0 (GNU tar: "Blanks in header where numeric value expected");
+    * numbers are octal digits between optional blanks, or GNU base-256, after at most one
+      leading NUL; ``frombuf`` hands the field to ``int(..., 8)``, which also takes ``-1``,
+      ``+7``, ``0o17`` and ``1_0`` (GNU tar reads the first two as base-64 and refuses the
+      others), reads an all-blank field as 0 (GNU tar: "Blanks in header where numeric
+      value expected") and a field after a leading NUL as 0 (GNU tar reads on);
     * the 155-byte prefix is part of the name only under the POSIX magic ``ustar\0``.
       Old-GNU headers (``ustar  \0``) keep access and change times there (``tar -G``) and
       v7 headers have no prefix; ``frombuf`` would make ``atime/name`` of them.
@@ -106,7 +107,13 @@ _OCTAL = b"01234567"
 
 
 def _number(field: bytes, what: str) -> int:
-    """A numeric header field as GNU tar reads it: octal between blanks, or base-256."""
+    """A numeric header field as GNU tar reads it: octal between blanks, or base-256.
+
+    Like GNU tar, one leading NUL is skipped ("buggy tar of unknown vintage, which outputs
+    leading NUL if the previous field overflows"); ``frombuf`` reads such a field as 0.
+    """
+    if not field[0]:
+        field = field[1:]
     first = field[0]
     if first == 0x80:  # base-256, positive: the marker byte then big-endian
         return int.from_bytes(field[1:], "big")
