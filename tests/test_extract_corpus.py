@@ -257,6 +257,75 @@ CORPUS: dict[str, tuple[Callable[[], bytes], str]] = {
         ),
         EXACT,
     ),
+    "pax-global-path-alone": (
+        lambda: ext(b"g", record(b"path", b"gp")) + file(b"x", b"1") + END,
+        EXACT,
+    ),
+    "pax-linkpath-on-a-file-ignored": (
+        lambda: pax(record(b"linkpath", b"zz")) + file(b"x", b"1") + END,
+        EXACT,
+    ),
+    "pax-mtime-forms": (
+        lambda: (
+            pax(record(b"mtime", b"1600000000."))
+            + file(b"a", b"1")
+            + pax(record(b"mtime", b"1600000000.1234567899999"))
+            + file(b"b", b"2")
+            + pax(record(b"mtime", b"-1.0000000009"))  # rounds toward the past
+            + file(b"c", b"3")
+            + END
+        ),
+        EXACT,
+    ),
+    "gnu-long-name-then-pax": (
+        lambda: longname(b"gnu") + pax(record(b"path", b"pax")) + file(b"x", b"1") + END,
+        EXACT,
+    ),
+    "gnu-long-name-dir-and-long-link-hardlink": (
+        lambda: (
+            longname(b"dd/")
+            + header(b"x", D)
+            + file(b"f", b"1")
+            + longlink(b"f")
+            + header(b"h", LNK, link=b"ignored")
+            + END
+        ),
+        EXACT,
+    ),
+    "gnu-long-name-without-nul-or-with-two": (
+        lambda: (
+            ext(b"L", b"abc", b"././@LongLink")
+            + file(b"x", b"1")
+            + ext(b"L", b"def\0ghi", b"././@LongLink")
+            + file(b"y", b"2")
+            + END
+        ),
+        EXACT,
+    ),
+    "regular-type-with-trailing-slash-is-a-dir": (
+        lambda: (
+            header(b"x" * 99, D)
+            + longname(b"x" * 99 + b"/f")  # the header's name field ends in "/": not a dir
+            + file(b"x" * 99 + b"/", b"f")
+            + header(b"d/", b"0", mode=0o750, magic=USTAR)
+            + pax(record(b"path", b"e/"))
+            + header(b"x", b"0", mode=0o705)
+            + END
+        ),
+        EXACT,
+    ),
+    "pax-empty-path-is-an-empty-name": (
+        lambda: pax(record(b"path", b"")) + file(b"x", b"1") + END,
+        "empty name",
+    ),
+    "pax-empty-mtime-is-malformed": (
+        lambda: ext(b"g", record(b"mtime", b"1")) + pax(record(b"mtime", b"")) + file(b"b") + END,
+        "malformed pax mtime",
+    ),
+    "pax-mtime-with-sign-or-space": (
+        lambda: pax(record(b"mtime", b"+1600000000")) + file(b"x", b"1") + END,
+        "malformed pax mtime",
+    ),
     "hardlink-chain": (
         lambda: (
             file(b"f", b"shared")
@@ -357,8 +426,9 @@ CORPUS: dict[str, tuple[Callable[[], bytes], str]] = {
     "gnu-volume-header": (lambda: header(b"vol", b"V") + END, "unsupported member type"),
     "gnu-multivolume": (lambda: header(b"mv", b"M") + END, "unsupported member type"),
     "gnu-dumpdir": (lambda: header(b"dd", b"D") + END, "unsupported member type"),
-    "regular-file-named-like-a-dir": (
-        lambda: header(b"f/", b"0", 0, magic=USTAR) + END,
+    "gnu-long-name-empty": (lambda: longname(b"") + file(b"x", b"1") + END, "empty name"),
+    "symlink-named-like-a-dir": (
+        lambda: header(b"s/", SYM, link=b"t", magic=USTAR) + END,
         "not a file name",
     ),
     "hardlink-to-itself": (lambda: header(b"h", LNK, link=b"h") + END, "not an earlier"),

@@ -65,6 +65,8 @@ def show_name(name: bytes) -> str:
 _HEADER = struct.Struct("100s8s16x12s12s8sc100s6s82x155s12x")
 _GNU_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.GNUTYPE_SPARSE)
 _USTAR_MAGIC = b"ustar\0"
+#: a member of these types whose (final) name ends in "/" is a directory, as in GNU tar
+_FILE_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
 
 
 def parse_header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
@@ -93,9 +95,7 @@ def parse_header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
     imode = _number(mode, "mode")
     isize = _number(size, "size")
     imtime = _number(mtime, "mtime")
-    if kind == tarfile.AREGTYPE and name.split(b"\0", 1)[0].endswith(b"/"):
-        kind = tarfile.DIRTYPE
-    name = _own_name(name, kind)
+    name = name.split(b"\0", 1)[0]
     prefix = prefix.split(b"\0", 1)[0] if magic == _USTAR_MAGIC else b""
     if prefix and kind not in _GNU_TYPES:
         name = prefix + b"/" + name
@@ -135,15 +135,6 @@ def _high_bytes(block: bytes) -> int:
     return sum(1 for b in block[:148] if b & 0x80) + sum(1 for b in block[156:] if b & 0x80)
 
 
-def _own_name(field: bytes, kind: bytes) -> bytes:
-    """The name field alone, as ``frombuf`` reads it: up to NUL, a directory's ``/`` dropped.
-
-    ``kind`` is the type after the v7 rule (a regular file named ``x/`` is a directory).
-    """
-    name = field.split(b"\0", 1)[0]
-    return name.rstrip(b"/") if kind == tarfile.DIRTYPE else name
-
-
 def _parse_pax(data: bytes, where: str) -> dict[bytes, bytes]:
     """Parse pax records (``"%d %s=%s\\n"``) strictly; keep only the keywords we act on."""
     out: dict[bytes, bytes] = {}
@@ -181,7 +172,9 @@ def _pax_time_ns(value: bytes, name: bytes) -> int:
         raise HostileArchive(f"{show_name(name)}: malformed pax mtime")
     seconds = int(whole) if len(whole) <= 30 else 10**30
     ns = seconds * _NS + int((frac[:9] or b"0").ljust(9, b"0"))
-    return -ns if neg else ns
+    if neg:  # round toward the past, as GNU tar does (-1.0000000009 s is -1000000001 ns)
+        return -ns - (frac[9:].strip(b"0") != b"")
+    return ns
 
 
 class TarReader:
@@ -338,13 +331,18 @@ class TarReader:
 
         mtime_ns = mtime * _NS
         if pax is not None or self.pax_global or long_name is not None or long_link is not None:
+            # An empty pax value deletes the field (POSIX), header field included: an empty
+            # path (or GNU long name) is an empty name, an empty mtime or size is malformed
+            # (GNU tar agrees).
             ext = {**self.pax_global, **(pax or {})}
-            name = ext.get(b"path") or long_name or name
-            link = ext.get(b"linkpath") or long_link or link
-            if ext.get(b"mtime"):
+            name = ext.get(b"path", name if long_name is None else long_name)
+            link = ext.get(b"linkpath", link if long_link is None else long_link)
+            if b"mtime" in ext:
                 mtime_ns = _pax_time_ns(ext[b"mtime"], name)
-            if ext.get(b"size"):
+            if b"size" in ext:
                 if not ext[b"size"].isdigit() or len(ext[b"size"]) > 20:  # 2**64 has 20
                     raise HostileArchive(f"{show_name(name)}: malformed pax size")
                 size = int(ext[b"size"])
+        if kind in _FILE_TYPES and name.endswith(b"/"):  # of the final name, as in GNU tar
+            kind = tarfile.DIRTYPE
         return kind, name, link, mode, size, mtime_ns
