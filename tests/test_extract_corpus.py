@@ -567,15 +567,20 @@ SEEDS = sorted(case for case, (_make, expect) in CORPUS.items() if expect == EXA
 
 @st.composite
 def mutated_corpus(draw: st.DrawFn) -> bytes:
-    """A corpus archive with a few header bytes changed (checksum resealed) or cut."""
+    """A corpus archive with a few bytes changed (a header's checksum resealed) or cut."""
     data = bytearray(CORPUS[draw(st.sampled_from(SEEDS))][0]())
     for _ in range(draw(st.integers(1, 3))):
         headers = [i for i in range(0, len(data) - 511, 512) if data[i + 257 : i + 262] == b"ustar"]
-        if headers and draw(st.integers(0, 5)):  # mostly header bytes, sometimes a cut
+        op = draw(st.sampled_from(["header"] * 4 + ["any", "cut"]))
+        if op == "header" and headers:
             at = draw(st.sampled_from(headers))
             off = draw(st.integers(0, 511))
             data[at + off] = draw(st.sampled_from([0, 0x20, 0x2F, 0x2E, 0x30, 0x37, 0x80, 0xFF]))
             data[at : at + 512] = seal(data[at : at + 512])
+        elif op == "any" and data:  # pax records and long names live in data blocks
+            data[draw(st.integers(0, len(data) - 1))] = draw(
+                st.sampled_from([0, 0x0A, 0x20, 0x2F, 0x2E, 0x30, 0x3D, 0x39])
+            )
         else:
             del data[draw(st.integers(0, len(data))) :]
     return bytes(data)
