@@ -1,15 +1,19 @@
 """The tar stream reader: the extractor's input parsed into members, every short read an error.
 
 The guest is hostile (DESIGN.md, guarantee 5), so nothing in the archive is trusted.  Python's
-``tarfile`` is used for one thing only, parsing the 512-byte headers that the fast path below
-leaves to :meth:`tarfile.TarInfo.frombuf`; reading the stream and the pax and GNU long-name
-records is done here, because ``tarfile``'s own stream reader
+``tarfile`` is not used to read it (only its type constants): headers, the stream and the pax
+and GNU long-name records are parsed here, because ``tarfile``
 
 * treats an invalid or short header in mid-archive as a normal end of archive, so a truncated
   or corrupted stream "succeeds" with part of the tree;
 * reads a pax or GNU long-name record of any declared size into memory (a memory bomb), and
   recurses once per chained extended header;
-* and this Python (3.11.7) predates the 2025 fixes to its extraction filters.
+* reads some headers differently from GNU tar (numbers, the ustar prefix, names ending in
+  ``/``; :func:`parse_header` lists them), and this Python (3.11.7) predates the 2025 fixes
+  to its extraction filters.
+
+The reference is GNU tar, which the guest runs: an archive is read as GNU tar reads it, or
+refused (``tests/test_extract_corpus.py`` compares the two trees on crafted archives).
 
 Refused here: bad headers, an extended header larger than 1 MiB, repeated or dangling extended
 headers, malformed pax records, pax sparse files, data after the end-of-archive marker, and a
@@ -19,8 +23,8 @@ ends early is the guest's fault.  What the members *mean* (names, types, modes, 
 judged by the extractor (:mod:`wsync.engine.extract`), which owns confinement and limits.
 
 Speed: the stream is read into one reused 1 MiB buffer (``readinto``), file data is handed to
-the extractor as writes straight from memoryview slices of it, and the common header is parsed
-with one ``struct`` call instead of ``frombuf``.
+the extractor as writes straight from memoryview slices of it, and a header is parsed with one
+``struct`` call.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def parse_header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
 
     Parsed here with one ``struct`` call (three times faster than
     :meth:`tarfile.TarInfo.frombuf`, whose rules it follows where they are GNU tar's; a test
-    compares the two on fuzzed headers).  Two rules are GNU tar's instead:
+    compares the two on fuzzed headers).  These rules are GNU tar's instead:
 
     * numbers are octal digits between optional blanks, or GNU base-256, after at most one
       leading NUL; ``frombuf`` hands the field to ``int(..., 8)``, which also takes ``-1``,
@@ -85,7 +89,11 @@ def parse_header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
       Old-GNU headers (``ustar  \0``) keep access and change times there (``tar -G``) and
       v7 headers have no prefix; ``frombuf`` would make ``atime/name`` of them.
 
-    Fields wsync does not use (uid, gid, names, device numbers) are not read at all.
+    The name comes back as stored (a directory's trailing ``/`` kept): whether a member is a
+    directory by its name is decided on the final name, after any long name or pax path
+    (:meth:`TarReader.next_member`), as GNU tar does; ``frombuf`` decides it on the
+    header's truncated field.  Fields wsync does not use (uid, gid, user and group names,
+    device numbers) are not read at all.
     """
     name, mode, size, mtime, chksum, kind, link, magic, prefix = _HEADER.unpack(block)
     checksum = _number(chksum, "checksum")
