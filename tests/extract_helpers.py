@@ -27,31 +27,41 @@ SYM = tarfile.SYMTYPE
 LNK = tarfile.LNKTYPE
 
 
+def walk(top: bytes) -> list[bytes]:
+    """Every path under ``top`` (itself first), parents before children, links not followed.
+
+    Iterative: ``os.walk`` recurses in this Python (3.11) and a 1,000-deep tree exceeds the
+    recursion limit.
+    """
+    out = [top]
+    stack = [top]
+    while stack:
+        here = stack.pop()
+        with os.scandir(here) as entries:
+            children = sorted(e.path for e in entries)
+        out.extend(children)
+        stack.extend(c for c in reversed(children) if stat.S_ISDIR(os.lstat(c).st_mode))
+    return out
+
+
 def snapshot(root: Path) -> dict[bytes, tuple[object, ...]]:
     """Type, mode, mtime_ns, content hash, link target and hardlink group of every entry."""
     out: dict[bytes, tuple[object, ...]] = {}
     first_name: dict[int, bytes] = {}
     base = os.fsencode(root)
-    for dirpath, dirnames, filenames in os.walk(base):
-        dirnames.sort()
-        for entry in (
-            [b"", *sorted(dirnames + filenames)]
-            if dirpath == base
-            else sorted(dirnames + filenames)
-        ):
-            path = os.path.join(dirpath, entry) if entry else dirpath
-            rel = os.path.relpath(path, base)
-            st = os.lstat(path)
-            mode = stat.S_IMODE(st.st_mode)
-            if stat.S_ISLNK(st.st_mode):
-                out[rel] = ("link", os.readlink(path), st.st_mtime_ns)
-            elif stat.S_ISDIR(st.st_mode):
-                out[rel] = ("dir", mode, st.st_mtime_ns)
-            else:
-                assert stat.S_ISREG(st.st_mode), rel
-                digest = hashlib.sha256(Path(os.fsdecode(path)).read_bytes()).hexdigest()
-                group = first_name.setdefault(st.st_ino, rel)
-                out[rel] = ("file", mode, st.st_mtime_ns, digest, group)
+    for path in walk(base):
+        rel = os.path.relpath(path, base)
+        st = os.lstat(path)
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISLNK(st.st_mode):
+            out[rel] = ("link", os.readlink(path), st.st_mtime_ns)
+        elif stat.S_ISDIR(st.st_mode):
+            out[rel] = ("dir", mode, st.st_mtime_ns)
+        else:
+            assert stat.S_ISREG(st.st_mode), rel
+            digest = hashlib.sha256(Path(os.fsdecode(path)).read_bytes()).hexdigest()
+            group = first_name.setdefault(st.st_ino, rel)
+            out[rel] = ("file", mode, st.st_mtime_ns, digest, group)
     return out
 
 
@@ -117,8 +127,9 @@ def gnu_tar(src: Path, *args: str) -> bytes:
 
 def restore_writable(path: Path) -> None:
     """Let pytest remove read-only directories when tests run as a normal user."""
-    for dirpath, _dirs, _files in os.walk(path):
-        os.chmod(dirpath, 0o755)
+    for entry in walk(os.fsencode(path)):
+        if stat.S_ISDIR(os.lstat(entry).st_mode):
+            os.chmod(entry, 0o755)
 
 
 def small_archive() -> bytes:

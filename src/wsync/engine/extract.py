@@ -7,33 +7,48 @@ stream is parsed into members by our own reader (:mod:`wsync.engine.tarstream`, 
 
 Confinement
 -----------
-Every path is opened relative to a directory fd, one component at a time, with
-``O_NOFOLLOW | O_DIRECTORY``: a member whose parent path crosses a symlink, a file or a missing
-directory is refused (parents must come from earlier members; ``tar -c`` emits them first).
-Leaves are created with ``O_CREAT | O_EXCL | O_NOFOLLOW``, ``mkdir``, ``symlink`` or ``link``,
-all of which fail with ``EEXIST`` on an existing name, so a name reused as the same or another
-type is refused and nothing is ever written through a symlink.  ``root`` starts empty and is
-written only by us, so every entry in it came from this archive.
+Links are data (DESIGN.md, guarantee 10): a symlink's target is stored verbatim, wherever it
+points (a Python venv's ``.venv/bin/python3 -> /usr/bin/python3``, ``../shared``), and nothing
+here ever resolves one.  Confinement therefore rests on *how* every name is created, not on what
+a link says.  Why that is sound:
 
-Symlinks are kept only when their target stays inside the tree, by this rule: the target is
-relative and non-empty; after dropping empty and ``.`` components every ``..`` comes before any
-normal component, and there are at most as many ``..`` as the depth of the link's parent
-directory.  A lexical ``normpath`` check is *not* enough: the kernel resolves ``s/../x`` through
-``s``, so if ``s`` is a symlink to ``../../..`` the result climbs out even though the text looks
-harmless.  Why the rule is sufficient: parent directories are never symlinks (above), so the
-leading ``..`` steps walk up through real directories and end at an ancestor still inside the
-tree.  From there only normal components follow; each one descends to a real directory, ends
-the walk at a file, or reaches a symlink whose own target obeys the same rule relative to its
-own (real) parent directory, so by induction on the nesting of symlink resolution (finite: the
-kernel gives ``ELOOP`` after 40) every step stays inside the tree.  Hardlinks are kept only
-when the target is an earlier regular-file member: the target is looked up the same confined
-way and must be a regular file (``lstat``), and only regular files are hardlinked.
+1. ``root`` starts empty and is written only by this extractor, which never removes or renames
+   anything; so every entry under it came from this archive and, once created, keeps its type.
+2. A member's parent is reached from ``root``'s fd one component at a time with
+   ``openat(O_NOFOLLOW | O_DIRECTORY)``, after empty and ``.`` components are dropped and names
+   with a ``..`` component or a leading ``/`` are refused.  A component that is a symlink
+   fails with ``ELOOP`` and one that is a file with ``ENOTDIR``, so the fd reached is a real
+   directory inside ``root`` (by induction on the components).  A member under a symlinked
+   directory is refused, whatever the link's target.  Cached fds (:class:`_DirStack`) stay
+   right by 1: a name that was a directory when opened still is.
+3. The leaf is created in that directory with ``O_CREAT | O_EXCL | O_NOFOLLOW``, ``mkdirat``,
+   ``symlinkat`` or ``linkat``, each of which fails with ``EEXIST`` on an existing name and
+   never follows a symlink at the last component; so no byte is ever written through a link
+   and a name reused as the same or another type is refused.
+4. A hardlink's target is looked up the same confined way (2) and must be a regular file by
+   ``lstat`` (``fstatat(AT_SYMLINK_NOFOLLOW)``), and ``linkat`` is called without
+   ``AT_SYMLINK_FOLLOW``: a hardlink can only add a name for a file this archive already
+   created inside ``root``, never for a symlink, a directory or anything outside.
+5. Metadata never follows a link either: a file's mode and mtime are set on its open fd, a
+   symlink's mtime with ``utimensat(AT_SYMLINK_NOFOLLOW)``, and the final directory pass
+   reopens each directory by (2) with ``O_NOFOLLOW``.
+
+A symlink is only refused when it cannot be stored at all: an empty target (Linux has no
+such link), a NUL byte, or a target longer than the host takes.  What a symlink points to
+matters only to whoever later *follows* it out of DEST, as it would in the guest.
 
 Refused: absolute names, ``..`` components, empty names, NUL bytes, devices, FIFOs and every
 other type (sparse, volume, multi-volume, dump-dir...), setuid anywhere, setgid and sticky on
 non-directories (refused, never silently stripped; setgid and sticky on directories are kept),
 and payloads on non-file members.  Malformed, truncated or trailing stream data is refused by
 the reader.
+
+Mtimes are kept for every date a member can carry: pre-1970 (negative, from GNU tar's base-256
+or pax records) and after 2262, where nanoseconds no longer fit the 64-bit value that
+``os.utime(ns=...)`` takes.  Such a time is set in whole seconds (the sub-second part is
+dropped; it is kept exactly wherever nanoseconds fit).  No date is refused: a value beyond the
+host's ``time_t`` is clamped to it, and the kernel clamps further to what the filesystem stores
+(ext4: 1901-12-13 to 2446-05-10), silently, exactly as it does for GNU tar's extraction.
 
 Limits stop bombs before the bytes land: the member count and the sum of declared file sizes
 are checked from the header before anything is written, and free space on ``root``'s
@@ -81,9 +96,17 @@ _CHUNK = 64 * MiB
 
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NS = 1_000_000_000
+#: what ``os.utime(ns=...)`` takes: beyond it (after 2262, before 1677) whole seconds are set
+_MIN_NS = -(2**63)
 _MAX_NS = 2**63 - 1
+#: what ``os.utime(times=...)`` takes (a 64-bit ``time_t``)
+_MIN_TIME_T = -(2**63)
+_MAX_TIME_T = 2**63 - 1
 
 _REGULAR = frozenset((tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE))
+#: the other types created: directories, symlinks, hardlinks (refused with a payload)
+_CREATED = frozenset((tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE))
 _KNOWN_BAD = {
     tarfile.CHRTYPE: "character device",
     tarfile.BLKTYPE: "block device",
@@ -164,34 +187,42 @@ def _split(name: bytes, *, is_dir: bool) -> list[bytes]:
     return parts
 
 
-def _check_symlink(name: bytes, target: bytes, parent_depth: int) -> None:
-    """Refuse a symlink whose target could resolve outside the tree (module docstring)."""
+def _check_link_target(name: bytes, target: bytes) -> None:
+    """Refuse only a symlink target that cannot be stored; where it points is data."""
     if not target:
         raise HostileArchive(f"{show_name(name)}: symlink with an empty target")
     if b"\0" in target or len(target) > _MAX_NAME:
         raise HostileArchive(f"{show_name(name)}: malformed symlink target")
-    if target[0] == 0x2F:
-        raise HostileArchive(f"{show_name(name)}: absolute symlink target {show_name(target)}")
-    ups = 0
-    seen_normal = False
-    for part in target.split(b"/"):
-        if part == b"..":
-            if seen_normal:
-                raise HostileArchive(
-                    f"{show_name(name)}: symlink target {show_name(target)} has '..' late"
-                )
-            ups += 1
-        elif part and part != b".":
-            seen_normal = True
-    if ups > parent_depth:
-        raise HostileArchive(
-            f"{show_name(name)}: symlink target {show_name(target)} leaves the tree"
+
+
+def _clamp_time(mtime_ns: int) -> int:
+    """``mtime_ns`` limited to what the host's 64-bit ``time_t`` holds (module docstring)."""
+    return min(max(mtime_ns, _MIN_TIME_T * _NS), _MAX_TIME_T * _NS)
+
+
+def _utime(
+    path: int | bytes,
+    atime_ns: int,
+    mtime_ns: int,
+    *,
+    dir_fd: int | None = None,
+    follow_symlinks: bool = True,
+) -> None:
+    """Set ``mtime_ns`` exactly, or in whole seconds where nanoseconds overflow 64 bits."""
+    if _MIN_NS <= mtime_ns <= _MAX_NS:
+        os.utime(path, ns=(atime_ns, mtime_ns), dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+    else:
+        os.utime(
+            path,
+            times=(atime_ns // _NS, mtime_ns // _NS),
+            dir_fd=dir_fd,
+            follow_symlinks=follow_symlinks,
         )
 
 
-def _replacement_name() -> str:
+def _replacement_name() -> bytes:
     """A fresh name for an entry read again, moved over the old one once complete."""
-    return f".wsync-again-{secrets.token_hex(8)}"
+    return b".wsync-again-" + secrets.token_hex(8).encode()
 
 
 def _refuse_os(exc: OSError, what: str) -> WsyncError:
@@ -320,23 +351,22 @@ class _Extractor:
             return False
         kind, name, link, mode, size, mtime_ns = member
         self._count(name)
-        if not -_MAX_NS <= mtime_ns <= _MAX_NS:
-            raise HostileArchive(f"{show_name(name)}: mtime out of range")
+        mtime_ns = _clamp_time(mtime_ns)
         mode &= 0o7777
         if kind in _REGULAR:
             self._file(name, mode, size, mtime_ns)
             return True
+        if kind not in _CREATED:
+            what = _KNOWN_BAD.get(kind, f"unsupported member type {kind!r}")
+            raise HostileArchive(f"{show_name(name)}: {what}")
         if size:
             raise HostileArchive(f"{show_name(name)}: unexpected payload on a non-file member")
         if kind == tarfile.DIRTYPE:
             self._dir(name, mode, mtime_ns)
         elif kind == tarfile.SYMTYPE:
             self._symlink(name, link, mtime_ns)
-        elif kind == tarfile.LNKTYPE:
-            self._hardlink(name, link)
         else:
-            what = _KNOWN_BAD.get(kind, f"unsupported member type {kind!r}")
-            raise HostileArchive(f"{show_name(name)}: {what}")
+            self._hardlink(name, link)
         return True
 
     def _count(self, name: bytes) -> None:
@@ -389,7 +419,7 @@ class _Extractor:
             self.reader.skip_padding(size)
             if self.umask is None or mode & self.umask:
                 os.fchmod(fd, mode)
-            os.utime(fd, ns=(self.atime_ns, mtime_ns))
+            _utime(fd, self.atime_ns, mtime_ns)
         except OSError as exc:
             raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
         finally:
@@ -428,7 +458,7 @@ class _Extractor:
 
     def _symlink(self, name: bytes, target: bytes, mtime_ns: int) -> None:
         parts = _split(name, is_dir=False)
-        _check_symlink(name, target, len(parts) - 1)
+        _check_link_target(name, target)
         parent = self._parent(parts, name)
         leaf = _replacement_name() if self.reader.archive else parts[-1]
         try:
@@ -436,7 +466,7 @@ class _Extractor:
         except OSError as exc:
             raise _refuse_os(exc, show_name(name)) from exc
         try:
-            os.utime(leaf, ns=(self.atime_ns, mtime_ns), dir_fd=parent, follow_symlinks=False)
+            _utime(leaf, self.atime_ns, mtime_ns, dir_fd=parent, follow_symlinks=False)
         except OSError as exc:
             raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
         if leaf is parts[-1] or not self._replace(parent, leaf, parts[-1], name):
@@ -483,7 +513,7 @@ class _Extractor:
 
     # -- later archives: files read again -----------------------------------------------------
 
-    def _replace(self, parent: int, new: str | bytes, leaf: bytes, name: bytes) -> bool:
+    def _replace(self, parent: int, new: bytes, leaf: bytes, name: bytes) -> bool:
         """Move ``new`` over ``leaf`` (a later archive read the file again); True if it
         replaced an entry.  ``rename`` never follows a symlink at the destination and never
         replaces a directory with a non-directory, so this stays inside the tree."""
@@ -530,7 +560,7 @@ class _Extractor:
                 fd = os.open(parts[-1], _DIR_FLAGS, dir_fd=parent)
                 try:
                     os.fchmod(fd, mode)
-                    os.utime(fd, ns=(self.atime_ns, mtime_ns))
+                    _utime(fd, self.atime_ns, mtime_ns)
                 finally:
                     os.close(fd)
             except OSError as exc:
@@ -541,6 +571,6 @@ class _Extractor:
             mode, mtime_ns = self.root_meta
             try:
                 os.fchmod(self.root_fd, mode)
-                os.utime(self.root_fd, ns=(self.atime_ns, mtime_ns))
+                _utime(self.root_fd, self.atime_ns, mtime_ns)
             except OSError as exc:
                 raise HostIOError(f"extraction root: {exc.strerror or exc}") from exc

@@ -1,15 +1,19 @@
 """The tar stream reader: the extractor's input parsed into members, every short read an error.
 
 The guest is hostile (DESIGN.md, guarantee 5), so nothing in the archive is trusted.  Python's
-``tarfile`` is used for one thing only, parsing the 512-byte headers that the fast path below
-leaves to :meth:`tarfile.TarInfo.frombuf`; reading the stream and the pax and GNU long-name
-records is done here, because ``tarfile``'s own stream reader
+``tarfile`` is not used to read it (only its type constants): headers, the stream and the pax
+and GNU long-name records are parsed here, because ``tarfile``
 
 * treats an invalid or short header in mid-archive as a normal end of archive, so a truncated
   or corrupted stream "succeeds" with part of the tree;
 * reads a pax or GNU long-name record of any declared size into memory (a memory bomb), and
   recurses once per chained extended header;
-* and this Python (3.11.7) predates the 2025 fixes to its extraction filters.
+* reads some headers differently from GNU tar (numbers, the ustar prefix, names ending in
+  ``/``; :func:`parse_header` lists them), and this Python (3.11.7) predates the 2025 fixes
+  to its extraction filters.
+
+The reference is GNU tar, which the guest runs: an archive is read as GNU tar reads it, or
+refused (``tests/test_extract_corpus.py`` compares the two trees on crafted archives).
 
 Refused here: bad headers, an extended header larger than 1 MiB, repeated or dangling extended
 headers, malformed pax records, pax sparse files, more than 1 MiB of zeros after an
@@ -22,8 +26,8 @@ and hash, so a stream that still ends early is the guest's fault.  What the memb
 owns confinement and limits.
 
 Speed: the stream is read into one reused 1 MiB buffer (``readinto``), file data is handed to
-the extractor as writes straight from memoryview slices of it, and the common header is parsed
-with one ``struct`` call instead of ``frombuf``.
+the extractor as writes straight from memoryview slices of it, and a header is parsed with one
+``struct`` call.
 """
 
 from __future__ import annotations
@@ -63,50 +67,83 @@ def show_name(name: bytes) -> str:
     return text if len(text) <= 160 else text[:120] + "..." + text[-30:]
 
 
-#: name, mode, (uid, gid), size, mtime, chksum, type, linkname, (magic..devminor), prefix, (pad)
-_HEADER = struct.Struct("100s8s16x12s12s8sc100s88x155s12x")
+#: name, mode, (uid, gid), size, mtime, chksum, type, linkname, magic,
+#: (version..devminor), prefix, (pad)
+_HEADER = struct.Struct("100s8s16x12s12s8sc100s6s82x155s12x")
 _GNU_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.GNUTYPE_SPARSE)
+_USTAR_MAGIC = b"ustar\0"
+#: a member of these types whose (final) name ends in "/" is a directory, as in GNU tar
+_FILE_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
 
 
 def parse_header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
     """``(type, name, linkname, mode, size, mtime)`` of one header block.
 
-    The common case (octal numbers, unsigned checksum) is parsed here with one ``struct``
-    call, three times faster than :meth:`tarfile.TarInfo.frombuf`, whose rules it mirrors
-    (a test compares the two on fuzzed headers); anything else (base-256 numbers, signed
-    checksums, bad headers) is left to ``frombuf``.
+    Parsed here with one ``struct`` call (three times faster than
+    :meth:`tarfile.TarInfo.frombuf`, whose rules it follows where they are GNU tar's; a test
+    compares the two on fuzzed headers).  These rules are GNU tar's instead:
+
+    * numbers are octal digits between optional blanks, or GNU base-256, after at most one
+      leading NUL; ``frombuf`` hands the field to ``int(..., 8)``, which also takes ``-1``,
+      ``+7``, ``0o17`` and ``1_0`` (GNU tar reads the first two as base-64 and refuses the
+      others), reads an all-blank field as 0 (GNU tar: "Blanks in header where numeric
+      value expected") and a field after a leading NUL as 0 (GNU tar reads on);
+    * the 155-byte prefix is part of the name only under the POSIX magic ``ustar\0``.
+      Old-GNU headers (``ustar  \0``) keep access and change times there (``tar -G``) and
+      v7 headers have no prefix; ``frombuf`` would make ``atime/name`` of them.
+
+    The name comes back as stored (a directory's trailing ``/`` kept): whether a member is a
+    directory by its name is decided on the final name, after any long name or pax path
+    (:meth:`TarReader.next_member`), as GNU tar does; ``frombuf`` decides it on the
+    header's truncated field.  Fields wsync does not use (uid, gid, user and group names,
+    device numbers) are not read at all.
     """
-    name, mode, size, mtime, chksum, kind, link, prefix = _HEADER.unpack(block)
-    try:
-        if (mode[0] | size[0] | mtime[0]) & 0x80:
-            raise ValueError("base-256")
-        if int(chksum.split(b"\0", 1)[0].strip() or b"0", 8) != sum(block) - sum(chksum) + 256:
-            raise ValueError("checksum")
-        imode = int(mode.split(b"\0", 1)[0].strip() or b"0", 8)
-        isize = int(size.split(b"\0", 1)[0].strip() or b"0", 8)
-        imtime = int(mtime.split(b"\0", 1)[0].strip() or b"0", 8)
-    except ValueError:
-        try:
-            info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
-        except (tarfile.HeaderError, ValueError) as exc:
-            raise HostileArchive(f"bad tar header ({exc})") from exc
-        return (
-            info.type,
-            info.name.encode("utf-8", "surrogateescape"),
-            info.linkname.encode("utf-8", "surrogateescape"),
-            info.mode,
-            info.size,
-            int(info.mtime),
-        )
+    name, mode, size, mtime, chksum, kind, link, magic, prefix = _HEADER.unpack(block)
+    checksum = _number(chksum, "checksum")
+    unsigned = sum(block) - sum(chksum) + 256
+    if checksum != unsigned and checksum != unsigned - 256 * _high_bytes(block):
+        raise HostileArchive("bad tar header (bad checksum)")
+    imode = _number(mode, "mode")
+    isize = _number(size, "size")
+    imtime = _number(mtime, "mtime")
     name = name.split(b"\0", 1)[0]
-    if kind == tarfile.AREGTYPE and name.endswith(b"/"):
-        kind = tarfile.DIRTYPE
-    if kind == tarfile.DIRTYPE:
-        name = name.rstrip(b"/")
-    prefix = prefix.split(b"\0", 1)[0]
+    prefix = prefix.split(b"\0", 1)[0] if magic == _USTAR_MAGIC else b""
     if prefix and kind not in _GNU_TYPES:
         name = prefix + b"/" + name
     return kind, name, link.split(b"\0", 1)[0], imode, isize, imtime
+
+
+_BLANKS = b" \t\n\v\f\r"
+_OCTAL = b"01234567"
+
+
+def _number(field: bytes, what: str) -> int:
+    """A numeric header field as GNU tar reads it: octal between blanks, or base-256.
+
+    Like GNU tar, one leading NUL is skipped ("buggy tar of unknown vintage, which outputs
+    leading NUL if the previous field overflows"); ``frombuf`` reads such a field as 0.
+    """
+    if not field[0]:
+        field = field[1:]
+    first = field[0]
+    if first == 0x80:  # base-256, positive: the marker byte then big-endian
+        return int.from_bytes(field[1:], "big")
+    if first == 0xFF:  # base-256, negative: two's complement over the whole field
+        return int.from_bytes(field, "big", signed=True)
+    text, nul, _ = field.partition(b"\0")
+    digits = text.strip(_BLANKS)
+    if not digits:
+        if nul:
+            return 0
+        raise HostileArchive(f"bad tar header (blank {what} field)")
+    if digits.strip(_OCTAL):
+        raise HostileArchive(f"bad tar header ({what} field is not octal)")
+    return int(digits, 8)
+
+
+def _high_bytes(block: bytes) -> int:
+    """How many bytes outside the checksum field are >= 128 (old signed-char checksums)."""
+    return sum(1 for b in block[:148] if b & 0x80) + sum(1 for b in block[156:] if b & 0x80)
 
 
 def _parse_pax(data: bytes, where: str) -> dict[bytes, bytes]:
@@ -135,13 +172,20 @@ def _parse_pax(data: bytes, where: str) -> dict[bytes, bytes]:
 
 
 def _pax_time_ns(value: bytes, name: bytes) -> int:
-    """An exact pax timestamp (``[-]seconds[.fraction]``) in nanoseconds, no float rounding."""
+    """An exact pax timestamp (``[-]seconds[.fraction]``) in nanoseconds, no float rounding.
+
+    A date is never refused: more than 30 digits of seconds (far beyond any ``time_t``) reads
+    as ``10**30`` s, which the extractor clamps to what the host holds, like any large value.
+    """
     neg = value.startswith(b"-")
     whole, _, frac = (value[1:] if neg else value).partition(b".")
-    if not whole.isdigit() or (frac and not frac.isdigit()) or len(whole) > 30:
+    if not whole.isdigit() or (frac and not frac.isdigit()):  # bytes: ASCII digits only
         raise HostileArchive(f"{show_name(name)}: malformed pax mtime")
-    ns = int(whole) * _NS + int((frac[:9] or b"0").ljust(9, b"0"))
-    return -ns if neg else ns
+    seconds = int(whole) if len(whole) <= 30 else 10**30
+    ns = seconds * _NS + int((frac[:9] or b"0").ljust(9, b"0"))
+    if neg:  # round toward the past, as GNU tar does (-1.0000000009 s is -1000000001 ns)
+        return -ns - (frac[9:].strip(b"0") != b"")
+    return ns
 
 
 class TarReader:
@@ -195,8 +239,9 @@ class TarReader:
         self._end = n
         return n
 
-    def read(self, size: int, what: str) -> bytes:
-        """Exactly ``size`` bytes; at a clean end of stream before any byte, ``b""``."""
+    def read(self, size: int, what: str, *, short_ok: bool = False) -> bytes:
+        """Exactly ``size`` bytes; at a clean end of stream before any byte, ``b""``
+        (with ``short_ok``, whatever is left at the end of the stream)."""
         pos = self._pos
         if self._end - pos >= size:
             self._pos = pos + size
@@ -206,8 +251,9 @@ class TarReader:
         need = size
         while need:
             if self._pos == self._end and not self._fill():
-                if need == size:
-                    return b""
+                if need == size or short_ok:
+                    self.offset += size - need
+                    return b"".join(parts)
                 raise HostileArchive(f"truncated archive: stream ends inside {what}")
             take = min(need, self._end - self._pos)
             parts.append(bytes(self._mv[self._pos : self._pos + take]))
@@ -248,8 +294,10 @@ class TarReader:
         """
         seen = 0
         while True:
-            block = self.read(BLOCK, "the end-of-archive padding")
-            if not block:
+            block = self.read(BLOCK, "the end-of-archive padding", short_ok=True)
+            if len(block) < BLOCK:  # the end of the stream: a partial block of zeros is fine
+                if block.count(0) != len(block):
+                    raise HostileArchive("data after the end-of-archive marker")
                 return None
             if block != _ZERO_BLOCK:
                 self.archive += 1
@@ -307,13 +355,18 @@ class TarReader:
 
         mtime_ns = mtime * _NS
         if pax is not None or self.pax_global or long_name is not None or long_link is not None:
+            # An empty pax value deletes the field (POSIX), header field included: an empty
+            # path (or GNU long name) is an empty name, an empty mtime or size is malformed
+            # (GNU tar agrees).
             ext = {**self.pax_global, **(pax or {})}
-            name = ext.get(b"path") or long_name or name
-            link = ext.get(b"linkpath") or long_link or link
-            if ext.get(b"mtime"):
+            name = ext.get(b"path", name if long_name is None else long_name)
+            link = ext.get(b"linkpath", link if long_link is None else long_link)
+            if b"mtime" in ext:
                 mtime_ns = _pax_time_ns(ext[b"mtime"], name)
-            if ext.get(b"size"):
-                if not ext[b"size"].isdigit():
+            if b"size" in ext:
+                if not ext[b"size"].isdigit() or len(ext[b"size"]) > 20:  # 2**64 has 20
                     raise HostileArchive(f"{show_name(name)}: malformed pax size")
                 size = int(ext[b"size"])
+        if kind in _FILE_TYPES and name.endswith(b"/"):  # of the final name, as in GNU tar
+            kind = tarfile.DIRTYPE
         return kind, name, link, mode, size, mtime_ns
