@@ -130,6 +130,10 @@ def _error_text(body: bytes) -> str:
     return body[:200].decode("utf-8", "replace").strip()
 
 
+class _SandboxNotFound(SandboxUnreachable):
+    """The edge's 502 "sandbox was not found" (or a 404) before any exec succeeded."""
+
+
 class E2BTransport(Transport):
     """One sandbox's envd; one pooled HTTP client, one ``Start`` stream per exec."""
 
@@ -242,7 +246,7 @@ class E2BTransport(Transport):
                 f"{self.description}: authentication failed (HTTP {status}); check E2B_ACCESS_TOKEN"
             )
         if status in (404, 502) and "not found" in text.lower() and not self._ok_once:
-            return SandboxUnreachable(
+            return _SandboxNotFound(
                 f"{self.description}: sandbox not found (HTTP {status}: {text})"
             )
         return TransportError(f"{self.description}: {what} refused (HTTP {status}: {text})")
@@ -290,6 +294,21 @@ class E2BTransport(Transport):
         stdin: bytes | None = None,
         timeout: float,
         max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
+        # The edge also says "sandbox was not found" while a paused sandbox resumes: ask
+        # again twice (1.5 s in all) before concluding that it does not exist (exit 3).
+        for delay in (0.5, 1.0):
+            try:
+                return await self._exec(argv, stdin, timeout, max_output)
+            except _SandboxNotFound:
+                if delay >= timeout / 4:
+                    raise
+                log.debug("e2b %s: sandbox not found, asking again", self.sandbox_id)
+                await asyncio.sleep(delay)
+        return await self._exec(argv, stdin, timeout, max_output)
+
+    async def _exec(
+        self, argv: Sequence[str], stdin: bytes | None, timeout: float, max_output: int
     ) -> ExecResult:
         if max_output < 0:
             raise UsageError("max_output must be >= 0")
