@@ -251,9 +251,11 @@ def test_fuzz_framed_garbage_parses_or_raises_protocol_error(
 ) -> None:
     raw = happy_body()[: prefix * 7] + bytes([flags]) + len(message).to_bytes(4, "big") + message
     try:
-        collect([raw])
+        collector = collect([raw])
     except ProtocolError:
-        pass
+        return
+    if collector.end_stream is None:
+        assert collector.result().exit_status is None
 
 
 def test_envelope_dataclass() -> None:
