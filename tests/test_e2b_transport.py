@@ -135,10 +135,13 @@ def test_dropped_duplicated_and_noisy_output_still_claims_exit_zero(tmp_path: Pa
     with_envd(tmp_path, body, faults)
 
 
-def test_deadline_exceeded_racing_end_is_a_timeout(tmp_path: Path) -> None:
+def test_deadline_exceeded_racing_end_is_an_error_not_a_result(tmp_path: Path) -> None:
     async def body(emu: E2BEmulator, t: E2BTransport) -> None:
-        with pytest.raises(TransportTimeout):
+        with pytest.raises(TransportError, match="deadline_exceeded") as info:
             await t.exec(["echo", "x"], timeout=20)
+        assert not isinstance(info.value, TransportTimeout)  # nothing waited 20 s
+        with pytest.raises(TransportTimeout):  # envd's own deadline kill, at ours
+            await t.exec(["sleep", "5"], timeout=0.5)
 
     with_envd(tmp_path, body, E2BFaults(deadline_race=1.0))
 

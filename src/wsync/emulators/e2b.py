@@ -165,7 +165,13 @@ class E2BEmulator:
 
     def transport_options(self) -> dict[str, Any]:
         """Options for :meth:`E2BTransport.from_uri` that reach this emulator."""
-        options: dict[str, Any] = {"e2b_url": self.url, "e2b_keepalive_interval": 1.0}
+        # keepalives every second, stall declared after 2.5 s without any event: a
+        # start-then-silence fault costs seconds, not the call deadline
+        options: dict[str, Any] = {
+            "e2b_url": self.url,
+            "e2b_keepalive_interval": 1.0,
+            "e2b_stall_factor": 2.0,
+        }
         if self.token is not None:
             options["e2b_token"] = self.token
         return options

@@ -63,7 +63,7 @@ class E2BFaults:
         return cls(
             seed=seed,
             cut_stream=0.08,
-            silence=0.03,
+            silence=0.02,
             drop_data=0.08,
             dup_data=0.08,
             login_noise=0.2,

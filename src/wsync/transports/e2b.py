@@ -167,7 +167,7 @@ class E2BTransport(Transport):
         if keepalive_interval <= 0 or stall_factor < 1:
             raise UsageError("keepalive_interval must be > 0 and stall_factor >= 1")
         self.keepalive_interval = keepalive_interval
-        self.stall_timeout = keepalive_interval * stall_factor + 1.0
+        self.stall_timeout = keepalive_interval * stall_factor + 0.5
         self.connect_timeout = connect_timeout
         self._token = token
         self._client: httpx.AsyncClient | None = None
@@ -376,15 +376,18 @@ class E2BTransport(Transport):
             if collector.pid is not None and (not ended_well or collector.end is None):
                 self._spawn(self._kill(collector.pid))
         self._ok_once = True
-        return self._finish(collector, timeout, stdin_error)
+        return self._finish(collector, timeout, deadline, stdin_error)
 
     def _finish(
-        self, collector: StartCollector, timeout: float, stdin_error: list[str]
+        self, collector: StartCollector, timeout: float, deadline: float, stdin_error: list[str]
     ) -> ExecResult:
+        """The result, or the error the end-stream message carried.  envd's
+        ``deadline_exceeded`` before our own deadline (the race with ``end``) is a
+        transport error, not a timeout: nothing here waited that long."""
         error: EndStream | None = collector.error
         if error is not None:
             code = error.error_code
-            if code == "deadline_exceeded":
+            if code == "deadline_exceeded" and asyncio.get_running_loop().time() >= deadline:
                 raise TransportTimeout(timeout)
             if code in ("unauthenticated", "permission_denied"):
                 raise AuthFailed(f"{self.description}: envd refused the exec ({code})")
