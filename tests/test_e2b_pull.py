@@ -310,3 +310,27 @@ def test_doctor_shows_the_loss_and_reads_exactly(envd: EmulatorThread, tmp_path:
     assert any(not r["intact"] for r in report["rows"])
     assert all(r["verified"] == "intact" for r in report["rows"])
     assert token not in proc.stdout
+
+
+def test_demo_backend_e2b_shows_naive_corruption_and_an_exact_pull(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "wsync",
+            "demo",
+            "--backend",
+            "e2b",
+            "--json",
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    outcome = json.loads(proc.stdout)
+    assert outcome["backend"] == "e2b"
+    assert outcome["naive"]["exact"] is False
+    assert outcome["wsync"]["exact"] is True

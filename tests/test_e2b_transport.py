@@ -305,3 +305,27 @@ def test_options_and_environment_resolution(
         True,
         True,
     )
+
+
+def test_files_serves_gzip_without_range_and_errors_as_json(tmp_path: Path) -> None:
+    """envd's ``/files`` as other clients meet it: gzip when asked and no Range, JSON errors."""
+    data = b"compressible " * 10000
+
+    async def body(emu: E2BEmulator, t: E2BTransport) -> None:
+        (emu.root / "sbx" / "g").write_bytes(data)
+        headers = {"X-Access-Token": TOKEN, "E2b-Sandbox-Id": "sbx", "Accept-Encoding": "gzip"}
+        async with httpx.AsyncClient(base_url=emu.url, timeout=20, headers=headers) as client:
+            whole = await client.get("/files", params={"path": "g"})
+            assert whole.headers["content-encoding"] == "gzip"
+            assert whole.content == data
+            ranged = await client.get(
+                "/files", params={"path": "g"}, headers={"Range": "bytes=2-5"}
+            )
+            assert ranged.status_code == 206
+            assert "content-encoding" not in ranged.headers
+            assert ranged.content == data[2:6]
+            missing = await client.get("/files", params={"path": "nope"})
+            assert missing.status_code == 404
+            assert missing.json() == {"code": 404, "message": "path 'nope' does not exist"}
+
+    with_envd(tmp_path, body)

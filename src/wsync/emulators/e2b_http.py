@@ -134,7 +134,7 @@ class H11Server:
             pass
         finally:
             self._tasks.discard(task)
-            writer.transport.abort() if writer.transport.is_closing() else writer.close()
+            writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
