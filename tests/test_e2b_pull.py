@@ -276,6 +276,28 @@ def test_cli_wrong_token_is_exit_3_and_one_clear_line(envd: EmulatorThread, tmp_
     assert "authentication failed" in lines[0] and "E2B_ACCESS_TOKEN" in lines[0]
     assert "not-the-token-42" not in proc.stderr + proc.stdout
     assert not dest.exists()
+    ghost = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "wsync",
+            "pull",
+            f"e2b://ghost{ws}",
+            str(dest),
+            "--e2b-url",
+            envd.url,
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("E2B_")},
+    )
+    assert ghost.returncode == 3, ghost.stderr
+    assert ghost.stderr.strip().count("\n") == 0
+    assert "sandbox not found" in ghost.stderr and "The sandbox was not found" in ghost.stderr
+    assert not dest.exists()
 
 
 def test_doctor_shows_the_loss_and_reads_exactly(envd: EmulatorThread, tmp_path: Path) -> None:
