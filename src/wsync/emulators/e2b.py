@@ -289,6 +289,11 @@ class E2BEmulator:
             else:
                 await ex.reply(502, b"Bad Gateway\n", "text/plain")
             return
+        ctype = ex.headers.get("content-type", "")
+        if ctype.split(";")[0].strip() != CONNECT_JSON:
+            # connect-go answers a codec it was not built with before any stream starts
+            await ex.reply_json(415, {"code": "unknown", "message": f"unsupported {ctype!r}"})
+            return
         try:
             decoder = EnvelopeDecoder()
             envelopes = decoder.feed(ex.body)
