@@ -23,9 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from wsync.emulators import e2b as e2b_emulator
 from wsync.emulators.sprites import EmulatorThread
 from wsync.testing.sshd import SshdServer, SshdUnavailable
 from wsync.transports.base import Transport
+from wsync.transports.e2b import E2BTransport
 from wsync.transports.local import LocalTransport
 from wsync.transports.sprites import SpritesTransport
 from wsync.transports.ssh import SshTransport
@@ -99,11 +101,27 @@ def _sprites_case(request: pytest.FixtureRequest) -> TransportCase:
     return TransportCase("sprites", lambda: SpritesTransport.from_uri(uri, options))
 
 
+@pytest.fixture(scope="session")
+def e2b_envd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2b_emulator.EmulatorThread]:
+    """The E2B envd emulator (faults off) in a background thread, for the whole session."""
+    with e2b_emulator.EmulatorThread(tmp_path_factory.mktemp("e2b")) as emulator:
+        emulator.create_sandbox("conformance")
+        yield emulator
+
+
+def _e2b_case(request: pytest.FixtureRequest) -> TransportCase:
+    emulator: e2b_emulator.EmulatorThread = request.getfixturevalue("e2b_envd")
+    uri = parse("e2b://conformance/work")
+    options = emulator.transport_options()
+    return TransportCase("e2b", lambda: E2BTransport.from_uri(uri, options))
+
+
 #: every real transport the conformance suite must pass; one line per backend
 REAL_TRANSPORTS = [
     pytest.param(_local_case, id="local"),
     pytest.param(_ssh_case, id="ssh", marks=pytest.mark.ssh),
     pytest.param(_sprites_case, id="sprites"),
+    pytest.param(_e2b_case, id="e2b"),
 ]
 
 

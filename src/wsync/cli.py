@@ -96,6 +96,17 @@ def add_transport_options(p: argparse.ArgumentParser) -> None:
         help="sprites: file holding the API token (default $SPRITES_TOKEN)",
     )
     g.add_argument(
+        "--e2b-url",
+        metavar="URL",
+        help="e2b: envd base URL, {id} is the sandbox id "
+        "(default $E2B_ENVD_URL or https://49983-{id}.$E2B_DOMAIN, domain e2b.app)",
+    )
+    g.add_argument(
+        "--e2b-token-file",
+        metavar="FILE",
+        help="e2b: file holding the envd access token (default $E2B_ACCESS_TOKEN)",
+    )
+    g.add_argument(
         "--chaos",
         metavar="SPEC",
         help="inject transport faults, for demos and testing: 'all', or e.g. 'H=0.1,T=0.1,seed=1'",
@@ -109,6 +120,8 @@ def transport_options(args: argparse.Namespace) -> dict[str, Any]:
         "ssh_config": args.ssh_config,
         "sprites_url": args.sprites_url,
         "token_file": args.sprites_token_file,
+        "e2b_url": args.e2b_url,
+        "e2b_token_file": args.e2b_token_file,
         "chaos": args.chaos,
     }
     return {k: v for k, v in pairs.items() if v is not None}
@@ -142,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="SANDBOX forms:\n"
         "  local:PATH                        this machine (the embedded default)\n"
         "  ssh://[user@]host[:port]/PATH      OpenSSH server (~/.ssh/config honoured)\n"
-        "  sprites://NAME/PATH               Sprites exec API ($SPRITES_TOKEN)\n\n" + _EPILOG_EXIT,
+        "  sprites://NAME/PATH               Sprites exec API ($SPRITES_TOKEN)\n"
+        "  e2b://SANDBOX_ID/PATH             E2B envd ($E2B_ACCESS_TOKEN, $E2B_ENVD_URL)\n\n"
+        + _EPILOG_EXIT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI including the workspace path")
@@ -225,9 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--backend",
-        choices=("local", "sprites"),
+        choices=("local", "sprites", "e2b"),
         default="local",
-        help="local: fault-injecting wrapper around local:; sprites: the Sprites emulator",
+        help="local: fault-injecting wrapper around local:; sprites: the Sprites emulator; "
+        "e2b: the E2B envd emulator",
     )
     m.add_argument(
         "--dir", type=Path, default=None, help="work directory (default: a new temp dir)"

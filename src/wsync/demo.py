@@ -91,6 +91,14 @@ def backend(kind: str, workdir: Path, workspace: Path) -> Iterator[tuple[str, di
     if kind == "local":
         yield f"local:{workspace}", {"chaos": "all,seed=11"}
         return
+    if kind == "e2b":
+        from wsync.emulators.e2b import E2BFaults
+        from wsync.emulators.e2b import EmulatorThread as E2BThread
+
+        with E2BThread(workdir / "e2b", faults=E2BFaults.all_on(seed=11)) as envd:
+            envd.create_sandbox("demo")
+            yield f"e2b://demo{workspace}", envd.transport_options()
+        return
     from wsync.emulators.sprites import EmulatorThread, SpritesFaults
 
     with EmulatorThread(workdir / "sprites", faults=SpritesFaults.all_on(seed=11)) as emu:

@@ -1,0 +1,509 @@
+"""``e2b://SANDBOX_ID/PATH``: exec through envd's Connect ``process.Process/Start`` stream.
+
+envd (the agent inside every E2B sandbox, port 49983) runs a command and streams
+``start`` / ``data`` / ``keepalive`` / ``end`` events in Connect envelopes, then an
+end-stream message (:mod:`wsync.transports.e2b_protocol`).  The channel carries raw bytes
+(base64 inside JSON, decoded here, never through a text decoder), stdout and stderr
+separately, and stdin through two more calls (``SendInput``, ``CloseStdin``) once the
+``start`` event has given the pid.  ``GET /files`` serves raw file bytes with Range, the
+fast path of :meth:`E2BTransport.read_file`.
+
+What this client does about the field faults (it reports, the engine's envelopes verify):
+
+* a body that ends without the end-stream message, or inside an envelope, is truncation:
+  ``exit_status=None``, never 0 (connect-rust#140 got this wrong); a reset mid-body is a
+  :class:`TransportError`;
+* a missing ``exitCode`` means 0 only inside an ``end`` event that really arrived;
+* ``"stdin": false`` is always explicit when there is no stdin (an absent field makes envd
+  keep a stdin pipe open, and a ``cat`` hangs to its deadline, E2B#927);
+* ``start`` then silence (infra#3292): the client asks for keepalives every
+  ``keepalive_interval`` seconds and gives up (``TransportError``) when no event at all
+  arrived for ``stall_factor`` intervals, long before the call's deadline;
+* a command the client abandons (deadline, stall, cut, cancel) is killed with
+  ``SendSignal`` — envd keeps processes running after their stream ends — and
+  ``Connect-Timeout-Ms`` is the server-side backstop;
+* argv runs as ``/bin/sh -c 'exec "$@"' sh ARGV...``: no login shell (no profile noise),
+  exact argv, and a missing command is exit 127 rather than an RPC error;
+* 502 "sandbox was not found" before any exec succeeded is :class:`SandboxUnreachable`
+  (exit 3); after one succeeded it is a transient :class:`TransportError` (the edge says it
+  while a sandbox resumes), as are 5xx answers.
+
+The access token goes only into the ``X-Access-Token`` header: never logged, never in
+:attr:`description`, ``repr`` or errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+
+from wsync.errors import (
+    AuthFailed,
+    ProtocolError,
+    SandboxUnreachable,
+    TransportError,
+    TransportTimeout,
+    UsageError,
+)
+from wsync.transports.base import DEFAULT_MAX_OUTPUT, Capabilities, ExecResult, Transport
+from wsync.transports.e2b_protocol import (
+    CLOSE_STDIN_PATH,
+    CONNECT_JSON,
+    FILES_PATH,
+    SEND_INPUT_PATH,
+    SEND_SIGNAL_PATH,
+    START_PATH,
+    EndStream,
+    StartCollector,
+    parse_content_range,
+    pid_body,
+    range_header,
+    send_input_body,
+    start_request,
+)
+from wsync.uri import SandboxURI
+
+log = logging.getLogger(__name__)
+
+ENVD_PORT = 49983
+DEFAULT_DOMAIN = "e2b.app"
+DEFAULT_URL = "https://49983-{id}.{domain}"
+#: argv runs through this, so lookup uses the guest's PATH and a missing tool is 127
+EXEC_WRAPPER = ("/bin/sh", "-c", 'exec "$@"', "sh")
+#: raw stdin bytes per SendInput call
+STDIN_CHUNK = 256 * 1024
+#: how much of an error body is read and shown
+ERROR_BODY = 4096
+
+
+def resolve_token(options: Mapping[str, Any]) -> str | None:
+    """``e2b_token``, then ``e2b_token_file``, then ``$E2B_ACCESS_TOKEN``; None if unset
+    (envd only checks a token on sandboxes created "secure")."""
+    token = options.get("e2b_token")
+    if not token and options.get("e2b_token_file"):
+        path = Path(str(options["e2b_token_file"])).expanduser()
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(f"cannot read E2B access token file {path}: {err}") from None
+    if not token:
+        token = os.environ.get("E2B_ACCESS_TOKEN", "").strip()
+    if not token:
+        return None
+    token = str(token)
+    if any(c in token for c in "\r\n\x00") or not token.isascii():
+        raise UsageError("the E2B access token contains a line break, NUL or non-ASCII text")
+    return token
+
+
+def envd_url(template: str, sandbox_id: str) -> str:
+    """The envd base URL: ``{id}`` and ``{domain}`` in ``template`` are filled in."""
+    domain = os.environ.get("E2B_DOMAIN", "").strip() or DEFAULT_DOMAIN
+    url = template.replace("{id}", sandbox_id).replace("{domain}", domain).rstrip("/")
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError) as err:
+        raise UsageError(f"bad E2B envd URL {url!r}: {err}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise UsageError(f"E2B envd URL must be http(s)://HOST..., got {url!r}")
+    return url
+
+
+def _error_text(body: bytes) -> str:
+    """``message`` of a JSON error body (Connect or envd), else a bounded printable head."""
+    try:
+        obj = json.loads(body)
+        if isinstance(obj, dict) and isinstance(obj.get("message"), str):
+            return str(obj["message"])[:200]
+    except (ValueError, RecursionError):
+        pass
+    return body[:200].decode("utf-8", "replace").strip()
+
+
+class _SandboxNotFound(SandboxUnreachable):
+    """The edge's 502 "sandbox was not found" (or a 404) before any exec succeeded."""
+
+
+class E2BTransport(Transport):
+    """One sandbox's envd; one pooled HTTP client, one ``Start`` stream per exec."""
+
+    scheme: ClassVar[str] = "e2b"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        stdin=True, binary_safe=True, separate_stderr=True, file_read=True
+    )
+
+    def __init__(
+        self,
+        sandbox_id: str,
+        *,
+        token: str | None,
+        base_url: str | None = None,
+        workspace: str | None = None,
+        user: str | None = None,
+        workdir: str | None = None,
+        env: Mapping[str, str] | None = None,
+        keepalive_interval: float = 10.0,
+        stall_factor: float = 3.0,
+        connect_timeout: float = 15.0,
+    ) -> None:
+        if not sandbox_id:
+            raise UsageError("e2b:// needs a sandbox id (e2b://SANDBOX_ID/PATH)")
+        self.sandbox_id = sandbox_id
+        self.base_url = envd_url(base_url or DEFAULT_URL, sandbox_id)
+        self.workspace = workspace
+        self.user = user
+        self.workdir = workdir
+        self.env = dict(env or {})
+        if keepalive_interval <= 0 or stall_factor < 1:
+            raise UsageError("keepalive_interval must be > 0 and stall_factor >= 1")
+        self.keepalive_interval = keepalive_interval
+        self.stall_timeout = keepalive_interval * stall_factor + 0.5
+        self.connect_timeout = connect_timeout
+        self._token = token
+        self._client: httpx.AsyncClient | None = None
+        self._ok_once = False
+        self._background: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    @classmethod
+    def from_uri(cls, uri: SandboxURI, options: Mapping[str, Any]) -> E2BTransport:
+        if not uri.name:
+            raise UsageError(f"{uri.raw!r}: missing sandbox id (e2b://SANDBOX_ID/PATH)")
+        base = options.get("e2b_url") or os.environ.get("E2B_ENVD_URL") or DEFAULT_URL
+        extra: dict[str, Any] = {}
+        for key in ("keepalive_interval", "stall_factor", "connect_timeout"):
+            if options.get(f"e2b_{key}") is not None:
+                extra[key] = float(options[f"e2b_{key}"])
+        return cls(
+            uri.name,
+            token=resolve_token(options),
+            base_url=str(base),
+            workspace=uri.path,
+            user=options.get("e2b_user") or uri.user,
+            workdir=options.get("dir"),
+            env=options.get("env"),
+            **extra,
+        )
+
+    @property
+    def description(self) -> str:
+        return f"e2b://{self.sandbox_id}"
+
+    def __repr__(self) -> str:
+        return f"E2BTransport({self.description}, base_url={self.base_url!r})"
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _headers(self) -> dict[str, str]:
+        headers = {
+            "User-Agent": "wsync",
+            # the newer SDKs' routing through https://sandbox.<domain>; harmless on the
+            # per-sandbox host
+            "E2b-Sandbox-Id": self.sandbox_id,
+            "E2b-Sandbox-Port": str(ENVD_PORT),
+        }
+        if self._token:
+            headers["X-Access-Token"] = self._token
+        if self.user:
+            headers["Authorization"] = (
+                "Basic " + base64.b64encode(f"{self.user}:".encode()).decode()
+            )
+        return headers
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._closed:
+            raise TransportError(f"{self.description}: transport is closed")
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                base_url=self.base_url,
+                headers=self._headers(),
+                timeout=httpx.Timeout(self.connect_timeout),
+                limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+                follow_redirects=False,
+                trust_env=False,
+            )
+        return self._client
+
+    def _timeout(self, seconds: float) -> httpx.Timeout:
+        seconds = max(seconds, 0.05)
+        return httpx.Timeout(seconds, connect=min(seconds, self.connect_timeout))
+
+    def _refused(self, status: int, body: bytes, what: str) -> TransportError | SandboxUnreachable:
+        """The error for a non-200 answer (no stream was started)."""
+        text = _error_text(body)
+        if status in (401, 403):
+            return AuthFailed(
+                f"{self.description}: authentication failed (HTTP {status}); check E2B_ACCESS_TOKEN"
+            )
+        if status in (404, 502) and "not found" in text.lower() and not self._ok_once:
+            return _SandboxNotFound(
+                f"{self.description}: sandbox not found (HTTP {status}: {text})"
+            )
+        return TransportError(f"{self.description}: {what} refused (HTTP {status}: {text})")
+
+    def _wire_error(self, err: Exception, timeout: float) -> TransportError | SandboxUnreachable:
+        if isinstance(err, httpx.TimeoutException):
+            return TransportTimeout(timeout)
+        if isinstance(err, httpx.ConnectError) and not self._ok_once:
+            return SandboxUnreachable(
+                f"{self.description}: cannot connect to {self.base_url}: {err}"
+            )
+        return TransportError(f"{self.description}: {type(err).__name__}: {err}")
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _unary(self, path: str, body: bytes, timeout: float) -> tuple[int, bytes]:
+        """One Connect unary call (bare JSON): (status, body)."""
+        response = await self._http().post(
+            path,
+            content=body,
+            headers={"Content-Type": "application/json", "Connect-Protocol-Version": "1"},
+            timeout=self._timeout(timeout),
+        )
+        return response.status_code, response.content[:ERROR_BODY]
+
+    async def _kill(self, pid: int) -> None:
+        """Best effort: envd keeps a process whose stream ended, so kill what we abandon."""
+        try:
+            async with asyncio.timeout(5.0):
+                await self._unary(
+                    SEND_SIGNAL_PATH, pid_body(pid, signal="SIGNAL_SIGKILL"), timeout=5.0
+                )
+        except (TimeoutError, httpx.HTTPError, TransportError) as err:
+            log.debug("e2b %s: kill of pid %d failed: %r", self.sandbox_id, pid, err)
+
+    # ---------------------------------------------------------------------- exec
+
+    async def exec(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout: float,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
+        # The edge also says "sandbox was not found" while a paused sandbox resumes: ask
+        # again twice (1.5 s in all) before concluding that it does not exist (exit 3).
+        for delay in (0.5, 1.0):
+            try:
+                return await self._exec(argv, stdin, timeout, max_output)
+            except _SandboxNotFound:
+                if delay >= timeout / 4:
+                    raise
+                log.debug("e2b %s: sandbox not found, asking again", self.sandbox_id)
+                await asyncio.sleep(delay)
+        return await self._exec(argv, stdin, timeout, max_output)
+
+    async def _exec(
+        self, argv: Sequence[str], stdin: bytes | None, timeout: float, max_output: int
+    ) -> ExecResult:
+        if max_output < 0:
+            raise UsageError("max_output must be >= 0")
+        if not argv:
+            raise UsageError("exec needs a non-empty argv")
+        body = start_request(
+            [*EXEC_WRAPPER, *argv], stdin=stdin is not None, cwd=self.workdir, envs=self.env
+        )
+        headers = {
+            "Content-Type": CONNECT_JSON,
+            "Connect-Protocol-Version": "1",
+            "Connect-Timeout-Ms": str(max(1, int(timeout * 1000))),
+            "Keepalive-Ping-Interval": str(max(1, round(self.keepalive_interval))),
+        }
+        collector = StartCollector(max_output)
+        sender: asyncio.Task[None] | None = None
+        stdin_error: list[str] = []
+        deadline = asyncio.get_running_loop().time() + timeout
+        ended_well = False
+        try:
+            async with asyncio.timeout_at(deadline):
+                async with self._http().stream(
+                    "POST",
+                    START_PATH,
+                    content=body,
+                    headers=headers,
+                    timeout=self._timeout(timeout),
+                ) as response:
+                    if response.status_code != 200:
+                        raise self._refused(response.status_code, await _head(response), "exec")
+                    ctype = response.headers.get("content-type", "")
+                    if not ctype.startswith(CONNECT_JSON):
+                        raise TransportError(
+                            f"{self.description}: exec answered {ctype or 'no content type'!r}"
+                        )
+                    chunks = response.aiter_bytes()
+                    while True:
+                        try:
+                            async with asyncio.timeout(self.stall_timeout):
+                                chunk = await anext(chunks)
+                        except StopAsyncIteration:
+                            break
+                        except TimeoutError:
+                            raise TransportError(
+                                f"{self.description}: stream stalled (no event for "
+                                f"{self.stall_timeout:.0f}s)"
+                            ) from None
+                        collector.feed(chunk)
+                        if sender is None and stdin is not None and collector.pid is not None:
+                            sender = asyncio.create_task(
+                                self._send_stdin(collector.pid, stdin, deadline, stdin_error)
+                            )
+            ended_well = True
+        except TimeoutError:
+            raise TransportTimeout(timeout) from None
+        except ProtocolError as err:
+            raise TransportError(f"{self.description}: {err}") from None
+        except httpx.HTTPError as err:
+            raise self._wire_error(err, timeout) from None
+        finally:
+            if sender is not None and not sender.done():
+                sender.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sender
+            if collector.pid is not None and (not ended_well or collector.end is None):
+                self._spawn(self._kill(collector.pid))
+        self._ok_once = True
+        return self._finish(collector, timeout, deadline, stdin_error)
+
+    def _finish(
+        self, collector: StartCollector, timeout: float, deadline: float, stdin_error: list[str]
+    ) -> ExecResult:
+        """The result, or the error the end-stream message carried.  envd's
+        ``deadline_exceeded`` before our own deadline (the race with ``end``) is a
+        transport error, not a timeout: nothing here waited that long."""
+        error: EndStream | None = collector.error
+        if error is not None:
+            code = error.error_code
+            if code == "deadline_exceeded" and asyncio.get_running_loop().time() >= deadline:
+                raise TransportTimeout(timeout)
+            if code in ("unauthenticated", "permission_denied"):
+                raise AuthFailed(f"{self.description}: envd refused the exec ({code})")
+            raise TransportError(
+                f"{self.description}: envd error {code}: {error.error_message[:200]}"
+            )
+        result = collector.result()
+        if stdin_error:
+            # A command that ended on its own did not need what it did not read (EPIPE);
+            # one that we killed because its stdin failed did not finish its work.
+            end = collector.end
+            if end is None or result.exit_status is None or end.status == "signal: killed":
+                raise TransportError(f"{self.description}: stdin not delivered: {stdin_error[0]}")
+            result = dataclasses.replace(
+                result, notes=(*result.notes, f"stdin not fully delivered: {stdin_error[0]}")
+            )
+        if result.notes:
+            log.debug("e2b %s exec notes: %s", self.sandbox_id, "; ".join(result.notes))
+        return result
+
+    async def _send_stdin(self, pid: int, data: bytes, deadline: float, errors: list[str]) -> None:
+        """SendInput in chunks, then CloseStdin.  A process that already exited is fine;
+        any other failure kills the process, so the stream ends and the exec fails."""
+        loop = asyncio.get_running_loop()
+        try:
+            view = memoryview(data)
+            for start in range(0, len(view), STDIN_CHUNK):
+                piece = bytes(view[start : start + STDIN_CHUNK])
+                status, body = await self._unary(
+                    SEND_INPUT_PATH, send_input_body(pid, piece), deadline - loop.time()
+                )
+                if status != 200:
+                    break
+            else:
+                status, body = await self._unary(
+                    CLOSE_STDIN_PATH, pid_body(pid), deadline - loop.time()
+                )
+            if status in (200, 404):  # 404: the process already exited (not_found)
+                return
+            errors.append(f"HTTP {status}: {_error_text(body)}")
+        except httpx.HTTPError as err:
+            errors.append(f"{type(err).__name__}: {err}")
+        await self._kill(pid)
+
+    # ----------------------------------------------------------------- read_file
+
+    async def read_file(self, path: str, offset: int, length: int, *, timeout: float) -> bytes:
+        """``GET /files?path=`` with a Range; a server that ignores the Range is skipped
+        through (streamed, never buffered whole); a short body is returned short."""
+        if offset < 0 or length < 0:
+            raise UsageError("offset and length must be >= 0")
+        if length == 0:
+            return b""
+        params = {"path": path}
+        if self.user:
+            params["username"] = self.user
+        headers = {"Range": range_header(offset, length), "Accept-Encoding": "identity"}
+        out = bytearray()
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._http().stream(
+                    "GET",
+                    FILES_PATH,
+                    params=params,
+                    headers=headers,
+                    timeout=self._timeout(timeout),
+                ) as response:
+                    status = response.status_code
+                    if status == 416:
+                        return b""
+                    if status not in (200, 206):
+                        err = self._refused(status, await _head(response), f"read of {path!r}")
+                        raise TransportError(str(err))
+                    skip = offset if status == 200 else 0
+                    if status == 206:
+                        first, _, _ = parse_content_range(response.headers.get("content-range", ""))
+                        if first != offset:
+                            raise TransportError(
+                                f"{self.description}: asked for byte {offset}, got {first}"
+                            )
+                    elif offset:
+                        log.debug("e2b %s: /files ignored the Range", self.sandbox_id)
+                    async for chunk in response.aiter_bytes():
+                        if skip >= len(chunk):
+                            skip -= len(chunk)
+                            continue
+                        out += chunk[skip : skip + length - len(out)]
+                        skip = 0
+                        if len(out) >= length:
+                            break
+        except TimeoutError:
+            raise TransportTimeout(timeout) from None
+        except ProtocolError as err:
+            raise TransportError(f"{self.description}: {err}") from None
+        except httpx.HTTPError as err:
+            wire = self._wire_error(err, timeout)
+            raise wire if isinstance(wire, TransportError) else TransportError(str(wire)) from None
+        return bytes(out)
+
+    async def aclose(self) -> None:
+        if self._background:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(6.0):
+                    await asyncio.gather(*self._background, return_exceptions=True)
+        self._closed = True
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+
+async def _head(response: httpx.Response) -> bytes:
+    """At most :data:`ERROR_BODY` bytes of an error answer's body."""
+    out = bytearray()
+    with contextlib.suppress(httpx.HTTPError):
+        async for chunk in response.aiter_bytes():
+            out += chunk
+            if len(out) >= ERROR_BODY:
+                break
+    return bytes(out[:ERROR_BODY])
