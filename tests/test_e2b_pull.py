@@ -307,13 +307,15 @@ def test_doctor_shows_the_loss_and_reads_exactly(envd: EmulatorThread, tmp_path:
     assert token is not None
     token_file = tmp_path / "token"
     token_file.write_text(token)
+    scratch = tmp_path / "scratch"  # the doctor's workspace; staging must lie outside it
+    scratch.mkdir()
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "wsync",
             "doctor",
-            f"e2b://probe{tmp_path}",
+            f"e2b://probe{scratch}",
             "--json",
             "--e2b-url",
             envd.url,
