@@ -23,9 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from wsync.emulators.daytona import DaytonaEmulatorThread
 from wsync.emulators.sprites import EmulatorThread
 from wsync.testing.sshd import SshdServer, SshdUnavailable
 from wsync.transports.base import Transport
+from wsync.transports.daytona import DaytonaTransport
 from wsync.transports.local import LocalTransport
 from wsync.transports.sprites import SpritesTransport
 from wsync.transports.ssh import SshTransport
@@ -99,11 +101,27 @@ def _sprites_case(request: pytest.FixtureRequest) -> TransportCase:
     return TransportCase("sprites", lambda: SpritesTransport.from_uri(uri, options))
 
 
+@pytest.fixture(scope="session")
+def daytona_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaytonaEmulatorThread]:
+    """The Daytona toolbox emulator (faults off), for the whole session."""
+    with DaytonaEmulatorThread(tmp_path_factory.mktemp("daytona")) as emulator:
+        emulator.create_sandbox("conformance")
+        yield emulator
+
+
+def _daytona_case(request: pytest.FixtureRequest) -> TransportCase:
+    emulator: DaytonaEmulatorThread = request.getfixturevalue("daytona_emulator")
+    uri = parse("daytona://conformance/work")
+    options = emulator.transport_options()
+    return TransportCase("daytona", lambda: DaytonaTransport.from_uri(uri, options))
+
+
 #: every real transport the conformance suite must pass; one line per backend
 REAL_TRANSPORTS = [
     pytest.param(_local_case, id="local"),
     pytest.param(_ssh_case, id="ssh", marks=pytest.mark.ssh),
     pytest.param(_sprites_case, id="sprites"),
+    pytest.param(_daytona_case, id="daytona"),
 ]
 
 
