@@ -197,15 +197,18 @@ def _cut_escape(raw: bytes) -> bytes:
     return raw if whole else raw[:k]
 
 
+def _loads(raw: bytes) -> Any:
+    """:func:`json.loads` whose every failure (bad escapes, bad UTF-8) is a ProtocolError."""
+    try:
+        return json.loads(raw)
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError alike
+        raise ProtocolError(f"execute answer is not valid JSON: {err}", "malformed") from None
+
+
 def _partial_string(raw: bytes) -> str:
     """The text of a JSON string's body cut anywhere (no closing quote)."""
-    raw = _utf8_whole(_cut_escape(raw))
-    try:
-        text: str = json.loads(b'"' + raw + b'"')
-    except ValueError as err:
-        raise ProtocolError(
-            f"execute answer's result is not a JSON string: {err}", "malformed"
-        ) from None
+    text = _loads(b'"' + _utf8_whole(_cut_escape(raw)) + b'"')
+    assert isinstance(text, str)
     if text and "\ud800" <= text[-1] <= "\udbff":  # half a surrogate pair
         text = text[:-1]
     return text
@@ -230,7 +233,7 @@ def decode_prefix(prefix: bytes, max_output: int) -> ExecOutcome:
         key_match = _STRING.match(prefix, pos)
         if key_match is None:
             break
-        key = json.loads(key_match.group())
+        key = _loads(key_match.group())
         pos = _skip_ws(prefix, key_match.end())
         if prefix[pos : pos + 1] != b":":
             break
@@ -240,14 +243,14 @@ def decode_prefix(prefix: bytes, max_output: int) -> ExecOutcome:
                 raise ProtocolError("execute answer's result is not a string", "malformed")
             whole = _STRING.match(prefix, pos)
             if whole is not None:
-                text = json.loads(whole.group())
+                text = _loads(whole.group())
                 return _outcome(text, exit_code, max_output, cut=True)
             return _outcome(_partial_string(prefix[pos + 1 :]), exit_code, max_output, cut=True)
         value = _STRING.match(prefix, pos) or _SCALAR.match(prefix, pos)
         if value is None:
             break  # a nested value: not part of the daemon's answer
         if key in ("exitCode", "code") and exit_code is None:
-            parsed = json.loads(value.group())
+            parsed = _loads(value.group())
             if isinstance(parsed, int) and not isinstance(parsed, bool):
                 exit_code = parsed
         pos = value.end()
