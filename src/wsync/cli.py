@@ -88,6 +88,17 @@ def add_transport_options(p: argparse.ArgumentParser) -> None:
         help="sprites: file holding the API token (default $SPRITES_TOKEN)",
     )
     g.add_argument(
+        "--daytona-url",
+        metavar="URL",
+        help="daytona: the sandbox's toolbox proxy URL (default $DAYTONA_TOOLBOX_URL or "
+        "https://proxy.app.daytona.io/toolbox)",
+    )
+    g.add_argument(
+        "--daytona-token-file",
+        metavar="FILE",
+        help="daytona: file holding the API key (default $DAYTONA_API_KEY)",
+    )
+    g.add_argument(
         "--chaos",
         metavar="SPEC",
         help="inject transport faults, for demos and testing: 'all', or e.g. 'H=0.1,T=0.1,seed=1'",
@@ -101,6 +112,8 @@ def transport_options(args: argparse.Namespace) -> dict[str, Any]:
         "ssh_config": args.ssh_config,
         "sprites_url": args.sprites_url,
         "token_file": args.sprites_token_file,
+        "daytona_url": args.daytona_url,
+        "daytona_token_file": args.daytona_token_file,
         "chaos": args.chaos,
     }
     return {k: v for k, v in pairs.items() if v is not None}
@@ -134,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="SANDBOX forms:\n"
         "  local:PATH                        this machine (the embedded default)\n"
         "  ssh://[user@]host[:port]/PATH      OpenSSH server (~/.ssh/config honoured)\n"
-        "  sprites://NAME/PATH               Sprites exec API ($SPRITES_TOKEN)\n\n" + _EPILOG_EXIT,
+        "  sprites://NAME/PATH               Sprites exec API ($SPRITES_TOKEN)\n"
+        "  daytona://SANDBOX_ID/PATH         Daytona toolbox ($DAYTONA_API_KEY, "
+        "$DAYTONA_TOOLBOX_URL)\n\n" + _EPILOG_EXIT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI including the workspace path")
@@ -217,9 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--backend",
-        choices=("local", "sprites"),
+        choices=("local", "sprites", "daytona"),
         default="local",
-        help="local: fault-injecting wrapper around local:; sprites: the Sprites emulator",
+        help="local: fault-injecting wrapper around local:; sprites, daytona: that "
+        "backend's emulator",
     )
     m.add_argument(
         "--dir", type=Path, default=None, help="work directory (default: a new temp dir)"

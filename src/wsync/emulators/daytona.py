@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from wsync.emulators.daytona_faults import DaytonaFaults, RequestPlan
-from wsync.transports.daytona_protocol import error_body, go_json_result
+from wsync.transports.daytona_protocol import error_body, go_json_result, go_lossy
 
 __all__ = ["DaytonaEmulator", "DaytonaEmulatorThread", "DaytonaFaults"]
 
@@ -327,7 +327,10 @@ class DaytonaEmulator:
         return True
 
     def _mangle(self, output: bytes, code: int, plan: RequestPlan) -> tuple[bytes, int]:
+        """Cuts apply to the ``result`` text as sent (lossy UTF-8), where proxies cut it."""
         cap = self.faults.result_cap
+        if (cap is not None or plan.truncate) and output:
+            output = go_lossy(output).encode()
         if cap is not None and len(output) > cap:
             self.stats["result_capped"] += 1
             output = output[:cap]
