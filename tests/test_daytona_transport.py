@@ -254,3 +254,26 @@ def test_every_daemon_shell_runs_the_argv_exactly(tmp_path: Path, shell: str) ->
 
         out = run(emulator, body)
     assert out.split(b"\0")[:-1] == [w.encode() for w in words]
+
+
+def test_daemon_sandbox_config_gives_the_key_by_reference(
+    emu: DaytonaEmulatorThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's ``[sandboxes.X]``: URL as an option, the key as ``env:``/``file:``."""
+    from wsync.daemon.config import SandboxConfig, resolve_transport_options
+
+    monkeypatch.setenv("MY_DAYTONA_KEY", SECRET)
+    key = tmp_path / "key"
+    key.write_text(SECRET + "\n")
+    for ref in ("env:MY_DAYTONA_KEY", f"file:{key}"):
+        box = SandboxConfig(
+            uri="daytona://sb/work",
+            options={"daytona_url": emu.url},
+            secrets={"daytona_token": ref},
+        )
+        opts = resolve_transport_options(box)
+
+        async def body(t: DaytonaTransport) -> int | None:
+            return (await t.exec(["true"], timeout=30)).exit_status
+
+        assert run(emu, body, **opts) == 0
