@@ -217,3 +217,19 @@ def test_naive_client_corrupts_binary_and_loses_the_tail_but_wsync_pull_is_exact
     asyncio.run(pull_uri(f"daytona://report{ws}", dest, options(tmp_path), emu.transport_options()))
     assert_exact(ws, dest)
     assert (dest / "model.bin").read_bytes() == binary
+
+
+def test_a_child_holding_the_pipe_delays_the_answer_by_the_hang_timeout(
+    tmp_path: Path, procs: ProcessWatch
+) -> None:
+    """The daemon's drain quirk: the shell is gone, a child keeps the pipe; the answer
+    comes after ``hang_timeout`` with what was buffered."""
+    arg = procs.sleep_arg()
+    with DaytonaEmulatorThread(tmp_path / "emu", hang_timeout=1.0) as emulator:
+        emulator.create_sandbox("sb")
+        started = time.monotonic()
+        r = naive_exec(emulator, f"echo before; sleep {arg} &")
+        elapsed = time.monotonic() - started
+        assert r.json() == {"exitCode": 0, "result": "before\n"}
+        assert 1.0 <= elapsed < 20
+        assert emulator.stats["pipes_abandoned"] == 1

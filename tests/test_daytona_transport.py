@@ -277,3 +277,43 @@ def test_daemon_sandbox_config_gives_the_key_by_reference(
             return (await t.exec(["true"], timeout=30)).exit_status
 
         assert run(emu, body, **opts) == 0
+
+
+def test_a_cancelled_exec_is_killed_but_a_detached_producer_survives(
+    emu: DaytonaEmulatorThread, procs: ProcessWatch
+) -> None:
+    """The kill hits the exec's process group only; ``setsid`` children have their own."""
+    detached, attached = procs.sleep_arg(), procs.sleep_arg()
+    script = f"setsid sleep {detached} </dev/null >/dev/null 2>&1 & sleep {attached}"
+
+    async def body(t: DaytonaTransport) -> None:
+        task = asyncio.create_task(t.exec(["sh", "-c", script], timeout=60))
+        assert await asyncio.to_thread(procs.wait_present, attached)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(emu, body)  # aclose waits for the kill
+    assert procs.wait_gone(attached) == []
+    assert procs.pids(detached), "the detached process must survive"
+
+
+def test_aclose_does_not_wait_long_for_a_kill_that_hangs(
+    emu: DaytonaEmulatorThread, procs: ProcessWatch
+) -> None:
+    """Every answer is held back: the kill itself hangs, and aclose gives up on it."""
+    arg = procs.sleep_arg()
+    emu.set_faults(DaytonaFaults(late_partial=1.0, late_delay=25.0))
+
+    async def main() -> float:
+        transport = DaytonaTransport(
+            "sb", token=emu.token, base_url=emu.url, timeout_grace=0.2, close_wait=1.0
+        )
+        with pytest.raises(TransportTimeout):
+            await transport.exec(["sleep", arg], timeout=0.5)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await transport.aclose()
+        return loop.time() - started
+
+    assert asyncio.run(main()) < 15.0  # the held answers take 25 s

@@ -196,11 +196,9 @@ class DaytonaEmulator:
         for writer in list(self._writers):
             writer.transport.abort()
         handlers = list(self._handlers)
-        if handlers:
-            # not cancelled: asyncio's stream callback would log the CancelledError
-            _, pending = await asyncio.wait(handlers, timeout=10)
-            for task in pending:
-                task.cancel()
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
         self._pids.clear()
         if server is not None:
             await server.wait_closed()
@@ -234,6 +232,9 @@ class DaytonaEmulator:
                     break
         except (ConnectionError, asyncio.IncompleteReadError) as err:
             log.debug("daytona emulator: connection ended: %r", err)
+        except asyncio.CancelledError:
+            # stop(): end quietly (asyncio's stream callback logs a cancelled handler)
+            return
         finally:
             self._writers.discard(writer)
             self._handlers.discard(task)

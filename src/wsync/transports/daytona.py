@@ -122,7 +122,8 @@ class DaytonaTransport(Transport):
         organization_id: str | None = None,
         connect_timeout: float = 15.0,
         timeout_grace: float = 5.0,
-        kill_timeout: float = 15.0,
+        kill_timeout: float = 10.0,
+        close_wait: float = 5.0,
         full_read_limit: int = 8 * MiB,
         max_connections: int = 32,
     ) -> None:
@@ -141,6 +142,7 @@ class DaytonaTransport(Transport):
         self.connect_timeout = connect_timeout
         self.timeout_grace = timeout_grace
         self.kill_timeout = kill_timeout
+        self.close_wait = close_wait
         self.full_read_limit = full_read_limit
         self.max_connections = max_connections
         root = str(url).rstrip("/") + "/" + quote(sandbox_id, safe="")
@@ -401,13 +403,15 @@ class DaytonaTransport(Transport):
         return self._status_error(status, await self._read_some(response, 4096), "download")
 
     async def aclose(self) -> None:
+        """Let pending kills finish (a few seconds at most: Ctrl-C must stay quick), close."""
         if self._closed:
             return
         kills = list(self._kills)
         if kills:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.kill_timeout + self.timeout_grace):
-                    await asyncio.gather(*kills, return_exceptions=True)
+            _, pending = await asyncio.wait(kills, timeout=self.close_wait)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         self._closed = True
         client, self._client = self._client, None
         if client is not None:

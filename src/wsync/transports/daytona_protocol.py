@@ -48,11 +48,19 @@ _ESCAPE_RATIO = 6
 _ENVELOPE_SLACK = 4096
 
 _KILL = r"""m="wsync-exec-$1"
-me=$$
-for d in /proc/[0-9]*; do
+# grep reads every cmdline in one process (its own pid is not in the list: the shell
+# expanded the glob before starting it); then each candidate is checked word-exactly
+if command -v grep >/dev/null 2>&1; then
+  set -- $(grep -lF -e "$m" /proc/[0-9]*/cmdline 2>/dev/null)
+else
+  set -- /proc/[0-9]*/cmdline
+fi
+set -f
+for f in "$@"; do
+  d=${f%/cmdline}
   p=${d#/proc/}
-  [ "$p" = "$me" ] && continue
-  c=$(tr '\000' ' ' < "$d/cmdline" 2>/dev/null) || continue
+  [ "$p" = "$$" ] && continue
+  c=$(tr '\000' ' ' < "$f" 2>/dev/null) || continue
   case " $c " in
     *" $m "*) ;;
     *) continue ;;
