@@ -317,3 +317,27 @@ def test_aclose_does_not_wait_long_for_a_kill_that_hangs(
         return loop.time() - started
 
     assert asyncio.run(main()) < 15.0  # the held answers take 25 s
+
+
+def test_a_redirecting_url_is_unreachable_not_retried(tmp_path: Path) -> None:
+    """A wrong toolbox URL that redirects (http → https, a login page) is a setup error."""
+
+    async def main() -> None:
+        async def redirect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 301 Moved\r\nLocation: https://x/\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(redirect, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        transport = DaytonaTransport("sb", token="k", base_url=f"http://127.0.0.1:{port}/tb")
+        try:
+            with pytest.raises(SandboxUnreachable, match="redirects"):
+                await transport.exec(["true"], timeout=10)
+        finally:
+            await transport.aclose()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())

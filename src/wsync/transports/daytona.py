@@ -214,6 +214,11 @@ class DaytonaTransport(Transport):
             raise AuthFailed(
                 f"{self.description}: authentication failed (HTTP {status}); check {TOKEN_ENV}"
             )
+        if 300 <= status < 400 and what == "execute":
+            raise SandboxUnreachable(
+                f"the Daytona toolbox URL {self.base_url} redirects (HTTP {status}); "
+                "give the toolbox proxy URL itself"
+            )
         if status == 404 and what == "execute":
             raise SandboxUnreachable(
                 f"Daytona sandbox {self.sandbox_id} not found at {self.base_url} (HTTP 404)"
