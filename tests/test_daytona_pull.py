@@ -121,7 +121,7 @@ def prop_workspace(emulator: DaytonaEmulatorThread) -> Path:
     gateway=st.floats(0.0, 0.3),
     minus_one=st.floats(0.0, 1.0),
     late=st.floats(0.0, 0.2),
-    cap=st.sampled_from([None, 4 * KiB, 64 * KiB]),
+    cap=st.sampled_from([None, 128 * KiB, 1 * MiB]),
 )
 def test_random_fault_schedules_never_produce_a_wrong_tree(
     tmp_path_factory: pytest.TempPathFactory,
