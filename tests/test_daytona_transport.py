@@ -341,3 +341,16 @@ def test_a_redirecting_url_is_unreachable_not_retried(tmp_path: Path) -> None:
             await server.wait_closed()
 
     asyncio.run(main())
+
+
+def test_read_file_never_ends_a_pull_on_a_connection_failure() -> None:
+    """The file API is a fast path: no server is a TransportError (fall back), not exit 3."""
+
+    async def main() -> None:
+        transport = DaytonaTransport("sb", token="k", base_url="http://127.0.0.1:9/toolbox")
+        async with transport:
+            with pytest.raises(TransportError) as info:
+                await transport.read_file("/x", 0, 10, timeout=10)
+            assert not isinstance(info.value, SandboxUnreachable)
+
+    asyncio.run(main())

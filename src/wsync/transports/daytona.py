@@ -366,7 +366,10 @@ class DaytonaTransport(Transport):
         except httpx.TimeoutException:
             raise TransportTimeout(timeout) from None
         except httpx.HTTPError as err:
-            raise self._connection_error(err, "download") from None
+            # a fast path never ends a pull: the engine falls back to exec reads
+            raise TransportError(
+                f"{self.description}: download: {type(err).__name__}: {err}"
+            ) from None
         except ProtocolError as err:
             raise TransportError(f"{self.description}: download: {err}") from None
 
