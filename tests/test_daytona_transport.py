@@ -354,3 +354,22 @@ def test_read_file_never_ends_a_pull_on_a_connection_failure() -> None:
             assert not isinstance(info.value, SandboxUnreachable)
 
     asyncio.run(main())
+
+
+def test_old_daemons_that_split_the_command_without_a_shell_run_it_too(tmp_path: Path) -> None:
+    """Before PR #3918 the daemon split ``command`` on quotes (``parseCommand``): the same
+    text still runs the argv, but empty words vanish (documented)."""
+    words = ["it's", "$(echo no)", "a  b", "x\ny", "ü", '"dq"']
+    with DaytonaEmulatorThread(tmp_path / "emu", split_command=True) as emulator:
+        emulator.create_sandbox("sb")
+
+        async def body(t: DaytonaTransport) -> tuple[bytes, bytes, int | None]:
+            r = await t.exec(["printf", "%s\\000", *words], timeout=30)
+            empty = await t.exec(["sh", "-c", 'echo "$#"', "sh", "", "x"], timeout=30)
+            assert (await t.exec(["sh", "-c", "exit 9"], timeout=30)).exit_status == 9
+            return r.stdout, empty.stdout, r.exit_status
+
+        out, empty, status = run(emulator, body)
+    assert status == 0
+    assert out.split(b"\0")[:-1] == [w.encode() for w in words]
+    assert empty == b"1\n"  # the empty word was dropped (a shell-reading daemon says 2)

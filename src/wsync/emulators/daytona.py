@@ -41,7 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from wsync.emulators.daytona_faults import DaytonaFaults, RequestPlan
-from wsync.transports.daytona_protocol import error_body, go_json_result, go_lossy
+from wsync.transports.daytona_protocol import (
+    error_body,
+    go_json_result,
+    go_lossy,
+    split_command,
+)
 
 __all__ = ["DaytonaEmulator", "DaytonaEmulatorThread", "DaytonaFaults"]
 
@@ -151,6 +156,7 @@ class DaytonaEmulator:
         port: int = 0,
         shell: str | None = None,
         hang_timeout: float = 30.0,
+        split_command: bool = False,
     ) -> None:
         self.root = Path(root)
         self.token = token
@@ -159,6 +165,8 @@ class DaytonaEmulator:
         self.port = port
         self.shell = shell or pick_shell()
         self.hang_timeout = hang_timeout
+        #: old daemons: the command is split on quotes and run without a shell
+        self.split_command = split_command
         self.stats: collections.Counter[str] = collections.Counter()
         self._server: asyncio.Server | None = None
         self._requests = 0
@@ -350,8 +358,9 @@ class DaytonaEmulator:
     ) -> tuple[int, bytes] | None:
         """Run ``command`` in the shell; (exit code, merged output), or None on timeout."""
         try:
+            argv = split_command(command) if self.split_command else [self.shell]
             proc = await asyncio.create_subprocess_exec(
-                self.shell,
+                *argv,
                 cwd=cwd,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
@@ -374,7 +383,7 @@ class DaytonaEmulator:
         async def feed() -> None:
             assert proc.stdin is not None
             with contextlib.suppress(ConnectionError):
-                proc.stdin.write(command.encode())
+                proc.stdin.write(b"" if self.split_command else command.encode())
                 await proc.stdin.drain()
                 proc.stdin.close()
 

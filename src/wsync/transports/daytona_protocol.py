@@ -104,6 +104,34 @@ def kill_argv(marker: str) -> list[str]:
     return ["sh", "-c", _KILL, "sh", token]
 
 
+def split_command(command: str) -> list[str]:
+    """How daemons before PR #3918 turn ``command`` into argv (``parseCommand``): split
+    on spaces outside ``'``/``"`` quotes, no escapes, and empty words dropped.
+
+    :func:`command_text` survives it, except for empty arguments (for the emulator).
+    """
+    args: list[str] = []
+    current: list[str] = []
+    quote = ""
+    for c in command:
+        if c in "'\"":
+            if not quote:
+                quote = c
+            elif quote == c:
+                quote = ""
+            else:
+                current.append(c)
+        elif c == " " and not quote:
+            if current:
+                args.append("".join(current))
+                current = []
+        else:
+            current.append(c)
+    if current:
+        args.append("".join(current))
+    return args
+
+
 def server_timeout(timeout: float) -> int:
     """The request's ``timeout`` field: whole seconds, at least 1 (0 means *no* timeout)."""
     return max(1, min(2**32 - 1, math.ceil(timeout)))
