@@ -24,9 +24,11 @@ from pathlib import Path
 import pytest
 
 from wsync.emulators import e2b as e2b_emulator
+from wsync.emulators.daytona import DaytonaEmulatorThread
 from wsync.emulators.sprites import EmulatorThread
 from wsync.testing.sshd import SshdServer, SshdUnavailable
 from wsync.transports.base import Transport
+from wsync.transports.daytona import DaytonaTransport
 from wsync.transports.e2b import E2BTransport
 from wsync.transports.local import LocalTransport
 from wsync.transports.sprites import SpritesTransport
@@ -109,11 +111,26 @@ def e2b_envd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2b_emulator.
         yield emulator
 
 
+@pytest.fixture(scope="session")
+def daytona_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaytonaEmulatorThread]:
+    """The Daytona toolbox emulator (faults off), for the whole session."""
+    with DaytonaEmulatorThread(tmp_path_factory.mktemp("daytona")) as emulator:
+        emulator.create_sandbox("conformance")
+        yield emulator
+
+
 def _e2b_case(request: pytest.FixtureRequest) -> TransportCase:
     emulator: e2b_emulator.EmulatorThread = request.getfixturevalue("e2b_envd")
     uri = parse("e2b://conformance/work")
     options = emulator.transport_options()
     return TransportCase("e2b", lambda: E2BTransport.from_uri(uri, options))
+
+
+def _daytona_case(request: pytest.FixtureRequest) -> TransportCase:
+    emulator: DaytonaEmulatorThread = request.getfixturevalue("daytona_emulator")
+    uri = parse("daytona://conformance/work")
+    options = emulator.transport_options()
+    return TransportCase("daytona", lambda: DaytonaTransport.from_uri(uri, options))
 
 
 #: every real transport the conformance suite must pass; one line per backend
@@ -122,6 +139,7 @@ REAL_TRANSPORTS = [
     pytest.param(_ssh_case, id="ssh", marks=pytest.mark.ssh),
     pytest.param(_sprites_case, id="sprites"),
     pytest.param(_e2b_case, id="e2b"),
+    pytest.param(_daytona_case, id="daytona"),
 ]
 
 

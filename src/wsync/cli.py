@@ -107,6 +107,17 @@ def add_transport_options(p: argparse.ArgumentParser) -> None:
         help="e2b: file holding the envd access token (default $E2B_ACCESS_TOKEN)",
     )
     g.add_argument(
+        "--daytona-url",
+        metavar="URL",
+        help="daytona: the sandbox's toolbox proxy URL (default $DAYTONA_TOOLBOX_URL or "
+        "https://proxy.app.daytona.io/toolbox)",
+    )
+    g.add_argument(
+        "--daytona-token-file",
+        metavar="FILE",
+        help="daytona: file holding the API key (default $DAYTONA_API_KEY)",
+    )
+    g.add_argument(
         "--chaos",
         metavar="SPEC",
         help="inject transport faults, for demos and testing: 'all', or e.g. 'H=0.1,T=0.1,seed=1'",
@@ -122,6 +133,8 @@ def transport_options(args: argparse.Namespace) -> dict[str, Any]:
         "token_file": args.sprites_token_file,
         "e2b_url": args.e2b_url,
         "e2b_token_file": args.e2b_token_file,
+        "daytona_url": args.daytona_url,
+        "daytona_token_file": args.daytona_token_file,
         "chaos": args.chaos,
     }
     return {k: v for k, v in pairs.items() if v is not None}
@@ -156,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  local:PATH                        this machine (the embedded default)\n"
         "  ssh://[user@]host[:port]/PATH      OpenSSH server (~/.ssh/config honoured)\n"
         "  sprites://NAME/PATH               Sprites exec API ($SPRITES_TOKEN)\n"
-        "  e2b://SANDBOX_ID/PATH             E2B envd ($E2B_ACCESS_TOKEN, $E2B_ENVD_URL)\n\n"
-        + _EPILOG_EXIT,
+        "  e2b://SANDBOX_ID/PATH             E2B envd ($E2B_ACCESS_TOKEN, $E2B_ENVD_URL)\n"
+        "  daytona://SANDBOX_ID/PATH         Daytona toolbox ($DAYTONA_API_KEY, "
+        "$DAYTONA_TOOLBOX_URL)\n\n" + _EPILOG_EXIT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI including the workspace path")
@@ -240,10 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--backend",
-        choices=("local", "sprites", "e2b"),
+        choices=("local", "sprites", "e2b", "daytona"),
         default="local",
-        help="local: fault-injecting wrapper around local:; sprites: the Sprites emulator; "
-        "e2b: the E2B envd emulator",
+        help="local: fault-injecting wrapper around local:; sprites, e2b, daytona: that "
+        "backend's emulator",
     )
     m.add_argument(
         "--dir", type=Path, default=None, help="work directory (default: a new temp dir)"

@@ -99,6 +99,13 @@ def backend(kind: str, workdir: Path, workspace: Path) -> Iterator[tuple[str, di
             envd.create_sandbox("demo")
             yield f"e2b://demo{workspace}", envd.transport_options()
         return
+    if kind == "daytona":
+        from wsync.emulators.daytona import DaytonaEmulatorThread, DaytonaFaults
+
+        with DaytonaEmulatorThread(workdir / "daytona", faults=DaytonaFaults.all_on(11)) as emu:
+            emu.create_sandbox("demo")
+            yield f"daytona://demo{workspace}", emu.transport_options()
+        return
     from wsync.emulators.sprites import EmulatorThread, SpritesFaults
 
     with EmulatorThread(workdir / "sprites", faults=SpritesFaults.all_on(seed=11)) as emu:

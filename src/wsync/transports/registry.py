@@ -21,6 +21,7 @@ SCHEMES: dict[str, str] = {
     "ssh": "wsync.transports.ssh:SshTransport",
     "sprites": "wsync.transports.sprites:SpritesTransport",
     "e2b": "wsync.transports.e2b:E2BTransport",
+    "daytona": "wsync.transports.daytona:DaytonaTransport",
 }
 
 
