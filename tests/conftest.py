@@ -23,9 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from wsync.emulators.cloudflare import EmulatorThread as CloudflareEmulatorThread
 from wsync.emulators.sprites import EmulatorThread
 from wsync.testing.sshd import SshdServer, SshdUnavailable
 from wsync.transports.base import Transport
+from wsync.transports.cloudflare import CloudflareTransport
 from wsync.transports.local import LocalTransport
 from wsync.transports.sprites import SpritesTransport
 from wsync.transports.ssh import SshTransport
@@ -99,11 +101,29 @@ def _sprites_case(request: pytest.FixtureRequest) -> TransportCase:
     return TransportCase("sprites", lambda: SpritesTransport.from_uri(uri, options))
 
 
+@pytest.fixture(scope="session")
+def cloudflare_emulator(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[CloudflareEmulatorThread]:
+    """The Cloudflare Bridge emulator (faults off) in a background thread."""
+    with CloudflareEmulatorThread(tmp_path_factory.mktemp("cloudflare")) as emulator:
+        emulator.create_sandbox("conformance")
+        yield emulator
+
+
+def _cloudflare_case(request: pytest.FixtureRequest) -> TransportCase:
+    emulator: CloudflareEmulatorThread = request.getfixturevalue("cloudflare_emulator")
+    uri = parse("cloudflare://conformance/work")
+    options = emulator.transport_options()
+    return TransportCase("cloudflare", lambda: CloudflareTransport.from_uri(uri, options))
+
+
 #: every real transport the conformance suite must pass; one line per backend
 REAL_TRANSPORTS = [
     pytest.param(_local_case, id="local"),
     pytest.param(_ssh_case, id="ssh", marks=pytest.mark.ssh),
     pytest.param(_sprites_case, id="sprites"),
+    pytest.param(_cloudflare_case, id="cloudflare"),
 ]
 
 

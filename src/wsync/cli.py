@@ -88,6 +88,16 @@ def add_transport_options(p: argparse.ArgumentParser) -> None:
         help="sprites: file holding the API token (default $SPRITES_TOKEN)",
     )
     g.add_argument(
+        "--cloudflare-url",
+        metavar="URL",
+        help="cloudflare: Sandbox Bridge base URL (default $CLOUDFLARE_SANDBOX_URL)",
+    )
+    g.add_argument(
+        "--cloudflare-token-file",
+        metavar="FILE",
+        help="cloudflare: file holding the Bridge token (default $CLOUDFLARE_SANDBOX_TOKEN)",
+    )
+    g.add_argument(
         "--chaos",
         metavar="SPEC",
         help="inject transport faults, for demos and testing: 'all', or e.g. 'H=0.1,T=0.1,seed=1'",
@@ -101,6 +111,8 @@ def transport_options(args: argparse.Namespace) -> dict[str, Any]:
         "ssh_config": args.ssh_config,
         "sprites_url": args.sprites_url,
         "token_file": args.sprites_token_file,
+        "cloudflare_url": args.cloudflare_url,
+        "cloudflare_token_file": args.cloudflare_token_file,
         "chaos": args.chaos,
     }
     return {k: v for k, v in pairs.items() if v is not None}
@@ -134,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="SANDBOX forms:\n"
         "  local:PATH                        this machine (the embedded default)\n"
         "  ssh://[user@]host[:port]/PATH      OpenSSH server (~/.ssh/config honoured)\n"
-        "  sprites://NAME/PATH               Sprites exec API ($SPRITES_TOKEN)\n\n" + _EPILOG_EXIT,
+        "  sprites://NAME/PATH               Sprites exec API ($SPRITES_TOKEN)\n"
+        "  cloudflare://SANDBOX_ID/PATH      Cloudflare Sandbox Bridge ($CLOUDFLARE_SANDBOX_URL,\n"
+        "                                    $CLOUDFLARE_SANDBOX_TOKEN)\n\n" + _EPILOG_EXIT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI including the workspace path")
@@ -217,9 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--backend",
-        choices=("local", "sprites"),
+        choices=("local", "sprites", "cloudflare"),
         default="local",
-        help="local: fault-injecting wrapper around local:; sprites: the Sprites emulator",
+        help="local: fault-injecting wrapper around local:; sprites, cloudflare: their emulators",
     )
     m.add_argument(
         "--dir", type=Path, default=None, help="work directory (default: a new temp dir)"

@@ -20,6 +20,7 @@ SCHEMES: dict[str, str] = {
     "local": "wsync.transports.local:LocalTransport",
     "ssh": "wsync.transports.ssh:SshTransport",
     "sprites": "wsync.transports.sprites:SpritesTransport",
+    "cloudflare": "wsync.transports.cloudflare:CloudflareTransport",
 }
 
 
