@@ -146,7 +146,7 @@ def test_bodies_and_paths() -> None:
         file_path("a/b", "/x")
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.lists(st.tuples(st.sampled_from(["stdout", "stderr"]), st.text(max_size=300)), max_size=12),
     st.integers(0, 2**31 - 1),
@@ -171,7 +171,7 @@ def test_any_split_gives_the_same_result(
     assert result.exit_status == code
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=400))
 def test_garbage_raises_only_protocol_error(data: bytes) -> None:
     parser, collector = SSEParser(max_event=256), ExecCollector(1000)

@@ -305,12 +305,19 @@ class _Exec:
     async def stream(self) -> str:
         """Write events until the exit; returns "keep", "detach", "kill" or "severed"."""
         plan, idle = self.plan, self.emu.faults.idle_close
+        loop = asyncio.get_running_loop()
+        cut_at = None if plan.early_exit_after is None else loop.time() + plan.early_exit_after
         held: tuple[str, Any] | None = None
         while True:
+            wait = idle
+            if cut_at is not None:
+                wait = min(wait if wait is not None else 1e9, max(cut_at - loop.time(), 0.0))
             try:
-                async with asyncio.timeout(idle):
+                async with asyncio.timeout(wait):
                     kind, value = await self.queue.get()
             except TimeoutError:
+                if cut_at is not None and loop.time() >= cut_at:
+                    return await self.fire("early_exit", None)  # the command runs on
                 self.emu.stats["idle_close"] += 1
                 self.writer.write(http.LAST_CHUNK)
                 return "kill"

@@ -60,8 +60,10 @@ class CloudflareFaults:
     split: float = 0.0
     #: stream faults fire after a uniform number of output bytes in [0, this]
     max_fault_bytes: int = 256 * KiB
-    #: the made-up exit comes after at least this many bytes (a "long" command)
+    #: the made-up exit comes after at least this many bytes
     early_exit_min_bytes: int = 0
+    #: or, when set, once a stream has been open this many seconds (a "long" command)
+    early_exit_after: float | None = None
     file_truncate: float = 0.0
     file_short: float = 0.0
     file_unavailable: float = 0.0
@@ -100,9 +102,18 @@ class CloudflareFaults:
         )
 
     @classmethod
-    def seed_report(cls) -> CloudflareFaults:
-        """Deterministic #873: every stream ends with a made-up exit 0 after 64 KiB."""
-        return cls(early_exit=1.0, early_exit_min_bytes=64 * KiB, max_fault_bytes=64 * KiB)
+    def seed_report(cls, after: float = 0.5) -> CloudflareFaults:
+        """Deterministic #873: a stream open ``after`` seconds ends with a made-up exit 0.
+
+        The report: long-lived commands (minutes, JSONL output) hit it, short ones
+        almost never; so the trigger is time, and wsync's short reads mostly pass.
+        """
+        return cls(early_exit=1.0, early_exit_after=after)
+
+    @classmethod
+    def cut_at(cls, nbytes: int) -> CloudflareFaults:
+        """Every stream ends with a made-up exit 0 after ``nbytes`` of output."""
+        return cls(early_exit=1.0, early_exit_min_bytes=nbytes, max_fault_bytes=nbytes)
 
     def plan(self, rng: random.Random) -> ExecPlan:
         def hit(p: float) -> bool:
@@ -112,8 +123,11 @@ class CloudflareFaults:
             return rng.randint(min(low, self.max_fault_bytes), self.max_fault_bytes)
 
         hang = hit(self.hang)
+        early = hit(self.early_exit)
+        timed = early and self.early_exit_after is not None
         return ExecPlan(
-            early_exit_at=at(self.early_exit_min_bytes) if hit(self.early_exit) else None,
+            early_exit_at=at(self.early_exit_min_bytes) if early and not timed else None,
+            early_exit_after=self.early_exit_after if timed else None,
             zero_exit=hit(self.zero_exit),
             line_mode=hit(self.line_mode),
             drop_long_lines=hit(self.drop_long_lines),
@@ -137,6 +151,7 @@ class ExecPlan:
     """The faults drawn for one request."""
 
     early_exit_at: int | None
+    early_exit_after: float | None
     zero_exit: bool
     line_mode: bool
     drop_long_lines: bool
