@@ -49,6 +49,13 @@ def run_with(case: TransportCase, body: Callable[[Transport], Awaitable[T]]) -> 
     return asyncio.run(main())
 
 
+def needs(t: Transport, *what: str) -> None:
+    """Skip a check that the transport's declared capabilities rule out (no stdin...)."""
+    missing = [name for name in what if not getattr(t.capabilities, name)]
+    if missing:
+        pytest.skip(f"{t.scheme} declares no {', '.join(missing)}")
+
+
 AWKWARD = [
     "plain",
     "two words",
@@ -87,22 +94,14 @@ def test_argv_round_trips_exactly(transport_case: TransportCase) -> None:
     assert not Path("/tmp/wsync-should-not-exist").exists()
 
 
-def require(case: TransportCase, *needs: str) -> None:
-    """Skip a test of what this transport declares it cannot carry (its Capabilities)."""
-    caps = case.make().capabilities
-    missing = [need for need in needs if not getattr(caps, need)]
-    if missing:
-        pytest.skip(f"{case.name} declares no {', '.join(missing)}")
-
-
 def test_binary_stdout_and_stdin_are_exact(transport_case: TransportCase, tmp_path: Path) -> None:
-    require(transport_case, "stdin", "binary_safe")
     pattern = bytes(range(256)) * 4096 * 3  # 3 MiB, every byte value, incl. NUL, \r, \n
     noise = random.Random(7).randbytes(1 << 20)
     payload = pattern + noise
     target = tmp_path / "blob"
 
     async def body(t: Transport) -> None:
+        needs(t, "stdin", "binary_safe")
         # stdin -> file, then file -> stdout: both directions, several MB
         up = await t.exec(
             ["sh", "-c", 'cat > "$1"', "sh", str(target)], stdin=payload, timeout=GENEROUS
@@ -121,9 +120,8 @@ def test_binary_stdout_and_stdin_are_exact(transport_case: TransportCase, tmp_pa
 
 
 def test_stdin_is_delivered_then_closed(transport_case: TransportCase) -> None:
-    require(transport_case, "stdin")
-
     async def body(t: Transport) -> None:
+        needs(t, "stdin")
         # waits for one line before printing anything: the engine's stdin gate
         gated = await t.exec(
             ["sh", "-c", 'read -r line; printf "got:%s" "$line"'],

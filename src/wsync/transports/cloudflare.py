@@ -114,7 +114,7 @@ class CloudflareTransport(Transport):
         cwd: str | None = None,
         connect_timeout: float = 15.0,
         drain_timeout: float = 0.5,
-        retry_delay: float = 0.25,
+        retry_delay: float = 0.1,
     ) -> None:
         self.sandbox_id = check_sandbox_id(sandbox_id)
         parts = urllib.parse.urlsplit(base_url)
