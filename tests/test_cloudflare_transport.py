@@ -201,3 +201,27 @@ def test_options_and_environment_resolution(
         CloudflareTransport.from_uri(uri, {"cloudflare_url": "ftp://x"})
     with pytest.raises(UsageError, match="no user or port"):
         CloudflareTransport.from_uri(parse("cloudflare://u@box:99/w"), {})
+
+
+def test_daemon_sandbox_config_gives_the_token_by_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's ``[sandboxes.X]``: the URL as an option, the token as ``env:``/``file:``."""
+    from wsync.daemon.config import SandboxConfig, resolve_transport_options
+
+    monkeypatch.setenv("MY_CF_TOKEN", TOKEN)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+
+    async def body(emu: CloudflareEmulator, t: CloudflareTransport, box: Path) -> None:
+        for ref in ("env:MY_CF_TOKEN", f"file:{token_file}"):
+            config = SandboxConfig(
+                uri=f"cloudflare://Box-1{box}",
+                options={"cloudflare_url": emu.url},
+                secrets={"cloudflare_token": ref},
+            )
+            _, daemon_t = open_transport(config.uri, resolve_transport_options(config))
+            async with daemon_t:
+                assert (await daemon_t.exec(["echo", "ok"], timeout=20)).stdout == b"ok\n"
+
+    with_emulator(tmp_path, body)

@@ -121,6 +121,9 @@ class ExecStream:
         else:
             self.emu.procs.add(self.proc)
         self.runner = asyncio.create_task(self.run_process())
+        # tracked so that stop() ends it (a detached command may outlive its stream)
+        self.emu.background.add(self.runner)
+        self.runner.add_done_callback(self.emu.background.discard)
 
     async def pump(self, name: str, stream: asyncio.StreamReader) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
