@@ -225,3 +225,32 @@ def test_daemon_sandbox_config_gives_the_token_by_reference(
                 assert (await daemon_t.exec(["echo", "ok"], timeout=20)).stdout == b"ok\n"
 
     with_emulator(tmp_path, body)
+
+
+def test_a_login_page_instead_of_the_bridge_is_unreachable_not_retried() -> None:
+    """A 200 that is not an event stream (an Access login page, a wrong URL) is exit 3."""
+    page = b"<html>Sign in</html>"
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(page), page)
+        )
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        options = {"cloudflare_url": f"http://127.0.0.1:{port}", "cloudflare_token": "t"}
+        _, t = open_transport("cloudflare://b/w", options)
+        try:
+            async with t:
+                with pytest.raises(SandboxUnreachable, match="not an event stream"):
+                    await t.exec(["true"], timeout=10)
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())

@@ -234,6 +234,15 @@ class CloudflareTransport(Transport):
                         log.debug("cloudflare %s: 503 before the stream", self.sandbox_id)
                     elif response.status_code != 200:
                         self._status_error(response, await response.aread(), "exec")
+                    elif not response.headers.get("content-type", "").startswith(
+                        "text/event-stream"
+                    ):
+                        # e.g. an Access login page in front of the worker: not a Bridge
+                        kind = response.headers.get("content-type", "no content type")[:60]
+                        raise SandboxUnreachable(
+                            f"{self.description}: {self.base_url} answered {kind}, "
+                            "not an event stream (is this the Bridge URL?)"
+                        )
                     else:
                         return await self._collect(response, max_output)
             except httpx.HTTPError as err:
@@ -245,7 +254,7 @@ class CloudflareTransport(Transport):
     async def _collect(self, response: httpx.Response, max_output: int) -> ExecResult:
         parser = SSEParser()
         collector = ExecCollector(max_output)
-        chunks = response.aiter_raw().__aiter__()
+        chunks = response.aiter_bytes().__aiter__()
         loop = asyncio.get_running_loop()
         drain_until: float | None = None
         while True:
@@ -309,7 +318,7 @@ class CloudflareTransport(Transport):
                 if response.status_code != 200:
                     self._status_error(response, await response.aread(), f"read of {path}")
                 skip = offset
-                async for chunk in response.aiter_raw():
+                async for chunk in response.aiter_bytes():
                     if skip:
                         cut = min(skip, len(chunk))
                         chunk, skip = chunk[cut:], skip - cut
