@@ -24,10 +24,12 @@ from pathlib import Path
 import pytest
 
 from wsync.emulators import e2b as e2b_emulator
+from wsync.emulators.cloudflare import EmulatorThread as CloudflareEmulatorThread
 from wsync.emulators.daytona import DaytonaEmulatorThread
 from wsync.emulators.sprites import EmulatorThread
 from wsync.testing.sshd import SshdServer, SshdUnavailable
 from wsync.transports.base import Transport
+from wsync.transports.cloudflare import CloudflareTransport
 from wsync.transports.daytona import DaytonaTransport
 from wsync.transports.e2b import E2BTransport
 from wsync.transports.local import LocalTransport
@@ -112,6 +114,16 @@ def e2b_envd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2b_emulator.
 
 
 @pytest.fixture(scope="session")
+def cloudflare_emulator(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[CloudflareEmulatorThread]:
+    """The Cloudflare Bridge emulator (faults off) in a background thread."""
+    with CloudflareEmulatorThread(tmp_path_factory.mktemp("cloudflare")) as emulator:
+        emulator.create_sandbox("conformance")
+        yield emulator
+
+
+@pytest.fixture(scope="session")
 def daytona_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaytonaEmulatorThread]:
     """The Daytona toolbox emulator (faults off), for the whole session."""
     with DaytonaEmulatorThread(tmp_path_factory.mktemp("daytona")) as emulator:
@@ -133,6 +145,13 @@ def _daytona_case(request: pytest.FixtureRequest) -> TransportCase:
     return TransportCase("daytona", lambda: DaytonaTransport.from_uri(uri, options))
 
 
+def _cloudflare_case(request: pytest.FixtureRequest) -> TransportCase:
+    emulator: CloudflareEmulatorThread = request.getfixturevalue("cloudflare_emulator")
+    uri = parse("cloudflare://conformance/work")
+    options = emulator.transport_options()
+    return TransportCase("cloudflare", lambda: CloudflareTransport.from_uri(uri, options))
+
+
 #: every real transport the conformance suite must pass; one line per backend
 REAL_TRANSPORTS = [
     pytest.param(_local_case, id="local"),
@@ -140,6 +159,7 @@ REAL_TRANSPORTS = [
     pytest.param(_sprites_case, id="sprites"),
     pytest.param(_e2b_case, id="e2b"),
     pytest.param(_daytona_case, id="daytona"),
+    pytest.param(_cloudflare_case, id="cloudflare"),
 ]
 
 

@@ -118,6 +118,16 @@ def add_transport_options(p: argparse.ArgumentParser) -> None:
         help="daytona: file holding the API key (default $DAYTONA_API_KEY)",
     )
     g.add_argument(
+        "--cloudflare-url",
+        metavar="URL",
+        help="cloudflare: Sandbox Bridge base URL (default $CLOUDFLARE_SANDBOX_URL)",
+    )
+    g.add_argument(
+        "--cloudflare-token-file",
+        metavar="FILE",
+        help="cloudflare: file holding the Bridge token (default $CLOUDFLARE_SANDBOX_TOKEN)",
+    )
+    g.add_argument(
         "--chaos",
         metavar="SPEC",
         help="inject transport faults, for demos and testing: 'all', or e.g. 'H=0.1,T=0.1,seed=1'",
@@ -135,6 +145,8 @@ def transport_options(args: argparse.Namespace) -> dict[str, Any]:
         "e2b_token_file": args.e2b_token_file,
         "daytona_url": args.daytona_url,
         "daytona_token_file": args.daytona_token_file,
+        "cloudflare_url": args.cloudflare_url,
+        "cloudflare_token_file": args.cloudflare_token_file,
         "chaos": args.chaos,
     }
     return {k: v for k, v in pairs.items() if v is not None}
@@ -171,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  sprites://NAME/PATH               Sprites exec API ($SPRITES_TOKEN)\n"
         "  e2b://SANDBOX_ID/PATH             E2B envd ($E2B_ACCESS_TOKEN, $E2B_ENVD_URL)\n"
         "  daytona://SANDBOX_ID/PATH         Daytona toolbox ($DAYTONA_API_KEY, "
-        "$DAYTONA_TOOLBOX_URL)\n\n" + _EPILOG_EXIT,
+        "$DAYTONA_TOOLBOX_URL)\n"
+        "  cloudflare://SANDBOX_ID/PATH      Cloudflare Sandbox Bridge ($CLOUDFLARE_SANDBOX_URL,\n"
+        "                                    $CLOUDFLARE_SANDBOX_TOKEN)\n\n" + _EPILOG_EXIT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI including the workspace path")
@@ -254,10 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--backend",
-        choices=("local", "sprites", "e2b", "daytona"),
+        choices=("local", "sprites", "e2b", "daytona", "cloudflare"),
         default="local",
-        help="local: fault-injecting wrapper around local:; sprites, e2b, daytona: that "
-        "backend's emulator",
+        help="local: fault-injecting wrapper around local:; the others: that "
+        "backend's emulator with its field faults on",
     )
     m.add_argument(
         "--dir", type=Path, default=None, help="work directory (default: a new temp dir)"

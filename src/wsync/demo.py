@@ -106,6 +106,14 @@ def backend(kind: str, workdir: Path, workspace: Path) -> Iterator[tuple[str, di
             emu.create_sandbox("demo")
             yield f"daytona://demo{workspace}", emu.transport_options()
         return
+    if kind == "cloudflare":
+        from wsync.emulators.cloudflare import CloudflareFaults
+        from wsync.emulators.cloudflare import EmulatorThread as Bridge
+
+        with Bridge(workdir / "cloudflare", faults=CloudflareFaults.all_on(seed=11)) as bridge:
+            bridge.create_sandbox("demo")
+            yield f"cloudflare://demo{workspace}", bridge.transport_options()
+        return
     from wsync.emulators.sprites import EmulatorThread, SpritesFaults
 
     with EmulatorThread(workdir / "sprites", faults=SpritesFaults.all_on(seed=11)) as emu:

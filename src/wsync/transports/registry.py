@@ -22,6 +22,7 @@ SCHEMES: dict[str, str] = {
     "sprites": "wsync.transports.sprites:SpritesTransport",
     "e2b": "wsync.transports.e2b:E2BTransport",
     "daytona": "wsync.transports.daytona:DaytonaTransport",
+    "cloudflare": "wsync.transports.cloudflare:CloudflareTransport",
 }
 
 

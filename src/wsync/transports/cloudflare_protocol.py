@@ -1,0 +1,315 @@
+"""The Cloudflare Sandbox Bridge wire format, sans-I/O: SSE events, paths, one exec's result.
+
+Both ends use this module: the client (:mod:`wsync.transports.cloudflare`) and the
+emulator (:mod:`wsync.emulators.cloudflare`), so the emulator cannot speak a dialect
+the client happens to accept, and the codec can be fuzzed without sockets.
+
+The Bridge worker (``packages/sandbox/src/bridge/routes.ts`` in cloudflare/sandbox-sdk):
+
+* ``POST {base}/v1/sandbox/{id}/exec`` with ``{"argv": [...], "timeout_ms": N,
+  "cwd": "/workspace..."}`` answers ``text/event-stream`` with *named* events::
+
+      event: stdout\\ndata: <base64>\\n\\n
+      event: stderr\\ndata: <base64>\\n\\n
+      event: exit\\ndata: {"exit_code":0}\\n\\n
+      event: error\\ndata: {"error":"...","code":"exec_error"}\\n\\n
+
+  The base64 encodes the UTF-8 of an already *decoded* string: invalid bytes are
+  U+FFFD before they reach us, so this channel is text, not bytes.
+* ``GET {base}/v1/sandbox/{id}/file/<abs-path-without-leading-slash>``: raw bytes,
+  403 outside ``/workspace``.
+
+:class:`SSEParser` follows the WHATWG event-stream rules (``\\r\\n``, ``\\r`` or ``\\n``
+line ends, ``field:value`` with an optional space, comments, multi-line ``data``)
+and bounds memory.  :class:`ExecCollector` turns one exec's events into an honest
+:class:`~wsync.transports.base.ExecResult`: no ``exit`` event means
+``exit_status=None``, never 0.  Bad input raises :class:`ProtocolError` and nothing else.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import json
+import re
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any
+
+from wsync.errors import ProtocolError, UsageError
+from wsync.transports.base import ExecResult
+
+#: one event's fields may not exceed this (a server streaming one endless line is hostile)
+MAX_EVENT = 32 * 1024 * 1024
+#: the Bridge's ``Session-Id`` header syntax
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+EXEC_PATH = "/v1/sandbox/{id}/exec"
+FILE_PREFIX = "/v1/sandbox/{id}/file/"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Event:
+    """One dispatched SSE event: its name (``message`` when none was given) and data."""
+
+    name: str
+    data: str
+
+
+class SSEParser:
+    """Incremental ``text/event-stream`` parser: feed bytes, get whole events."""
+
+    def __init__(self, max_event: int = MAX_EVENT) -> None:
+        self.max_event = max_event
+        self._buf = bytearray()
+        self._name = ""
+        self._data: list[str] = []
+        self._size = 0
+
+    @property
+    def pending(self) -> bool:
+        """Bytes or fields of an undispatched event are held (the stream stopped mid-event)."""
+        return bool(self._buf) or bool(self._data) or bool(self._name)
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        held_cr = self._buf.endswith(b"\r")
+        self._buf += chunk
+        if not held_cr and b"\n" not in chunk and b"\r" not in chunk:
+            # still inside one line: no copy of the growing buffer (no quadratic time)
+            if len(self._buf) > self.max_event:
+                raise ProtocolError(f"SSE line longer than {self.max_event} bytes", "oversized")
+            return []
+        data = bytes(self._buf)
+        tail = b""
+        if b"\r" in data:
+            if data.endswith(b"\r"):  # may be the first half of a CRLF: decide next time
+                data, tail = data[:-1], b"\r"
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        lines = data.split(b"\n")
+        rest = lines.pop()
+        if len(rest) > self.max_event:
+            raise ProtocolError(f"SSE line longer than {self.max_event} bytes", "oversized")
+        self._buf = bytearray(rest + tail)
+        events = []
+        for line in lines:
+            event = self._line(line)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def _line(self, raw: bytes) -> Event | None:
+        if not raw:
+            data = "\n".join(self._data)
+            name = self._name or "message"
+            self._name, self._data, self._size = "", [], 0
+            # the spec dispatches nothing for an empty data buffer
+            return Event(name, data) if data else None
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError("SSE line is not UTF-8", "malformed") from None
+        if line.startswith(":"):
+            return None  # comment / heartbeat
+        field, sep, value = line.partition(":")
+        if sep and value.startswith(" "):
+            value = value[1:]
+        if field == "event":
+            self._name = value
+        elif field == "data":
+            self._size += len(raw)
+            if self._size > self.max_event:
+                raise ProtocolError(f"SSE event larger than {self.max_event} bytes", "oversized")
+            self._data.append(value)
+        # id, retry and unknown fields are ignored, as the spec says
+        return None
+
+
+def encode_event(name: str, data: str) -> bytes:
+    """One SSE event as the Bridge writes it (single-line data)."""
+    if "\n" in data or "\r" in data or "\n" in name or "\r" in name:
+        raise ValueError("SSE field values are single lines here")
+    return f"event: {name}\ndata: {data}\n\n".encode()
+
+
+def encode_output(name: str, text: str) -> bytes:
+    """A ``stdout``/``stderr`` event: base64 of the UTF-8 of already decoded text."""
+    payload = base64.b64encode(text.encode("utf-8", "surrogatepass")).decode("ascii")
+    return encode_event(name, payload)
+
+
+def encode_exit(code: int | None) -> bytes:
+    """``exit``; the Bridge writes ``exitCode ?? 0``, so ``None`` is sent as 0."""
+    body = {"exit_code": 0 if code is None else code}
+    return encode_event("exit", json.dumps(body, separators=(",", ":")))
+
+
+def encode_error(message: str, code: str = "exec_error") -> bytes:
+    return encode_event(
+        "error", json.dumps({"error": message, "code": code}, separators=(",", ":"))
+    )
+
+
+def exec_body(argv: Sequence[str], *, timeout_ms: int, cwd: str | None = None) -> bytes:
+    if not argv:
+        raise UsageError("empty argv")
+    body: dict[str, Any] = {"argv": list(argv), "timeout_ms": timeout_ms}
+    if cwd is not None:
+        body["cwd"] = cwd
+    return json.dumps(body).encode()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExecRequest:
+    argv: list[str]
+    timeout_ms: int | None
+    cwd: str | None
+
+
+def parse_exec_body(raw: bytes) -> ExecRequest:
+    """The emulator's side of :func:`exec_body`; anything off is a ProtocolError (HTTP 400)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ProtocolError("invalid JSON body") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("body must be a JSON object")
+    argv = body.get("argv")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise ProtocolError("argv must be a non-empty array of strings")
+    timeout = body.get("timeout_ms")
+    if timeout is not None and (not isinstance(timeout, int) or timeout <= 0):
+        raise ProtocolError("timeout_ms must be a positive integer")
+    cwd = body.get("cwd")
+    if cwd is not None and not isinstance(cwd, str):
+        raise ProtocolError("cwd must be a string")
+    return ExecRequest(argv, timeout, cwd)
+
+
+def check_sandbox_id(sandbox_id: str) -> str:
+    if not sandbox_id or len(sandbox_id) > 255 or not sandbox_id.isprintable() or "/" in sandbox_id:
+        raise UsageError(f"bad Cloudflare sandbox id {sandbox_id!r}")
+    return sandbox_id
+
+
+def exec_path(sandbox_id: str) -> str:
+    return EXEC_PATH.format(id=urllib.parse.quote(check_sandbox_id(sandbox_id), safe=""))
+
+
+def file_path(sandbox_id: str, path: str) -> str:
+    if not path.startswith("/"):
+        raise UsageError(f"file API paths are absolute: {path!r}")
+    prefix = FILE_PREFIX.format(id=urllib.parse.quote(check_sandbox_id(sandbox_id), safe=""))
+    return prefix + urllib.parse.quote(path.lstrip("/"), safe="/")
+
+
+def split_route(path: str) -> tuple[str, str, str] | None:
+    """``(sandbox_id, "exec"|"file", rest)`` for a request path, or None (unknown route).
+
+    ``path`` is the still-quoted request path; ``rest`` is the unquoted file path.
+    """
+    parts = path.split("/", 5)
+    if len(parts) < 5 or parts[:3] != ["", "v1", "sandbox"]:
+        return None
+    try:
+        sandbox_id = urllib.parse.unquote(parts[3], errors="strict")
+        if parts[4] == "exec" and len(parts) == 5:
+            return sandbox_id, "exec", ""
+        if parts[4] == "file" and len(parts) == 6:
+            return sandbox_id, "file", "/" + urllib.parse.unquote(parts[5], errors="strict")
+    except UnicodeDecodeError:
+        return None
+    return None
+
+
+class ExecFailed(ProtocolError):
+    """The Bridge sent an ``error`` event: the exec failed on its side (retryable)."""
+
+    template = "{}"
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(f"bridge error event ({code}): {message}", "error-event")
+        self.code = code
+
+
+class ExecCollector:
+    """One exec's events into an :class:`ExecResult`, honestly.
+
+    Each of stdout and stderr keeps at most ``max_output`` bytes; the rest is
+    dropped and ``truncated`` set.  Output after the ``exit`` event is kept and
+    noted; an ``error`` event raises :class:`ExecFailed`.
+    """
+
+    def __init__(self, max_output: int) -> None:
+        if max_output < 0:
+            raise ValueError("max_output must be >= 0")
+        self.max_output = max_output
+        self._out = {"stdout": bytearray(), "stderr": bytearray()}
+        self.exit_status: int | None = None
+        self.truncated = False
+        self._notes: list[str] = []
+
+    @property
+    def exited(self) -> bool:
+        return self.exit_status is not None
+
+    def note(self, text: str) -> None:
+        if text not in self._notes:
+            self._notes.append(text)
+
+    def feed(self, event: Event) -> None:
+        if event.name in self._out:
+            try:
+                data = base64.b64decode(event.data, validate=True)
+            except (binascii.Error, ValueError):
+                raise ProtocolError(f"{event.name} event is not base64", "malformed") from None
+            if self.exited and data:
+                self.note("data after exit event")
+            buf = self._out[event.name]
+            room = self.max_output - len(buf)
+            if len(data) > room:
+                self.truncated = True
+            buf += data[: max(room, 0)]
+        elif event.name == "exit":
+            code = _json_object(event)["exit_code"] if event.data else None
+            if isinstance(code, bool) or not isinstance(code, int):
+                raise ProtocolError(f"exit event without an integer exit_code: {event.data[:80]!r}")
+            if self.exit_status is None:
+                self.exit_status = code
+            elif code != self.exit_status:
+                self.note(f"conflicting exit events ({self.exit_status}, then {code})")
+        elif event.name == "error":
+            try:
+                body = _json_object(event)
+            except ProtocolError:
+                body = {"error": event.data[:200]}
+            raise ExecFailed(str(body.get("error", ""))[:200], str(body.get("code", "?"))[:40])
+        else:
+            self.note(f"unknown event {event.name[:40]!r} ignored")
+
+    def ended(self, *, mid_event: bool) -> None:
+        """The body ended cleanly; ``mid_event``: it stopped inside an event."""
+        if mid_event:
+            self.note("stream ended inside an event")
+        if not self.exited:
+            self.note("stream ended without exit event")
+
+    def result(self) -> ExecResult:
+        return ExecResult(
+            stdout=bytes(self._out["stdout"]),
+            stderr=bytes(self._out["stderr"]),
+            exit_status=self.exit_status,
+            truncated=self.truncated,
+            notes=tuple(self._notes),
+        )
+
+
+def _json_object(event: Event) -> dict[str, Any]:
+    try:
+        body = json.loads(event.data)
+    except ValueError:
+        raise ProtocolError(f"{event.name} event is not JSON: {event.data[:80]!r}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{event.name} event is not a JSON object")
+    if event.name == "exit" and "exit_code" not in body:
+        raise ProtocolError("exit event without exit_code")
+    return body
