@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -134,57 +133,65 @@ def test_busybox_guest_cannot_reread_so_it_fails_clearly(tmp_path: Path, workspa
     assert not (tmp_path / "out").exists()
 
 
-_VERSIONS = [os.urandom(4 * 1024 * 1024), bytes(4 * 1024 * 1024)]  # random, zeros
+_WRITER = """
+import os, sys
+target, a, b = sys.argv[1], os.urandom(4 << 20), bytes(4 << 20)
+n = 0
+while True:
+    with open(target, "wb") as f:  # truncate, then two writes: three states a reader can see
+        v = (a, b)[n % 2]
+        f.write(v[: 1 << 20])
+        f.write(v[1 << 20 :])
+    n += 1
+"""
 
 
 @pytest.fixture
 def racing_writer(workspace: Path) -> Iterator[Path]:
-    """A real writer that rewrites a 4 MiB file (truncate, then write twice) without pause."""
+    """A real writer process that rewrites a 4 MiB file without pause (its own process, so
+    it races the guest's tar whatever the test process is doing)."""
     target = workspace / "busy.bin"
-    target.write_bytes(_VERSIONS[0])
-    stop = threading.Event()
-
-    def write() -> None:
-        data = _VERSIONS
-        n = 0
-        while not stop.is_set():
-            with target.open("wb") as f:
-                f.write(data[n % 2][: 1024 * 1024])
-                f.write(data[n % 2][1024 * 1024 :])
-            n += 1
-
-    thread = threading.Thread(target=write, daemon=True)
-    thread.start()
+    target.write_bytes(bytes(4 << 20))
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(target)])
     yield target
-    stop.set()
-    thread.join(timeout=30)
+    proc.kill()
+    proc.wait(timeout=30)
 
 
-def test_a_real_racing_writer_fails_the_pull_naming_the_file(
+def test_a_real_racing_writer_is_exact_or_fails_naming_the_file(
     tmp_path: Path, workspace: Path, racing_writer: Path
 ) -> None:
+    """Exact or a clear failure, never a torn file: nearly always the file never settles
+    (exit 24); should a loaded machine starve the writer for a whole round, the file was
+    read while still, so DEST holds one of the states the writer left it in."""
     dest = tmp_path / "out"
-    with pytest.raises(UnstableFiles, match=r"busy\.bin"):
+    try:
         run_pull(local(), workspace, dest, options(tmp_path))
-    assert not dest.exists()
+    except UnstableFiles as exc:
+        assert "busy.bin" in str(exc)
+        assert not dest.exists()
+        return
+    data = (dest / "busy.bin").read_bytes()
+    assert len(data) in (0, 1 << 20, 4 << 20)
+    assert data in (b"", bytes(len(data))) or data.count(0) < len(data) // 2
 
 
-def test_cli_best_effort_json_lists_the_racing_file(
-    tmp_path: Path, workspace: Path, racing_writer: Path
-) -> None:
+def test_cli_exit_24_and_best_effort_json(tmp_path: Path, workspace: Path) -> None:
+    bindir = tmp_path / "wrapped-tar"
+    _writer_around_tar(tmp_path, 'real_tar "$@"; rc=$?\necho "write $N" >> "$WS/log.txt"\nexit $rc')
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
     dest = tmp_path / "out"
     base = [sys.executable, "-m", "wsync", "pull", f"local:{workspace}", str(dest)]
     base += ["--state-dir", str(tmp_path / "state"), "--staging-dir", str(tmp_path / "stg")]
-    proc = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 24, proc.stderr
-    assert json.loads(proc.stdout)["error_kind"] == "unstable"
+    failed = json.loads(proc.stdout)
+    assert failed["error_kind"] == "unstable" and "log.txt" in failed["error"]
     proc = subprocess.run(
-        [*base, "--json", "--best-effort"], capture_output=True, text=True, timeout=300
+        [*base, "--json", "--best-effort"], capture_output=True, text=True, timeout=300, env=env
     )
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout)
-    assert result["unstable_files"] == ["'busy.bin'"]
-    assert (dest / "busy.bin").stat().st_size <= 4 * 1024 * 1024
+    assert json.loads(proc.stdout)["unstable_files"] == ["'log.txt'"]
 
 
 # -- the host side: later archives of the stream, the gone list --------------------------------
