@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import time
 from collections.abc import Sequence
 
 from wsync.errors import TransportError, TransportTimeout, UsageError
@@ -73,6 +74,9 @@ class FaultPlan:
     ring: int = 0
     #: how long a hang lasts at most before the timeout is raised, seconds
     hang: float = 1.0
+    #: seconds ``aclose`` spends blocked in a worker thread, as a hung name lookup
+    #: or socket teardown does (0: off); makes the end of a pull slow on purpose
+    close: float = 0.0
 
     def __post_init__(self) -> None:
         bad = set(self.failure_map) - set(FAULT_CODES + CLEAN)
@@ -84,7 +88,7 @@ class FaultPlan:
 
     @classmethod
     def parse(cls, spec: str) -> FaultPlan:
-        """Parse ``all``, ``none`` or ``K=V,...`` (codes, map, seed, ring, hang)."""
+        """Parse ``all``, ``none`` or ``K=V,...`` (codes, map, seed, ring, hang, close)."""
         plan: dict[str, object] = {"rates": {}}
         rates: dict[str, float] = {}
         for item in filter(None, (p.strip() for p in spec.split(","))):
@@ -99,7 +103,7 @@ class FaultPlan:
                     plan["failure_map"] = value
                 elif key in ("seed", "ring"):
                     plan[key] = int(value)
-                elif key == "hang":
+                elif key in ("hang", "close"):
                     plan[key] = float(value)
                 elif key in FAULT_CODES:
                     rates[key] = float(value)
@@ -141,6 +145,8 @@ class ChaosTransport(Transport):
         return f"{self.inner.description} (fault injection on)"
 
     async def aclose(self) -> None:
+        if self.plan.close > 0:
+            await asyncio.to_thread(time.sleep, self.plan.close)
         await self.inner.aclose()
 
     async def exec(
