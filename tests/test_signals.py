@@ -16,7 +16,9 @@ import random
 import select
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,24 @@ from test_cli import pull_argv, wait_for_chunks
 #: a stop that takes longer than this is a hang (the wind-down faults below last 120 s)
 STOP_DEADLINE = 60.0
 SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+@pytest.fixture(autouse=True)
+def _signals_not_ignored() -> Iterator[None]:
+    """The pulls here meet signals as a foreground command does.
+
+    A shell without job control starts background jobs with SIGINT ignored;
+    children inherit that, and wsync (like Python) then leaves SIGINT ignored
+    (see test_an_ignored_sigint_stays_ignored).  A test run started that way
+    must not make these tests fail.
+    """
+    old = signal.getsignal(signal.SIGINT)
+    if old == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def make_workspace(root: Path, seed: int, blobs: int) -> Path:
@@ -239,3 +259,29 @@ def test_a_slow_wind_down_is_cut_at_the_grace_period(tmp_path: Path) -> None:
     assert code == 130, err
     assert "Traceback" not in err and "stopped at once" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_ignored_sigint_stays_ignored(tmp_path: Path) -> None:
+    """A command started with SIGINT ignored (a background job of a script) keeps
+    it ignored, as Python itself does; SIGTERM still stops it."""
+    ws = make_workspace(tmp_path / "ws", 4, blobs=2)
+    state = tmp_path / "state"
+    args = pull_argv(ws, tmp_path / "out", state, tmp_path / "stage", "128K")
+    script = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.executable, sys.argv[1:])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_with(),
+    )
+    wait_guarded(proc)
+    wait_for_chunks(proc, state, 2)
+    proc.send_signal(signal.SIGINT)
+    wait_for_chunks(proc, state, 6)  # ignored: the pull runs on (or finishes, exit 0)
+    if proc.poll() is not None:
+        assert proc.returncode == 0, proc.communicate()[1]
+        return
+    code, err = stop(proc, signal.SIGTERM)
+    assert code == 130, err
+    assert "Traceback" not in err and "SIGINT" not in err, err

@@ -348,16 +348,32 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``wsync`` command.  As the process entry point (``argv`` None) it keeps
-    the signal policy installed until the process exits; called with an explicit
-    ``argv`` (in-process) it gives the caller its own signal handlers back."""
+    """The ``wsync`` command.
+
+    As the process entry point (``argv`` None) it keeps the signal policy until
+    the process is gone and ends it with :func:`wsync.interrupts.exit_process`
+    (a signal in the last milliseconds would otherwise meet the default action
+    the interpreter restores while it finalizes, and kill the process with no
+    word and status -2).  Called with an explicit ``argv`` (in-process) it
+    returns, and gives the caller its own signal handlers back.
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     installed = interrupts.install_for_cli(args)
+    if argv is not None:
+        try:
+            return _main(args)
+        finally:
+            if installed is not None and not installed.received:
+                interrupts.uninstall(installed)
     try:
-        return _main(args)
-    finally:
-        if installed is not None and argv is not None and not installed.received:
-            interrupts.uninstall(installed)
+        code = _main(args)
+    except SystemExit as exc:  # argparse: --help, --version, a usage error
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)
+    if interrupts.current() is not None:
+        interrupts.exit_process(code)
+    return code
 
 
 def _main(argv: list[str]) -> int:

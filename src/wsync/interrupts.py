@@ -42,6 +42,7 @@ import contextlib
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -98,7 +99,11 @@ class Stopper:
         self._thread.start()
         self._old_wakeup = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
         for signum in STOP_SIGNALS:
-            self._old_handlers[signum] = signal.signal(signum, _ignore)
+            # a signal ignored when we started stays ignored, as Python itself does
+            # for SIGINT: a shell without job control starts background commands
+            # so that the terminal's Ctrl-C does not reach them
+            if signal.getsignal(signum) != signal.SIG_IGN:
+                self._old_handlers[signum] = signal.signal(signum, _ignore)
 
     def uninstall(self) -> None:
         """Give the process its previous handlers back (for in-process callers of ``main``)."""
@@ -164,6 +169,22 @@ class Stopper:
                     f"winding down took more than {self.grace:g}s; stopped at once "
                     "(the journal is intact; run the same command again to resume)"
                 )
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the ``wsync`` process with ``code``, its signal policy in force to the last.
+
+    Normal interpreter finalization puts the default action back on every
+    signal that had a Python handler before the process is gone: a Ctrl-C in
+    that window kills the process silently (status -2) after a pull that had
+    finished.  Everything wsync must keep is already on disk (journal and DEST
+    are written with fsync, the pool threads are idle or abandoned on purpose),
+    so after flushing stdout and stderr nothing is lost by exiting here.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _ignore(signum: int, frame: object) -> None:
