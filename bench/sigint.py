@@ -41,7 +41,7 @@ from wsync.treediff import diff
 HANG_AFTER = 120.0
 
 
-def make_workspace(root: Path, seed: int) -> Path:
+def make_workspace(root: Path, seed: int, blobs: int) -> Path:
     """Big enough to take a few seconds with one read in flight and small chunks."""
     rng = random.Random(seed)
     ws = root / "ws"
@@ -50,7 +50,7 @@ def make_workspace(root: Path, seed: int) -> Path:
         sub.mkdir(parents=True)
         for f in range(100):
             (sub / f"f{f}.txt").write_bytes(rng.randbytes(rng.randrange(10, 3000)))
-    for i in range(4):
+    for i in range(blobs):
         (ws / f"blob{i}.bin").write_bytes(rng.randbytes(3 * 1024 * 1024))
     (ws / "link").symlink_to("blob0.bin")
     return ws
@@ -95,6 +95,7 @@ def main() -> int:
     ap.add_argument("--signal", choices=("INT", "TERM"), default="INT")
     ap.add_argument("--verify-every", type=int, default=5, help="resume-check every Nth trial")
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--blobs", type=int, default=8, help="3 MiB random files in the workspace")
     args = ap.parse_args()
     signum = getattr(signal, f"SIG{args.signal}")
     # the pulls must meet signals as a foreground command does: a shell without
@@ -104,7 +105,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="wsync-sigint-", dir=args.workdir))
     try:
-        ws = make_workspace(work, args.seed)
+        ws = make_workspace(work, args.seed, args.blobs)
         # one clean pull measures the span the signals are spread over
         t0 = time.monotonic()
         clean = subprocess.run(
