@@ -172,7 +172,12 @@ def test_sigterm_exits_130_and_the_next_run_resumes(tmp_path: Path) -> None:
     (ws / "blob").write_bytes(rng.randbytes(12 * 1024 * 1024))
     dest, state = tmp_path / "out", tmp_path / "state"
     args = pull_argv(ws, dest, state, tmp_path / "stage", "128K")
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a grace long enough for a loaded machine: this test is about the orderly
+    # stop (JSON result, partial tree removed), not the cut at the grace period
+    env = {**os.environ, "WSYNC_STOP_GRACE": "60"}
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     wait_for_chunks(proc, state, 5)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import time
 from collections.abc import Sequence
 
 from wsync.errors import TransportError, TransportTimeout, UsageError
@@ -82,6 +83,9 @@ class FaultPlan:
     flip: int = 0
     #: a lossy text channel (see the module docstring)
     text: bool = False
+    #: seconds ``aclose`` spends blocked in a worker thread, as a hung name lookup
+    #: or socket teardown does (0: off); makes the end of a pull slow on purpose
+    close: float = 0.0
 
     def __post_init__(self) -> None:
         bad = set(self.failure_map) - set(FAULT_CODES + CLEAN)
@@ -93,7 +97,7 @@ class FaultPlan:
 
     @classmethod
     def parse(cls, spec: str) -> FaultPlan:
-        """Parse ``all``, ``none`` or ``K=V,...`` (codes, map, seed, ring, hang)."""
+        """Parse ``all``, ``none`` or ``K=V,...`` (codes, map, seed, ring, hang, close)."""
         plan: dict[str, object] = {"rates": {}}
         rates: dict[str, float] = {}
         for item in filter(None, (p.strip() for p in spec.split(","))):
@@ -108,7 +112,7 @@ class FaultPlan:
                     plan["failure_map"] = value
                 elif key in ("seed", "ring", "flip"):
                     plan[key] = int(value)
-                elif key == "hang":
+                elif key in ("hang", "close"):
                     plan[key] = float(value)
                 elif key == "text":
                     plan[key] = value not in ("", "0")
@@ -163,6 +167,8 @@ class ChaosTransport(Transport):
         return f"{self.inner.description} (fault injection on)"
 
     async def aclose(self) -> None:
+        if self.plan.close > 0:
+            await asyncio.to_thread(time.sleep, self.plan.close)
         await self.inner.aclose()
 
     async def exec(

@@ -6,11 +6,12 @@ exit code (see :mod:`wsync.errors`); ``--debug`` adds the traceback.
 
 from __future__ import annotations
 
+# Only cheap imports up here: the signal policy (wsync.interrupts) must be in
+# place before anything slow is imported, and the console script imports this
+# module before it calls main().  asyncio, structlog and the engine are
+# imported where they are used.
 import argparse
-import asyncio
 import json
-import logging
-import signal
 import sys
 import time
 import traceback
@@ -18,10 +19,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import structlog
-
-from wsync import __version__
-from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
+from wsync import __version__, interrupts
 from wsync.errors import EXIT_CODES, Interrupted, UsageError, WsyncError
 
 T = TypeVar("T")
@@ -153,6 +151,8 @@ def transport_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from wsync.engine.api import default_state_dir
+
     parser = argparse.ArgumentParser(
         prog="wsync",
         description="Pull an agent's workspace out of a remote sandbox, verified and resumable, "
@@ -288,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def setup_logging(verbose: bool, debug: bool) -> None:
+    import logging
+
+    import structlog
+
     level = logging.DEBUG if debug else logging.INFO if verbose else logging.WARNING
     structlog.configure(
         processors=[
@@ -302,27 +306,51 @@ def setup_logging(verbose: bool, debug: bool) -> None:
 
 
 def run_async(coro_factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run a coroutine; SIGTERM and Ctrl-C cancel it cleanly (journal kept)."""
+    """Run a coroutine; SIGINT and SIGTERM cancel it and it ends as :class:`Interrupted`.
+
+    The first signal cancels the task from the signal watcher thread (see
+    :mod:`wsync.interrupts`, which also bounds how long winding down may take
+    and makes a second signal exit at once).  Once a signal has come, any
+    failure is reported as the interruption (exit 130): a cancelled pull can
+    fail in other ways on its way out (a killed read, a TaskGroup that saw an
+    error while cancelling) and the user asked for a stop, not a diagnosis.
+    A pull that *returns* after a signal has swapped DEST into place: that is
+    a success, and exits 0 (see :func:`wsync.engine.pull.pull`).
+    """
+    import asyncio
+
+    stopper = interrupts.current()
 
     async def main() -> T:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
-        if task is not None:
-            loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        if stopper is not None and task is not None:
+
+            def cancel() -> None:  # runs on the watcher thread
+                loop.call_soon_threadsafe(task.cancel)
+
+            stopper.set_target(cancel)
         try:
             return await coro_factory()
         except asyncio.CancelledError:
             raise Interrupted("stopped by a signal; run the same command again to resume") from None
-        finally:
-            loop.remove_signal_handler(signal.SIGTERM)
 
     try:
         return asyncio.run(main())
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # only where no stopper is installed (off the main thread)
         raise Interrupted("stopped by the user; run the same command again to resume") from None
+    except Exception as exc:
+        if stopper is not None and stopper.received and not isinstance(exc, Interrupted):
+            raise Interrupted("stopped by a signal; run the same command again to resume") from exc
+        raise
+    finally:
+        if stopper is not None:
+            # from here a signal has nothing to cancel: it exits at once
+            stopper.set_target(None)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
+    from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
     from wsync.engine.pull import failure_result, pull_uri
     from wsync.progress import ProgressLine
 
@@ -379,8 +407,36 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("daemon", "status", "jobs"):
+    """The ``wsync`` command.
+
+    As the process entry point (``argv`` None) it keeps the signal policy until
+    the process is gone and ends it with :func:`wsync.interrupts.exit_process`
+    (a signal in the last milliseconds would otherwise meet the default action
+    the interpreter restores while it finalizes, and kill the process with no
+    word and status -2).  Called with an explicit ``argv`` (in-process) it
+    returns, and gives the caller its own signal handlers back.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    installed = interrupts.install_for_cli(args)
+    if argv is not None:
+        try:
+            return _main(args)
+        finally:
+            if installed is not None and not installed.received:
+                interrupts.uninstall(installed)
+    try:
+        code = _main(args)
+    except SystemExit as exc:  # argparse: --help, --version, a usage error
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)
+    if interrupts.current() is not None:
+        interrupts.exit_process(code)
+    return code
+
+
+def _main(argv: list[str]) -> int:
+    if argv and argv[0] in interrupts.UNGUARDED_COMMANDS:
         return _delegate(argv[0], argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -19,7 +19,6 @@ untouched; the journal stays, so the next run resumes.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import os
 import secrets
@@ -41,6 +40,7 @@ from wsync.engine.guest import CallStats, GuestPlan, GuestSession
 from wsync.engine.journal import DestRegistry, Journal
 from wsync.engine.settle import describe, read_list, remove_gone
 from wsync.engine.tarstream import show_name
+from wsync.engine.winddown import WriterPool, await_future, await_thread, raise_if_cancelled
 from wsync.errors import (
     HostileArchive,
     HostIOError,
@@ -146,7 +146,7 @@ class _Pull:
         self.unstable: list[str] = []
         #: journal writes run here, so that a cancelled pull can wait for the
         #: writes in flight before it releases the journal (to_thread cannot)
-        self.io = concurrent.futures.ThreadPoolExecutor(
+        self.io = WriterPool(
             max_workers=max(1, options.parallel), thread_name_prefix="wsync-journal"
         )
 
@@ -202,7 +202,8 @@ class _Pull:
             self.emit("pull")
             chunks, length = await self.fetch_all(plan, feed, journaled, thread)
             self.emit("extract")
-            await asyncio.to_thread(thread.join)
+            await await_thread(thread, None)
+            raise_if_cancelled()  # a cancel swallowed on the way must not swap DEST
             if "error" in box:
                 raise box["error"]
             stats: ExtractStats = box["stats"]
@@ -221,17 +222,50 @@ class _Pull:
             DestRegistry(self.options.state_dir).record(self.dest)
             old = self.target.swap(tmp)
         except BaseException as exc:
-            feed.abort("pull stopped")
-            thread.join(timeout=60)
-            self.io.shutdown(wait=True)
-            self.target.discard(tmp)  # never raises: the pull's own error is reported
+            await self.wind_down(feed, thread, tmp)
             if isinstance(exc, _ExtractorStopped) and "error" in box:
                 raise box["error"] from None
             raise
         finally:
-            self.io.shutdown(wait=True)
+            # every write was awaited on success; after wind_down() none is waited for here
+            self.io.shutdown(wait=False)
             feed.close()
         return stats, chunks, length, old
+
+    async def wind_down(self, feed: ChunkFeed, thread: threading.Thread, tmp: str) -> None:
+        """After a failure or a cancel: stop the extractor and the journal writers,
+        then remove the partial tree beside DEST.
+
+        This runs on the event loop while the pull is being cancelled, so it never
+        blocks it: a cancelled CLI pull must exit within a second or two and the
+        daemon's loop keeps serving.  The extractor sees ``feed.abort`` at its next
+        read or ``check_cancel`` (milliseconds); journal writes in flight finish
+        their fsync+rename (a chunk either counts or leaves a temp file the next
+        run deletes).  Each wait is polled with a bound, never joined: what is
+        still running after :data:`_WIND_DOWN_S` is left to finish or die with the
+        process (daemon threads), and so is ``tmp``, which the next run removes
+        before it extracts.  Never :func:`asyncio.to_thread` here: the default
+        executor is joined without a bound by ``asyncio.run`` and at exit.
+        """
+        feed.abort("pull stopped")
+        self.io.shutdown(wait=False, cancel_futures=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _WIND_DOWN_S
+        if not await await_thread(thread, _WIND_DOWN_S):
+            log.warning("the extractor is still running; its partial tree stays", tmp=str(tmp))
+            return
+        for write in list(self.io.pending):
+            if not await await_future(write, deadline - loop.time()):
+                log.warning("a journal write is still running", tmp=str(tmp))
+                break
+
+        def remove() -> None:
+            self.target.discard(tmp)  # never raises: the pull's own error is reported
+
+        remover = threading.Thread(target=remove, name="wsync-cleanup", daemon=True)
+        remover.start()
+        if not await await_thread(remover, max(0.1, deadline - loop.time())):
+            log.info("partial tree not removed yet; the next run removes it", tmp=str(tmp))
 
     async def finish(self, old: str | None) -> None:
         """After the swap DEST is final: nothing here may fail the pull.
@@ -466,6 +500,12 @@ async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
         raise
 
 
+#: how long a failing or cancelled pull waits for its threads before it leaves them
+_WIND_DOWN_S = 10.0
+#: how long closing the transport may take once the pull is over
+_CLOSE_S = 10.0
+
+
 async def pull(
     transport: Transport,
     workspace: str,
@@ -494,6 +534,7 @@ async def pull(
             except StagingFailed as exc:
                 if not runner.reconciled:
                     raise
+                raise_if_cancelled()  # no fresh start for a pull being stopped
                 # we adopted a snapshot from an earlier run and it had failed or
                 # died (and is now discarded): start afresh once
                 log.warning("adopted snapshot failed; starting a fresh one", error=str(exc))
@@ -513,7 +554,13 @@ async def pull(
     try:
         await runner.finish(old)
     except asyncio.CancelledError:
+        # DEST was swapped: it is complete and exact, so a stop from here on is a
+        # success, not an interruption (the CLI exits 0).  The journal goes (the
+        # next run must take a fresh snapshot, not resume this finished one); the
+        # old tree and the guest staging are left to the next run and the GC.
         runner.warnings.append("stopped while cleaning up; DEST is complete")
+        with contextlib.suppress(WsyncError):
+            journal.remove()
     finally:
         journal.close()
     runner.emit("done", force=True)
@@ -551,7 +598,13 @@ async def pull_uri(
             transport, parsed.path, dest, options, sandbox=parsed.raw, on_progress=on_progress
         )
     finally:
-        await transport.aclose()
+        # bounded: a close that hangs (a dead ssh connection) must not hold a
+        # finished or cancelled pull; the connection dies with its process
+        try:
+            async with asyncio.timeout(_CLOSE_S):
+                await transport.aclose()
+        except TimeoutError:
+            log.warning("closing the transport timed out", sandbox=parsed.raw)
 
 
 def failure_result(

@@ -172,7 +172,10 @@ class LocalTransport(Transport):
             if stdin is not None:
                 self._feed_stdin(transport, stdin)
             try:
-                await asyncio.wait_for(asyncio.shield(protocol.finished), timeout)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a
+                # cancel that lands as the command finishes (a Ctrl-C ignored)
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(protocol.finished)
             except TimeoutError:
                 raise TransportTimeout(timeout) from None
             finished = True
@@ -227,7 +230,8 @@ class LocalTransport(Transport):
             if exc.errno != errno.EPERM:
                 raise
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(protocol.exited), _REAP_GRACE)
+            async with asyncio.timeout(_REAP_GRACE):
+                await asyncio.shield(protocol.exited)
 
     async def aclose(self) -> None:
         """Nothing to release: each exec owns and reaps its own process."""

@@ -26,7 +26,6 @@ never part of :attr:`description`, errors or ``repr``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -268,8 +267,13 @@ class SpritesTransport(Transport):
         finally:
             if sender is not None:
                 sender.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
+                try:
                     await sender
+                except asyncio.CancelledError:
+                    # the sender's own cancel is expected; ours (a Ctrl-C) must go on
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise
         result = collector.result()
         if result.notes:
             log.debug("sprites %s exec notes: %s", self.name, "; ".join(result.notes))

@@ -336,7 +336,10 @@ class SshTransport(Transport):
             except (asyncssh.Error, OSError):
                 pass  # the channel closed early; its connection_lost tells the story
             try:
-                await asyncio.wait_for(asyncio.shield(session.closed), timeout)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a
+                # cancel that lands as the channel closes (a Ctrl-C ignored)
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(session.closed)
             except TimeoutError:
                 raise TransportTimeout(timeout) from None
             finished = True
@@ -345,7 +348,8 @@ class SshTransport(Transport):
                 await self._reap(conn, marker)
                 chan.close()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(chan.wait_closed(), _CLOSE_GRACE)
+                    async with asyncio.timeout(_CLOSE_GRACE):
+                        await chan.wait_closed()
 
     @staticmethod
     async def _reap(conn: asyncssh.SSHClientConnection, marker: str) -> None:
@@ -359,7 +363,8 @@ class SshTransport(Transport):
             return
         command = shlex.join(["sh", "-c", _REAPER, "wsync-reap", marker])
         with contextlib.suppress(asyncssh.Error, OSError, TimeoutError):
-            await asyncio.wait_for(conn.run(command, check=False), _REAP_TIMEOUT)
+            async with asyncio.timeout(_REAP_TIMEOUT):
+                await conn.run(command, check=False)
 
     def _result(self, conn: asyncssh.SSHClientConnection, session: _ExecSession) -> ExecResult:
         if session.error is not None:

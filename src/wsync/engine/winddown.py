@@ -1,0 +1,82 @@
+"""Helpers for a pull that is stopping: wait for its threads without blocking the loop.
+
+A pull runs two kinds of threads: the extractor and the journal writers.  When
+it fails or is cancelled it must stop them and remove its partial tree, on the
+event loop, and that loop must keep running: the CLI exits within a second or
+two of a Ctrl-C only if nothing blocks it, and the daemon serves other jobs and
+its health check from the same loop.  So nothing here joins a thread or shuts
+an executor down with ``wait=True``; every wait is a cancellable poll with a
+bound, and what outlives the bound is left behind (daemon threads; the next run
+removes a partial tree before it extracts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class WriterPool(concurrent.futures.ThreadPoolExecutor):
+    """The journal writer pool, which knows its writes still in flight (so that a
+    cancelled pull can wait for them with a bound instead of ``shutdown(wait=True)``)."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self.pending: set[concurrent.futures.Future[Any]] = set()
+
+    def submit(
+        self, fn: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs
+    ) -> concurrent.futures.Future[_R]:
+        future = super().submit(fn, *args, **kwargs)
+        self.pending.add(future)
+        future.add_done_callback(self.pending.discard)
+        return future
+
+
+async def await_thread(thread: threading.Thread, bound: float | None) -> bool:
+    """Wait until ``thread`` ends (True) or ``bound`` seconds pass (False), polling.
+
+    Polling instead of ``thread.join``: a join blocks the event loop (and with it
+    signal handling and, in the daemon, every other job), and a join in a worker
+    thread cannot be abandoned.  The poll is cancellable and costs ~nothing.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = None if bound is None else loop.time() + bound
+    delay = 0.001
+    while thread.is_alive():
+        if deadline is not None and loop.time() >= deadline:
+            return False
+        await asyncio.sleep(delay)
+        delay = min(0.02, delay * 2)
+    return True
+
+
+async def await_future(future: concurrent.futures.Future[Any], bound: float) -> bool:
+    """Wait until a thread-pool ``future`` is done (True) or ``bound`` seconds pass."""
+    if future.done():
+        return True
+    with contextlib.suppress(Exception):  # TimeoutError, or the write's own failure
+        async with asyncio.timeout(max(0.0, bound)):
+            await asyncio.wrap_future(future)
+    return future.done()
+
+
+def raise_if_cancelled() -> None:
+    """Raise CancelledError if this task was asked to stop.
+
+    ``Task.cancelling()`` counts cancel requests that were not withdrawn; a
+    library that swallowed the CancelledError itself (Python 3.11's
+    ``asyncio.wait_for`` does when the awaited future completes in the same
+    step) leaves it counted.  Checked at the point of no return, so a swallowed
+    cancel can make a pull slower to stop but never lets it replace DEST.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
