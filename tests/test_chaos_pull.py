@@ -225,3 +225,14 @@ def test_a_lying_file_api_is_caught_by_the_chunk_hash(tmp_path: Path, workspace:
     result = run_pull(transport, workspace, dest, options(tmp_path, chunk_size=128 * 1024))
     assert_exact(workspace, dest)
     assert result.faults.get("file-api-mismatch", 0) + result.faults.get("file-api-failed", 0)
+
+
+def test_a_text_channel_that_cuts_at_64k_is_read_in_smaller_pieces(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """64 KiB of data is 87 KiB of base64 lines: reads must go below one block there, and
+    the bytes a cut read delivered count as payload bytes (3/4 of them)."""
+    transport = ChaosTransport(local(), FaultPlan(text=True, cap=64 * 1024, seed=5))
+    dest = tmp_path / "out"
+    run_pull(transport, workspace, dest, options(tmp_path, chunk_size=256 * 1024))
+    assert_exact(workspace, dest)

@@ -10,8 +10,9 @@ from wsync.protocol.scripts import BLOCK
 MiB = 1 << 20
 
 
-def test_buckets_are_power_of_two_blocks() -> None:
-    assert bucket(1) == BLOCK
+def test_buckets_are_powers_of_two_from_4k() -> None:
+    assert bucket(1) == 4096
+    assert bucket(4097) == 8192
     assert bucket(BLOCK) == BLOCK
     assert bucket(BLOCK + 1) == 2 * BLOCK
     assert bucket(3 * MiB) == 4 * MiB

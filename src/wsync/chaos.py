@@ -29,6 +29,7 @@ the field report's table).  A call with stdin is gated and loses nothing, which
 is exactly why wsync's read scripts wait for a stdin byte.  And ``flip=N`` models a
 channel that corrupts at a constant rate per byte: every call's stdout gets one bit
 flipped per N bytes on average, so large reads almost always fail and small ones pass.
+``cap=N`` cuts every call's stdout after its first N bytes (a frame or buffer limit).
 ``text=1`` makes the channel a lossy text one, as SSE and JSON exec APIs are: stdout is
 decoded as UTF-8 with replacement characters, NULs vanish and every line ends in CRLF;
 the transport then declares itself not binary-safe, so wsync sends base64 lines.
@@ -86,6 +87,8 @@ class FaultPlan:
     #: seconds ``aclose`` spends blocked in a worker thread, as a hung name lookup
     #: or socket teardown does (0: off); makes the end of a pull slow on purpose
     close: float = 0.0
+    #: every call's stdout cut after this many bytes (0: off)
+    cap: int = 0
 
     def __post_init__(self) -> None:
         bad = set(self.failure_map) - set(FAULT_CODES + CLEAN)
@@ -110,7 +113,7 @@ class FaultPlan:
                     continue
                 elif key == "map":
                     plan["failure_map"] = value
-                elif key in ("seed", "ring", "flip"):
+                elif key in ("seed", "ring", "flip", "cap"):
                     plan[key] = int(value)
                 elif key in ("hang", "close"):
                     plan[key] = float(value)
@@ -191,6 +194,8 @@ class ChaosTransport(Transport):
         out = result.stdout
         if plan.ring and stdin is None and len(out) > plan.ring:
             out = out[-plan.ring :]
+        if plan.cap:
+            out = out[: plan.cap]
         status = result.exit_status
         if plan.text:
             text = out.decode("utf-8", "replace").replace("\0", "")

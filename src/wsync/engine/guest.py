@@ -321,7 +321,9 @@ class GuestSession:
             if fault is None:
                 sizer.success(asked[0])
             elif fault in SIZE_FAULTS:
-                sizer.loss(asked[0], 0 if fault == "hash-mismatch" else received)
+                # what the channel carried, in payload bytes (base64 is 4/3 of them)
+                payload = received * 3 // 4 if self.b64 else received
+                sizer.loss(asked[0], 0 if fault == "hash-mismatch" else payload)
 
         envelope = await self.call(
             f"read {file}@{offset}", build, max_length=length, observe=observe

@@ -53,8 +53,9 @@ from wsync.errors import (
     UsageError,
     WsyncError,
 )
-from wsync.protocol.policy import ReadSizer
+from wsync.protocol.policy import MIN_TEXT_READ, ReadSizer
 from wsync.protocol.records import Chunk, DoneRecord, IndexParser
+from wsync.protocol.scripts import BLOCK
 from wsync.transports.base import Transport
 from wsync.transports.registry import open_transport
 
@@ -136,7 +137,9 @@ class _Pull:
         self.on_progress = on_progress
         self.stats = stats or CallStats()
         self.session = GuestSession(transport, options, self.stats)
-        self.sizer = ReadSizer(options.chunk_size)
+        # text channels carry base64, 4/3 the bytes: let reads go below one block there
+        minimum = MIN_TEXT_READ if not transport.capabilities.binary_safe else BLOCK
+        self.sizer = ReadSizer(options.chunk_size, minimum=minimum)
         self.progress = Progress()
         self.warnings: list[str] = []
         self.reconciled = False

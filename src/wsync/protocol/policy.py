@@ -2,9 +2,10 @@
 
 Backends that lose bytes tend to lose them above some size (a 64 KiB
 pre-attach ring, a frame limit) and more under load.  So the read size grows
-while reads succeed and halves on every detected loss, within
-[``BLOCK``, chunk size]; retries wait with capped exponential backoff and full
-jitter so that parallel readers do not retry in lock-step.
+while reads succeed and halves on every detected loss, within [a minimum (one
+64 KiB block; 16 KiB on text channels), chunk size]; retries wait with capped
+exponential backoff and full jitter so that parallel readers do not retry in
+lock-step.
 """
 
 from __future__ import annotations
@@ -13,10 +14,15 @@ import random
 
 from wsync.protocol.scripts import BLOCK
 
+#: granularity of read sizes (a power of two dividing BLOCK)
+_GRAIN = 4096
+#: smallest read on a text channel, where base64 makes a read 4/3 its size on the wire
+MIN_TEXT_READ = 16 * 1024
+
 
 def bucket(length: int) -> int:
-    """The power-of-two multiple of BLOCK that a read of ``length`` bytes is judged in."""
-    size = BLOCK
+    """The power-of-two size (at least 4 KiB) that a read of ``length`` bytes is judged in."""
+    size = _GRAIN
     while size < length:
         size *= 2
     return size
