@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from wsync.testing.sshd import SshdServer
 from wsync.treediff import diff
@@ -103,6 +104,24 @@ def run(command: str) -> tuple[float, int, bytes]:
     if proc.returncode != 0:
         raise SystemExit(f"benchmark command failed ({proc.returncode}): {command}\n{err.decode()}")
     return elapsed, peak, out
+
+
+def _emulators() -> list[tuple[str, Any, Any]]:
+    """(scheme, emulator thread class, faults class) of every backend emulator."""
+    from wsync.emulators.cloudflare import CloudflareFaults
+    from wsync.emulators.cloudflare import EmulatorThread as CloudflareThread
+    from wsync.emulators.daytona import DaytonaEmulatorThread, DaytonaFaults
+    from wsync.emulators.e2b import E2BFaults
+    from wsync.emulators.e2b import EmulatorThread as E2BThread
+    from wsync.emulators.sprites import EmulatorThread as SpritesThread
+    from wsync.emulators.sprites import SpritesFaults
+
+    return [
+        ("sprites", SpritesThread, SpritesFaults),
+        ("e2b", E2BThread, E2BFaults),
+        ("daytona", DaytonaEmulatorThread, DaytonaFaults),
+        ("cloudflare", CloudflareThread, CloudflareFaults),
+    ]
 
 
 def main() -> int:
@@ -219,32 +238,34 @@ def main() -> int:
             ]
         )
 
-    from wsync.emulators.sprites import EmulatorThread, SpritesFaults
+    emulated: dict[str, tuple[dict[str, object], dict[str, object]]] = {}
+    for name, thread, faults in _emulators():
+        with thread(root / name) as emu:
+            create = getattr(emu, "create_sandbox", None) or emu.create_sprite
+            create("bench")
+            opts = emu.transport_options()
+            token_file = root / f"{name}.token"
+            token_file.write_text(str(opts.get(f"{name}_token") or opts.get("token") or ""))
+            common = (
+                f"--json --state-dir {shlex.quote(str(state))} "
+                f"--{name}-url {shlex.quote(str(opts[f'{name}_url']))} "
+                f"--{name}-token-file {shlex.quote(str(token_file))}"
+            )
+            uri = shlex.quote(f"{name}://bench{ws}")
 
-    with EmulatorThread(root / "sprites", faults=SpritesFaults.off()) as emu:
-        emu.create_sprite("bench")
-        sopts = emu.transport_options()
-        env_prefix = f"SPRITES_TOKEN={shlex.quote(sopts['token'])} "
-        common = f"--json --state-dir {shlex.quote(str(state))} --sprites-url {shlex.quote(sopts['sprites_url'])}"
-        uri = shlex.quote(f"sprites://bench{ws}")
+            def pull_cmd(d: Path, uri: str = uri, common: str = common) -> str:
+                return f"{py} -m wsync pull {uri} {shlex.quote(str(d))} {common}"
 
-        def pull_cmd(d: Path) -> str:
-            return f"{env_prefix}{py} -m wsync pull {uri} {shlex.quote(str(d))} {common}"
-
-        s_clean, s_faulty = rounds(
-            [
-                (
-                    "wsync pull sprites emulator, clean",
-                    pull_cmd,
-                    lambda: emu.set_faults(SpritesFaults.off()),
-                ),
-                (
-                    "wsync pull sprites emulator, all faults",
-                    pull_cmd,
-                    lambda: emu.set_faults(SpritesFaults.all_on(seed=3)),
-                ),
-            ]
-        )
+            emulated[name] = tuple(  # type: ignore[assignment]
+                rounds(
+                    [
+                        (f"wsync pull {name} emulator, clean", pull_cmd,
+                         lambda emu=emu, f=faults: emu.set_faults(f.off())),
+                        (f"wsync pull {name} emulator, all faults", pull_cmd,
+                         lambda emu=emu, f=faults: emu.set_faults(f.all_on(seed=3))),
+                    ]
+                )
+            )  # fmt: skip
 
     def ratio(a: dict[str, object], b: dict[str, object]) -> float:
         return round(float(a["wall_s"]) / float(b["wall_s"]), 2)  # type: ignore[arg-type]
@@ -259,8 +280,11 @@ def main() -> int:
         "wsync/rsync wall": ratio(clean, rsync),
         "wsync/plain-stream wall": ratio(clean, plain),
         "ssh: clean/faulty throughput (faulty ÷ clean speed)": ratio(clean, faulty),
-        "sprites: clean/faulty throughput (faulty ÷ clean speed)": ratio(s_clean, s_faulty),
     }
+    for name, (e_clean, e_faulty) in emulated.items():
+        summary[f"{name}: clean/faulty throughput (faulty ÷ clean speed)"] = ratio(
+            e_clean, e_faulty
+        )
     print()
     for k, v in summary.items():
         print(f"{k:<58} {v}")
