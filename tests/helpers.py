@@ -63,7 +63,7 @@ def tool_dir(directory: Path, tools: tuple[str, ...], *, target: str | None = No
 BUSYBOX_APPLETS = (
     "sh", "tar", "gzip", "sha256sum", "md5sum", "dd", "wc", "find", "mkdir", "rm", "mv",
     "cat", "printf", "sleep", "head", "tr", "sed", "cut", "kill", "touch", "id", "df",
-    "awk", "setsid", "nohup", "base64", "echo", "test", "[", "ls", "chmod", "du",
+    "awk", "setsid", "nohup", "base64", "echo", "test", "[", "ls", "chmod", "xargs", "du",
 )  # fmt: skip
 
 

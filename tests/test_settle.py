@@ -36,7 +36,7 @@ def workspace(tmp_path: Path) -> Path:
 
 def _writer_around_tar(tmp_path: Path, script: str, *, tar: str | None = None) -> LocalTransport:
     """A guest whose real tar is wrapped by ``script`` (sh), which sees ``$WS`` (the
-    workspace), ``$FOLLOW`` (1 for a re-read round: tar was given a file list) and ``$N``
+    workspace), ``$FOLLOW`` (1 for a re-read round: tar was given ``-N``, a mark) and ``$N``
     (how many times tar has run), and runs ``real_tar "$@"`` where it wants the read."""
     bindir = tmp_path / "wrapped-tar"
     bindir.mkdir(exist_ok=True)
@@ -48,7 +48,7 @@ def _writer_around_tar(tmp_path: Path, script: str, *, tar: str | None = None) -
         'case " $* " in *" --version "*) exec ' + f'{real} "$@" ;; esac\n'
         f'real_tar() {{ {real} "$@"; }}\n'
         f"N=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo $N > {count}\n"
-        'FOLLOW=0; case " $* " in *" -T "*) FOLLOW=1 ;; esac\n'
+        'FOLLOW=0; case " $* " in *" -N "*) FOLLOW=1 ;; esac\n'
         f"WS={tmp_path / 'ws'}\n" + script + "\n"
     )
     wrapper.chmod(0o755)

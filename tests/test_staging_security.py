@@ -492,7 +492,10 @@ def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:
         scripts.probe(
             gate=True, nonce="0" * 16, b64=True, workspace="/w" * 20, staging_root="/s" * 20
         ),
-        *(scripts.install_producer(**wire, part=i) for i in range(scripts.install_parts())),
+        *(
+            scripts.install_producer(**wire, part=i, run="f" * 16)
+            for i in range(scripts.install_parts())
+        ),
         scripts.status(**wire, snapshot="s" * 64),
         scripts.read(**wire, snapshot="s" * 64, file="data", offset=2**40, length=2**22),
         scripts.cleanup(**wire, snapshot="s" * 64),

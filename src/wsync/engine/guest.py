@@ -266,7 +266,7 @@ class GuestSession:
             raise StagingFailed("the producer script arrived damaged in the guest")
 
     def _install_argv(self, part: int, nonce: str) -> list[str]:
-        return scripts.install_producer(**self._wire(nonce), part=part)
+        return scripts.install_producer(**self._wire(nonce), part=part, run=self.run_id)
 
     async def status(self) -> records.StatusReport:
         assert self.algorithm is not None

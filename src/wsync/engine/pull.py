@@ -498,8 +498,11 @@ _PERMANENT = (StagingFailed, HostileArchive, UnstableFiles)
 async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
     try:
         return await runner.run()
-    except _PERMANENT:
-        await runner.discard()
+    except _PERMANENT as exc:
+        # a host limit (disk space, --max-bytes) is not the snapshot's fault: the
+        # next run, with room made or the limit raised, resumes it
+        if not isinstance(exc, LimitExceeded):
+            await runner.discard()
         raise
 
 

@@ -206,37 +206,45 @@ case $comp in
   *) fail "unknown compressor" ;;
 esac
 # files whose status changed after a mark were (maybe) read torn: GNU tar reads
-# them again, up to 3 more rounds, appending whole archives to the same stream
-# (the host applies later archives over earlier ones); what never settles is
-# listed in "unstable", what vanished in "gone" (NUL-separated, for the host)
+# again, up to 3 more rounds, every entry changed since the mark before the
+# previous read (-N: a recursive walk through directory fds, like the first
+# read, so a directory swapped for a symlink is never followed), appending the
+# archives to the same stream (the host applies later archives over earlier
+# ones); non-directories that still changed in the last round are listed in
+# "unstable", ones that vanished after a torn read in "gone" (NUL-separated)
 D=$(pwd -P) || exit 1
 cn=-cnewer
 find . -maxdepth 0 -cnewer . >/dev/null 2>&1 || cn=-newer
 case $(tar --version 2>/dev/null) in *"GNU tar"*) gnu=1 ;; *) gnu=0 ;; esac
 tick() {
-  : > "$1" && : > tick.t || fail "cannot write a mark"
-  until [ -n "$(find tick.t -newer "$1")" ]; do sleep 0.01 2>/dev/null || sleep 1; : > tick.t; done
+  : > m && : > tick.t || fail "cannot write a mark"
+  until [ -n "$(find tick.t -newer m)" ]; do sleep 0.01 2>/dev/null || sleep 1; : > tick.t; done
+}
+changed() {
+  (cd "$ws" && find . "$cn" "$D/m" ! -type d -print0) > chg || fail "cannot list changed files"
 }
 exists() {
+  [ -s "$1" ] || { : > "$2"; return; }
   (cd "$ws" && xargs -0 sh -c 'for f; do if [ -e "$f" ] || [ -L "$f" ]; then printf "%s\0" "$f"; else printf "%s\0" "$f" >&3; fi; done' sh) < "$1" > "$2" 3>> gone || fail "cannot check changed files"
 }
 rounds() {
-  tick m
+  tick
   tar -cf - -C "$ws" . 2>>tar.err
   echo $? > tar.rc
-  (cd "$ws" && find . "$cn" "$D/m" \( -type f -o -type l -o -type d \) -print0) > chg || fail "cannot list changed files"
+  changed
   k=0
   while [ -s chg ] && [ "$gnu" = 1 ] && [ $k -lt 3 ]; do
     k=$((k + 1))
-    tick m
-    exists chg live
-    tar -cf - --null --no-recursion --ignore-failed-read -C "$ws" -T "$D/live" 2>>tar.err
+    mv -f m prev || fail "cannot write a mark"
+    tick
+    tar -cf - -N "$D/prev" -C "$ws" . 2>>tar.err
     rc=$?
     [ $rc -gt "$(cat tar.rc)" ] && echo $rc > tar.rc
-    (cd "$ws" && xargs -0 sh -c 'c=$1 m=$2; shift 2; [ $# = 0 ] || find "$@" -maxdepth 0 "$c" "$m" -print0 2>/dev/null; :' sh "$cn" "$D/m") < live > chg || fail "cannot list changed files"
+    exists chg live
+    changed
   done
-  [ $k = 0 ] || exists live chk
-  if [ -s chg ]; then mv -f chg unstable || fail "cannot record unstable files"; fi
+  exists chg live
+  if [ -s live ]; then mv -f live unstable || fail "cannot record unstable files"; fi
 }
 : > gone || fail "cannot create the gone list"
 { rounds | { z 2>comp.err; echo $? > comp.rc; } >> data; } &
@@ -357,10 +365,11 @@ fi
 """
 
 _INSTALL = r"""
-root=$1 name=$2 i=$3 n=$4 text=$5
+root=$1 name=$2 i=$3 n=$4 text=$5 run=$6
 umask 077
 mkdir -p "$root" || { emit err "cannot create the staging root"; exit 0; }
-t=$root/$name.part
+# parts and the join are this run's own: two pulls installing at once never mix
+t=$root/$name.$run.part
 printf '%s' "$text" > "$t$i" || { emit err "cannot write the producer script"; exit 0; }
 [ "$i" = $((n - 1)) ] || { emit ok "part $i"; exit 0; }
 # part 0 goes last, so a retry after the join finds none and just answers the hash
@@ -552,7 +561,7 @@ INSTALL_PART = 1536
 
 
 def install_producer(
-    *, gate: bool, nonce: str, algorithm: str, b64: bool, staging_root: str, part: int
+    *, gate: bool, nonce: str, algorithm: str, b64: bool, staging_root: str, part: int, run: str
 ) -> list[str]:
     """Write part ``part`` of the producer script into the staging root.
 
@@ -565,8 +574,15 @@ def install_producer(
     """
     count = install_parts()
     text = PRODUCER[part * INSTALL_PART : (part + 1) * INSTALL_PART]
-    args = (staging_root, PRODUCER_NAME, str(part), str(count), text)
+    args = (staging_root, PRODUCER_NAME, str(part), str(count), text, check_run_id(run))
     return render("install", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
+
+
+def check_run_id(run: str) -> str:
+    """Run ids become parts of guest file names: hex only."""
+    if not re.fullmatch(r"[0-9a-f]{1,32}", run):
+        raise ValueError(f"bad run id {run!r}")
+    return run
 
 
 def install_parts() -> int:
