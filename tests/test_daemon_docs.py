@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -110,7 +111,12 @@ def test_daemon_doc_examples_run_as_written(checkout: Path) -> None:
             pytest.skip(f"{tool} is not installed (the docs' examples use it)")
     script = checkout.parent / "doc.sh"
     body = "\n\n".join(text for text, reason in doc_blocks() if reason is None)
-    script.write_text(f"set -euo pipefail\ncd {checkout}\n{body}\n", encoding="utf-8")
+    # the trap is the harness's, not the docs': no daemon outlives a failed example
+    script.write_text(
+        f"set -euo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n"
+        f"cd {checkout}\n{body}\n",
+        encoding="utf-8",
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_")}
     env["PATH"] = f"{checkout.parent / 'bin'}:{env['PATH']}"
     if _netns_works():
@@ -119,16 +125,20 @@ def test_daemon_doc_examples_run_as_written(checkout: Path) -> None:
         argv = ["bash", str(script)]
     else:
         pytest.skip("no network namespace here and 127.0.0.1:8477 is taken")
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         argv,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=SCRIPT_TIMEOUT,
-        check=False,
         start_new_session=True,
     )
-    out, err = proc.stdout, proc.stderr
+    try:
+        out, err = proc.communicate(timeout=SCRIPT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script and every daemon it started
+        out, err = proc.communicate()
+        pytest.fail(f"the examples did not finish in {SCRIPT_TIMEOUT}s:\n{out}\n{err[-6000:]}")
     assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err[-6000:]}"
     # the dev token was generated, never printed
     token = (checkout / ".wsync-dev" / "api-token").read_text(encoding="utf-8").strip()
