@@ -154,6 +154,11 @@ def test_man_page_renders_with_every_command_and_option(tmp_path: Path) -> None:
         assert f"wsync {name}" in text
     for option in ("--max-files", "--config", "--dev", "--wait", "--token-file"):
         assert option in text
+    # the subcommands' epilogs, which argparse-manpage alone leaves out
+    assert "SANDBOX forms: local:PATH" in text
+    assert "cloudflare://SANDBOX_ID/PATH" in text
+    assert "WSYNC STATUS, WSYNC JOBS Finding the daemon and its token" in text
+    assert "SEE ALSO docs/daemon.md" in text
 
 
 def _all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:

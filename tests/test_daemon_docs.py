@@ -287,3 +287,25 @@ def test_missing_token_file_says_how_to_get_one(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "api-token does not exist" in proc.stderr and "--dev" in proc.stderr
     assert not (tmp_path / ".wsync-dev" / "api-token").exists()
+
+
+def test_status_ignores_a_daemon_json_others_could_have_written(tmp_path: Path) -> None:
+    """The client sends its token to the address in daemon.json: trust only the owner's."""
+    from wsync.daemon.client import _bound_address
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    info = state / "daemon.json"
+    info.write_text('{"pid": 1, "listen": "127.0.0.1:9"}', encoding="utf-8")
+    info.chmod(0o644)
+    assert _bound_address(state) == "127.0.0.1:9"
+    info.chmod(0o666)
+    assert _bound_address(state) is None
+    info.chmod(0o644)
+    state.chmod(0o777)
+    assert _bound_address(state) is None
+    state.chmod(0o700)
+    info.unlink()
+    info.symlink_to(tmp_path / "elsewhere.json")
+    (tmp_path / "elsewhere.json").write_text('{"listen": "127.0.0.1:9"}', encoding="utf-8")
+    assert _bound_address(state) is None

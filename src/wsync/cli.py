@@ -335,7 +335,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         description="Print the wsync(1) manual page in roff on stdout, generated from wsync's "
         "own argument parser, so it always matches --help.",
         epilog="Read it with:  wsync man | man -l -\n"
-        "Install it:     wsync man > /usr/local/share/man/man1/wsync.1",
+        "Install it:    wsync man > /usr/local/share/man/man1/wsync.1",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     man.add_argument(

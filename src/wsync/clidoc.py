@@ -24,6 +24,11 @@ from pathlib import Path
 from wsync import __version__
 from wsync.errors import HostIOError
 
+#: the page's SEE ALSO section
+SEE_ALSO = (
+    "docs/daemon.md (the daemon, its HTTP API and deployment), docs/fidelity.md and\n"
+    "docs/backends/ in the wsync source tree; wsync COMMAND --help."
+)
 #: one line for the man page's NAME section
 SUMMARY = "pull an agent's workspace out of a remote sandbox, exact and resumable"
 
@@ -69,10 +74,14 @@ def man_page() -> str:
     saved = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "10000"
     try:
-        page = Manpage(build_parser(full=True))
+        parser = build_parser(full=True)
+        page = Manpage(parser)
         page.description = SUMMARY
         page.source = f"wsync {__version__}"
         page.manual = "wsync manual"
+        for heading, body in _epilog_sections(parser):
+            page.add_section(heading, ">", body)
+        page.add_section("see also", ">", _roff(SEE_ALSO))
         text = str(page)
     finally:
         if saved is None:
@@ -80,6 +89,33 @@ def man_page() -> str:
         else:
             os.environ["COLUMNS"] = saved
     return text
+
+
+def _roff(text: str, raw: bool = True) -> str:
+    """Plain text as roff with roff's specials escaped; ``raw``: kept as written (``.nf``)."""
+    escaped = text.replace("\\", "\\\\").replace("-", "\\-")
+    lines = [("\\&" + x) if x.startswith((".", "'")) else x for x in escaped.split("\n")]
+    body = "\n".join(lines)
+    return f".nf\n{body}\n.fi" if raw else body
+
+
+def _epilog_sections(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
+    """The subcommands' epilogs (argparse-manpage leaves them out), one section each.
+
+    The exit-code table every epilog ends with is already the page's COMMENTS
+    section, so it is cut; commands sharing an epilog share its section.
+    """
+    from wsync.cli import _EPILOG_EXIT
+
+    by_text: dict[tuple[str, bool], list[str]] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                body = (child.epilog or "").replace(_EPILOG_EXIT, "").strip()
+                raw = issubclass(child.formatter_class, argparse.RawDescriptionHelpFormatter)
+                if body:
+                    by_text.setdefault((body, raw), []).append(f"wsync {name}")
+    return [(", ".join(names), _roff(body, raw)) for (body, raw), names in by_text.items()]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -175,14 +175,35 @@ def _from_config(path: Path) -> tuple[str, str]:
         token = config.api_token_value()
     except ConfigError as err:
         raise ClientError(f"{path}: {err}", 2) from None
-    listen = config.api.listen
+    bound = _bound_address(config.state_dir)
+    return bound or config.api.listen, token
+
+
+def _bound_address(state_dir: Path) -> str | None:
+    """The address in ``STATE_DIR/daemon.json``, if the file can be trusted.
+
+    The token is sent to this address, so a file that someone other than the
+    state directory's owner could have written (or planted in a directory
+    others can write to) is ignored: the configured address is used instead.
+    """
     try:
-        info = json.loads((config.state_dir / "daemon.json").read_text(encoding="utf-8"))
-        if isinstance(info, dict) and isinstance(info.get("listen"), str):
-            listen = info["listen"]
+        fd = os.open(state_dir / "daemon.json", os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None  # not running, or not readable by this user
+    try:
+        dir_st = os.stat(state_dir)
+        file_st = os.fstat(fd)
+        loose = (dir_st.st_mode | file_st.st_mode) & 0o022
+        if loose or file_st.st_uid != dir_st.st_uid:
+            return None
+        with os.fdopen(os.dup(fd), encoding="utf-8") as fh:
+            info = json.loads(fh.read(65536))
     except (OSError, ValueError):
-        pass  # not running, or not readable by this user: the configured address
-    return listen, token
+        return None
+    finally:
+        os.close(fd)
+    listen = info.get("listen") if isinstance(info, dict) else None
+    return listen if isinstance(listen, str) else None
 
 
 def _url_for(listen: str) -> tuple[str, str | None]:
