@@ -309,3 +309,23 @@ def test_status_ignores_a_daemon_json_others_could_have_written(tmp_path: Path) 
     info.symlink_to(tmp_path / "elsewhere.json")
     (tmp_path / "elsewhere.json").write_text('{"listen": "127.0.0.1:9"}', encoding="utf-8")
     assert _bound_address(state) is None
+
+
+def test_no_docs_page_and_the_open_openapi_document_holds_no_data(tmp_path: Path) -> None:
+    """The docs say: no /docs (404), and /openapi.json (no token) describes routes only."""
+    from tests.test_daemon_harness import TOKEN, base_config
+
+    secret_dir = tmp_path / "secret-workspace-name"
+    extra = f'[sandboxes.hidden-box]\nuri = "local:{secret_dir}"\n'
+    daemon = DaemonProcess(tmp_path, base_config(tmp_path, extra)).start()
+    try:
+        for path in ("/docs", "/redoc"):
+            status, _ = daemon.request("GET", path, token=None)
+            assert status == 404
+        status, doc = daemon.request("GET", "/openapi.json", token=None)
+        assert status == 200 and "/v1/pulls" in doc["paths"]
+        text = json.dumps(doc)
+        for private in (TOKEN, "hidden-box", str(secret_dir), str(tmp_path)):
+            assert private not in text
+    finally:
+        daemon.close()
