@@ -36,6 +36,14 @@ STAGING_HELP = (
     "refused (exit 2) when it overlaps the workspace"
 )
 
+VERBOSE_HELP = "log more: each retry with its fault kind and read size, and progress details"
+DEBUG_HELP = "log everything -v does plus every guest call; print a traceback on errors"
+COMPLETION_EPILOG = """install it:
+  bash:  wsync completion bash > ~/.local/share/bash-completion/completions/wsync
+  zsh:   wsync completion zsh > ~/.zfunc/_wsync   (with fpath+=(~/.zfunc) before compinit)
+  fish:  wsync completion fish > ~/.config/fish/completions/wsync.fish
+or for this shell only (bash):  source <(wsync completion bash)"""
+
 SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 
@@ -150,7 +158,13 @@ def transport_options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in pairs.items() if v is not None}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(full: bool = False) -> argparse.ArgumentParser:
+    """The ``wsync`` parser.  ``full``: with the daemon commands' own options.
+
+    ``main`` hands ``daemon``, ``status`` and ``jobs`` to their modules without
+    importing them (the daemon pulls in uvicorn and FastAPI); the completion
+    scripts and the man page need every option, so they ask for ``full``.
+    """
     from wsync.engine.api import default_state_dir
 
     parser = argparse.ArgumentParser(
@@ -161,13 +175,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"wsync {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
-    parser.add_argument("--debug", action="store_true", help="debug logs and tracebacks")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     # the same flags after the subcommand (``wsync pull ... --debug``); SUPPRESS
     # keeps a subparser from resetting a flag given before the subcommand
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP
+    )
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
@@ -235,13 +251,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="files that change every time they are read are taken as last read (listed in "
         "--json as unstable_files) instead of failing with exit 24",
     )
-    p.add_argument("--max-files", type=positive_int, default=5_000_000, metavar="N")
+    p.add_argument(
+        "--max-files",
+        type=positive_int,
+        default=5_000_000,
+        metavar="N",
+        help="refuse archives with more than this many entries (5000000; exit 7)",
+    )
     p.add_argument(
         "--max-bytes",
         type=parse_size,
         default=256 * 1024**3,
         metavar="SIZE",
-        help="refuse archives that unpack to more than this (256G)",
+        help="refuse archives that unpack to more than this (256G; exit 7)",
     )
     add_transport_options(p)
 
@@ -280,11 +302,57 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, text in (
         ("daemon", "run the long-lived pull daemon / sidecar (HTTP API)"),
-        ("status", "show a daemon job (or all jobs)"),
-        ("jobs", "list the daemon's jobs"),
+        ("status", "show a running daemon's state, or one job's"),
+        ("jobs", "list a running daemon's jobs"),
     ):
-        sub.add_parser(name, help=text, add_help=False)
+        # parsed by their own modules (main() hands them the rest of argv);
+        # full=True copies their real options in, for completion and the man page
+        if full:
+            own = _delegated_parser(name)
+            sub.add_parser(
+                name,
+                help=text,
+                add_help=False,
+                parents=[own],
+                description=own.description,
+                epilog=own.epilog,
+            )
+        else:
+            sub.add_parser(name, help=text, add_help=False)
+
+    c = sub.add_parser(
+        "completion",
+        help="print a shell completion script (bash, zsh or fish)",
+        description="Print a completion script for SHELL on stdout, generated from wsync's own "
+        "argument parser. Install it where the shell looks for completions.",
+        epilog=COMPLETION_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    c.add_argument("shell", choices=("bash", "zsh", "fish"), help="the shell to complete for")
+    man = sub.add_parser(
+        "man",
+        help="print the wsync(1) manual page (roff)",
+        description="Print the wsync(1) manual page in roff on stdout, generated from wsync's "
+        "own argument parser, so it always matches --help.",
+        epilog="Read it with:  wsync man | man -l -\n"
+        "Install it:    wsync man > /usr/local/share/man/man1/wsync.1",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    man.add_argument(
+        "-o", "--output", type=Path, metavar="FILE", help="write to FILE instead of stdout"
+    )
     return parser
+
+
+def _delegated_parser(name: str) -> argparse.ArgumentParser:
+    """The real parser of ``wsync daemon|status|jobs`` (imported only when asked for)."""
+    if name == "daemon":
+        from wsync.daemon.server import build_parser as daemon_parser
+
+        return daemon_parser()
+    from wsync.daemon import client
+
+    return client.status_parser() if name == "status" else client.jobs_parser()
 
 
 def setup_logging(verbose: bool, debug: bool) -> None:
@@ -455,6 +523,10 @@ def _main(argv: list[str]) -> int:
             from wsync.demo import run_demo
 
             return run_demo(args)
+        if args.command in ("completion", "man"):
+            from wsync import clidoc
+
+            return clidoc.run(args)
         raise UsageError(f"unknown command {args.command}")  # pragma: no cover
     except WsyncError as exc:
         if args.debug:

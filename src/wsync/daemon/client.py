@@ -4,6 +4,14 @@ Why the standard library (:mod:`http.client`) and not an HTTP package: these
 commands make one or two requests, must work over a unix socket as well as
 TCP, and should not pull an async stack into the CLI's start-up time.
 
+Where the daemon is and which token to send: ``--url``/``--unix`` and
+``--token-file`` win; else ``--config FILE`` (the same file the daemon was
+started with: its ``[api] listen``, or the address the daemon actually bound
+from ``STATE_DIR/daemon.json`` when readable, and its token from
+``WSYNC_API_TOKEN`` or ``[api] token_file``); else ``$WSYNC_URL`` and
+``$WSYNC_API_TOKEN``.  One source of truth, so ``wsync status --config FILE``
+works wherever ``wsync daemon --config FILE`` does.
+
 Exit codes: 0 on success (``status --wait`` exits with the job's own exit
 code instead), 2 for usage errors, a rejected token or an unknown job, 3 when
 the daemon cannot be reached.
@@ -103,33 +111,133 @@ class DaemonClient:
         return payload
 
 
+#: the plain-text help of ``wsync status`` (argparse shows it as written)
+STATUS_DESCRIPTION = (
+    "Show a running wsync daemon's state, or one job's: its state, progress, "
+    "outcome and faults. With --wait, block until the job ends and exit with "
+    "the job's own exit code (the same codes as wsync pull)."
+)
+#: the plain-text help of ``wsync jobs``
+JOBS_DESCRIPTION = "List a running wsync daemon's jobs, newest first."
+#: how the daemon and the token are found, shown under both commands' --help
+CLIENT_EPILOG = (
+    "Finding the daemon and its token: --url/--unix and --token-file win; "
+    "else --config FILE (the daemon's own config: its listen address, or the "
+    "address it bound as recorded in STATE_DIR/daemon.json, and its token from "
+    "WSYNC_API_TOKEN or [api] token_file); else $WSYNC_URL (default "
+    f"{DEFAULT_URL}) and $WSYNC_API_TOKEN. "
+    "Exit codes: 0 ok, 2 usage error / rejected token / unknown job, "
+    "3 daemon unreachable."
+)
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--url",
-        default=os.environ.get("WSYNC_URL", DEFAULT_URL),
-        help=f"daemon API URL (env WSYNC_URL, default {DEFAULT_URL})",
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="the daemon's TOML config: take the address and the token from it",
     )
-    parser.add_argument("--unix", metavar="PATH", help="talk to the daemon over a unix socket")
     parser.add_argument(
-        "--token-file", type=Path, help="file holding the API token (default: $WSYNC_API_TOKEN)"
+        "--url",
+        default=None,
+        help=f"daemon API URL (default: from --config, else $WSYNC_URL, else {DEFAULT_URL})",
+    )
+    parser.add_argument(
+        "--unix",
+        metavar="PATH",
+        help="talk to the daemon over this unix socket (listen = unix:PATH)",
+    )
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="file holding the API token (default: from --config, else $WSYNC_API_TOKEN)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
+    parser.add_argument(
+        "--timeout", type=float, default=10.0, metavar="S", help="seconds per request (10)"
+    )
+
+
+def _from_config(path: Path) -> tuple[str, str]:
+    """(listen address, token) of the daemon configured by ``path``.
+
+    The config is read exactly as the daemon reads it (environment overrides
+    included), so both agree.  The address the daemon actually bound (port 0,
+    or a ``--listen`` flag) is preferred when ``daemon.json`` is readable.
+    """
+    # imported here: pydantic is only worth its start-up time with --config
+    from wsync.daemon.config import ConfigError, load_config
+
+    try:
+        config = load_config(path)
+        token = config.api_token_value()
+    except ConfigError as err:
+        raise ClientError(f"{path}: {err}", 2) from None
+    bound = _bound_address(config.state_dir)
+    return bound or config.api.listen, token
+
+
+def _bound_address(state_dir: Path) -> str | None:
+    """The address in ``STATE_DIR/daemon.json``, if the file can be trusted.
+
+    The token is sent to this address, so a file that someone other than the
+    state directory's owner could have written (or planted in a directory
+    others can write to) is ignored: the configured address is used instead.
+    """
+    try:
+        fd = os.open(state_dir / "daemon.json", os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None  # not running, or not readable by this user
+    try:
+        dir_st = os.stat(state_dir)
+        file_st = os.fstat(fd)
+        loose = (dir_st.st_mode | file_st.st_mode) & 0o022
+        if loose or file_st.st_uid != dir_st.st_uid:
+            return None
+        with os.fdopen(os.dup(fd), encoding="utf-8") as fh:
+            info = json.loads(fh.read(65536))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    listen = info.get("listen") if isinstance(info, dict) else None
+    return listen if isinstance(listen, str) else None
+
+
+def _url_for(listen: str) -> tuple[str, str | None]:
+    """A listen address (``HOST:PORT`` or ``unix:PATH``) as (URL, unix socket path)."""
+    if listen.startswith("unix:"):
+        return DEFAULT_URL, listen[len("unix:") :]
+    host, _, port = listen.rpartition(":")
+    wildcard = {"0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "[::1]"}  # noqa: S104
+    return f"http://{wildcard.get(host, host)}:{port}", None
 
 
 def _client(args: argparse.Namespace) -> DaemonClient:
+    url = os.environ.get("WSYNC_URL", DEFAULT_URL)
+    unix: str | None = None
     token = os.environ.get("WSYNC_API_TOKEN", "")
+    if args.config is not None:
+        listen, token = _from_config(args.config)
+        url, unix = _url_for(listen)
+    if args.url is not None:
+        url, unix = args.url, None
+    if args.unix:
+        unix = args.unix.removeprefix("unix:")
     if args.token_file is not None:
         try:
             token = args.token_file.read_text(encoding="utf-8").strip()
         except OSError as err:
             raise ClientError(f"cannot read {args.token_file}: {err.strerror}", 2) from None
     if not token:
-        raise ClientError("no API token: set WSYNC_API_TOKEN or pass --token-file", 2)
-    unix = args.unix
-    if unix and unix.startswith("unix:"):
-        unix = unix[len("unix:") :]
-    return DaemonClient(args.url, unix, token, args.timeout)
+        raise ClientError(
+            "no API token: pass --config (the daemon's config), --token-file, "
+            "or set WSYNC_API_TOKEN",
+            2,
+        )
+    return DaemonClient(url, unix, token, args.timeout)
 
 
 def _age(ts: float | None) -> str:
@@ -185,16 +293,30 @@ def _print_job(job: dict[str, Any]) -> None:
 
 def status_main(argv: list[str]) -> int:
     """``wsync status [ID]``: the daemon's state, or one job's (``--wait`` for it to end)."""
-    parser = argparse.ArgumentParser(prog="wsync status", description=status_main.__doc__)
-    parser.add_argument("id", nargs="?", help="a job id (omit for the daemon's status)")
-    parser.add_argument(
-        "--wait", action="store_true", help="wait for the job to end; exit with its exit code"
-    )
-    _common(parser)
+    parser = status_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+    return _status(args)
+
+
+def status_parser() -> argparse.ArgumentParser:
+    """The parser of ``wsync status`` (also walked for completion and the man page)."""
+    parser = argparse.ArgumentParser(
+        prog="wsync status", description=STATUS_DESCRIPTION, epilog=CLIENT_EPILOG
+    )
+    parser.add_argument(
+        "id", nargs="?", metavar="ID", help="a job id (omit for the daemon's own status)"
+    )
+    parser.add_argument(
+        "--wait", action="store_true", help="wait for the job to end; exit with its exit code"
+    )
+    _common(parser)
+    return parser
+
+
+def _status(args: argparse.Namespace) -> int:
     try:
         client = _client(args)
         if args.id is None:
@@ -225,13 +347,28 @@ def status_main(argv: list[str]) -> int:
         return err.exit_code
 
 
+def jobs_parser() -> argparse.ArgumentParser:
+    """The parser of ``wsync jobs`` (also walked for completion and the man page)."""
+    parser = argparse.ArgumentParser(
+        prog="wsync jobs", description=JOBS_DESCRIPTION, epilog=CLIENT_EPILOG
+    )
+    parser.add_argument(
+        "--state",
+        action="append",
+        choices=("queued", "running", "succeeded", "failed", "cancelled"),
+        help="only jobs in this state (repeatable)",
+    )
+    parser.add_argument("--sandbox", metavar="NAME", help="only jobs of this sandbox")
+    parser.add_argument(
+        "--limit", type=int, default=50, metavar="N", help="at most this many jobs (50)"
+    )
+    _common(parser)
+    return parser
+
+
 def jobs_main(argv: list[str]) -> int:
     """``wsync jobs``: list the daemon's jobs, newest first."""
-    parser = argparse.ArgumentParser(prog="wsync jobs", description=jobs_main.__doc__)
-    parser.add_argument("--state", action="append", help="only jobs in this state (repeatable)")
-    parser.add_argument("--sandbox", help="only jobs of this sandbox")
-    parser.add_argument("--limit", type=int, default=50, help="at most this many jobs")
-    _common(parser)
+    parser = jobs_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:

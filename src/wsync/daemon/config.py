@@ -9,6 +9,15 @@ pull at 3 a.m.
 Precedence, highest first: command-line flags (``--listen``, ``--state-dir``),
 environment variables, the TOML file, the defaults below.
 
+Relative paths *in the file* (``state_dir``, ``dest_roots``, ``[api]
+token_file``, ``local_roots`` and a ``unix:`` listen path, a sandbox's
+``dest`` and a ``local:`` uri) are taken relative to the file's own
+directory, so a config kept in a checkout (``config.dev.toml``) starts from
+any working directory; paths from flags and the environment must be absolute.
+Because the environment silently wins over the file (the systemd unit sets
+``WSYNC_STATE_DIR``), :func:`shadowed_keys` names every file key that a flag
+or a variable overrides, and the daemon logs them at start-up.
+
 Secrets never live in the file.  The API token comes from ``WSYNC_API_TOKEN``
 or ``[api] token_file``; backend credentials are *references*
 (``"env:NAME"`` or ``"file:/path"``) resolved only when a pull starts, so a
@@ -281,6 +290,12 @@ class DaemonConfig(BaseSettings):
             )
         try:
             text = self.api.token_file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(
+                f"api.token_file: {self.api.token_file} does not exist; create it "
+                f"(at least {MIN_TOKEN_LENGTH} characters), set WSYNC_API_TOKEN, or, "
+                "only to try wsync out, start with --dev to generate one"
+            ) from None
         except OSError as err:
             raise ConfigError(
                 f"api.token_file: cannot read {self.api.token_file}: {err.strerror}"
@@ -411,17 +426,125 @@ def format_validation_error(err: pydantic.ValidationError) -> str:
     return "; ".join(lines)
 
 
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The TOML file as a dict, its relative paths anchored to its directory."""
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as err:
+        raise ConfigError(f"cannot read {path}: {err.strerror}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    return _anchor_paths(data, path.absolute().parent)
+
+
+def _anchor(value: Any, base: Path) -> Any:
+    """A relative path string → absolute under ``base``; anything else unchanged."""
+    if isinstance(value, str) and value and not value.startswith(("/", "~")):
+        return str(base / value)
+    return value
+
+
+def _anchor_list(value: Any, base: Path) -> Any:
+    return [_anchor(v, base) for v in value] if isinstance(value, list) else value
+
+
+def _anchor_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """Anchor the path-valued keys of a config file to the file's directory.
+
+    Only keys whose value is a host path are touched; type errors are left for
+    the schema to report with the key's name.
+    """
+    data = dict(data)
+    if "state_dir" in data:
+        data["state_dir"] = _anchor(data["state_dir"], base)
+    if "dest_roots" in data:
+        data["dest_roots"] = _anchor_list(data["dest_roots"], base)
+    api = data.get("api")
+    if isinstance(api, dict):
+        api = dict(api)
+        if "token_file" in api:
+            api["token_file"] = _anchor(api["token_file"], base)
+        if "local_roots" in api:
+            api["local_roots"] = _anchor_list(api["local_roots"], base)
+        listen = api.get("listen")
+        if isinstance(listen, str) and listen.startswith("unix:"):
+            api["listen"] = "unix:" + _anchor(listen[len("unix:") :], base)
+        data["api"] = api
+    boxes = data.get("sandboxes")
+    if isinstance(boxes, dict):
+        anchored: dict[str, Any] = {}
+        for name, box in boxes.items():
+            if isinstance(box, dict):
+                box = dict(box)
+                if "dest" in box:
+                    box["dest"] = _anchor(box["dest"], base)
+                uri = box.get("uri")
+                if isinstance(uri, str) and uri.startswith("local:") and uri[6:7] != "/":
+                    box["uri"] = "local:" + _anchor(uri[len("local:") :], base)
+            anchored[name] = box
+        data["sandboxes"] = anchored
+    return data
+
+
+#: top-level keys of the schema, the only names a ``WSYNC_…`` variable can set
+_FIELDS = frozenset(DaemonConfig.model_fields)
+#: the flags ``wsync daemon`` turns into overrides, by key
+_FLAG_NAMES = {"state_dir": "--state-dir", "api.listen": "--listen"}
+
+
+def shadowed_keys(
+    path: Path | None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Keys set in the file that a flag or an environment variable overrides.
+
+    Each entry reads ``key (WSYNC_NAME)`` or ``key (--flag)``.  The daemon
+    logs them at start-up so that, e.g., the systemd unit's
+    ``WSYNC_STATE_DIR`` winning over the file's ``state_dir`` is visible.
+    """
+    if path is None:
+        return []
+    data = read_config_file(path)
+    found: list[str] = []
+    env = os.environ if environ is None else environ
+    for name in sorted(env):
+        if not name.upper().startswith("WSYNC_"):
+            continue
+        parts = name[len("WSYNC_") :].lower().split("__")
+        if parts[0] not in _FIELDS:
+            continue
+        node: Any = data
+        for part in parts:
+            match = (
+                next((k for k in node if k.lower() == part), None)
+                if isinstance(node, dict)
+                else None
+            )
+            if match is None:
+                break
+            node = node[match]
+        else:
+            found.append(f"{'.'.join(parts)} ({name})")
+    for key, flag in _FLAG_NAMES.items():
+        top, _, sub = key.partition(".")
+        given = (overrides or {}).get(top)
+        if sub:
+            given = given.get(sub) if isinstance(given, dict) else None
+        in_file = data.get(top)
+        if sub:
+            in_file = in_file.get(sub) if isinstance(in_file, dict) else None
+        if given is not None and in_file is not None:
+            found.append(f"{key} ({flag})")
+    return found
+
+
 def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
     """Read ``path`` (TOML), apply env and ``overrides``; raise ConfigError on any problem."""
     data: dict[str, Any] = {}
     if path is not None:
-        try:
-            with path.open("rb") as fh:
-                data = tomllib.load(fh)
-        except OSError as err:
-            raise ConfigError(f"cannot read {path}: {err.strerror}") from None
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: invalid TOML: {err}") from None
+        data = read_config_file(path)
     token = _TOML_DATA.set(data)
     try:
         return DaemonConfig(**dict(overrides or {}))

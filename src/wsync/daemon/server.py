@@ -20,8 +20,10 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
+import ipaddress
 import json
 import os
+import secrets
 import signal
 import socket
 import stat
@@ -38,7 +40,14 @@ import uvicorn
 import wsync
 from wsync.daemon import logs
 from wsync.daemon.api import AppState, create_app
-from wsync.daemon.config import ConfigError, DaemonConfig, load_config, parse_listen, secret_values
+from wsync.daemon.config import (
+    ConfigError,
+    DaemonConfig,
+    load_config,
+    parse_listen,
+    secret_values,
+    shadowed_keys,
+)
 from wsync.daemon.jobs import JobManager
 from wsync.daemon.metrics import Metrics
 from wsync.daemon.store import JobStore
@@ -161,12 +170,17 @@ class Daemon:
             lock_fd = os.open(state_dir / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as err:
             log.error("state_dir.unusable", state_dir=str(state_dir), error=err.strerror)
+            _say(f"cannot use state dir {state_dir}: {err.strerror}")
             return 8
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(lock_fd)
             log.error("state_dir.locked", state_dir=str(state_dir), note="another daemon runs")
+            _say(
+                f"state dir {state_dir} is in use by another wsync daemon{_holder(state_dir)}; "
+                "stop that one first, or give this one its own --state-dir"
+            )
             return 2
         try:
             return await self._run_locked(state_dir)
@@ -182,6 +196,7 @@ class Daemon:
         except OSError as err:
             store.close()
             log.error("listen.failed", listen=self.config.api.listen, error=err.strerror)
+            _say(f"cannot listen on {self.config.api.listen}: {err.strerror}")
             return 2
         self.app_state = AppState(self.manager, self.metrics, self.token, self.reload, address)
         uv = uvicorn.Config(
@@ -253,6 +268,20 @@ class Daemon:
             await asyncio.sleep(interval)
 
 
+def _say(message: str) -> None:
+    """One plain line on stderr for a person at a terminal, beside the JSON log line."""
+    print(f"wsync daemon: {message}", file=sys.stderr, flush=True)
+
+
+def _holder(state_dir: Path) -> str:
+    """`` (pid N, listening on ADDR)`` of the daemon holding ``state_dir``, if recorded."""
+    try:
+        info = json.loads((state_dir / "daemon.json").read_text(encoding="utf-8"))
+        return f" (pid {int(info['pid'])}, listening on {info['listen']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""  # still starting, or an old file: the lock alone is the truth
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data), encoding="utf-8")
@@ -264,10 +293,68 @@ def build_parser() -> argparse.ArgumentParser:
         prog="wsync daemon",
         description="Run the wsync host daemon / sidecar (HTTP API, scheduled pulls).",
     )
-    parser.add_argument("--config", type=Path, help="TOML config file (see config.example.toml)")
-    parser.add_argument("--listen", help="HOST:PORT or unix:PATH (overrides [api] listen)")
-    parser.add_argument("--state-dir", type=Path, help="state directory (overrides state_dir)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="TOML config file (config.example.toml: production; config.dev.toml: trying it)",
+    )
+    parser.add_argument(
+        "--listen",
+        metavar="ADDR",
+        help="HOST:PORT or unix:PATH (overrides [api] listen and WSYNC_API__LISTEN)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help="state directory (overrides state_dir and WSYNC_STATE_DIR)",
+    )
+    parser.add_argument(
+        "--dev",
+        action="store_true",
+        help="for trying wsync out, never production: refuse any listen address but "
+        "loopback or a unix socket, and when no token is set, generate one into "
+        "[api] token_file (default STATE_DIR/api-token, mode 0600)",
+    )
     return parser
+
+
+def dev_token(config: DaemonConfig, overrides: dict[str, Any]) -> DaemonConfig:
+    """``--dev``: loopback only, and a generated token file when no token is set.
+
+    The token is written to a file (0600), never printed or logged: the
+    clients read it from there (``wsync status --config FILE``, or
+    ``$(cat FILE)`` for curl), and it survives restarts.
+    """
+    target = parse_listen(config.api.listen)
+    if not isinstance(target, str):
+        host = target[0]
+        loopback = host == "localhost"
+        with contextlib.suppress(ValueError):
+            loopback = loopback or ipaddress.ip_address(host).is_loopback
+        if not loopback:
+            raise ConfigError(
+                f"api.listen: --dev listens on loopback or a unix socket only, not {host}"
+            )
+    if config.api_token is not None and config.api_token.get_secret_value().strip():
+        return config
+    path = config.api.token_file or config.state_dir / "api-token"
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(secrets.token_urlsafe(32) + "\n")
+        except OSError as err:
+            raise ConfigError(f"--dev: cannot write a token to {path}: {err.strerror}") from None
+        _say(f"--dev: wrote a new API token to {path}")
+    if config.api.token_file is None:
+        # through the overrides, so a reload (SIGHUP) keeps using the same file
+        overrides.setdefault("api", {})["token_file"] = path
+        api = config.api.model_copy(update={"token_file": path})
+        config = config.model_copy(update={"api": api})
+    return config
 
 
 def main(argv: list[str]) -> int:
@@ -283,11 +370,24 @@ def main(argv: list[str]) -> int:
         overrides["state_dir"] = args.state_dir.absolute()
     try:
         config = load_config(args.config, overrides)
+        if args.dev:
+            config = dev_token(config, overrides)
         daemon = Daemon(args.config, overrides, config)
+        shadowed = shadowed_keys(args.config, overrides)
     except ConfigError as err:
         print(f"wsync daemon: {err}", file=sys.stderr)
         return err.exit_code
     logs.configure(config.log_level)
+    # one line that says which config is in force and what overrode the file
+    # (the systemd unit's WSYNC_STATE_DIR wins over the file's state_dir)
+    (log.warning if shadowed else log.info)(
+        "daemon.config",
+        config=str(args.config.absolute()) if args.config else None,
+        state_dir=str(config.state_dir),
+        listen=config.api.listen,
+        overridden_in_file=shadowed,
+        precedence="flags > WSYNC_* environment > config file > defaults",
+    )
     # *_created series only add noise here
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     try:
