@@ -267,3 +267,18 @@ def test_a_failing_example_fails_the_test(tmp_path: Path) -> None:
     bad = Block(file="x.md", line=1, text="false | cat\necho after\n")
     code, _ = _run(bad, tmp_path, env, timeout=60)
     assert code != 0
+
+
+def test_readme_states_every_exit_code_and_ci_runs_its_test_command() -> None:
+    """The README's exit-code table is errors.py's, and .ci/run is the README's test command."""
+    from wsync.errors import EXIT_CODES
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("### Exit codes", 1)[1].split("\n## ", 1)[0]
+    stated = {int(m) for m in re.findall(r"^\| (\d+) \|", table, flags=re.MULTILINE)}
+    assert stated == {0, *EXIT_CODES}
+    test_command = next(
+        b for b in ALL_BLOCKS if b.file == "README.md" and "scripts/test.sh" in b.text
+    )
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert f"exec {test_command.text.strip()}\n" in ci
