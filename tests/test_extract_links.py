@@ -1,4 +1,4 @@
-"""Links are data (DESIGN.md, guarantee 10; issue 7, item 6): targets verbatim, nothing through.
+"""Links are data (docs/design.md, guarantee 10; issue 7, item 6): targets verbatim, nothing through.
 
 A symlink is stored exactly as the guest had it, wherever it points: a Python venv's absolute
 ``python3 -> /usr/bin/python3``, a relative link out of the workspace, a dangling one.  What

@@ -1,4 +1,4 @@
-"""Files that change while the guest reads them (issue 7 item 5, DESIGN.md guarantee 8).
+"""Files that change while the guest reads them (issue 7 item 5, docs/design.md, guarantee 8).
 
 Every file in DEST must be a version that existed in the guest: a file written while tar
 read it is read again until it settles, or the pull fails with exit 24 naming it (or, with

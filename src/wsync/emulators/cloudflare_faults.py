@@ -1,7 +1,7 @@
 """The fault model of the Cloudflare Bridge emulator: what goes wrong, how often, how hard.
 
 Every fault is one seen in the field or derived from the SDK's source
-(``../shared/backends.md`` section 1, issue numbers of cloudflare/sandbox-sdk):
+(``docs/backends/cloudflare.md``; issue numbers of cloudflare/sandbox-sdk):
 
 * ``early_exit`` (#873, the seed report): the stream ends with a made-up
   ``exit {"exit_code":0}`` after some output while the process keeps running;

@@ -3,7 +3,7 @@
 Apart from the server (:mod:`wsync.emulators.daytona`) so the CLI, the demo and tests
 can build fault configurations without it.  Probabilities are per request; the server
 draws one request's faults from an RNG seeded with ``"{seed}/{request number}"``, so a
-schedule replays.  The faults are those of ``shared/backends.md`` section 3:
+schedule replays.  The faults are those of ``docs/backends/daytona.md`` ("Faults handled"):
 
 * ``truncate_result`` — ``result`` cut to a random prefix, exit code untouched (the
   merged, unbounded buffer is cut somewhere on the way; the client cannot tell);

@@ -1,6 +1,6 @@
 """The fault model of the E2B envd emulator: what can go wrong, how often, how hard.
 
-Each knob is a field fault of ``shared/backends.md`` section 2 (issue numbers there).
+Each knob is a field fault listed in ``docs/backends/e2b.md`` ("Faults handled").
 Probabilities are per exec (or per file read); :meth:`E2BFaults.plan` draws one call's
 faults from an RNG the server seeds with ``"{seed}/{call number}"``, so a failing
 schedule replays.

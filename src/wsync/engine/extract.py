@@ -1,13 +1,13 @@
 """The confined, streaming tar extractor: the guest's archive can only write inside ``root``.
 
-The guest is hostile (DESIGN.md, guarantee 5), so nothing in the archive is trusted.  The
+The guest is hostile (docs/design.md, guarantee 5), so nothing in the archive is trusted.  The
 stream is parsed into members by our own reader (:mod:`wsync.engine.tarstream`, which says why
 ``tarfile``'s is not used); every member is judged and every file created here, not by
 ``tarfile``, whose extraction filters in this Python (3.11.7) predate their 2025 fixes.
 
 Confinement
 -----------
-Links are data (DESIGN.md, guarantee 10): a symlink's target is stored verbatim, wherever it
+Links are data (docs/design.md, guarantee 10): a symlink's target is stored verbatim, wherever it
 points (a Python venv's ``.venv/bin/python3 -> /usr/bin/python3``, ``../shared``), and nothing
 here ever resolves one.  Confinement therefore rests on *how* every name is created, not on what
 a link says.  Why that is sound:

@@ -1,4 +1,4 @@
-"""Files that changed while the guest read them (DESIGN.md guarantee 8).
+"""Files that changed while the guest read them (docs/design.md, guarantee 8).
 
 A file written while ``tar`` reads it arrives torn: GNU tar pads a shrunk file with zeros and
 reads a rewritten one half old, half new, and only warns (exit 1).  So the producer marks the

@@ -1,6 +1,6 @@
 """The tar stream reader: the extractor's input parsed into members, every short read an error.
 
-The guest is hostile (DESIGN.md, guarantee 5), so nothing in the archive is trusted.  Python's
+The guest is hostile (docs/design.md, guarantee 5), so nothing in the archive is trusted.  Python's
 ``tarfile`` is not used to read it (only its type constants): headers, the stream and the pax
 and GNU long-name records are parsed here, because ``tarfile``
 

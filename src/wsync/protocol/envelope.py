@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Exec channels lie (see ``shared/seeds``): they drop the head of the output,
+Exec channels lie (see ``docs/design.md``): they drop the head of the output,
 drop the tail, splice stderr into stdout, append frames after the exit frame,
 or report exit 0 for a stream that was cut.  So no exec output is believed
 unless it is wrapped like this::

@@ -2,7 +2,7 @@
 
 The Bridge (the Sandbox SDK's public HTTP surface) answers ``POST /v1/sandbox/{id}/exec``
 with an SSE stream of base64 ``stdout``/``stderr`` events and an ``exit`` event.
-What that channel does to output (``../shared/backends.md`` section 1):
+What that channel does to output (``docs/backends/cloudflare.md``, "Faults handled"):
 
 * it is **text**: output was decoded as UTF-8 with U+FFFD replacement before
   being base64-encoded, session mode adds ``"\\n"`` to lines and drops NULs, long
