@@ -15,7 +15,7 @@ if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || command -v sudo
   "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
   "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
     python3 python3-venv openssh-server openssh-client xxhash busybox rsync zstd dash tar gzip \
-    coreutils procps curl >/dev/null
+    coreutils procps curl jq >/dev/null
 else
   echo "test.sh: no apt-get (or neither root nor sudo): install openssh-server, busybox," \
     "dash, xxhash, zstd, rsync and curl yourself; the tests that need them will fail" >&2

@@ -263,3 +263,19 @@ def test_gone_names_are_removed_without_following_links(tmp_path: Path) -> None:
     assert sorted(os.listdir(root)) == ["d", "e", "keep", "link"]
     assert os.listdir(root / "d") == [] and os.listdir(root / "e") == ["y"]
     assert (tmp_path / "sentinel").read_text() == "outside"
+
+
+def test_gone_names_leave_their_directory_as_the_archive_made_it(tmp_path: Path) -> None:
+    """The extractor has already set the final directory modes and mtimes: removing a gone
+    name from a read-only directory works and puts both back."""
+    root = make_root(tmp_path)
+    extract(build(member("ro", DIR, mode=0o555), member("ro/f", data=b"torn")), root)
+    before = os.stat(root / "ro")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert remove_gone(fd, [b"ro/f"]) == 1
+    finally:
+        os.close(fd)
+    after = os.stat(root / "ro")
+    assert os.listdir(root / "ro") == []
+    assert (after.st_mode & 0o7777, after.st_mtime_ns) == (0o555, before.st_mtime_ns)

@@ -40,7 +40,13 @@ from wsync.engine.guest import CallStats, GuestPlan, GuestSession
 from wsync.engine.journal import DestRegistry, Journal
 from wsync.engine.settle import describe, read_list, remove_gone
 from wsync.engine.tarstream import show_name
-from wsync.engine.winddown import WriterPool, await_future, await_thread, raise_if_cancelled
+from wsync.engine.winddown import (
+    WriterPool,
+    await_future,
+    await_thread,
+    in_thread,
+    raise_if_cancelled,
+)
 from wsync.errors import (
     HostileArchive,
     HostIOError,
@@ -279,7 +285,7 @@ class _Pull:
         self.emit("cleanup")
         if old is not None:
             try:
-                await asyncio.to_thread(self.target.removal(old))
+                await in_thread(self.target.removal(old))
             except (HostIOError, OSError) as exc:
                 self.warnings.append(f"the previous tree was not fully removed: {exc}")
         if not self.options.keep_staging:
@@ -395,7 +401,7 @@ class _Pull:
             )
         if self.done.gone_bytes:
             names = await read_list(self.session, "gone", self.done.gone_bytes, self.sizer)
-            removed = await asyncio.to_thread(remove_gone, root_fd, names)
+            removed = await in_thread(lambda: remove_gone(root_fd, names))
             if removed:
                 self.warnings.append(f"vanished while read, so not in DEST: {describe(names)}")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
 from wsync.engine.api import MiB
 from wsync.engine.fsutil import remove_tree_at
@@ -73,12 +74,31 @@ def remove_gone(root_fd: int, names: list[bytes]) -> int:
         except OSError as exc:
             raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
         else:
-            remove_tree_at(parent, leaf, shown=show_name(name))
+            _remove_keeping_parent(parent, leaf, name)
             removed += 1
         finally:
             if parent != root_fd:
                 os.close(parent)
     return removed
+
+
+def _remove_keeping_parent(parent: int, leaf: str, name: bytes) -> None:
+    """Remove ``leaf``; the parent keeps the mode and mtime the archive gave it.
+
+    The extractor has already applied the final directory modes, so a read-only parent
+    is made writable for the removal, and the removal's new mtime is put back.
+    """
+    try:
+        st = os.fstat(parent)
+        if st.st_mode & 0o300 != 0o300:
+            os.fchmod(parent, st.st_mode | 0o300)
+        try:
+            remove_tree_at(parent, leaf, shown=show_name(name))
+        finally:
+            os.fchmod(parent, stat.S_IMODE(st.st_mode))
+            os.utime(parent, ns=(st.st_atime_ns, st.st_mtime_ns))
+    except OSError as exc:
+        raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
 
 
 def _open_parent(root_fd: int, parts: list[bytes]) -> int:

@@ -58,6 +58,31 @@ async def await_thread(thread: threading.Thread, bound: float | None) -> bool:
     return True
 
 
+async def in_thread(work: Callable[[], _R]) -> _R:
+    """``work()`` on a daemon thread of its own, awaited by polling.
+
+    For host work after the extraction (removing a tree, applying lists):
+    unlike :func:`asyncio.to_thread`, whose default executor ``asyncio.run``
+    and the interpreter join without a bound, a cancelled wait leaves the
+    thread to finish or die with the process, so a Ctrl-C ends the run at once.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = work()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="wsync-host-io", daemon=True)
+    thread.start()
+    await await_thread(thread, None)
+    if "error" in box:
+        raise box["error"]
+    value: _R = box["value"]
+    return value
+
+
 async def await_future(future: concurrent.futures.Future[Any], bound: float) -> bool:
     """Wait until a thread-pool ``future`` is done (True) or ``bound`` seconds pass."""
     if future.done():
