@@ -26,7 +26,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,8 @@ log = structlog.get_logger("wsync.pull")
 _INDEX_READ = 1024 * 1024
 _POLL_MIN, _POLL_MAX = 0.05, 1.0
 _DEAD_CONFIRMATIONS = 3
+#: progress is emitted at least this often, events or not (counters move between events)
+_TICK = 0.5
 
 
 class _ExtractorStopped(Exception):
@@ -138,6 +140,8 @@ class _Pull:
         self.session = GuestSession(transport, options, self.stats)
         self.sizer = ReadSizer(options.chunk_size)
         self.progress = Progress()
+        #: counted into by the extractor thread while it runs (progress reads it)
+        self.extracted = ExtractStats()
         self.warnings: list[str] = []
         self.reconciled = False
         self.last_emit = 0.0
@@ -159,10 +163,30 @@ class _Pull:
         p.retries = self.stats.retries
         p.transferred_bytes = self.stats.transferred
         p.faults = dict(self.stats.faults)
+        x = self.extracted
+        p.files = x.files + x.symlinks + x.hardlinks
         now = time.monotonic()
         if self.on_progress and (force or phase or now - self.last_emit > 0.1):
             self.last_emit = now
             self.on_progress(p)
+
+    @contextlib.asynccontextmanager
+    async def ticking(self) -> AsyncIterator[None]:
+        """Emit every ``_TICK`` seconds meanwhile: retries, faults and the extractor's
+        file count change while no chunk arrives (a hanging call, a resume's extract)."""
+
+        async def tick() -> None:
+            while True:
+                await asyncio.sleep(_TICK)
+                self.emit()
+
+        task = asyncio.create_task(tick())
+        try:
+            yield
+        finally:
+            task.cancel()
+            # gather: the ticker's own cancellation is a result, the caller's propagates
+            await asyncio.gather(task, return_exceptions=True)
 
     # -- the pull ------------------------------------------------------------------
 
@@ -192,7 +216,9 @@ class _Pull:
 
         def work() -> None:
             try:
-                box["stats"] = extract_feed(feed, plan.compressor, tmp_fd, self.options.limits)
+                box["stats"] = extract_feed(
+                    feed, plan.compressor, tmp_fd, self.options.limits, self.extracted
+                )
             except BaseException as exc:
                 box["error"] = exc
 
@@ -433,6 +459,9 @@ class _Pull:
                 return bytes(buf)
             self.stats.faults["chunk-hash-mismatch"] += 1
             self.stats.retries += 1
+            log.info(
+                "retry", call=f"chunk {chunk.seq}", fault="chunk-hash-mismatch", asked=len(buf)
+            )
         raise IntegrityFailed(f"chunk {chunk.seq} never matched its index hash")
 
 
@@ -459,11 +488,12 @@ _PERMANENT = (StagingFailed, HostileArchive, UnstableFiles)
 
 
 async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
-    try:
-        return await runner.run()
-    except _PERMANENT:
-        await runner.discard()
-        raise
+    async with runner.ticking():
+        try:
+            return await runner.run()
+        except _PERMANENT:
+            await runner.discard()
+            raise
 
 
 async def pull(
@@ -511,7 +541,8 @@ async def pull(
         journal.close()
         raise
     try:
-        await runner.finish(old)
+        async with runner.ticking():
+            await runner.finish(old)
     except asyncio.CancelledError:
         runner.warnings.append("stopped while cleaning up; DEST is complete")
     finally:
