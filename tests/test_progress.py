@@ -18,6 +18,7 @@ import json
 import os
 import re
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -320,3 +321,48 @@ def test_progress_counts_files_as_the_extractor_creates_them(tmp_path: Path) -> 
     assert seen[-1] == ("done", result.files) and result.files == 400
     # the count moves before the last chunk is in: extraction runs alongside the fetch
     assert any(0 < files < 400 for phase, files in seen if phase == "pull"), str(seen)
+
+
+def chunks_on_disk(state: Path) -> int:
+    """Journaled chunks (``SEQ.HASH``), not the temp file of a write in flight."""
+    return sum(
+        1
+        for d in (state / "pulls").glob("*")
+        for p in d.glob("chunks/*")
+        if re.fullmatch(r"\d{8}\.[0-9a-f]+", p.name)
+    )
+
+
+def test_a_resume_keeps_redrawing_and_says_what_it_resumed(tmp_path: Path) -> None:
+    """The field report: a resume sat at ``extract 0 B ... 0%`` for 10 s at a time."""
+    ws = make_workspace(tmp_path / "ws", files=400)  # 4 MB: 62 chunks of 64K
+    first = subprocess.Popen(
+        pull_argv(tmp_path, ws, "--parallel", "1", "--chaos", "W=0.1,seed=3,hang=0.3"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=child_env(),
+    )
+    deadline = time.monotonic() + 120
+    while first.poll() is None and time.monotonic() < deadline:
+        if (tmp_path / "state" / "pulls").exists() and chunks_on_disk(tmp_path / "state") >= 30:
+            break
+        time.sleep(0.01)
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 130, err
+
+    # the rerun hangs in its first calls, so the line must move on its own
+    argv = pull_argv(tmp_path, ws, "--parallel", "1", "--chaos", "map=W.W.W,hang=2")
+    code, reads, _ = run_in_pty(argv, 60)
+    transcript = b"".join(data for _, data in reads)
+    assert code == 0, transcript.decode(errors="replace")
+    end = transcript.find(b"pulled local:")
+    live = transcript[:end].decode()
+    assert re.search(r"\b\d+ resumed", live), live
+    # the chunks on disk count towards what DEST has: it ends at all of the archive
+    assert re.search(r"(\d+\.\d)/\1 MiB", live) and "400 files" in live, live
+    assert widest_column(transcript[:end], 60) <= 60, live
+    running = [t for t, data in reads if b"pulled local:" not in data]
+    gaps = [b - a for a, b in itertools.pairwise(running)]
+    assert running[-1] - running[0] >= 4.0 and max(gaps) <= REDRAW_WINDOW_S, gaps
+    assert re.search(rb"in \d+ chunks, \d+ resumed", transcript), transcript[end:]

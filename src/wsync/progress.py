@@ -119,12 +119,14 @@ class Field:
 def status_fields(p: Progress, rate: float | None, elapsed: float) -> list[Field]:
     """The status line's pieces, in display order."""
     fields = [Field(f"{p.phase:<7}", 0, "bold")]
+    # what DEST will have of the archive; the rate counts only what this run fetched
+    have = p.bytes_fetched + p.bytes_resumed
     if p.archive_bytes:
-        pct = min(100 * p.bytes_fetched / p.archive_bytes, 100.0)
-        fields.append(Field(human_pair(p.bytes_fetched, p.archive_bytes), 0))
+        pct = min(100 * have / p.archive_bytes, 100.0)
+        fields.append(Field(human_pair(have, p.archive_bytes), 0))
         fields.append(Field(f"{int(pct):3d}%", 2))
     else:
-        fields.append(Field(human_bytes(p.bytes_fetched), 0))
+        fields.append(Field(human_bytes(have), 0))
         if p.archive_produced:
             fields.append(Field(f"(guest made {human_bytes(p.archive_produced)})", 5))
     if rate is not None:
@@ -135,10 +137,11 @@ def status_fields(p: Progress, rate: float | None, elapsed: float) -> list[Field
     if p.faults:
         fields.append(Field(f"({describe_faults(p.faults)})", 5))
     total = p.chunks_total if p.chunks_total is not None else "?"
-    resumed = f" ({p.resumed_chunks} resumed)" if p.resumed_chunks else ""
-    fields.append(Field(f"chunks {p.chunks_done}/{total}{resumed}", 4))
-    if p.archive_bytes and rate and p.bytes_fetched < p.archive_bytes:
-        fields.append(Field(f"ETA {_clock((p.archive_bytes - p.bytes_fetched) / rate)}", 3))
+    fields.append(Field(f"chunks {p.chunks_done}/{total}", 4))
+    if p.resumed_chunks:  # a resume: chunks on disk from the run before, not fetched
+        fields.append(Field(f"{p.resumed_chunks} resumed", 1))
+    if p.archive_bytes and rate and have < p.archive_bytes:
+        fields.append(Field(f"ETA {_clock((p.archive_bytes - have) / rate)}", 3))
     fields.append(Field(_clock(elapsed), 3))
     return fields
 

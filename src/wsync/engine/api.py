@@ -85,6 +85,8 @@ class Progress:
     chunks_done: int = 0
     chunks_total: int | None = None
     resumed_chunks: int = 0
+    #: archive bytes of those chunks (on disk from an earlier run, not fetched in this one)
+    bytes_resumed: int = 0
     #: entries the extractor has created so far, counted as ``PullResult.files`` is
     #: (regular files, symlinks, hardlinks); it grows while chunks still arrive, and
     #: is what moves during a resume, whose chunks are already on disk

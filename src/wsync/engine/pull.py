@@ -429,6 +429,7 @@ class _Pull:
                 if have[1].stat().st_size == chunk.length:
                     feed.publish(chunk.seq, have[1])
                     self.progress.resumed_chunks += 1
+                    self.progress.bytes_resumed += chunk.length
                     self.progress.chunks_done += 1
                     return
         queue.put_nowait(chunk)
