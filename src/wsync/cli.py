@@ -11,13 +11,14 @@ from __future__ import annotations
 # module before it calls main().  asyncio, structlog and the engine are
 # imported where they are used.
 import argparse
+import io
 import json
 import sys
 import time
 import traceback
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar, cast
 
 from wsync import __version__, interrupts
 from wsync.errors import EXIT_CODES, Interrupted, UsageError, WsyncError
@@ -207,7 +208,12 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     p.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI including the workspace path")
     p.add_argument("dest", metavar="DEST", type=Path, help="destination directory on this host")
     p.add_argument("--json", action="store_true", help="print one JSON result object on stdout")
-    p.add_argument("--no-progress", action="store_true", help="no progress line on a terminal")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress output (default: a live line on a terminal, one line per phase "
+        "otherwise, none with --json)",
+    )
     p.add_argument(
         "--parallel", type=positive_int, default=4, metavar="N", help="reads in flight (4)"
     )
@@ -355,7 +361,22 @@ def _delegated_parser(name: str) -> argparse.ArgumentParser:
     return client.status_parser() if name == "status" else client.jobs_parser()
 
 
+class _CurrentStderr(io.TextIOBase):
+    """``sys.stderr`` as it is at each write, not as it was at setup: while the live
+    progress line runs it points at rich's proxy, which prints log lines above the
+    status line instead of through it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def setup_logging(verbose: bool, debug: bool) -> None:
+    """Warnings by default; ``-v`` adds info (each retry of a guest call with its fault
+    kind and read size), ``--debug`` adds debug (every guest call: which, its nonce,
+    bytes, duration).  All on stderr, so ``--json`` keeps stdout to the result."""
     import logging
 
     import structlog
@@ -368,7 +389,7 @@ def setup_logging(verbose: bool, debug: bool) -> None:
             structlog.dev.ConsoleRenderer(colors=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _CurrentStderr())),
         cache_logger_on_first_use=False,
     )
 
@@ -420,7 +441,7 @@ def run_async(coro_factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
 def cmd_pull(args: argparse.Namespace) -> int:
     from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
     from wsync.engine.pull import failure_result, pull_uri
-    from wsync.progress import ProgressLine
+    from wsync.progress import describe_faults, human_bytes, plural, progress_display
 
     options = PullOptions(
         state_dir=args.state_dir or default_state_dir(),
@@ -438,8 +459,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
     )
     if options.chunk_size % (64 * 1024):
         raise UsageError("--chunk-size must be a multiple of 64K")
-    show = sys.stderr.isatty() and not args.no_progress
-    bar = ProgressLine() if show else None
+    # --json: stdout holds exactly the result, stderr only errors and warnings
+    bar = progress_display(sys.stderr, enabled=not (args.json or args.no_progress))
     started = time.monotonic()
     try:
         result = run_async(
@@ -459,14 +480,14 @@ def cmd_pull(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json()))
     else:
-        from wsync.progress import human_bytes
-
         note = " (adopted a running snapshot)" if result.reconciled else ""
         resumed = f", {result.resumed_chunks} resumed" if result.resumed_chunks else ""
+        faults = f" ({describe_faults(result.faults)})" if result.faults else ""
         print(
-            f"pulled {args.sandbox} -> {result.dest}: {result.files} files, "
-            f"{human_bytes(result.bytes)} archive in {result.chunks} chunks{resumed}, "
-            f"{result.retries} retries, {result.elapsed_s:.1f}s{note}",
+            f"pulled {args.sandbox} -> {result.dest}: {plural(result.files, 'file')}, "
+            f"{human_bytes(result.bytes)} archive in {plural(result.chunks, 'chunk')}{resumed}, "
+            f"{plural(result.retries, 'retry', 'retries')}{faults}, "
+            f"{plural(len(result.warnings), 'warning')}, {result.elapsed_s:.1f}s{note}",
             file=sys.stderr,
         )
     for warning in result.warnings:

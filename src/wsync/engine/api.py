@@ -75,7 +75,7 @@ class PullOptions:
 class Progress:
     """A snapshot of a running pull, emitted often; cheap to copy."""
 
-    phase: str = "probe"  # probe | admit | pull | extract | swap | done
+    phase: str = "probe"  # probe | admit | pull | extract | swap | cleanup | done
     snapshot: str = ""
     bytes_fetched: int = 0
     #: total archive bytes once the guest producer finished, else None
@@ -85,6 +85,12 @@ class Progress:
     chunks_done: int = 0
     chunks_total: int | None = None
     resumed_chunks: int = 0
+    #: archive bytes of those chunks (on disk from an earlier run, not fetched in this one)
+    bytes_resumed: int = 0
+    #: entries the extractor has created so far, counted as ``PullResult.files`` is
+    #: (regular files, symlinks, hardlinks); it grows while chunks still arrive, and
+    #: is what moves during a resume, whose chunks are already on disk
+    files: int = 0
     retries: int = 0
     transferred_bytes: int = 0
     #: integrity faults detected, by kind ("no-envelope", "truncated", "hash-mismatch", ...)

@@ -132,6 +132,7 @@ def extract_tar_stream(
     limits: ExtractLimits,
     *,
     check_cancel: Callable[[], None] | None = None,
+    stats: ExtractStats | None = None,
 ) -> ExtractStats:
     """Extract the uncompressed tar ``stream`` into the empty directory ``root``, confined.
 
@@ -140,6 +141,10 @@ def extract_tar_stream(
     :class:`HostileArchive` (or :class:`LimitExceeded`) on anything refused,
     :class:`HostIOError` when the host cannot write, and whatever ``check_cancel`` raises.  On
     error ``root`` holds a partial tree that the caller discards.
+
+    ``stats``, when given, is counted into as members are created (and returned), so
+    that another thread can show the counts while the extraction runs: this thread is
+    the only writer, and a reader sees each int whole, at worst a moment stale.
     """
     try:
         if isinstance(root, int):
@@ -152,7 +157,7 @@ def extract_tar_stream(
         with os.scandir(root_fd) as entries:
             if next(entries, None) is not None:
                 raise HostIOError(f"extraction root {str(root)!r} is not empty")
-        return _Extractor(stream, root_fd, limits, check_cancel).run()
+        return _Extractor(stream, root_fd, limits, check_cancel, stats).run()
     finally:
         os.close(root_fd)
 
@@ -294,13 +299,14 @@ class _Extractor:
         root_fd: int,
         limits: ExtractLimits,
         check_cancel: Callable[[], None] | None,
+        stats: ExtractStats | None = None,
     ) -> None:
         self.reader = TarReader(stream, self._count)
         self.root_fd = root_fd
         self.dirs = _DirStack(root_fd)
         self.limits = limits
         self.check_cancel = check_cancel
-        self.stats = ExtractStats()
+        self.stats = stats if stats is not None else ExtractStats()
         self.members = 0
         self.umask = _umask()
         self.atime_ns = time.time_ns()

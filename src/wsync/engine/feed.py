@@ -115,13 +115,18 @@ class ChunkFeed(io.RawIOBase):
 
 
 def extract_feed(
-    feed: ChunkFeed, compressor: str, root: Path | int, limits: ExtractLimits
+    feed: ChunkFeed,
+    compressor: str,
+    root: Path | int,
+    limits: ExtractLimits,
+    stats: ExtractStats | None = None,
 ) -> ExtractStats:
     """Decompress and extract the whole feed into ``root`` (a path or an open
     directory fd, which stays open), then drain it.
 
     Draining matters: the decompressor may stop at tar's end-of-archive
     blocks, but the whole-stream hash must cover every byte of the stream.
+    ``stats`` is counted into live (see :func:`extract_tar_stream`).
     """
     raw = io.BufferedReader(feed, 1 << 20)
     stream: BinaryIO
@@ -134,7 +139,7 @@ def extract_feed(
             stream = cast(BinaryIO, gzip.GzipFile(fileobj=raw, mode="rb"))
         check: Callable[[], None] = feed.check_cancel
         try:
-            stats = extract_tar_stream(stream, root, limits, check_cancel=check)
+            stats = extract_tar_stream(stream, root, limits, check_cancel=check, stats=stats)
         except (zstandard.ZstdError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
             raise HostileArchive(f"the archive does not decompress: {exc}") from exc
         while raw.read(1 << 20):

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import random
 import secrets
+import time
 from collections.abc import Callable
 
 import structlog
@@ -100,18 +101,26 @@ class GuestSession:
         max_length: int,
         algorithm: Algorithm | None = None,
         observe: Callable[[str | None, int], None] | None = None,
+        asked: Callable[[], int] | None = None,
     ) -> Envelope:
         """Exec ``build(nonce)`` until a verified envelope comes back.
 
         ``observe`` hears the outcome of every attempt: None for success, or
         the fault kind, and how many bytes arrived (the read size listens here).
+        ``asked`` tells the size the last attempt asked for, for the logs: every
+        retry is logged at info level (``-v``) with its fault kind and that size,
+        every exec at debug level (``--debug``) with its nonce, byte counts and
+        duration, never the script text or its arguments.
         """
         last = "none"
         received = 0
         for attempt in range(1, self.options.max_attempts + 1):
             nonce = secrets.token_hex(8)
             argv = build(nonce)
+            #: the read size of this attempt, for the logs (reads only)
+            size = {"asked": asked()} if asked is not None else {}
             bound = wire_length(max_length, "b64" if self.b64 else "raw") + 64 * 1024
+            started = time.monotonic()
             try:
                 result = await self.transport.exec(
                     argv,
@@ -121,6 +130,17 @@ class GuestSession:
                 )
                 self.stats.transferred += len(result.stdout)
                 received = len(result.stdout)
+                log.debug(
+                    "guest call",
+                    call=what,
+                    attempt=attempt,
+                    nonce=nonce,
+                    **size,
+                    sent=sum(len(arg) for arg in argv),
+                    received=received,
+                    exit=result.exit_status,
+                    seconds=round(time.monotonic() - started, 3),
+                )
                 parser = EnvelopeParser(
                     nonce,
                     algorithm=algorithm or self.algorithm,
@@ -146,7 +166,16 @@ class GuestSession:
             self.stats.faults[last] += 1
             if observe is not None:
                 observe(last, received)
-            log.debug("retry", call=what, attempt=attempt, fault=last, detail=detail)
+            log.info(
+                "retry",
+                call=what,
+                attempt=f"{attempt}/{self.options.max_attempts}",
+                fault=last,
+                **size,
+                received=received,
+                seconds=round(time.monotonic() - started, 3),
+                detail=detail[:200],
+            )
             if attempt < self.options.max_attempts:
                 await asyncio.sleep(backoff(attempt, rng=self._rng))
         raise IntegrityFailed(
@@ -326,7 +355,11 @@ class GuestSession:
                 sizer.loss(asked[0], 0 if fault == "hash-mismatch" else payload)
 
         envelope = await self.call(
-            f"read {file}@{offset}", build, max_length=length, observe=observe
+            f"read {file}@{offset}",
+            build,
+            max_length=length,
+            observe=observe,
+            asked=lambda: asked[0],
         )
         if not envelope.ok:
             raise StagingFailed(f"reading {file}: {records.printable(envelope.text)}")
@@ -354,6 +387,7 @@ class GuestSession:
                 path, offset, length, timeout=self.options.call_timeout
             )
         except (TransportError, NotImplementedError) as exc:
+            log.info("file API read failed", fault="file-api-failed", asked=length)
             self.stats.faults["file-api-failed"] += 1
             self._direct_failures += 1
             if self._direct_failures >= 2 or isinstance(exc, NotImplementedError):
@@ -362,6 +396,7 @@ class GuestSession:
             return None
         self.stats.transferred += len(data)
         if len(data) != length or self.algorithm.digest(data) != digest:
+            log.info("file API read damaged", fault="file-api-mismatch", asked=length)
             self.stats.faults["file-api-mismatch"] += 1
             return None
         self._direct_failures = 0

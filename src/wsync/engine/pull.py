@@ -25,7 +25,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,8 @@ log = structlog.get_logger("wsync.pull")
 _INDEX_READ = 1024 * 1024
 _POLL_MIN, _POLL_MAX = 0.05, 1.0
 _DEAD_CONFIRMATIONS = 3
+#: progress is emitted at least this often, events or not (counters move between events)
+_TICK = 0.5
 
 
 class _ExtractorStopped(Exception):
@@ -147,6 +149,8 @@ class _Pull:
         minimum = MIN_TEXT_READ if not transport.capabilities.binary_safe else BLOCK
         self.sizer = ReadSizer(options.chunk_size, minimum=minimum)
         self.progress = Progress()
+        #: counted into by the extractor thread while it runs (progress reads it)
+        self.extracted = ExtractStats()
         self.warnings: list[str] = []
         self.reconciled = False
         self.last_emit = 0.0
@@ -168,10 +172,30 @@ class _Pull:
         p.retries = self.stats.retries
         p.transferred_bytes = self.stats.transferred
         p.faults = dict(self.stats.faults)
+        x = self.extracted
+        p.files = x.files + x.symlinks + x.hardlinks
         now = time.monotonic()
         if self.on_progress and (force or phase or now - self.last_emit > 0.1):
             self.last_emit = now
             self.on_progress(p)
+
+    @contextlib.asynccontextmanager
+    async def ticking(self) -> AsyncIterator[None]:
+        """Emit every ``_TICK`` seconds meanwhile: retries, faults and the extractor's
+        file count change while no chunk arrives (a hanging call, a resume's extract)."""
+
+        async def tick() -> None:
+            while True:
+                await asyncio.sleep(_TICK)
+                self.emit()
+
+        task = asyncio.create_task(tick())
+        try:
+            yield
+        finally:
+            task.cancel()
+            # gather: the ticker's own cancellation is a result, the caller's propagates
+            await asyncio.gather(task, return_exceptions=True)
 
     # -- the pull ------------------------------------------------------------------
 
@@ -201,7 +225,9 @@ class _Pull:
 
         def work() -> None:
             try:
-                box["stats"] = extract_feed(feed, plan.compressor, tmp_fd, self.options.limits)
+                box["stats"] = extract_feed(
+                    feed, plan.compressor, tmp_fd, self.options.limits, self.extracted
+                )
             except BaseException as exc:
                 box["error"] = exc
 
@@ -446,6 +472,7 @@ class _Pull:
                 if have[1].stat().st_size == chunk.length:
                     feed.publish(chunk.seq, have[1])
                     self.progress.resumed_chunks += 1
+                    self.progress.bytes_resumed += chunk.length
                     self.progress.chunks_done += 1
                     return
         queue.put_nowait(chunk)
@@ -476,6 +503,9 @@ class _Pull:
                 return bytes(buf)
             self.stats.faults["chunk-hash-mismatch"] += 1
             self.stats.retries += 1
+            log.info(
+                "retry", call=f"chunk {chunk.seq}", fault="chunk-hash-mismatch", asked=len(buf)
+            )
         raise IntegrityFailed(f"chunk {chunk.seq} never matched its index hash")
 
 
@@ -502,14 +532,15 @@ _PERMANENT = (StagingFailed, HostileArchive, UnstableFiles)
 
 
 async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
-    try:
-        return await runner.run()
-    except _PERMANENT as exc:
-        # a host limit (disk space, --max-bytes) is not the snapshot's fault: the
-        # next run, with room made or the limit raised, resumes it
-        if not isinstance(exc, LimitExceeded):
-            await runner.discard()
-        raise
+    async with runner.ticking():
+        try:
+            return await runner.run()
+        except _PERMANENT as exc:
+            # a host limit (disk space, --max-bytes) is not the snapshot's fault: the
+            # next run, with room made or the limit raised, resumes it
+            if not isinstance(exc, LimitExceeded):
+                await runner.discard()
+            raise
 
 
 #: how long a failing or cancelled pull waits for its threads before it leaves them
@@ -564,7 +595,8 @@ async def pull(
         journal.close()
         raise
     try:
-        await runner.finish(old)
+        async with runner.ticking():
+            await runner.finish(old)
     except asyncio.CancelledError:
         # DEST was swapped: it is complete and exact, so a stop from here on is a
         # success, not an interruption (the CLI exits 0).  The journal goes (the
