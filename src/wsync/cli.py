@@ -439,8 +439,8 @@ def run_async(coro_factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
-    from wsync.engine.pull import failure_result, pull_uri
+    from wsync.engine.api import ExtractLimits, PullOptions, PullResult, default_state_dir
+    from wsync.engine.pull import pull_uri
     from wsync.progress import describe_faults, human_bytes, plural, progress_display
 
     options = PullOptions(
@@ -472,7 +472,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         if bar:
             bar.close()
         if args.json:
-            failed = failure_result(args.sandbox, args.dest, exc, time.monotonic() - started)
+            failed = PullResult.from_error(args.sandbox, args.dest, exc, time.monotonic() - started)
             print(json.dumps(failed.to_json()))
         raise
     if bar:

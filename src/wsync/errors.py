@@ -153,6 +153,24 @@ class TransportTimeout(TransportError):
     template = "exec timed out after {:.1f}s"
 
 
+def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The most telling leaf of a TaskGroup failure (a WsyncError if any)."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for sub in exc.exceptions:
+                walk(sub)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    for leaf in leaves:
+        if isinstance(leaf, WsyncError):
+            return leaf
+    return leaves[0]
+
+
 EXIT_CODES: dict[int, str] = {
     0: "success: DEST holds exactly the guest's tree",
     1: "internal error (a bug; re-run with --debug)",

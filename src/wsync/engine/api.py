@@ -7,11 +7,14 @@ the same numbers.  Nothing here does I/O.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from wsync.errors import Interrupted, WsyncError
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -125,6 +128,25 @@ class PullResult:
     error: str | None = None
     error_kind: str | None = None
     exit_code: int = 0
+
+    @classmethod
+    def from_error(
+        cls, sandbox: str, dest: Path | str, error: BaseException, elapsed: float
+    ) -> PullResult:
+        """The ``--json`` shape of a failed pull."""
+        if isinstance(error, asyncio.CancelledError):
+            error = Interrupted("cancelled")
+        code = error.exit_code if isinstance(error, WsyncError) else 1
+        kind = error.kind if isinstance(error, WsyncError) else "internal"
+        return cls(
+            ok=False,
+            sandbox=sandbox,
+            dest=str(dest),
+            elapsed_s=elapsed,
+            error=str(error),
+            error_kind=kind,
+            exit_code=code,
+        )
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -38,8 +38,7 @@ from wsync.engine.feed import ChunkFeed, extract_feed
 from wsync.engine.fsutil import host_io, syncfs
 from wsync.engine.guest import CallStats, GuestPlan, GuestSession
 from wsync.engine.journal import DestRegistry, Journal
-from wsync.engine.settle import describe, read_list, remove_gone
-from wsync.engine.tarstream import show_name
+from wsync.engine.settle import apply_lists
 from wsync.engine.winddown import (
     WriterPool,
     await_future,
@@ -51,13 +50,13 @@ from wsync.errors import (
     HostileArchive,
     HostIOError,
     IntegrityFailed,
-    Interrupted,
     LimitExceeded,
     ProducerVanished,
     StagingFailed,
     UnstableFiles,
     UsageError,
     WsyncError,
+    first_error,
 )
 from wsync.protocol.policy import MIN_TEXT_READ, ReadSizer
 from wsync.protocol.records import Chunk, DoneRecord, IndexParser
@@ -248,7 +247,9 @@ class _Pull:
                     f"whole stream: {feed.length} bytes hashing to {feed.digest[:16]}…, "
                     f"guest says {length} bytes hashing to {self.done.digest[:16]}…"
                 )
-            await self.settle(tmp_fd)
+            self.unstable = await apply_lists(
+                self.session, self.done, self.sizer, tmp_fd, self.options.best_effort, self.warnings
+            )
             self.emit("swap")
             with host_io(f"flushing {self.dest.parent / tmp}"):
                 syncfs(tmp_fd)
@@ -410,26 +411,8 @@ class _Pull:
                 for _ in workers:
                     queue.put_nowait(None)
         except BaseExceptionGroup as group_error:
-            raise _first_error(group_error) from None
+            raise first_error(group_error) from None
         return done.chunks, done.length
-
-    async def settle(self, root_fd: int) -> None:
-        """Apply the producer's lists of files that never settled and that vanished
-        (:mod:`wsync.engine.settle`) to the new tree open at ``root_fd``."""
-        assert self.done is not None
-        if self.done.unstable_bytes:
-            names = await read_list(self.session, "unstable", self.done.unstable_bytes, self.sizer)
-            if not self.options.best_effort:
-                raise UnstableFiles(describe(names))
-            self.unstable = [show_name(name) for name in names]
-            self.warnings.append(
-                f"taken as last read although they kept changing: {describe(names)}"
-            )
-        if self.done.gone_bytes:
-            names = await read_list(self.session, "gone", self.done.gone_bytes, self.sizer)
-            removed = await in_thread(lambda: remove_gone(root_fd, names))
-            if removed:
-                self.warnings.append(f"vanished while read, so not in DEST: {describe(names)}")
 
     async def discard(self) -> None:
         """Forget a snapshot that failed for a reason a retry of it cannot fix: remove the
@@ -507,24 +490,6 @@ class _Pull:
                 "retry", call=f"chunk {chunk.seq}", fault="chunk-hash-mismatch", asked=len(buf)
             )
         raise IntegrityFailed(f"chunk {chunk.seq} never matched its index hash")
-
-
-def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The most telling leaf of a TaskGroup failure (a WsyncError if any)."""
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for sub in exc.exceptions:
-                walk(sub)
-        else:
-            leaves.append(exc)
-
-    walk(group)
-    for leaf in leaves:
-        if isinstance(leaf, WsyncError):
-            return leaf
-    return leaves[0]
 
 
 #: failures that the same snapshot would repeat on every run: it is discarded at once
@@ -649,22 +614,3 @@ async def pull_uri(
                 await transport.aclose()
         except TimeoutError:
             log.warning("closing the transport timed out", sandbox=parsed.raw)
-
-
-def failure_result(
-    sandbox: str, dest: Path | str, error: BaseException, elapsed: float
-) -> PullResult:
-    """The ``--json`` shape of a failed pull."""
-    if not isinstance(error, WsyncError):
-        error = Interrupted("cancelled") if isinstance(error, asyncio.CancelledError) else error
-    code = error.exit_code if isinstance(error, WsyncError) else 1
-    kind = error.kind if isinstance(error, WsyncError) else "internal"
-    return PullResult(
-        ok=False,
-        sandbox=sandbox,
-        dest=str(dest),
-        elapsed_s=elapsed,
-        error=str(error),
-        error_kind=kind,
-        exit_code=code,
-    )

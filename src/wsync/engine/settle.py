@@ -23,9 +23,10 @@ from wsync.engine.api import MiB
 from wsync.engine.fsutil import remove_tree_at
 from wsync.engine.guest import GuestSession
 from wsync.engine.tarstream import show_name
-from wsync.errors import HostIOError, StagingFailed
+from wsync.engine.winddown import in_thread
+from wsync.errors import HostIOError, StagingFailed, UnstableFiles
 from wsync.protocol.policy import ReadSizer
-from wsync.protocol.records import parse_name_list
+from wsync.protocol.records import DoneRecord, parse_name_list
 
 #: largest list read back (a list this long means the workspace is being rewritten wholesale)
 MAX_LIST = 64 * MiB
@@ -40,6 +41,32 @@ async def read_list(session: GuestSession, file: str, size: int, sizer: ReadSize
     while len(data) < size:
         data += await session.read(file, len(data), size - len(data), sizer)
     return parse_name_list(bytes(data))
+
+
+async def apply_lists(
+    session: GuestSession,
+    done: DoneRecord | None,
+    sizer: ReadSizer,
+    root_fd: int,
+    best_effort: bool,
+    warnings: list[str],
+) -> list[str]:
+    """Apply the producer's lists to the new tree open at ``root_fd``; return the
+    unstable files taken anyway (``best_effort``), shown for ``--json``."""
+    assert done is not None
+    taken: list[str] = []
+    if done.unstable_bytes:
+        names = await read_list(session, "unstable", done.unstable_bytes, sizer)
+        if not best_effort:
+            raise UnstableFiles(describe(names) or "(names not given)")
+        taken = [show_name(name) for name in names]
+        warnings.append(f"taken as last read although they kept changing: {describe(names)}")
+    if done.gone_bytes:
+        names = await read_list(session, "gone", done.gone_bytes, sizer)
+        removed = await in_thread(lambda: remove_gone(root_fd, names))
+        if removed:
+            warnings.append(f"vanished while read, so not in DEST: {describe(names)}")
+    return taken
 
 
 def describe(names: list[bytes], limit: int = 5) -> str:
