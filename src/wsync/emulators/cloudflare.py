@@ -26,7 +26,6 @@ import hmac
 import logging
 import os
 import random
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from wsync.emulators import cloudflare_http as http
 from wsync.emulators.cloudflare_exec import READ_SIZE, ExecStream
 from wsync.emulators.cloudflare_faults import CloudflareFaults, ExecPlan
 from wsync.emulators.sprites import end_process, kill_group
+from wsync.emulators.thread import BackgroundEmulator
 from wsync.errors import ProtocolError
 from wsync.transports.cloudflare_protocol import (
     SESSION_ID_RE,
@@ -229,7 +229,7 @@ class CloudflareEmulator:
         return True
 
 
-class EmulatorThread:
+class EmulatorThread(BackgroundEmulator[CloudflareEmulator, CloudflareFaults]):
     """Runs a :class:`CloudflareEmulator` on its own loop in a background thread.
 
     For synchronous callers (``wsync demo``, ``wsync doctor``, sync tests)::
@@ -239,61 +239,16 @@ class EmulatorThread:
             pull_uri("cloudflare://demo/...", dest, opts, emu.transport_options())
     """
 
+    thread_name = "cloudflare-emulator"
+
     def __init__(
         self, root: Path, *, token: str = EMULATOR_TOKEN, faults: CloudflareFaults | None = None
     ) -> None:
-        self.emulator = CloudflareEmulator(root, token=token, faults=faults)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return self.emulator.url
+        super().__init__(CloudflareEmulator(root, token=token, faults=faults))
 
     @property
     def token(self) -> str:
         return self.emulator.token
 
-    @property
-    def stats(self) -> collections.Counter[str]:
-        return self.emulator.stats
-
-    def transport_options(self) -> dict[str, Any]:
-        return self.emulator.transport_options()
-
     def create_sandbox(self, sandbox_id: str) -> Path:
         return self.emulator.create_sandbox(sandbox_id)
-
-    def set_faults(self, faults: CloudflareFaults) -> None:
-        """Swap the fault config; later requests draw from it (attribute swap is atomic)."""
-        self.emulator.faults = faults
-
-    def start(self) -> EmulatorThread:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        self._thread = threading.Thread(
-            target=loop.run_forever, name="cloudflare-emulator", daemon=True
-        )
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.emulator.start(), loop).result(timeout=30)
-        return self
-
-    def stop(self) -> None:
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        self._loop = self._thread = None
-        try:
-            asyncio.run_coroutine_threadsafe(self.emulator.stop(), loop).result(timeout=60)
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=30)
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
-            loop.close()
-
-    def __enter__(self) -> EmulatorThread:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

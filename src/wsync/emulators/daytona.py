@@ -35,12 +35,12 @@ import os
 import random
 import shutil
 import signal
-import threading
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
 from wsync.emulators.daytona_faults import DaytonaFaults, RequestPlan
+from wsync.emulators.thread import BackgroundEmulator
 from wsync.transports.daytona_protocol import (
     error_body,
     go_json_result,
@@ -528,7 +528,7 @@ def _parse_range(value: str, size: int) -> tuple[int, int] | None:
     return first, min(last, size - 1)
 
 
-class DaytonaEmulatorThread:
+class DaytonaEmulatorThread(BackgroundEmulator[DaytonaEmulator, DaytonaFaults]):
     """Runs a :class:`DaytonaEmulator` on its own loop in a background thread.
 
     For synchronous callers (``wsync demo``, ``wsync doctor``, sync tests)::
@@ -538,59 +538,14 @@ class DaytonaEmulatorThread:
             pull_uri("daytona://demo/work", dest, opts, emu.transport_options())
     """
 
-    def __init__(self, root: Path, **kwargs: Any) -> None:
-        self.emulator = DaytonaEmulator(root, **kwargs)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+    thread_name = "daytona-emulator"
 
-    @property
-    def url(self) -> str:
-        return self.emulator.url
+    def __init__(self, root: Path, **kwargs: Any) -> None:
+        super().__init__(DaytonaEmulator(root, **kwargs))
 
     @property
     def token(self) -> str:
         return self.emulator.token
 
-    @property
-    def stats(self) -> collections.Counter[str]:
-        return self.emulator.stats
-
-    def transport_options(self) -> dict[str, Any]:
-        return self.emulator.transport_options()
-
     def create_sandbox(self, sandbox_id: str) -> Path:
         return self.emulator.create_sandbox(sandbox_id)
-
-    def set_faults(self, faults: DaytonaFaults) -> None:
-        """Swap the fault config; later requests draw from it (attribute swap is atomic)."""
-        self.emulator.faults = faults
-
-    def start(self) -> DaytonaEmulatorThread:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        self._thread = threading.Thread(
-            target=loop.run_forever, name="daytona-emulator", daemon=True
-        )
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.emulator.start(), loop).result(timeout=30)
-        return self
-
-    def stop(self) -> None:
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        self._loop = self._thread = None
-        try:
-            asyncio.run_coroutine_threadsafe(self.emulator.stop(), loop).result(timeout=60)
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=30)
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
-            loop.close()
-
-    def __enter__(self) -> DaytonaEmulatorThread:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -39,13 +39,13 @@ import logging
 import os
 import random
 import signal
-import threading
 from pathlib import Path
 from typing import Any
 
 from wsync.emulators.e2b_faults import E2BFaults, ExecPlan
 from wsync.emulators.e2b_http import ClientGone, Exchange, H11Server
 from wsync.emulators.sprites import end_process
+from wsync.emulators.thread import BackgroundEmulator
 from wsync.errors import ProtocolError
 from wsync.transports.e2b_protocol import (
     CHUNK,
@@ -520,7 +520,7 @@ class E2BEmulator:
         await ex.end()
 
 
-class EmulatorThread:
+class EmulatorThread(BackgroundEmulator[E2BEmulator, E2BFaults]):
     """Runs an :class:`E2BEmulator` on its own loop in a background thread.
 
     For synchronous callers (``wsync demo``, ``wsync doctor``, sync tests)::
@@ -530,59 +530,16 @@ class EmulatorThread:
             pull_uri("e2b://sbx/work", dest, opts, emu.transport_options())
     """
 
+    thread_name = "e2b-emulator"
+
     def __init__(
         self, root: Path, *, token: str | None = EMULATOR_TOKEN, faults: E2BFaults | None = None
     ) -> None:
-        self.emulator = E2BEmulator(root, token=token, faults=faults)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return self.emulator.url
+        super().__init__(E2BEmulator(root, token=token, faults=faults))
 
     @property
     def token(self) -> str | None:
         return self.emulator.token
 
-    @property
-    def stats(self) -> collections.Counter[str]:
-        return self.emulator.stats
-
-    def transport_options(self) -> dict[str, Any]:
-        return self.emulator.transport_options()
-
     def create_sandbox(self, sandbox_id: str) -> Path:
         return self.emulator.create_sandbox(sandbox_id)
-
-    def set_faults(self, faults: E2BFaults) -> None:
-        """Swap the fault config; later calls draw from it (attribute swap is atomic)."""
-        self.emulator.faults = faults
-
-    def start(self) -> EmulatorThread:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        self._thread = threading.Thread(target=loop.run_forever, name="e2b-emulator", daemon=True)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.emulator.start(), loop).result(timeout=30)
-        return self
-
-    def stop(self) -> None:
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        self._loop = self._thread = None
-        try:
-            asyncio.run_coroutine_threadsafe(self.emulator.stop(), loop).result(timeout=30)
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=30)
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
-            loop.close()
-
-    def __enter__(self) -> EmulatorThread:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

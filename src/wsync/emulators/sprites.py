@@ -42,7 +42,6 @@ import logging
 import os
 import random
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from wsync.emulators.sprites_faults import ExecPlan, SpritesFaults
+from wsync.emulators.thread import BackgroundEmulator
 from wsync.errors import ProtocolError
 from wsync.transports.sprites_protocol import (
     STDERR,
@@ -497,7 +497,7 @@ class SpritesEmulator:
             log.debug("sprites emulator: session ended: %r", err)
 
 
-class EmulatorThread:
+class EmulatorThread(BackgroundEmulator[SpritesEmulator, SpritesFaults]):
     """Runs a :class:`SpritesEmulator` on its own loop in a background thread.
 
     For synchronous callers (``wsync demo``, ``wsync doctor``, sync tests)::
@@ -507,6 +507,8 @@ class EmulatorThread:
             pull_uri("sprites://demo/work", dest, opts, emu.transport_options())
     """
 
+    thread_name = "sprites-emulator"
+
     def __init__(
         self,
         root: Path,
@@ -514,58 +516,11 @@ class EmulatorThread:
         token: str = EMULATOR_TOKEN,
         faults: SpritesFaults | None = None,
     ) -> None:
-        self.emulator = SpritesEmulator(root, token=token, faults=faults)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return self.emulator.url
+        super().__init__(SpritesEmulator(root, token=token, faults=faults))
 
     @property
     def token(self) -> str:
         return self.emulator.token
 
-    @property
-    def stats(self) -> collections.Counter[str]:
-        return self.emulator.stats
-
-    def transport_options(self) -> dict[str, Any]:
-        return self.emulator.transport_options()
-
     def create_sprite(self, name: str) -> Path:
         return self.emulator.create_sprite(name)
-
-    def set_faults(self, faults: SpritesFaults) -> None:
-        """Swap the fault config; later execs draw from it (attribute swap is atomic)."""
-        self.emulator.faults = faults
-
-    def start(self) -> EmulatorThread:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        self._thread = threading.Thread(
-            target=loop.run_forever, name="sprites-emulator", daemon=True
-        )
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self.emulator.start(), loop).result(timeout=30)
-        return self
-
-    def stop(self) -> None:
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        self._loop = self._thread = None
-        try:
-            asyncio.run_coroutine_threadsafe(self.emulator.stop(), loop).result(timeout=30)
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=30)
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
-            loop.close()
-
-    def __enter__(self) -> EmulatorThread:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
