@@ -26,8 +26,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
-from typing import ClassVar
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from wsync.errors import UsageError
 
 DEFAULT_MAX_OUTPUT = 64 * 1024 * 1024
 
@@ -89,6 +93,32 @@ class Capabilities:
     #: staged chunks; every result is verified by the chunk hash, exec reads are the
     #: fallback)
     file_read: bool = False
+
+
+def find_secret(
+    options: Mapping[str, Any], option: str, file_option: str, env: Sequence[str], what: str
+) -> str | None:
+    """A credential: ``options[option]``, then the file ``options[file_option]`` names,
+    then the first environment variable of ``env`` that is set; None if none is.
+
+    Explicit options beat the environment.  The value goes into an HTTP header, so a line
+    break, NUL or non-ASCII text is refused (and never echoed).
+    """
+    token = options.get(option)
+    if not token and options.get(file_option):
+        path = Path(str(options[file_option])).expanduser()
+        try:
+            token = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(f"cannot read the {what} file {path}: {err}") from None
+    for var in env:
+        token = token or os.environ.get(var, "").strip()
+    if not token:
+        return None
+    token = str(token)
+    if any(c in token for c in "\r\n\x00") or not token.isascii():
+        raise UsageError(f"the {what} contains a line break, NUL or non-ASCII text")
+    return token
 
 
 class Transport(abc.ABC):

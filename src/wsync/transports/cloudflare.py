@@ -35,7 +35,6 @@ import logging
 import os
 import urllib.parse
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, ClassVar, NoReturn
 
 import httpx
@@ -48,7 +47,13 @@ from wsync.errors import (
     TransportTimeout,
     UsageError,
 )
-from wsync.transports.base import DEFAULT_MAX_OUTPUT, Capabilities, ExecResult, Transport
+from wsync.transports.base import (
+    DEFAULT_MAX_OUTPUT,
+    Capabilities,
+    ExecResult,
+    Transport,
+    find_secret,
+)
 from wsync.transports.cloudflare_protocol import (
     ExecCollector,
     SSEParser,
@@ -71,20 +76,11 @@ RETRIES_503 = 4
 
 def resolve_token(options: Mapping[str, Any]) -> str:
     """``cloudflare_token``, then ``cloudflare_token_file``, then ``$CLOUDFLARE_SANDBOX_TOKEN``."""
-    token = options.get("cloudflare_token")
-    if not token and options.get("cloudflare_token_file"):
-        path = Path(str(options["cloudflare_token_file"])).expanduser()
-        try:
-            token = path.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as err:
-            raise UsageError(f"cannot read Cloudflare token file {path}: {err}") from None
-    if not token:
-        token = os.environ.get(TOKEN_ENV, "").strip()
-    if not token:
+    token = find_secret(
+        options, "cloudflare_token", "cloudflare_token_file", (TOKEN_ENV,), "Cloudflare token"
+    )
+    if token is None:
         raise AuthFailed(f"no Cloudflare Sandbox token: set {TOKEN_ENV} or pass a token file")
-    token = str(token)
-    if any(c in token for c in "\r\n\x00") or not token.isascii():
-        raise UsageError("the Cloudflare token contains a line break, NUL or non-ASCII text")
     return token
 
 

@@ -39,7 +39,6 @@ import os
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, ClassVar, NoReturn
 from urllib.parse import quote
 
@@ -54,7 +53,13 @@ from wsync.errors import (
     UsageError,
     WsyncError,
 )
-from wsync.transports.base import DEFAULT_MAX_OUTPUT, Capabilities, ExecResult, Transport
+from wsync.transports.base import (
+    DEFAULT_MAX_OUTPUT,
+    Capabilities,
+    ExecResult,
+    Transport,
+    find_secret,
+)
 from wsync.transports.daytona_protocol import (
     MARKER_PREFIX,
     ExecBody,
@@ -81,20 +86,11 @@ MiB = 1024 * 1024
 
 def resolve_token(options: Mapping[str, Any]) -> str:
     """``daytona_token``, then ``daytona_token_file``, then ``$DAYTONA_API_KEY``."""
-    token = options.get("daytona_token")
-    if not token and options.get("daytona_token_file"):
-        path = Path(str(options["daytona_token_file"])).expanduser()
-        try:
-            token = path.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as err:
-            raise UsageError(f"cannot read the Daytona token file {path}: {err}") from None
-    if not token:
-        token = os.environ.get(TOKEN_ENV, "").strip()
-    if not token:
+    token = find_secret(
+        options, "daytona_token", "daytona_token_file", (TOKEN_ENV,), "Daytona API key"
+    )
+    if token is None:
         raise AuthFailed(f"no Daytona API key: set {TOKEN_ENV} or pass a token file")
-    token = str(token)
-    if any(c in token for c in "\r\n\x00") or not token.isascii():
-        raise UsageError("the Daytona API key contains a line break, NUL or non-ASCII text")
     return token
 
 

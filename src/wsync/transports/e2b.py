@@ -42,7 +42,6 @@ import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
@@ -55,7 +54,13 @@ from wsync.errors import (
     TransportTimeout,
     UsageError,
 )
-from wsync.transports.base import DEFAULT_MAX_OUTPUT, Capabilities, ExecResult, Transport
+from wsync.transports.base import (
+    DEFAULT_MAX_OUTPUT,
+    Capabilities,
+    ExecResult,
+    Transport,
+    find_secret,
+)
 from wsync.transports.e2b_protocol import (
     CLOSE_STDIN_PATH,
     CONNECT_JSON,
@@ -89,21 +94,9 @@ ERROR_BODY = 4096
 def resolve_token(options: Mapping[str, Any]) -> str | None:
     """``e2b_token``, then ``e2b_token_file``, then ``$E2B_ACCESS_TOKEN``; None if unset
     (envd only checks a token on sandboxes created "secure")."""
-    token = options.get("e2b_token")
-    if not token and options.get("e2b_token_file"):
-        path = Path(str(options["e2b_token_file"])).expanduser()
-        try:
-            token = path.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as err:
-            raise UsageError(f"cannot read E2B access token file {path}: {err}") from None
-    if not token:
-        token = os.environ.get("E2B_ACCESS_TOKEN", "").strip()
-    if not token:
-        return None
-    token = str(token)
-    if any(c in token for c in "\r\n\x00") or not token.isascii():
-        raise UsageError("the E2B access token contains a line break, NUL or non-ASCII text")
-    return token
+    return find_secret(
+        options, "e2b_token", "e2b_token_file", ("E2B_ACCESS_TOKEN",), "E2B access token"
+    )
 
 
 def envd_url(template: str, sandbox_id: str) -> str:

@@ -29,7 +29,6 @@ import asyncio
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -50,7 +49,13 @@ from wsync.errors import (
     TransportTimeout,
     UsageError,
 )
-from wsync.transports.base import DEFAULT_MAX_OUTPUT, Capabilities, ExecResult, Transport
+from wsync.transports.base import (
+    DEFAULT_MAX_OUTPUT,
+    Capabilities,
+    ExecResult,
+    Transport,
+    find_secret,
+)
 from wsync.transports.sprites_protocol import (
     STDIN,
     Control,
@@ -71,25 +76,11 @@ STDIN_FRAME = 64 * 1024
 
 def resolve_token(options: Mapping[str, Any]) -> str:
     """Explicit options beat the environment: ``token``, ``token_file``, then env vars."""
-    token = options.get("token")
-    if not token and options.get("token_file"):
-        path = Path(str(options["token_file"])).expanduser()
-        try:
-            token = path.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as err:
-            raise UsageError(f"cannot read Sprites token file {path}: {err}") from None
-    if not token:
-        for var in TOKEN_ENV_VARS:
-            token = os.environ.get(var, "").strip()
-            if token:
-                break
-    if not token:
+    token = find_secret(options, "token", "token_file", TOKEN_ENV_VARS, "Sprites token")
+    if token is None:
         raise AuthFailed(
             "no Sprites API token: set SPRITES_TOKEN (or SPRITES_API_TOKEN) or pass a token file"
         )
-    token = str(token)
-    if any(c in token for c in "\r\n\x00"):
-        raise UsageError("the Sprites token contains a line break or NUL")
     return token
 
 
