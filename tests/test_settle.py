@@ -279,3 +279,45 @@ def test_gone_names_leave_their_directory_as_the_archive_made_it(tmp_path: Path)
     after = os.stat(root / "ro")
     assert os.listdir(root / "ro") == []
     assert (after.st_mode & 0o7777, after.st_mtime_ns) == (0o555, before.st_mtime_ns)
+
+
+def test_a_torn_file_that_vanished_before_the_next_look_is_not_kept(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """Written while read, then renamed away within milliseconds (an editor's temp file):
+    no later ``find`` sees it, but tar named it, so it is left out of DEST."""
+    (workspace / "x.tmp").write_text("half written")
+    transport = _writer_around_tar(
+        tmp_path,
+        'real_tar "$@"; rc=$?\n'
+        "if [ $N = 1 ]; then\n"
+        '  echo "tar: ./x.tmp: file changed as we read it" >&2; rm -f "$WS/x.tmp"; rc=1\n'
+        "fi\n"
+        "exit $rc",
+    )
+    dest = tmp_path / "out"
+    result = run_pull(transport, workspace, dest, options(tmp_path))
+    assert not (dest / "x.tmp").exists()
+    assert_exact(workspace, dest)
+    assert any("vanished" in w and "x.tmp" in w for w in result.warnings)
+
+
+def test_a_torn_and_vanished_file_named_only_escaped_fails_clearly(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """tar can only give an odd name escaped: the guest cannot tell whether it is gone, so
+    the pull fails naming it rather than keep a torn file."""
+    (workspace / "odd\\name.tmp").write_text("half written")
+    transport = _writer_around_tar(
+        tmp_path,
+        'real_tar "$@"; rc=$?\n'
+        "if [ $N = 1 ]; then\n"
+        "  echo 'tar: ./odd\\\\name.tmp: File shrank by 3 bytes; padding with zeros' >&2\n"
+        '  rm -f "$WS/odd\\\\name.tmp"; rc=1\n'
+        "fi\n"
+        "exit $rc",
+    )
+    dest = tmp_path / "out"
+    with pytest.raises(UnstableFiles, match="odd"):
+        run_pull(transport, workspace, dest, options(tmp_path))
+    assert not dest.exists()

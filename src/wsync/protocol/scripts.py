@@ -169,6 +169,9 @@ emit ok "$p"
 _PRODUCER = r"""
 set -u
 d=$1 ws=$2 cs=$3 hid=$4 comp=$5
+# tar's diagnostics in English with names escaped: torn() reads them
+LC_ALL=C
+export LC_ALL
 cd "$d" || exit 1
 h() {
   case $hid in
@@ -244,7 +247,21 @@ rounds() {
     changed
   done
   exists chg live
+  torn
   if [ -s live ]; then mv -f live unstable || fail "cannot record unstable files"; fi
+}
+# a file tar read torn and that vanished before the next find is in no list:
+# tar named it ("changed as we read it", "shrank"); gone if it is still absent,
+# unstable if its name came escaped (C locale, escape quoting: undecodable here)
+torn() {
+  sed -n -e 's/^[^ ]*tar: \(.*\): file changed as we read it$/\1/p' \
+    -e 's/^[^ ]*tar: \(.*\): File shrank by [0-9]* bytes; padding with zeros$/\1/p' tar.err |
+    while IFS= read -r n; do
+      case $n in
+        *\\*) printf '%s\0' "$n" >> live ;;
+        *) [ -e "$ws/$n" ] || [ -L "$ws/$n" ] || printf '%s\0' "$n" >> gone ;;
+      esac
+    done
 }
 : > gone || fail "cannot create the gone list"
 { rounds | { z 2>comp.err; echo $? > comp.rc; } >> data; } &
