@@ -236,3 +236,23 @@ def test_a_text_channel_that_cuts_at_64k_is_read_in_smaller_pieces(
     dest = tmp_path / "out"
     run_pull(transport, workspace, dest, options(tmp_path, chunk_size=256 * 1024))
     assert_exact(workspace, dest)
+
+
+class _RefusingWithAuth(LocalTransport):
+    """A file API that answers 401 while exec works (a token scoped to exec only)."""
+
+    def __init__(self) -> None:
+        super().__init__(file_api=True)
+
+    async def read_file(self, path: str, offset: int, length: int, *, timeout: float) -> bytes:
+        from wsync.errors import AuthFailed
+
+        raise AuthFailed("401 from the file API")
+
+
+def test_a_file_api_auth_failure_never_ends_the_pull(tmp_path: Path, workspace: Path) -> None:
+    dest = tmp_path / "out"
+    opts = options(tmp_path, chunk_size=256 * 1024)
+    result = run_pull(_RefusingWithAuth(), workspace, dest, opts)
+    assert_exact(workspace, dest)
+    assert result.faults["file-api-failed"] == 2

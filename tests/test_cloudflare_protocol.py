@@ -180,3 +180,11 @@ def test_garbage_raises_only_protocol_error(data: bytes) -> None:
             collector.feed(event)
     except ProtocolError:
         pass
+
+
+def test_a_deeply_nested_exit_event_is_a_protocol_error() -> None:
+    """json's RecursionError escaped exec before (review)."""
+    from wsync.transports.cloudflare_protocol import Event, _json_object
+
+    with pytest.raises(ProtocolError):
+        _json_object(Event(name="exit", data="[" * 100_000))

@@ -254,3 +254,16 @@ def test_a_login_page_instead_of_the_bridge_is_unreachable_not_retried() -> None
             await server.wait_closed()
 
     asyncio.run(main())
+
+
+def test_a_base_url_with_credentials_is_refused_without_echoing_them() -> None:
+    from wsync.errors import UsageError
+    from wsync.transports.e2b import E2BTransport
+    from wsync.uri import parse
+
+    for scheme, key in (("cloudflare", "cloudflare_url"), ("e2b", "e2b_url")):
+        options = {key: "https://user:hunter2@bridge.example", f"{scheme}_token": "t" * 20}
+        factory = CloudflareTransport if scheme == "cloudflare" else E2BTransport
+        with pytest.raises(UsageError) as info:
+            factory.from_uri(parse(f"{scheme}://sbx/work"), options)
+        assert "hunter2" not in str(info.value)

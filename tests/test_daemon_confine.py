@@ -176,3 +176,19 @@ def test_short_api_token_from_the_environment_is_refused_like_a_short_file(
     assert result.returncode == 2, result.stderr
     assert "WSYNC_API_TOKEN: the token must be at least 16 characters" in result.stderr
     assert "short-token" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_status_refuses_a_token_with_a_line_break_without_echoing_it(tmp_path: Path) -> None:
+    """A two-line token file made http.client raise with the token in the traceback."""
+    import subprocess
+    import sys
+
+    token_file = tmp_path / "token"
+    token_file.write_text("SECRET-first-line-xxxx\nsecond-line-yyyy\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "wsync", "status", "--url", "http://127.0.0.1:9",
+         "--token-file", str(token_file)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "SECRET" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr

@@ -220,3 +220,16 @@ def test_ranges() -> None:
             parse_content_range(bad)
     with pytest.raises(ValueError):
         range_header(0, 0)
+
+
+def test_hostile_answers_are_protocol_errors_never_foreign_ones() -> None:
+    """Deep nesting made json raise RecursionError, which escaped exec (review)."""
+    from wsync.transports.daytona_protocol import decode_complete, decode_prefix, parse_error
+
+    with pytest.raises(ProtocolError):
+        decode_complete(b"[" * 100_000, 1024)
+    assert isinstance(parse_error(b"[" * 2000), str)
+    # an unterminated result far past the bound: a linear scan, escapes honoured
+    body = b'{"exitCode":0,"result":"' + b'a\\"' * (1 << 20)
+    out = decode_prefix(body, 4096)
+    assert out.truncated

@@ -237,6 +237,9 @@ def _client(args: argparse.Namespace) -> DaemonClient:
             "or set WSYNC_API_TOKEN",
             2,
         )
+    if any(c in token for c in "\r\n\x00") or not token.isascii():
+        # never echo it: it goes into a header, and a bad one would surface in a traceback
+        raise ClientError("the API token contains a line break, NUL or non-ASCII text", 2)
     return DaemonClient(url, unix, token, args.timeout)
 
 

@@ -29,6 +29,7 @@ from wsync.errors import (
     TransportError,
     TransportTimeout,
     UsageError,
+    WsyncError,
 )
 from wsync.protocol import records, scripts
 from wsync.protocol.envelope import Envelope, EnvelopeParser, wire_length
@@ -386,7 +387,9 @@ class GuestSession:
             data = await self.transport.read_file(
                 path, offset, length, timeout=self.options.call_timeout
             )
-        except (TransportError, NotImplementedError) as exc:
+        except (WsyncError, NotImplementedError) as exc:
+            # a fast path never ends a pull, whatever the file API says (even 401:
+            # a token scoped to exec only); exec reads are the fallback
             log.info("file API read failed", fault="file-api-failed", asked=length)
             self.stats.faults["file-api-failed"] += 1
             self._direct_failures += 1

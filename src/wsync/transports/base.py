@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -119,6 +120,17 @@ def find_secret(
     if any(c in token for c in "\r\n\x00") or not token.isascii():
         raise UsageError(f"the {what} contains a line break, NUL or non-ASCII text")
     return token
+
+
+def check_base_url(url: str, what: str) -> str:
+    """A backend's base URL, refused when it carries credentials (``user:pass@``): they
+    would show in every message and job record; tokens go in their own option."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        raise UsageError(f"the {what} URL carries credentials: give the token separately")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"the {what} URL must be http(s)://HOST[:PORT][/PATH]")
+    return url
 
 
 class Transport(abc.ABC):

@@ -52,6 +52,7 @@ from wsync.transports.base import (
     Capabilities,
     ExecResult,
     Transport,
+    check_base_url,
     find_secret,
 )
 from wsync.transports.cloudflare_protocol import (
@@ -82,6 +83,17 @@ def resolve_token(options: Mapping[str, Any]) -> str:
     if token is None:
         raise AuthFailed(f"no Cloudflare Sandbox token: set {TOKEN_ENV} or pass a token file")
     return token
+
+
+async def _head(response: httpx.Response, limit: int = 4096) -> bytes:
+    """At most ``limit`` bytes of an error body: a hostile server's 800 MiB 500 page must
+    not be read into memory."""
+    out = bytearray()
+    async for chunk in response.aiter_bytes():
+        out += chunk[: limit - len(out)]
+        if len(out) >= limit:
+            break
+    return bytes(out)
 
 
 def _sandbox_id(uri: SandboxURI) -> str:
@@ -116,7 +128,7 @@ class CloudflareTransport(Transport):
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise UsageError(f"bad Cloudflare Bridge URL {base_url!r} (expected https://...)")
-        self.base_url = base_url.rstrip("/")
+        self.base_url = check_base_url(base_url.rstrip("/"), "Cloudflare Bridge")
         self.workspace = workspace
         self.cwd = cwd
         self.connect_timeout = connect_timeout
@@ -173,7 +185,7 @@ class CloudflareTransport(Transport):
             parsed = json.loads(body)
             if isinstance(parsed, dict):
                 detail = f": {str(parsed.get('error', ''))[:200]} ({str(parsed.get('code'))[:40]})"
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
         if status == 401 or (status == 403 and what == "exec"):
             raise AuthFailed(
@@ -226,10 +238,10 @@ class CloudflareTransport(Transport):
                 ) as response:
                     self._connected_once = True
                     if response.status_code == 503 and attempt < RETRIES_503:
-                        await response.aread()
+                        await _head(response)
                         log.debug("cloudflare %s: 503 before the stream", self.sandbox_id)
                     elif response.status_code != 200:
-                        self._status_error(response, await response.aread(), "exec")
+                        self._status_error(response, await _head(response), "exec")
                     elif not response.headers.get("content-type", "").startswith(
                         "text/event-stream"
                     ):
@@ -312,7 +324,7 @@ class CloudflareTransport(Transport):
             async with client.stream("GET", target) as response:
                 self._connected_once = True
                 if response.status_code != 200:
-                    self._status_error(response, await response.aread(), f"read of {path}")
+                    self._status_error(response, await _head(response), f"read of {path}")
                 skip = offset
                 async for chunk in response.aiter_bytes():
                     if skip:

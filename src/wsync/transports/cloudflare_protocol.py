@@ -306,7 +306,7 @@ class ExecCollector:
 def _json_object(event: Event) -> dict[str, Any]:
     try:
         body = json.loads(event.data)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ProtocolError(f"{event.name} event is not JSON: {event.data[:80]!r}") from None
     if not isinstance(body, dict):
         raise ProtocolError(f"{event.name} event is not a JSON object")

@@ -182,7 +182,7 @@ def decode_complete(body: bytes, max_output: int) -> ExecOutcome:
     """Decode a whole 200 body; anything but ``{... "result": "..."}`` is a ProtocolError."""
     try:
         obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as err:
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise ProtocolError(f"execute answer is not JSON: {err}", "malformed") from None
     if not isinstance(obj, dict):
         raise ProtocolError("execute answer is not a JSON object", "malformed")
@@ -193,8 +193,27 @@ def decode_complete(body: bytes, max_output: int) -> ExecOutcome:
 
 
 _WS = re.compile(rb"[ \t\r\n]*")
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 _SCALAR = re.compile(rb"-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
+
+
+def _string_end(buf: bytes, pos: int) -> int | None:
+    """End (exclusive) of the complete JSON string at ``pos``, or None.
+
+    A linear scan for the closing quote (one not escaped by an odd run of backslashes):
+    a regex with an alternation keeps state per character and took gigabytes on a
+    34 MiB unterminated string.
+    """
+    if buf[pos : pos + 1] != b'"':
+        return None
+    start = pos + 1
+    while (quote := buf.find(b'"', start)) >= 0:
+        back = quote
+        while back > pos + 1 and buf[back - 1] == 0x5C:  # a backslash
+            back -= 1
+        if (quote - back) % 2 == 0:
+            return quote + 1
+        start = quote + 1
+    return None
 
 
 def _skip_ws(buf: bytes, pos: int) -> int:
@@ -266,30 +285,33 @@ def decode_prefix(prefix: bytes, max_output: int) -> ExecOutcome:
         pos = _skip_ws(prefix, pos)
         if prefix[pos : pos + 1] == b",":
             pos = _skip_ws(prefix, pos + 1)
-        key_match = _STRING.match(prefix, pos)
-        if key_match is None:
+        key_end = _string_end(prefix, pos)
+        if key_end is None:
             break
-        key = _loads(key_match.group())
-        pos = _skip_ws(prefix, key_match.end())
+        key = _loads(prefix[pos:key_end])
+        pos = _skip_ws(prefix, key_end)
         if prefix[pos : pos + 1] != b":":
             break
         pos = _skip_ws(prefix, pos + 1)
         if key == "result":
             if prefix[pos : pos + 1] != b'"':
                 raise ProtocolError("execute answer's result is not a string", "malformed")
-            whole = _STRING.match(prefix, pos)
+            whole = _string_end(prefix, pos)
             if whole is not None:
-                text = _loads(whole.group())
+                text = _loads(prefix[pos:whole])
                 return _outcome(text, exit_code, max_output, cut=True)
             return _outcome(_partial_string(prefix[pos + 1 :]), exit_code, max_output, cut=True)
-        value = _STRING.match(prefix, pos) or _SCALAR.match(prefix, pos)
-        if value is None:
-            break  # a nested value: not part of the daemon's answer
+        value_end = _string_end(prefix, pos)
+        if value_end is None:
+            scalar = _SCALAR.match(prefix, pos)
+            if scalar is None:
+                break  # a nested value: not part of the daemon's answer
+            value_end = scalar.end()
         if key in ("exitCode", "code") and exit_code is None:
-            parsed = _loads(value.group())
+            parsed = _loads(prefix[pos:value_end])
             if isinstance(parsed, int) and not isinstance(parsed, bool):
                 exit_code = parsed
-        pos = value.end()
+        pos = value_end
     raise ProtocolError("execute answer cut before its result", "malformed")
 
 
@@ -329,7 +351,7 @@ def parse_error(body: bytes) -> str:
     text = body[:2048].decode("utf-8", "replace").strip()
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         obj = None
     if isinstance(obj, dict):
         for key in ("message", "error", "code"):

@@ -59,6 +59,7 @@ from wsync.transports.base import (
     Capabilities,
     ExecResult,
     Transport,
+    check_base_url,
     find_secret,
 )
 from wsync.transports.e2b_protocol import (
@@ -152,7 +153,7 @@ class E2BTransport(Transport):
         if not sandbox_id:
             raise UsageError("e2b:// needs a sandbox id (e2b://SANDBOX_ID/PATH)")
         self.sandbox_id = sandbox_id
-        self.base_url = envd_url(base_url or DEFAULT_URL, sandbox_id)
+        self.base_url = check_base_url(envd_url(base_url or DEFAULT_URL, sandbox_id), "E2B envd")
         self.workspace = workspace
         self.user = user
         self.workdir = workdir
@@ -260,13 +261,14 @@ class E2BTransport(Transport):
 
     async def _unary(self, path: str, body: bytes, timeout: float) -> tuple[int, bytes]:
         """One Connect unary call (bare JSON): (status, body)."""
-        response = await self._http().post(
+        async with self._http().stream(
+            "POST",
             path,
             content=body,
             headers={"Content-Type": "application/json", "Connect-Protocol-Version": "1"},
             timeout=self._timeout(timeout),
-        )
-        return response.status_code, response.content[:ERROR_BODY]
+        ) as response:
+            return response.status_code, await _head(response)
 
     async def _kill(self, pid: int) -> None:
         """Best effort: envd keeps a process whose stream ended, so kill what we abandon."""
