@@ -184,7 +184,8 @@ def _bound_address(state_dir: Path) -> str | None:
 
     The token is sent to this address, so a file that someone other than the
     state directory's owner could have written (or planted in a directory
-    others can write to) is ignored: the configured address is used instead.
+    others can write to), or a state directory owned by neither us nor root,
+    is ignored: the configured address is used instead.
     """
     try:
         fd = os.open(state_dir / "daemon.json", os.O_RDONLY | os.O_NOFOLLOW)
@@ -194,7 +195,10 @@ def _bound_address(state_dir: Path) -> str | None:
         dir_st = os.stat(state_dir)
         file_st = os.fstat(fd)
         loose = (dir_st.st_mode | file_st.st_mode) & 0o022
-        if loose or file_st.st_uid != dir_st.st_uid:
+        # owned by us or root: another local user who created the state dir first
+        # (somewhere shared) must not choose where our token goes
+        trusted = dir_st.st_uid in (0, os.geteuid())
+        if loose or file_st.st_uid != dir_st.st_uid or not trusted:
             return None
         with os.fdopen(os.dup(fd), encoding="utf-8") as fh:
             info = json.loads(fh.read(65536))

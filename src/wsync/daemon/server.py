@@ -283,8 +283,14 @@ def _holder(state_dir: Path) -> str:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Written 0644 whatever the umask: clients trust it only when no one else can write it."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data), encoding="utf-8")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        os.fchmod(fd, 0o644)
+        fh.write(json.dumps(data))
     tmp.replace(path)
 
 
