@@ -192,3 +192,15 @@ def test_status_refuses_a_token_with_a_line_break_without_echoing_it(tmp_path: P
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "SECRET" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_a_plain_token_in_sandbox_options_is_refused(tmp_path: Path) -> None:
+    """Tokens are secrets by reference; a pasted one in ``options`` bypassed redaction."""
+    import pydantic
+
+    from wsync.daemon.config import SandboxConfig, format_validation_error
+
+    with pytest.raises(pydantic.ValidationError, match="by reference") as info:
+        SandboxConfig(uri="e2b://sbx/work", options={"e2b_token": "pasted-secret-value"})
+    shown = format_validation_error(info.value)  # what the daemon prints
+    assert "by reference" in shown and "pasted-secret-value" not in shown

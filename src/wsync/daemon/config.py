@@ -165,6 +165,20 @@ class SandboxConfig(_Strict):
             raise ValueError("must be a multiple of 65536 (64 KiB)")
         return value
 
+    @field_validator("options")
+    @classmethod
+    def _check_options(
+        cls, value: dict[str, str | int | float | bool]
+    ) -> dict[str, str | int | float | bool]:
+        for key in value:
+            if key == "token" or key.endswith("_token"):
+                # never echo the value: it is a pasted secret
+                raise ValueError(
+                    f"{key}: tokens go in [secrets] by reference ('env:NAME' or 'file:/path'), "
+                    "never as a plain option"
+                )
+        return value
+
     @field_validator("secrets")
     @classmethod
     def _check_secrets(cls, value: dict[str, str]) -> dict[str, str]:
