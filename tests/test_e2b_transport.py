@@ -329,3 +329,13 @@ def test_files_serves_gzip_without_range_and_errors_as_json(tmp_path: Path) -> N
             assert missing.json() == {"code": 404, "message": "path 'nope' does not exist"}
 
     with_envd(tmp_path, body)
+
+
+def test_a_sandbox_id_that_could_change_the_envd_host_is_refused() -> None:
+    """The id fills ``{id}`` in the envd host name: only letters, digits, '-' and '_'."""
+    from wsync.errors import UsageError
+    from wsync.transports.e2b import E2BTransport
+
+    for bad in ("evil.example#", "a.b", "x@y"):
+        with pytest.raises(UsageError, match="bad E2B sandbox id"):
+            E2BTransport(bad, token=None, base_url="https://49983-{id}.e2b.app", workspace="/w")

@@ -41,6 +41,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -152,6 +153,9 @@ class E2BTransport(Transport):
     ) -> None:
         if not sandbox_id:
             raise UsageError("e2b:// needs a sandbox id (e2b://SANDBOX_ID/PATH)")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}", sandbox_id):
+            # it becomes part of the envd host name ({id} in the URL template)
+            raise UsageError(f"bad E2B sandbox id {sandbox_id!r} (letters, digits, '-', '_')")
         self.sandbox_id = sandbox_id
         self.base_url = check_base_url(envd_url(base_url or DEFAULT_URL, sandbox_id), "E2B envd")
         self.workspace = workspace
