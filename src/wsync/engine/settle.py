@@ -20,6 +20,7 @@ import os
 import stat
 
 from wsync.engine.api import MiB
+from wsync.engine.destdir import open_beneath
 from wsync.engine.fsutil import remove_tree_at
 from wsync.engine.guest import GuestSession
 from wsync.engine.tarstream import show_name
@@ -30,7 +31,6 @@ from wsync.protocol.records import DoneRecord, parse_name_list
 
 #: largest list read back (a list this long means the workspace is being rewritten wholesale)
 MAX_LIST = 64 * MiB
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 async def read_list(session: GuestSession, file: str, size: int, sizer: ReadSizer) -> list[bytes]:
@@ -88,7 +88,7 @@ def remove_gone(root_fd: int, names: list[bytes]) -> int:
         if not parts or b".." in parts:
             continue
         try:
-            parent = _open_parent(root_fd, parts[:-1])
+            parent = open_beneath(root_fd, tuple(os.fsdecode(p) for p in parts[:-1]))
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
                 continue
@@ -104,8 +104,7 @@ def remove_gone(root_fd: int, names: list[bytes]) -> int:
             _remove_keeping_parent(parent, leaf, name)
             removed += 1
         finally:
-            if parent != root_fd:
-                os.close(parent)
+            os.close(parent)
     return removed
 
 
@@ -126,18 +125,3 @@ def _remove_keeping_parent(parent: int, leaf: str, name: bytes) -> None:
             os.utime(parent, ns=(st.st_atime_ns, st.st_mtime_ns))
     except OSError as exc:
         raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
-
-
-def _open_parent(root_fd: int, parts: list[bytes]) -> int:
-    fd = root_fd
-    try:
-        for part in parts:
-            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            if fd != root_fd:
-                os.close(fd)
-            fd = nxt
-    except BaseException:
-        if fd != root_fd:
-            os.close(fd)
-        raise
-    return fd
