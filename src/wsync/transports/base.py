@@ -122,6 +122,14 @@ def find_secret(
     return token
 
 
+def float_options(
+    options: Mapping[str, Any], keys: Sequence[str], prefix: str = ""
+) -> dict[str, Any]:
+    """The tuning options among ``keys`` that are set (looked up as ``prefix + key``), as
+    floats keyed without the prefix, ready for a transport's constructor."""
+    return {k: float(options[prefix + k]) for k in keys if options.get(prefix + k) is not None}
+
+
 def check_base_url(url: str, what: str) -> str:
     """A backend's base URL, refused when it carries credentials (``user:pass@``): they
     would show in every message and job record; tokens go in their own option."""

@@ -59,6 +59,7 @@ from wsync.transports.base import (
     ExecResult,
     Transport,
     find_secret,
+    float_options,
 )
 from wsync.transports.daytona_protocol import (
     MARKER_PREFIX,
@@ -161,10 +162,7 @@ class DaytonaTransport(Transport):
             raise UsageError(f"{uri.raw!r}: missing sandbox id (daytona://SANDBOX_ID/PATH)")
         base = options.get("daytona_url") or os.environ.get(URL_ENV) or DEFAULT_TOOLBOX_URL
         org = options.get("daytona_organization_id") or os.environ.get(ORG_ENV) or None
-        extra: dict[str, Any] = {}
-        for key in ("connect_timeout", "timeout_grace", "kill_timeout"):
-            if options.get(key) is not None:
-                extra[key] = float(options[key])
+        extra = float_options(options, ("connect_timeout", "timeout_grace", "kill_timeout"))
         return cls(
             uri.name,
             token=resolve_token(options),

@@ -62,6 +62,7 @@ from wsync.transports.base import (
     Transport,
     check_base_url,
     find_secret,
+    float_options,
 )
 from wsync.transports.e2b_protocol import (
     CLOSE_STDIN_PATH,
@@ -178,10 +179,9 @@ class E2BTransport(Transport):
         if not uri.name:
             raise UsageError(f"{uri.raw!r}: missing sandbox id (e2b://SANDBOX_ID/PATH)")
         base = options.get("e2b_url") or os.environ.get("E2B_ENVD_URL") or DEFAULT_URL
-        extra: dict[str, Any] = {}
-        for key in ("keepalive_interval", "stall_factor", "connect_timeout"):
-            if options.get(f"e2b_{key}") is not None:
-                extra[key] = float(options[f"e2b_{key}"])
+        extra = float_options(
+            options, ("keepalive_interval", "stall_factor", "connect_timeout"), "e2b_"
+        )
         return cls(
             uri.name,
             token=resolve_token(options),

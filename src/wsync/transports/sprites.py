@@ -55,6 +55,7 @@ from wsync.transports.base import (
     ExecResult,
     Transport,
     find_secret,
+    float_options,
 )
 from wsync.transports.sprites_protocol import (
     STDIN,
@@ -129,10 +130,7 @@ class SpritesTransport(Transport):
         if not uri.name:
             raise UsageError(f"{uri.raw!r}: missing sprite name (sprites://NAME/PATH)")
         base = options.get("sprites_url") or os.environ.get("SPRITES_API_URL") or DEFAULT_API_URL
-        extra: dict[str, Any] = {}
-        for key in ("drain_timeout", "connect_timeout", "close_timeout"):
-            if options.get(key) is not None:
-                extra[key] = float(options[key])
+        extra = float_options(options, ("drain_timeout", "connect_timeout", "close_timeout"))
         return cls(
             uri.name,
             token=resolve_token(options),
