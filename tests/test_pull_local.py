@@ -448,3 +448,21 @@ def test_a_refusal_after_a_deep_tree_is_still_the_refusal(
         run_pull(local(), workspace, dest, options(tmp_path))
     assert not dest.exists()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")) == []
+
+
+def test_a_host_limit_keeps_the_snapshot_for_the_next_run(tmp_path: Path, workspace: Path) -> None:
+    """A pull stopped by a host limit (here --max-bytes) is not the snapshot's fault: the
+    guest staging and the journal stay, and the run with the limit raised resumes it."""
+    from wsync.engine.api import ExtractLimits
+    from wsync.errors import LimitExceeded
+
+    dest = tmp_path / "out"
+    tight = options(
+        tmp_path, chunk_size=256 * 1024, limits=ExtractLimits(max_bytes=1024, min_free_bytes=0)
+    )
+    with pytest.raises(LimitExceeded):
+        run_pull(local(), workspace, dest, tight)
+    (kept,) = Path(tight.staging_root).glob("s*")
+    result = run_pull(local(), workspace, dest, options(tmp_path, chunk_size=256 * 1024))
+    assert_exact(workspace, dest)
+    assert result.reconciled and result.snapshot == kept.name  # adopted, not tarred again
