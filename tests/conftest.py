@@ -26,11 +26,13 @@ import pytest
 from wsync.emulators import e2b as e2b_emulator
 from wsync.emulators.cloudflare import EmulatorThread as CloudflareEmulatorThread
 from wsync.emulators.daytona import DaytonaEmulatorThread
+from wsync.emulators.docker import EmulatorThread as DockerEmulatorThread
 from wsync.emulators.sprites import EmulatorThread
 from wsync.testing.sshd import SshdServer, SshdUnavailable
 from wsync.transports.base import Transport
 from wsync.transports.cloudflare import CloudflareTransport
 from wsync.transports.daytona import DaytonaTransport
+from wsync.transports.docker import DockerTransport
 from wsync.transports.e2b import E2BTransport
 from wsync.transports.local import LocalTransport
 from wsync.transports.sprites import SpritesTransport
@@ -131,6 +133,21 @@ def daytona_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dayto
         yield emulator
 
 
+@pytest.fixture(scope="session")
+def docker_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerEmulatorThread]:
+    """The Docker Engine API emulator (faults off) on a unix socket, for the whole session."""
+    with DockerEmulatorThread(tmp_path_factory.mktemp("docker")) as emulator:
+        emulator.create_container("conformance")
+        yield emulator
+
+
+def _docker_case(request: pytest.FixtureRequest) -> TransportCase:
+    emulator: DockerEmulatorThread = request.getfixturevalue("docker_emulator")
+    uri = parse("docker://conformance/work")
+    options = emulator.transport_options()
+    return TransportCase("docker", lambda: DockerTransport.from_uri(uri, options))
+
+
 def _e2b_case(request: pytest.FixtureRequest) -> TransportCase:
     emulator: e2b_emulator.EmulatorThread = request.getfixturevalue("e2b_envd")
     uri = parse("e2b://conformance/work")
@@ -160,6 +177,7 @@ REAL_TRANSPORTS = [
     pytest.param(_e2b_case, id="e2b"),
     pytest.param(_daytona_case, id="daytona"),
     pytest.param(_cloudflare_case, id="cloudflare"),
+    pytest.param(_docker_case, id="docker"),
 ]
 
 

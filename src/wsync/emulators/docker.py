@@ -346,17 +346,23 @@ class DockerEmulator:
         stdin = proc.stdin
         if stdin is None:
             return
-        data = early
+        data, broken = early, False
         try:
             while True:
-                if data:
-                    stdin.write(data)
-                    await stdin.drain()
+                if data and not broken:
+                    try:
+                        stdin.write(data)
+                        await stdin.drain()
+                    except (ConnectionError, OSError):
+                        # the command closed its stdin or exited: containerd's shim
+                        # holds the fifo, so the daemon keeps reading and drops the rest
+                        broken = True
+                        stdin.close()
                 data = await conn.reader.read(65536)
                 if not data:
                     break
         except (ConnectionError, OSError):
-            pass  # the command closed its stdin (or exited): moby drops the rest
+            pass
         finally:
             with contextlib.suppress(Exception):
                 stdin.close()

@@ -301,7 +301,19 @@ class DockerTransport(Transport):
             collector.feed(started.leftover)
             if stdin is not None:
                 sender = asyncio.create_task(_send_stdin(started.writer, stdin, stdin_error))
-            held = await self._read(started.reader, collector, exec_id)
+            try:
+                held = await self._read(started.reader, collector, exec_id)
+            except ConnectionResetError as err:
+                # The daemon closes the connection once the command's output is done,
+                # whether or not the command read all of its stdin; stdin it did not
+                # read (even bytes already "sent", still in the kernel's buffers) makes
+                # that close a reset.  Output queued before it is read in full (unix
+                # sockets deliver it first), so with stdin attached a reset is the end
+                # of the stream, checked like any EOF; without stdin it is a cut.
+                if sender is None:
+                    raise TransportError(f"{self.description}: stream reset: {err}") from None
+                notes.append("reset after the command stopped reading stdin")
+                held = None
         finally:
             if sender is not None and not sender.done():
                 sender.cancel()
@@ -344,8 +356,6 @@ class DockerTransport(Transport):
                 if state.finished:
                     exited, exited_at = state, loop.time()
                 continue
-            except ConnectionResetError as err:
-                raise TransportError(f"{self.description}: stream reset: {err}") from None
             if not data:
                 return None
             collector.feed(data)
