@@ -135,6 +135,12 @@ def add_transport_options(p: argparse.ArgumentParser) -> None:
         help="cloudflare: file holding the Bridge token (default $CLOUDFLARE_SANDBOX_TOKEN)",
     )
     g.add_argument(
+        "--docker-host",
+        metavar="URL",
+        help="docker: the Docker daemon, unix:///PATH or tcp://HOST[:PORT] "
+        "(default $DOCKER_HOST or unix:///var/run/docker.sock)",
+    )
+    g.add_argument(
         "--chaos",
         metavar="SPEC",
         help="inject transport faults, for demos and testing: 'all', or e.g. 'H=0.1,T=0.1,seed=1'",
@@ -154,6 +160,7 @@ def transport_options(args: argparse.Namespace) -> dict[str, Any]:
         "daytona_token_file": args.daytona_token_file,
         "cloudflare_url": args.cloudflare_url,
         "cloudflare_token_file": args.cloudflare_token_file,
+        "docker_host": args.docker_host,
         "chaos": args.chaos,
     }
     return {k: v for k, v in pairs.items() if v is not None}
@@ -202,7 +209,9 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         "  daytona://SANDBOX_ID/PATH         Daytona toolbox ($DAYTONA_API_KEY, "
         "$DAYTONA_TOOLBOX_URL)\n"
         "  cloudflare://SANDBOX_ID/PATH      Cloudflare Sandbox Bridge ($CLOUDFLARE_SANDBOX_URL,\n"
-        "                                    $CLOUDFLARE_SANDBOX_TOKEN)\n\n" + _EPILOG_EXIT,
+        "                                    $CLOUDFLARE_SANDBOX_TOKEN)\n"
+        "  docker://CONTAINER/PATH           Docker Engine API ($DOCKER_HOST, --docker-host)\n\n"
+        + _EPILOG_EXIT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI including the workspace path")
@@ -296,7 +305,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--backend",
-        choices=("local", "sprites", "e2b", "daytona", "cloudflare"),
+        choices=("local", "sprites", "e2b", "daytona", "cloudflare", "docker"),
         default="local",
         help="local: fault-injecting wrapper around local:; the others: that "
         "backend's emulator with its field faults on",

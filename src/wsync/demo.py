@@ -114,6 +114,15 @@ def backend(kind: str, workdir: Path, workspace: Path) -> Iterator[tuple[str, di
             bridge.create_sandbox("demo")
             yield f"cloudflare://demo{workspace}", bridge.transport_options()
         return
+    if kind == "docker":
+        from wsync.emulators.docker import DockerFaults
+        from wsync.emulators.docker import EmulatorThread as DockerThread
+
+        # seed 14: the first start (the naive copy's) draws the dropped final frame
+        with DockerThread(workdir / "docker", faults=DockerFaults.all_on(seed=14)) as daemon:
+            daemon.create_container("demo")
+            yield f"docker://demo{workspace}", daemon.transport_options()
+        return
     from wsync.emulators.sprites import EmulatorThread, SpritesFaults
 
     with EmulatorThread(workdir / "sprites", faults=SpritesFaults.all_on(seed=11)) as emu:

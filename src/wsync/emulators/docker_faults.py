@@ -44,7 +44,7 @@ class DockerFaults:
             seed=seed,
             exit_null=0.3,
             exit_null_max=1.0,
-            drop_final=0.1,
+            drop_final=0.25,
             hold_eof=0.03,
             hold_seconds=3.0,
             split_frames=0.3,

@@ -222,18 +222,13 @@ class DockerTransport(Transport):
     async def _kill(self, token: str) -> None:
         """Best effort: the daemon keeps an exec running after its connection went."""
         try:
-            async with asyncio.timeout(10.0):
+            async with asyncio.timeout(10.0) as scope:
                 body = exec_create_body(
                     ["/bin/sh", "-c", KILL_SCRIPT, "sh", token], stdin=False, user=self.user
                 )
                 exec_id = await self._create(body)
-                started = await docker_http.hijack(
-                    self.endpoint, f"/exec/{exec_id}/start", START_BODY
-                )
-                if isinstance(started, docker_http.Hijacked):
-                    while await started.reader.read(65536):
-                        pass
-                    await docker_http.close(started.writer)
+                deadline = scope.when() or asyncio.get_running_loop().time() + 10.0
+                await self._run(exec_id, None, 4096, deadline)
         except (TimeoutError, OSError, TransportError, SandboxUnreachable, ProtocolError) as err:
             log.debug("docker %s: kill of exec %s failed: %r", self.container, token[:8], err)
 
