@@ -111,6 +111,8 @@ def _emulators() -> list[tuple[str, Any, Any]]:
     from wsync.emulators.cloudflare import CloudflareFaults
     from wsync.emulators.cloudflare import EmulatorThread as CloudflareThread
     from wsync.emulators.daytona import DaytonaEmulatorThread, DaytonaFaults
+    from wsync.emulators.docker import DockerFaults
+    from wsync.emulators.docker import EmulatorThread as DockerThread
     from wsync.emulators.e2b import E2BFaults
     from wsync.emulators.e2b import EmulatorThread as E2BThread
     from wsync.emulators.sprites import EmulatorThread as SpritesThread
@@ -121,6 +123,7 @@ def _emulators() -> list[tuple[str, Any, Any]]:
         ("e2b", E2BThread, E2BFaults),
         ("daytona", DaytonaEmulatorThread, DaytonaFaults),
         ("cloudflare", CloudflareThread, CloudflareFaults),
+        ("docker", DockerThread, DockerFaults),
     ]
 
 
@@ -250,6 +253,10 @@ def main() -> int:
                 f"--json --state-dir {shlex.quote(str(state))} "
                 f"--{name}-url {shlex.quote(str(opts[f'{name}_url']))} "
                 f"--{name}-token-file {shlex.quote(str(token_file))}"
+                if f"{name}_url" in opts
+                # docker: no token, and the endpoint is a socket (--docker-host)
+                else f"--json --state-dir {shlex.quote(str(state))} "
+                f"--{name}-host {shlex.quote(str(opts[f'{name}_host']))}"
             )
             uri = shlex.quote(f"{name}://bench{ws}")
 
