@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -211,3 +212,44 @@ def test_cli_missing_container_is_exit_3_and_one_line(
     assert proc.stderr.strip().count("\n") == 0
     assert "no such container" in proc.stderr and "ghost" in proc.stderr
     assert not dest.exists()
+
+
+@pytest.mark.parametrize("shell", ["dash", "busybox"])
+def test_the_kill_script_runs_under_dash_and_busybox(
+    shell: str, tmp_path: Path, procs: ProcessWatch
+) -> None:
+    """The killer is a guest script: a busybox-only container (alpine) must run it too."""
+    from helpers import busybox_bin
+
+    from wsync.transports.docker import EXEC_WRAPPER, KILL_SCRIPT, SID_VAR, TOKEN_VAR
+
+    env = dict(os.environ)
+    if shell == "busybox":
+        env["PATH"] = str(busybox_bin(tmp_path / "bin"))
+    sh = [shutil.which("busybox") or "busybox", "sh"] if shell == "busybox" else ["dash"]
+    inside, detached, other = procs.sleep_arg(), procs.sleep_arg(), procs.sleep_arg()
+    script = f"setsid sleep {detached} </dev/null >/dev/null 2>&1 & sleep {inside}"
+    victim = subprocess.Popen(
+        [*sh, *EXEC_WRAPPER[1:], "sh", "-c", script],
+        env={**env, TOKEN_VAR: "tok1"},
+        start_new_session=True,
+    )
+    bystander = subprocess.Popen(
+        ["sleep", other], env={**env, TOKEN_VAR: "tok2"}, start_new_session=True
+    )
+    try:
+        assert procs.wait_present(inside) and procs.wait_present(detached)
+        environ = Path(f"/proc/{victim.pid}/environ").read_bytes()
+        assert f"{SID_VAR}={victim.pid}".encode() in environ.split(b"\0")
+        killer = subprocess.run(
+            [*sh, "-c", KILL_SCRIPT, "sh", "tok1"], env=env, capture_output=True, timeout=60
+        )
+        assert killer.returncode == 0, killer.stderr
+        assert procs.wait_gone(inside) == []
+        assert procs.pids(detached), "a child in its own session is left alone"
+        assert procs.pids(other), "another exec's processes are left alone"
+    finally:
+        victim.kill()
+        bystander.kill()
+        victim.wait()
+        bystander.wait()

@@ -88,16 +88,28 @@ EXEC_WRAPPER = (
     "sh",
 )
 #: kills the processes of the exec whose token is $1 and that are still in its session
-#: (two passes: a shell may fork while the first runs); the token is a positional
-#: parameter, never spliced into the script
+#: (two passes: a shell may fork while the first runs; where grep reads past NUL bytes,
+#: GNU's does and busybox's does not, one grep finds the candidates, so a busy process
+#: table costs no fork per process); the token is a positional parameter, never spliced
+#: into the script
 KILL_SCRIPT = f"""t=$1
+nl='
+'
 for pass in 1 2; do
-  for d in /proc/[0-9]*; do
+  if printf 'a\\000b\\n' | grep -qF b 2>/dev/null; then
+    list=$(grep -lF "{TOKEN_VAR}=$t" /proc/[0-9]*/environ 2>/dev/null)
+  else
+    list=$(echo /proc/[0-9]*/environ)
+  fi
+  for f in $list; do
+    d=${{f%/environ}}
     p=${{d#/proc/}}
-    e=$(tr '\\000' '\\n' 2>/dev/null <"$d/environ") || continue
-    printf '%s\\n' "$e" | grep -qxF "{TOKEN_VAR}=$t" || continue
-    want=$(printf '%s\\n' "$e" | sed -n 's/^{SID_VAR}=//p')
-    st=$(cat "$d/stat" 2>/dev/null) || continue
+    e=$(tr '\\000' '\\n' 2>/dev/null <"$f") || continue
+    e="$nl$e$nl"
+    case $e in *"${{nl}}{TOKEN_VAR}=$t$nl"*) ;; *) continue ;; esac
+    want=
+    case $e in *"${{nl}}{SID_VAR}="*) want=${{e#*"${{nl}}{SID_VAR}="}}; want=${{want%%"$nl"*}} ;; esac
+    read -r st 2>/dev/null <"$d/stat" || continue
     st=${{st##*) }}
     set -- $st
     if [ -z "$want" ] || [ "$4" = "$want" ]; then kill -9 "$p" 2>/dev/null; fi
