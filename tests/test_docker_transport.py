@@ -23,10 +23,26 @@ from typing import Any
 import pytest
 
 from conftest import ProcessWatch
+from helpers import busybox_bin
 from wsync.emulators.docker import DockerFaults, EmulatorThread
 from wsync.errors import AuthFailed, SandboxUnreachable, TransportTimeout, UsageError
+from wsync.transports import docker_http
 from wsync.transports.base import ExecResult
-from wsync.transports.docker import DockerTransport
+from wsync.transports.docker import (
+    EXEC_WRAPPER,
+    KILL_SCRIPT,
+    SID_VAR,
+    TOKEN_VAR,
+    DockerTransport,
+)
+from wsync.transports.docker_protocol import (
+    START_BODY,
+    ExecCollector,
+    exec_create_body,
+    parse_docker_host,
+    parse_exec_id,
+    parse_inspect,
+)
 from wsync.transports.registry import open_transport
 
 PAYLOAD = bytes(range(256)) * 2000 + os.urandom(300_000)
@@ -219,10 +235,6 @@ def test_the_kill_script_runs_under_dash_and_busybox(
     shell: str, tmp_path: Path, procs: ProcessWatch
 ) -> None:
     """The killer is a guest script: a busybox-only container (alpine) must run it too."""
-    from helpers import busybox_bin
-
-    from wsync.transports.docker import EXEC_WRAPPER, KILL_SCRIPT, SID_VAR, TOKEN_VAR
-
     env = dict(os.environ)
     if shell == "busybox":
         env["PATH"] = str(busybox_bin(tmp_path / "bin"))
@@ -253,3 +265,33 @@ def test_the_kill_script_runs_under_dash_and_busybox(
         bystander.kill()
         victim.wait()
         bystander.wait()
+
+
+def test_emulator_start_failure_in_the_stream_and_a_second_start(daemon: EmulatorThread) -> None:
+    """moby's hand-written answers: a start failure is stdout text and exit 127 from
+    inspect; an exec started twice is 409; every path takes a /v1.NN prefix."""
+    daemon.set_faults(DockerFaults.off())
+    endpoint = parse_docker_host(daemon.url)
+
+    async def main() -> None:
+        body = exec_create_body(["/no/such/binary"], stdin=False)
+        created = await docker_http.request(endpoint, "POST", "/v1.47/containers/box/exec", body)
+        assert created.status == 201
+        exec_id = parse_exec_id(created.body)
+        started = await docker_http.hijack(endpoint, f"/exec/{exec_id}/start", START_BODY)
+        assert isinstance(started, docker_http.Hijacked) and started.status == 101
+        collector = ExecCollector(1 << 20)
+        collector.feed(started.leftover)
+        while data := await started.reader.read(65536):
+            collector.feed(data)
+        await docker_http.close(started.writer)
+        collector.eof()
+        assert b"OCI runtime exec failed" in collector.result(None).stdout
+        inspect = await docker_http.request(endpoint, "GET", f"/v1.47/exec/{exec_id}/json")
+        assert parse_inspect(inspect.body).exit_code == 127
+        again = await docker_http.hijack(endpoint, f"/exec/{exec_id}/start", START_BODY)
+        assert isinstance(again, docker_http.Answer) and again.status == 409
+        empty = await docker_http.request(endpoint, "POST", "/containers/box/exec", b'{"Cmd":[]}')
+        assert empty.status == 400
+
+    asyncio.run(main())

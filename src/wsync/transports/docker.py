@@ -108,7 +108,9 @@ for pass in 1 2; do
     e="$nl$e$nl"
     case $e in *"${{nl}}{TOKEN_VAR}=$t$nl"*) ;; *) continue ;; esac
     want=
-    case $e in *"${{nl}}{SID_VAR}="*) want=${{e#*"${{nl}}{SID_VAR}="}}; want=${{want%%"$nl"*}} ;; esac
+    case $e in
+      *"${{nl}}{SID_VAR}="*) want=${{e#*"${{nl}}{SID_VAR}="}}; want=${{want%%"$nl"*}} ;;
+    esac
     read -r st 2>/dev/null <"$d/stat" || continue
     st=${{st##*) }}
     set -- $st
