@@ -41,6 +41,7 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -392,15 +393,27 @@ class DockerTransport(Transport):
 
 async def _send_stdin(writer: asyncio.StreamWriter, data: bytes, errors: list[str]) -> None:
     """Raw bytes into the hijacked connection, then a half-close: the only stdin EOF the
-    Engine API has.  A command that exits without reading all of it is not an error."""
+    Engine API has.  A command that exits without reading all of it is not an error.
+
+    The bytes go through a duplicate of the socket, not through the stream's transport:
+    when the daemon stops reading (the command exited) a write fails with EPIPE, and
+    asyncio's transport would then tear the whole connection down, throwing away output
+    that already arrived and was not yet read.  A failed write on the duplicate stays a
+    note; the reading side goes on to the daemon's EOF.
+    """
+    loop = asyncio.get_running_loop()
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        errors.append("no socket to write stdin to")
+        return
+    raw = sock.dup()
     try:
+        raw.setblocking(False)
         view = memoryview(data)
         for start in range(0, len(view), STDIN_CHUNK):
-            writer.write(bytes(view[start : start + STDIN_CHUNK]))
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-        else:
-            errors.append("the connection cannot be half-closed")
+            await loop.sock_sendall(raw, view[start : start + STDIN_CHUNK])
+        raw.shutdown(socket.SHUT_WR)
     except (ConnectionError, OSError) as err:
         errors.append(f"{type(err).__name__}: {err}")
+    finally:
+        raw.close()
