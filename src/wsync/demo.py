@@ -114,6 +114,13 @@ def backend(kind: str, workdir: Path, workspace: Path) -> Iterator[tuple[str, di
             bridge.create_sandbox("demo")
             yield f"cloudflare://demo{workspace}", bridge.transport_options()
         return
+    if kind == "k8s":
+        from wsync.emulators.k8s import K8sEmulatorThread, K8sFaults
+
+        with K8sEmulatorThread(workdir / "k8s", faults=K8sFaults.all_on(seed=11)) as cluster:
+            cluster.create_pod("demo")
+            yield f"k8s://default/demo{workspace}", cluster.transport_options()
+        return
     from wsync.emulators.sprites import EmulatorThread, SpritesFaults
 
     with EmulatorThread(workdir / "sprites", faults=SpritesFaults.all_on(seed=11)) as emu:
