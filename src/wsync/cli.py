@@ -215,8 +215,9 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         "$DAYTONA_TOOLBOX_URL)\n"
         "  cloudflare://SANDBOX_ID/PATH      Cloudflare Sandbox Bridge ($CLOUDFLARE_SANDBOX_URL,\n"
         "                                    $CLOUDFLARE_SANDBOX_TOKEN)\n"
-        "  k8s://NAMESPACE/POD/PATH          Kubernetes pods/exec (kubeconfig as kubectl finds it;\n"
-        "                                    NAMESPACE '-' is the context's)\n\n" + _EPILOG_EXIT,
+        "  k8s://NAMESPACE/POD/PATH          Kubernetes pods/exec (kubeconfig as kubectl finds\n"
+        "                                    it; NAMESPACE '-' is the context's)\n\n"
+        + _EPILOG_EXIT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI including the workspace path")

@@ -207,6 +207,7 @@ class _Session:
         # the kubelet's greeting: an empty message on the lowest writable channel
         await self.ws.send(kp.encode(kp.STDOUT, b"", self.protocol))
         held = bytearray()  # the stdout tail withheld by drop_tail
+        total = 0
         first = True
         while True:
             item = await self.queue.get()
@@ -217,6 +218,7 @@ class _Session:
                 self.emu.stats["stalls"] += 1
                 await asyncio.sleep(plan.stall)
             if channel == kp.STDOUT and plan.drop_tail:
+                total += len(data)
                 held += data
                 if len(held) <= plan.drop_tail:
                     continue
@@ -228,7 +230,9 @@ class _Session:
                 await self.send_status(kp.encode_status(0))
                 return
             first = False
-        if held:
+        if held and total <= self.emu.faults.drop_tail_over:
+            await self.send(kp.STDOUT, bytes(held))
+        elif held:
             self.emu.stats["tail_dropped"] += 1
             self.emu.stats["tail_dropped_bytes"] += len(held)
         if plan.no_status:

@@ -33,8 +33,11 @@ class K8sFaults:
 
     seed: int = 0
     drop_tail: float = 0.0
-    #: a dropped tail is 1 .. this many bytes (never more than the output)
+    #: a dropped tail is drop_tail_min .. drop_tail_max bytes (never more than the output)
+    drop_tail_min: int = 1
     drop_tail_max: int = 256 * KiB
+    #: only outputs longer than this lose their tail (large copies, kubectl#1361)
+    drop_tail_over: int = 0
     early_success: float = 0.0
     bad_exit: float = 0.0
     stall: float = 0.0
@@ -71,15 +74,22 @@ class K8sFaults:
 
     @classmethod
     def tail_loss(cls) -> K8sFaults:
-        """Deterministic: every exec loses up to 64 KiB of its stdout and reports Success."""
-        return cls(drop_tail=1.0, drop_tail_max=64 * KiB)
+        """Deterministic: every stdout over 1 MiB loses its last 64 KiB, and the Status
+        says Success (the shape of kubectl#1361, scaled down)."""
+        return cls(
+            drop_tail=1.0, drop_tail_min=64 * KiB, drop_tail_max=64 * KiB, drop_tail_over=1024 * KiB
+        )
 
     def plan(self, rng: random.Random) -> ExecPlan:
         def hit(p: float) -> bool:
             return p > 0 and rng.random() < p
 
         return ExecPlan(
-            drop_tail=rng.randint(1, max(self.drop_tail_max, 1)) if hit(self.drop_tail) else 0,
+            drop_tail=rng.randint(
+                max(self.drop_tail_min, 1), max(self.drop_tail_max, self.drop_tail_min, 1)
+            )
+            if hit(self.drop_tail)
+            else 0,
             early_success=hit(self.early_success),
             bad_exit=rng.choice(BAD_CODES) if hit(self.bad_exit) else False,
             stall=self.stall_seconds if hit(self.stall) else 0.0,

@@ -72,15 +72,13 @@ V4_STDIN_WRAPPER = 'n=$1; shift; head -c "$n" | "$@"'
 
 
 def split_target(uri: SandboxURI) -> tuple[str | None, str, str]:
-    """``(namespace or None for the context's, pod, workspace)`` of a k8s:// URI."""
-    if not uri.name:
+    """``(namespace or None for the context's, pod, workspace)`` of a k8s:// URI
+    (:func:`wsync.uri.parse` already split ``NAMESPACE/POD`` from the path)."""
+    namespace, sep, pod = (uri.name or "").partition("/")
+    if not namespace or not sep or not pod:
         raise UsageError(f"{uri.raw!r}: expected k8s://NAMESPACE/POD/PATH")
-    pod, sep, rest = uri.path.lstrip("/").partition("/")
-    if not pod or not sep or not rest:
-        raise UsageError(f"{uri.raw!r}: expected k8s://NAMESPACE/POD/PATH (a path in the pod)")
-    workspace = rest if rest.startswith("~") else "/" + rest
-    namespace = None if uri.name == "-" else kp.check_namespace(uri.name)
-    return namespace, kp.check_pod(pod), workspace
+    namespace_or_default = None if namespace == "-" else kp.check_namespace(namespace)
+    return namespace_or_default, kp.check_pod(pod), uri.path
 
 
 class K8sTransport(Transport):
