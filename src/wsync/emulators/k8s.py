@@ -225,7 +225,10 @@ class _Session:
                 data = bytes(held[: len(held) - plan.drop_tail])
                 del held[: len(held) - plan.drop_tail]
             await self.send(channel, data)
-            if first and channel == kp.STDOUT and plan.early_success:
+            early = plan.early_success or (
+                self.emu.faults.stdinless_early_success and not self.req.stdin
+            )
+            if first and channel == kp.STDOUT and early:
                 self.emu.stats["early_success"] += 1
                 await self.send_status(kp.encode_status(0))
                 return

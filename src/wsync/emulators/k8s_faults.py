@@ -8,7 +8,8 @@ exec's faults from an RNG the server seeds with ``"{seed}/{exec number}"`` (repl
   Status still says Success (kubectl#1361, kubernetes#60140: the last 10-40 MB of a
   ``kubectl cp``);
 * ``early_success`` — ``Success`` is sent after the first stdout flush while the process
-  still runs, and the socket closes (kata-containers#13640);
+  still runs, and the socket closes (kata-containers#13640); ``stdinless_early_success``
+  does it to every exec that requested no stdin, as the kata shim does;
 * ``bad_exit`` — the exit code cause does not parse (``256``, ``-1``, ``abc``, none);
 * ``stall`` — the output stops for ``stall_seconds`` part-way;
 * ``internal_error`` — ``InternalError`` for a command that succeeded;
@@ -39,6 +40,9 @@ class K8sFaults:
     #: only outputs longer than this lose their tail (large copies, kubectl#1361)
     drop_tail_over: int = 0
     early_success: float = 0.0
+    #: kata-containers#13640 exactly: *every* exec that did not request stdin gets Success
+    #: after its first stdout flush (requesting stdin is the documented workaround)
+    stdinless_early_success: bool = False
     bad_exit: float = 0.0
     stall: float = 0.0
     stall_seconds: float = 1.0
@@ -71,6 +75,11 @@ class K8sFaults:
         return dataclasses.replace(
             cls.field_report(seed), stall=0.05, stall_seconds=0.5, sever=0.05
         )
+
+    @classmethod
+    def kata(cls) -> K8sFaults:
+        """Deterministic kata-containers#13640: stdin-less execs end after one flush."""
+        return cls(stdinless_early_success=True)
 
     @classmethod
     def tail_loss(cls) -> K8sFaults:
