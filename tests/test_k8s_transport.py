@@ -228,6 +228,10 @@ def test_kubeconfig_defaults_and_refusals(tmp_path: Path, monkeypatch: pytest.Mo
         load({"kubeconfig": str(write(tmp_path / "p", plugin))})
     with pytest.raises(UsageError, match="credentials"):
         load({"kubeconfig": str(write(tmp_path / "q", minimal("https://u:p@h:1")))})
+    proxied = minimal("https://h:1")
+    proxied["clusters"][0]["cluster"]["proxy-url"] = "http://proxy:3128"
+    with pytest.raises(UsageError, match="proxy-url"):
+        load({"kubeconfig": str(write(tmp_path / "s", proxied))})
     with pytest.raises(UsageError, match="needs its key"):
         load({"kubeconfig": str(write(tmp_path / "r", minimal("https://h:1", user={
             "client-certificate-data": "eA=="})))})  # fmt: skip

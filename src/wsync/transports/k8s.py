@@ -296,6 +296,9 @@ class K8sTransport(Transport):
                     close_timeout=self.close_timeout,
                     max_size=self.max_frame,
                     user_agent_header="wsync",
+                    # direct, like the pod lookup (httpx, trust_env=False): a kubeconfig
+                    # proxy-url is refused by the loader rather than half-honoured
+                    proxy=None,
                 )
         except TimeoutError:
             raise TransportTimeout(timeout) from None

@@ -189,6 +189,8 @@ def load(options: Mapping[str, Any]) -> KubeTarget:
         raise UsageError(f"cluster {cluster_name!r}: server {server!r:.80} is not http(s)://HOST")
     if parts.username or parts.password:
         raise UsageError(f"cluster {cluster_name!r}: the server URL carries credentials")
+    if cluster.body.get("proxy-url"):
+        raise UsageError(f"cluster {cluster_name!r}: proxy-url is not supported by wsync")
     namespace = str(ctx_entry.body.get("namespace") or DEFAULT_NAMESPACE)
 
     insecure = bool(cluster.body.get("insecure-skip-tls-verify"))
