@@ -52,6 +52,7 @@ from wsync.errors import (
     TransportTimeout,
     UsageError,
 )
+from wsync.protocol.records import printable
 from wsync.transports import k8s_protocol as kp
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
@@ -187,7 +188,8 @@ class K8sTransport(Transport):
         try:
             doc = response.json()
             spec_containers = doc["spec"]["containers"]
-            names = [str(c["name"]) for c in spec_containers]
+            # the server's text reaches the terminal: one printable line per name
+            names = [printable(str(c["name"]), 100) for c in spec_containers]
             annotations = doc.get("metadata", {}).get("annotations") or {}
             phase = (doc.get("status") or {}).get("phase")
         except (ValueError, KeyError, TypeError):
@@ -197,7 +199,7 @@ class K8sTransport(Transport):
         if self.container is not None:
             if self.container not in names:
                 raise UsageError(
-                    f"pod {self.pod} has no container {self.container!r} "
+                    f"pod {self.pod} has no container {printable(self.container, 100)!r} "
                     f"(containers: {', '.join(names)})"
                 )
             return
@@ -313,7 +315,7 @@ class K8sTransport(Transport):
             if status == 400:
                 body = err.response.body or b""
                 raise SandboxUnreachable(
-                    f"{self.description}: exec refused: {body[:300].decode('utf-8', 'replace')}"
+                    f"{self.description}: exec refused: {printable(bytes(body))}"
                 ) from None
             raise TransportError(f"{self.description}: exec refused (HTTP {status})") from None
         except InvalidURI as err:
