@@ -16,7 +16,13 @@ import yaml
 
 from wsync.emulators.k8s import EMULATOR_TOKEN, K8sEmulatorThread
 from wsync.emulators.k8s_pki import ThrowawayCA
-from wsync.errors import AuthFailed, SandboxUnreachable, UsageError, WsyncError
+from wsync.errors import (
+    AuthFailed,
+    SandboxUnreachable,
+    TransportError,
+    UsageError,
+    WsyncError,
+)
 from wsync.transports import k8s_protocol as kp
 from wsync.transports.base import ExecResult
 from wsync.transports.k8s import K8sTransport, split_target
@@ -285,3 +291,36 @@ def test_errors_are_wsync_errors_only(cluster: K8sEmulatorThread, tmp_path: Path
     with pytest.raises(WsyncError) as info:
         run("k8s://default/web/w", {"kubeconfig": str(path)}, ["true"])
     assert info.value.exit_code == 3
+
+
+@pytest.mark.parametrize(
+    ("override", "error"),
+    [
+        ((200, "[]"), SandboxUnreachable),
+        ((200, '{"metadata": null, "spec": {"containers": [{"name": "a"}]}}'), None),
+        ((200, '{"metadata": 5, "spec": {"containers": [{"name": "a"}]}}'), SandboxUnreachable),
+        ((200, '{"spec": {"containers": 7}}'), SandboxUnreachable),
+        ((200, "not json"), SandboxUnreachable),
+        ((200, '{"spec": {"containers": [{"name": "a"}]}, "status": {"phase": "Failed"}}'),
+         SandboxUnreachable),
+        ((500, "etcd is sad"), TransportError),
+        ((403, "{}"), AuthFailed),
+    ],
+)  # fmt: skip
+def test_odd_pod_lookups_are_clear_errors(
+    tmp_path: Path, override: tuple[int, str], error: type[WsyncError] | None
+) -> None:
+    with K8sEmulatorThread(tmp_path / "emu") as emu:
+        emu.create_pod("odd")
+        emu.emulator.pods[("default", "odd")].lookup_override = override
+        if error is None:
+            assert run("k8s://default/odd/w", emu.transport_options(), ["true"]).exit_status == 0
+        else:
+            with pytest.raises(error):
+                run("k8s://default/odd/w", emu.transport_options(), ["true"])
+
+
+@pytest.mark.parametrize("name", ["A", "a b", "a/b", "x" * 64, "ü"])
+def test_bad_container_names_are_usage_errors(cluster: K8sEmulatorThread, name: str) -> None:
+    with pytest.raises(UsageError):
+        run("k8s://default/web/w", {**cluster.transport_options(), "container": name}, ["true"])

@@ -61,6 +61,8 @@ class Pod:
     root: Path
     default_container: str | None = None
     phase: str = "Running"
+    #: tests: (HTTP status, body) served for the pod lookup instead of the Pod
+    lookup_override: tuple[int, str] | None = None
 
     def document(self) -> dict[str, Any]:
         annotations = {}
@@ -464,6 +466,8 @@ class K8sEmulator:
         pod = self.pods.get((namespace, name))
         if pod is None:
             return reply(404, "NotFound", f'pods "{name}" not found')
+        if sub == "" and pod.lookup_override is not None:
+            return conn.respond(*pod.lookup_override)
         if sub == "":
             response = conn.respond(200, json.dumps(pod.document()) + "\n")
             response.headers["Content-Type"] = "application/json"

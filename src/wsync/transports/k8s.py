@@ -107,7 +107,7 @@ class K8sTransport(Transport):
         self.target = target
         self.namespace = kp.check_namespace(namespace or target.namespace)
         self.pod = kp.check_pod(pod)
-        self.container = container
+        self.container = kp.check_container(container) if container is not None else None
         self.workspace = workspace
         self.drain_timeout = drain_timeout
         self.connect_timeout = connect_timeout
@@ -164,7 +164,7 @@ class K8sTransport(Transport):
                 ) as client:
                     response = await client.get(url)
             except httpx.TimeoutException:
-                raise SandboxUnreachable(f"{self.description}: API server timed out") from None
+                raise TransportTimeout(timeout) from None
             except httpx.HTTPError as err:
                 raise SandboxUnreachable(
                     f"{self.description}: cannot reach {self.target.server}: {err}"
@@ -183,6 +183,9 @@ class K8sTransport(Transport):
             )
         if status == 404:
             raise SandboxUnreachable(f"pod {self.pod} not found in namespace {self.namespace}")
+        if status >= 500:
+            # the API server is there but failing: retryable, the next exec looks again
+            raise TransportError(f"{self.description}: pod lookup failed (HTTP {status})")
         if status != 200:
             raise SandboxUnreachable(f"{self.description}: pod lookup failed (HTTP {status})")
         try:
@@ -190,9 +193,10 @@ class K8sTransport(Transport):
             spec_containers = doc["spec"]["containers"]
             # the server's text reaches the terminal: one printable line per name
             names = [printable(str(c["name"]), 100) for c in spec_containers]
-            annotations = doc.get("metadata", {}).get("annotations") or {}
+            annotations = (doc.get("metadata") or {}).get("annotations") or {}
             phase = (doc.get("status") or {}).get("phase")
-        except (ValueError, KeyError, TypeError):
+            default = annotations.get("kubectl.kubernetes.io/default-container")
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise SandboxUnreachable(f"{self.description}: the pod lookup is not a Pod") from None
         if phase in ("Succeeded", "Failed"):
             raise SandboxUnreachable(f"{self.description}: the pod is not running ({phase})")
@@ -203,7 +207,6 @@ class K8sTransport(Transport):
                     f"(containers: {', '.join(names)})"
                 )
             return
-        default = annotations.get("kubectl.kubernetes.io/default-container")
         if isinstance(default, str) and default in names:
             self.container = default
         elif len(names) > 1:

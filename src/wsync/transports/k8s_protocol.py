@@ -101,6 +101,12 @@ def check_pod(name: str) -> str:
     return name
 
 
+def check_container(name: str) -> str:
+    if len(name) > 63 or not _LABEL.fullmatch(name):
+        raise UsageError(f"{name!r:.80} is not a Kubernetes container name (DNS-1123 label)")
+    return name
+
+
 def pod_path(namespace: str, pod: str) -> str:
     return f"/api/v1/namespaces/{check_namespace(namespace)}/pods/{check_pod(pod)}"
 
