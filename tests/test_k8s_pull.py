@@ -238,3 +238,22 @@ def test_random_fault_schedules_never_produce_a_wrong_tree(
     else:
         assert_exact(prop_workspace, dest)
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+REAL = os.environ.get("WSYNC_REAL_K8S_URI", "")
+
+
+@pytest.mark.skipif(
+    not REAL,
+    reason="opt-in: set WSYNC_REAL_K8S_URI=k8s://NS/POD/PATH (cluster from $KUBECONFIG, "
+    "container from WSYNC_REAL_K8S_CONTAINER) to pull from a real cluster",
+)
+def test_a_real_cluster_pull_twice_gives_the_same_tree(tmp_path: Path) -> None:
+    """Against a real pod: two pulls of a quiet workspace agree, and the second resumes
+    nothing it should not (the tree is compared file by file)."""
+    topts = {"container": os.environ.get("WSYNC_REAL_K8S_CONTAINER") or None}
+    first, second = tmp_path / "one", tmp_path / "two"
+    result = asyncio.run(pull_uri(REAL, first, options(tmp_path / "a"), topts))
+    assert result.ok
+    asyncio.run(pull_uri(REAL, second, options(tmp_path / "b"), topts))
+    assert snapshot(first) == snapshot(second)
