@@ -324,3 +324,11 @@ def test_odd_pod_lookups_are_clear_errors(
 def test_bad_container_names_are_usage_errors(cluster: K8sEmulatorThread, name: str) -> None:
     with pytest.raises(UsageError):
         run("k8s://default/web/w", {**cluster.transport_options(), "container": name}, ["true"])
+
+
+def test_uri_names_namespace_and_pod_then_the_path() -> None:
+    uri = parse("k8s://team-a/agent-0/home/agent/work")
+    assert (uri.name, uri.host, uri.path) == ("team-a/agent-0", "team-a", "/home/agent/work")
+    assert split_target(uri) == ("team-a", "agent-0", "/home/agent/work")
+    home = parse("k8s://-/agent-0/~/work")
+    assert (home.path, split_target(home)[0]) == ("~/work", None)
