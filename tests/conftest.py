@@ -27,6 +27,7 @@ from wsync.emulators import e2b as e2b_emulator
 from wsync.emulators.cloudflare import EmulatorThread as CloudflareEmulatorThread
 from wsync.emulators.daytona import DaytonaEmulatorThread
 from wsync.emulators.docker import EmulatorThread as DockerEmulatorThread
+from wsync.emulators.k8s import K8sEmulatorThread
 from wsync.emulators.sprites import EmulatorThread
 from wsync.testing.sshd import SshdServer, SshdUnavailable
 from wsync.transports.base import Transport
@@ -34,6 +35,7 @@ from wsync.transports.cloudflare import CloudflareTransport
 from wsync.transports.daytona import DaytonaTransport
 from wsync.transports.docker import DockerTransport
 from wsync.transports.e2b import E2BTransport
+from wsync.transports.k8s import K8sTransport
 from wsync.transports.local import LocalTransport
 from wsync.transports.sprites import SpritesTransport
 from wsync.transports.ssh import SshTransport
@@ -169,6 +171,38 @@ def _cloudflare_case(request: pytest.FixtureRequest) -> TransportCase:
     return TransportCase("cloudflare", lambda: CloudflareTransport.from_uri(uri, options))
 
 
+@pytest.fixture(scope="session")
+def k8s_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[K8sEmulatorThread]:
+    """The Kubernetes API server emulator (faults off, HTTPS), for the whole session."""
+    with K8sEmulatorThread(tmp_path_factory.mktemp("k8s")) as emulator:
+        emulator.create_pod("conformance")
+        yield emulator
+
+
+def _k8s_case(request: pytest.FixtureRequest) -> TransportCase:
+    emulator: K8sEmulatorThread = request.getfixturevalue("k8s_emulator")
+    uri = parse("k8s://default/conformance/work")
+    options = emulator.transport_options()
+    return TransportCase("k8s", lambda: K8sTransport.from_uri(uri, options))
+
+
+@pytest.fixture(scope="session")
+def k8s_v4_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[K8sEmulatorThread]:
+    """An API server that speaks only ``v4.base64.channel.k8s.io``: no stdin EOF, text frames."""
+    with K8sEmulatorThread(
+        tmp_path_factory.mktemp("k8s-v4"), protocols=("v4.base64.channel.k8s.io",)
+    ) as emulator:
+        emulator.create_pod("conformance")
+        yield emulator
+
+
+def _k8s_v4_case(request: pytest.FixtureRequest) -> TransportCase:
+    emulator: K8sEmulatorThread = request.getfixturevalue("k8s_v4_emulator")
+    uri = parse("k8s://default/conformance/work")
+    options = emulator.transport_options()
+    return TransportCase("k8s", lambda: K8sTransport.from_uri(uri, options))
+
+
 #: every real transport the conformance suite must pass; one line per backend
 REAL_TRANSPORTS = [
     pytest.param(_local_case, id="local"),
@@ -178,6 +212,8 @@ REAL_TRANSPORTS = [
     pytest.param(_daytona_case, id="daytona"),
     pytest.param(_cloudflare_case, id="cloudflare"),
     pytest.param(_docker_case, id="docker"),
+    pytest.param(_k8s_case, id="k8s"),
+    pytest.param(_k8s_v4_case, id="k8s-v4base64"),
 ]
 
 

@@ -141,6 +141,15 @@ def add_transport_options(p: argparse.ArgumentParser) -> None:
         "(default $DOCKER_HOST or unix:///var/run/docker.sock)",
     )
     g.add_argument(
+        "--kubeconfig",
+        metavar="FILE",
+        help="k8s: kubeconfig file (default $KUBECONFIG, a list too, else ~/.kube/config)",
+    )
+    g.add_argument("--context", metavar="NAME", help="k8s: kubeconfig context (default current)")
+    g.add_argument(
+        "--container", metavar="NAME", help="k8s: the pod's container (needed when it has several)"
+    )
+    g.add_argument(
         "--chaos",
         metavar="SPEC",
         help="inject transport faults, for demos and testing: 'all', or e.g. 'H=0.1,T=0.1,seed=1'",
@@ -161,6 +170,9 @@ def transport_options(args: argparse.Namespace) -> dict[str, Any]:
         "cloudflare_url": args.cloudflare_url,
         "cloudflare_token_file": args.cloudflare_token_file,
         "docker_host": args.docker_host,
+        "kubeconfig": args.kubeconfig,
+        "context": args.context,
+        "container": args.container,
         "chaos": args.chaos,
     }
     return {k: v for k, v in pairs.items() if v is not None}
@@ -210,7 +222,9 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         "$DAYTONA_TOOLBOX_URL)\n"
         "  cloudflare://SANDBOX_ID/PATH      Cloudflare Sandbox Bridge ($CLOUDFLARE_SANDBOX_URL,\n"
         "                                    $CLOUDFLARE_SANDBOX_TOKEN)\n"
-        "  docker://CONTAINER/PATH           Docker Engine API ($DOCKER_HOST, --docker-host)\n\n"
+        "  docker://CONTAINER/PATH           Docker Engine API ($DOCKER_HOST, --docker-host)\n"
+        "  k8s://NAMESPACE/POD/PATH          Kubernetes pods/exec (kubeconfig as kubectl finds\n"
+        "                                    it; NAMESPACE '-' is the context's)\n\n"
         + _EPILOG_EXIT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -305,7 +319,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--backend",
-        choices=("local", "sprites", "e2b", "daytona", "cloudflare", "docker"),
+        choices=("local", "sprites", "e2b", "daytona", "cloudflare", "docker", "k8s"),
         default="local",
         help="local: fault-injecting wrapper around local:; the others: that "
         "backend's emulator with its field faults on",

@@ -123,6 +123,14 @@ def backend(kind: str, workdir: Path, workspace: Path) -> Iterator[tuple[str, di
             daemon.create_container("demo")
             yield f"docker://demo{workspace}", daemon.transport_options()
         return
+    if kind == "k8s":
+        from wsync.emulators.k8s import K8sEmulatorThread, K8sFaults
+
+        # seed 13: the naive tar (the emulator's 2nd exec) loses its tail behind a Success
+        with K8sEmulatorThread(workdir / "k8s", faults=K8sFaults.all_on(seed=13)) as cluster:
+            cluster.create_pod("demo")
+            yield f"k8s://default/demo{workspace}", cluster.transport_options()
+        return
     from wsync.emulators.sprites import EmulatorThread, SpritesFaults
 
     with EmulatorThread(workdir / "sprites", faults=SpritesFaults.all_on(seed=11)) as emu:

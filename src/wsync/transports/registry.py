@@ -24,6 +24,7 @@ SCHEMES: dict[str, str] = {
     "daytona": "wsync.transports.daytona:DaytonaTransport",
     "cloudflare": "wsync.transports.cloudflare:CloudflareTransport",
     "docker": "wsync.transports.docker:DockerTransport",
+    "k8s": "wsync.transports.k8s:K8sTransport",
 }
 
 
