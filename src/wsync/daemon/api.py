@@ -29,7 +29,7 @@ from wsync.daemon.confine import Forbidden
 from wsync.daemon.jobs import JobFinished, NotAccepting, UnknownJob
 from wsync.daemon.metrics import Metrics
 from wsync.daemon.service import JobService
-from wsync.daemon.store import STATES
+from wsync.daemon.store import STATES, StoreUnavailable
 from wsync.errors import UsageError, WsyncError
 
 SSE_KEEPALIVE = 15.0
@@ -110,7 +110,7 @@ def _status_for(err: WsyncError) -> int:
         return 409
     if isinstance(err, Forbidden):  # dest or source outside the configured roots
         return 403
-    if isinstance(err, NotAccepting):
+    if isinstance(err, NotAccepting | StoreUnavailable):
         return 503
     if isinstance(err, UsageError):
         return 422

@@ -537,9 +537,8 @@ class FleetManager:
 
     async def _record(self, run: _Run, outcome: str, backoff: float) -> bool:
         """Write the job's end if the fence is still ours; retry while the store is down."""
-        if run.lost:
-            self.metrics.fenced.inc()
-            return False
+        # even after a lost renewal the write is tried: the fence in the store is the
+        # authority, and its refusal is what the audit trail and /metrics record
         delay = BACKOFF_MIN
         give_up = time.monotonic() + (self.config.shutdown_grace if self._shutting_down else 1e9)
         while True:

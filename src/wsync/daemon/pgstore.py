@@ -43,9 +43,9 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
+from psycopg_pool.base import AttemptWithBackoff
 
-from wsync.daemon.store import STATES, Job
-from wsync.errors import HostIOError
+from wsync.daemon.store import STATES, Job, StoreUnavailable
 
 SCHEMA_VERSION = 1
 CHANNEL = "wsync_events"
@@ -136,10 +136,14 @@ def _jsonb(value: Any) -> str | None:
     return None if value is None else json.dumps(value, sort_keys=True)
 
 
-class StoreDown(HostIOError):
+class StoreDown(StoreUnavailable):
     """PostgreSQL is unreachable or refused a statement; the caller retries with backoff."""
 
-    template = "job store: {}"
+
+# psycopg_pool retries a lost connection with a delay that doubles without a cap, so
+# after an outage of some minutes the pool would stay empty for as long again after
+# PostgreSQL is back.  A steady retry about once a second bounds that to a second.
+AttemptWithBackoff.DELAY_BACKOFF = 1.0
 
 
 class Claimed:
@@ -164,6 +168,8 @@ class PgStore:
             max_size=6,
             open=False,
             timeout=5.0,
+            # an outage of any length ends when PostgreSQL is back, never in a dead pool
+            reconnect_timeout=365 * 24 * 3600.0,
             kwargs={"autocommit": True, "connect_timeout": 5},
             check=AsyncConnectionPool.check_connection,
             name="wsync-store",
