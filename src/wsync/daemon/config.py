@@ -306,6 +306,13 @@ class DaemonConfig(BaseSettings):
                     raise ValueError(f"sandboxes.{name}.dest: {err}") from None
             if box.interval is not None and box.dest is None:
                 raise ValueError(f"sandboxes.{name}: a scheduled sandbox (interval) needs a dest")
+        if self.engine_dir is not None:
+            for root in self.dest_roots:
+                if self.engine_dir.is_relative_to(root) or root.is_relative_to(self.engine_dir):
+                    # a request naming the journals as its DEST would replace them
+                    raise ValueError(
+                        f"engine_dir: must lie outside every dest root (it overlaps {root})"
+                    )
         if self.store is not None and self.engine_dir is None:
             raise ValueError(
                 "engine_dir: a PostgreSQL store (a fleet) needs engine_dir on the filesystem "
