@@ -415,3 +415,53 @@ def read_events(daemon: DaemonProcess, job_id: str, want: int) -> list[tuple[str
     finally:
         conn.close()
     return out
+
+
+# -- configuration and docs (no PostgreSQL needed) --------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_a_store_needs_a_shared_engine_dir_outside_the_dest_roots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from wsync.daemon.config import ConfigError, load_config
+
+    monkeypatch.setenv("WSYNC_API_TOKEN", TOKEN)
+    cfg = tmp_path / "c.toml"
+    base = f'store = "postgresql://wsync@db/wsync"\ndest_roots = ["{tmp_path}/roots"]\n'
+    cfg.write_text(base, encoding="utf-8")
+    with pytest.raises(ConfigError, match="engine_dir: a PostgreSQL store"):
+        load_config(cfg)
+    # journals inside a dest root could be named as a DEST and replaced by a pull
+    cfg.write_text(base + f'engine_dir = "{tmp_path}/roots/.engine"\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match="engine_dir: must lie outside every dest root"):
+        load_config(cfg)
+    cfg.write_text(base + 'engine_dir = "shared/engine"\n', encoding="utf-8")
+    config = load_config(cfg)
+    assert config.engine_state_dir == tmp_path / "shared" / "engine"
+    assert config.pull_options(None).state_dir == tmp_path / "shared" / "engine"
+    cfg.write_text('store = "mysql://x/y"\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match="store: must be a postgresql:// URL"):
+        load_config(cfg)
+
+
+def test_docs_fleet_compose_is_the_shipped_file_with_three_daemons_sharing_volumes() -> None:
+    import yaml
+
+    shipped = (REPO / "deploy" / "compose.fleet.yaml").read_text(encoding="utf-8")
+    doc = (REPO / "docs" / "daemon.md").read_text(encoding="utf-8")
+    assert f"```yaml\n{shipped}```" in doc, "docs/daemon.md must show deploy/compose.fleet.yaml"
+    compose = yaml.safe_load(shipped)
+    daemons = [name for name in compose["services"] if name.startswith("wsync")]
+    assert len(daemons) == 3
+    for name in daemons:
+        service = compose["services"][name]
+        env = service["environment"]
+        assert env["WSYNC_STORE"].startswith("postgresql://") and "@postgres:" in env["WSYNC_STORE"]
+        assert "workspaces:/workspaces" in service["volumes"]
+        assert f"engine:{env['WSYNC_ENGINE_DIR']}" in service["volumes"]
+        assert service["depends_on"]["postgres"]["condition"] == "service_healthy"
+    states = {v for n in daemons for v in compose["services"][n]["volumes"] if "state" in v}
+    assert len(states) == 3, "each daemon needs its own state_dir"
+    assert "/var/lib/wsync-engine" in (REPO / "deploy" / "Dockerfile").read_text(encoding="utf-8")

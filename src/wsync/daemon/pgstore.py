@@ -423,24 +423,6 @@ FOR UPDATE OF j SKIP LOCKED
         except Exception as err:
             raise StoreDown(_say(err)) from None
 
-    async def release_all(self, fences: Mapping[str, int], error: str) -> int:
-        """Hand back every job we still lease (shutdown): queued at once for another daemon."""
-        done = 0
-        for job_id, fence in fences.items():
-            rows = await self._run(
-                "UPDATE wsync_jobs SET state = 'queued', owner = NULL, lease_until = NULL, "
-                "error = %s, error_kind = 'interrupted', exit_code = 130 "
-                "WHERE id = %s AND fence = %s AND state = 'running' RETURNING id",
-                (error, job_id, fence),
-            )
-            await self._run(
-                "UPDATE wsync_attempts SET ended_at = clock_timestamp(), outcome = 'released' "
-                "WHERE job_id = %s AND fence = %s AND ended_at IS NULL",
-                (job_id, fence),
-            )
-            done += len(rows)
-        return done
-
     async def prune(self, keep_finished: int) -> None:
         await self._run(
             "DELETE FROM wsync_jobs WHERE id IN (SELECT id FROM wsync_jobs "
