@@ -328,7 +328,7 @@ def test_store_outage_mid_run_every_job_ends_exactly_once(tmp_path: Path, pg_dsn
                     timeout=20,
                     what="/readyz 503 during the outage",
                 )
-            time.sleep(2)
+            time.sleep(1)
             proxy.restore()
             jobs = wait_all(daemons[1], ids, timeout=120)
             for daemon in daemons:
@@ -366,16 +366,17 @@ jitter = 0
     with fleet(tmp_path, pg_dsn, box) as group:
         group.add_many(3)
         all_up = time.time()
-        time.sleep(7)
+        time.sleep(6)
         rows = group.sql(
             "SELECT created_at FROM wsync_jobs WHERE trigger = 'schedule' ORDER BY created_at"
         )
     times = [float(r[0]) for r in rows]
     gaps = [b - a for a, b in itertools.pairwise(times)]
-    # three daemons that each fired would make three jobs per interval, gaps near 0
-    assert all(gap >= 1.8 for gap in gaps), gaps
+    # three daemons that each fired would make three jobs per interval, gaps near 0;
+    # half an interval leaves room for a loaded machine's scheduling delays
+    assert all(gap >= 1.0 for gap in gaps), gaps
     with_three = [t for t in times if t >= all_up]
-    assert 2 <= len(with_three) <= 5, (with_three, all_up)
+    assert 2 <= len(with_three) <= 4, (with_three, all_up)
 
 
 def test_any_daemon_answers_get_events_and_delete(tmp_path: Path, pg_dsn: str) -> None:
