@@ -270,6 +270,25 @@ def test_kill9_owner_another_daemon_takes_over_and_resumes(tmp_path: Path, pg_ds
     print(f"takeover {attempts[1]['start'] - killed:.2f}s after kill -9 (lease 3s)")
 
 
+def test_sigterm_hands_the_job_back_at_once_and_another_daemon_resumes(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """With a 60 s lease, only a hand-back (not an expiry) lets the other daemon go on now."""
+    with fleet(tmp_path, pg_dsn, big_sandbox(tmp_path), lease=60.0) as group:
+        daemons = group.add_many(2)
+        job = daemons[0].pull("big")
+        before = chunks_done(daemons[0], job["id"], 8)
+        first, second = group.owner_of(job["id"])
+        first.signal(signal.SIGTERM)
+        assert first.wait_exit(timeout=40) == 0, first.log()
+        done = second.wait_job(job["id"], timeout=50)
+        attempts = group.attempts(job["id"])
+    assert_same_tree(tmp_path / "ws", tmp_path / "roots" / "big")
+    assert [a["outcome"] for a in attempts] == ["released", "succeeded"], attempts
+    assert not attempts[1]["takeover"]
+    assert done["result"]["resumed_chunks"] >= before, done["result"]
+
+
 def test_frozen_owner_is_fenced_and_the_new_owner_lands_dest(tmp_path: Path, pg_dsn: str) -> None:
     with fleet(tmp_path, pg_dsn, big_sandbox(tmp_path), lease=2.0) as group:
         daemons = group.add_many(2)
