@@ -7,8 +7,9 @@ event loop, and each pull on its own thread, as a single daemon does:
 * the **dispatcher** claims jobs (:meth:`PgStore.claim`) while this daemon is
   under ``limits.max_concurrent``; placement, dedupe and the per-sandbox and
   fleet-wide limits are decided by the claim's SQL, not here;
-* the **renewer** extends every lease it holds every ``lease_seconds / 4``,
-  saving progress with it; a renewal that finds the fence changed means
+* the **renewer** extends every lease it holds every ``lease_seconds / 4`` (at
+  most :data:`RENEW_EVERY` seconds apart, so that ``GET`` on any daemon shows
+  fresh progress), saving progress with it; a renewal that finds the fence changed means
   another daemon owns the job now, so the local pull is stopped and nothing of
   it is written; a renewal that finds ``cancel_requested`` stops it as a
   cancel (the ``DELETE`` may have reached any daemon);
@@ -74,6 +75,8 @@ T = TypeVar("T")
 BUSY_BACKOFF = 2.0
 #: the dispatcher looks for claimable jobs at least this often (expired leases, back-offs)
 POLL_INTERVAL = 1.0
+#: longest gap between lease renewals, which also carry the progress other daemons read
+RENEW_EVERY = 2.0
 #: backoff bounds while the store is unreachable
 BACKOFF_MIN, BACKOFF_MAX = 0.2, 5.0
 #: how long start-up waits for the store before the daemon gives up
@@ -334,7 +337,7 @@ class FleetManager:
 
     async def _renew(self) -> None:
         while True:
-            await asyncio.sleep(self.config.lease_seconds / 4)
+            await asyncio.sleep(min(self.config.lease_seconds / 4, RENEW_EVERY))
             for run in list(self._running.values()):
                 if run.lost:
                     continue
