@@ -35,7 +35,7 @@ from wsync.testing.pg import PgUnavailable, scratch_database, with_address
 from wsync.testing.sshd import SshdServer
 from wsync.testing.tcpproxy import TcpProxy
 
-BIG = 16 * 1024 * 1024
+BIG = 24 * 1024 * 1024
 
 
 @pytest.fixture
@@ -96,8 +96,11 @@ class Fleet:
             return list(pool.map(lambda d: d.start(), fresh))
 
     def owner_of(self, job_id: str) -> tuple[DaemonProcess, DaemonProcess]:
-        """(the daemon holding the job's lease, another one)."""
-        ((owner,),) = self.sql("SELECT owner FROM wsync_jobs WHERE id = %s", job_id)
+        """(the daemon holding the job's lease, another one), once it is claimed."""
+        owner = self.daemons[0].wait_until(
+            lambda: self.sql("SELECT owner FROM wsync_jobs WHERE id = %s", job_id)[0][0],
+            what="a claim",
+        )
         pid = int(str(owner).split(":")[1])
         holder = next(d for d in self.daemons if d.proc is not None and d.proc.pid == pid)
         return holder, next(d for d in self.daemons if d is not holder)
@@ -181,6 +184,13 @@ chunk_size = 131072
 """
 
 
+def running_at(group: Fleet, job_id: str, chunks: int) -> tuple[int, DaemonProcess, DaemonProcess]:
+    """Wait until the owner (asked directly: its progress is live, the store's is up to 2 s
+    old) has journaled ``chunks``; returns (chunks done, owner, another daemon)."""
+    owner, other = group.owner_of(job_id)
+    return chunks_done(owner, job_id, chunks), owner, other
+
+
 def chunks_done(daemon: DaemonProcess, job_id: str, at_least: int) -> int:
     def progressed() -> int:
         job = daemon.job(job_id)
@@ -248,8 +258,7 @@ def test_kill9_owner_another_daemon_takes_over_and_resumes(tmp_path: Path, pg_ds
     with fleet(tmp_path, pg_dsn, big_sandbox(tmp_path), lease=3.0) as group:
         daemons = group.add_many(2)
         job = daemons[0].pull("big")
-        before = chunks_done(daemons[0], job["id"], 8)
-        first, second = group.owner_of(job["id"])
+        before, first, second = running_at(group, job["id"], 8)
         first.kill9()
         killed = time.time()
         done = second.wait_job(job["id"], timeout=120)
@@ -277,8 +286,7 @@ def test_sigterm_hands_the_job_back_at_once_and_another_daemon_resumes(
     with fleet(tmp_path, pg_dsn, big_sandbox(tmp_path), lease=60.0) as group:
         daemons = group.add_many(2)
         job = daemons[0].pull("big")
-        before = chunks_done(daemons[0], job["id"], 8)
-        first, second = group.owner_of(job["id"])
+        before, first, second = running_at(group, job["id"], 8)
         first.signal(signal.SIGTERM)
         assert first.wait_exit(timeout=40) == 0, first.log()
         done = second.wait_job(job["id"], timeout=50)
@@ -293,8 +301,7 @@ def test_frozen_owner_is_fenced_and_the_new_owner_lands_dest(tmp_path: Path, pg_
     with fleet(tmp_path, pg_dsn, big_sandbox(tmp_path), lease=2.0) as group:
         daemons = group.add_many(2)
         job = daemons[0].pull("big")
-        chunks_done(daemons[0], job["id"], 8)
-        first, second = group.owner_of(job["id"])
+        _, first, second = running_at(group, job["id"], 8)
         assert first.proc is not None
         first.signal(signal.SIGSTOP)
         try:
@@ -402,8 +409,7 @@ def test_any_daemon_answers_get_events_and_delete(tmp_path: Path, pg_dsn: str) -
     with fleet(tmp_path, pg_dsn, big_sandbox(tmp_path), lease=5.0) as group:
         daemons = group.add_many(2)
         job = daemons[0].pull("big")
-        chunks_done(daemons[0], job["id"], 4)
-        _owner, other = group.owner_of(job["id"])
+        _, _owner, other = running_at(group, job["id"], 4)
         seen = other.job(job["id"])
         assert seen["state"] == "running"
         # dedupe holds across the fleet: the same request at another daemon reconciles
