@@ -445,7 +445,7 @@ class FleetManager:
 
     def _begin(self, claimed: Claimed) -> None:
         job = claimed.job
-        run = _Run(job=job, fence=claimed.fence)
+        run = _Run(job=job, fence=claimed.fence, cancel_requested=claimed.cancel_requested)
         self._running[job.id] = run
         self.metrics.claims.inc()
         if claimed.takeover:

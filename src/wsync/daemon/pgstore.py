@@ -149,10 +149,11 @@ AttemptWithBackoff.DELAY_BACKOFF = 1.0
 class Claimed:
     """A lease this daemon holds on a job: the job, its fence, and whether it was a takeover."""
 
-    __slots__ = ("fence", "job", "takeover")
+    __slots__ = ("cancel_requested", "fence", "job", "takeover")
 
     def __init__(self, job: Job, fence: int, takeover: bool) -> None:
         self.job, self.fence, self.takeover = job, fence, takeover
+        self.cancel_requested = False
 
 
 class PgStore:
@@ -345,7 +346,7 @@ FOR UPDATE OF j SKIP LOCKED
                     "attempts = attempts + 1, started_at = extract(epoch FROM now()), "
                     "finished_at = NULL, result = NULL, error = NULL, error_kind = NULL, "
                     "exit_code = NULL, not_before = NULL "
-                    f"WHERE id = %(id)s RETURNING {_JOB_COLUMNS}, fence",
+                    f"WHERE id = %(id)s RETURNING {_JOB_COLUMNS}, fence, cancel_requested",
                     {"owner": self.owner, "ttl": self.lease_seconds, "id": pick["id"]},
                 )
                 row = await cur.fetchone()
@@ -362,7 +363,10 @@ FOR UPDATE OF j SKIP LOCKED
                         "outcome = 'expired' WHERE job_id = %s AND fence < %s AND ended_at IS NULL",
                         (row["id"], row["fence"]),
                     )
-                return Claimed(_job(row), int(row["fence"]), takeover)
+                claimed = Claimed(_job(row), int(row["fence"]), takeover)
+                # a DELETE that reached a dead owner: the new owner stops at once
+                claimed.cancel_requested = bool(row["cancel_requested"])
+                return claimed
         except psycopg.Error as err:
             raise StoreDown(_say(err)) from None
         except Exception as err:
