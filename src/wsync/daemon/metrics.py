@@ -87,6 +87,31 @@ class Metrics:
         self.reloads = Counter(
             "wsync_config_reloads", "Configuration reloads by outcome", ["outcome"], registry=r
         )
+        # a fleet on PostgreSQL (store = "postgresql://..."); zero with SQLite
+        self.claims = Counter(
+            "wsync_fleet_claims", "Jobs this daemon claimed from the shared store", registry=r
+        )
+        self.renewals = Counter(
+            "wsync_fleet_lease_renewals",
+            "Lease renewals by outcome: ok, or lost (another daemon owns the job now)",
+            ["outcome"],
+            registry=r,
+        )
+        self.takeovers = Counter(
+            "wsync_fleet_takeovers",
+            "Jobs claimed after another daemon's lease ran out",
+            registry=r,
+        )
+        self.fenced = Counter(
+            "wsync_fleet_fenced_writes",
+            "Writes of a job refused because another daemon holds a newer fencing token",
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "wsync_fleet_store_errors",
+            "Statements the shared store failed (unreachable, restarted); retried with backoff",
+            registry=r,
+        )
 
     def observe_pull(
         self, sandbox: str, state: str, elapsed: float, summary: Mapping[str, Any]

@@ -72,6 +72,10 @@ class PullOptions:
     #: reached from it without following symlinks at the time of the write
     #: (the daemon sets it to the dest root that DEST was accepted under)
     dest_root: Path | None = None
+    #: called on the pull's thread just before DEST is replaced; raising (e.g.
+    #: :class:`~wsync.errors.Fenced`) stops the swap.  A daemon fleet uses it so a
+    #: daemon whose lease ran out (frozen, cut off from the store) never swaps
+    fence: Callable[[], None] | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -34,7 +34,7 @@ from typing import Any
 
 from wsync.engine.destdir import DestDir
 from wsync.engine.fsutil import fsync_dir, host_io, rmtree, write_atomic
-from wsync.errors import HostIOError, UsageError
+from wsync.errors import Busy, HostIOError
 
 
 def _key(*parts: str) -> str:
@@ -84,9 +84,7 @@ class Journal:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise UsageError(
-                "another wsync pull of this sandbox into this DEST is running"
-            ) from None
+            raise Busy("another wsync pull of this sandbox into this DEST is running") from None
         self._lock_fd = fd
         self._collect_stale()
         try:

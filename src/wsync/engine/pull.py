@@ -253,6 +253,8 @@ class _Pull:
             self.emit("swap")
             with host_io(f"flushing {self.dest.parent / tmp}"):
                 syncfs(tmp_fd)
+            if self.options.fence is not None:
+                self.options.fence()  # last word of a daemon fleet's lease before the swap
             # recorded before the swap: a kill right after it must not make
             # the next run refuse a DEST that wsync itself just wrote
             DestRegistry(self.options.state_dir).record(self.dest)
