@@ -109,6 +109,11 @@ def test_every_kind_of_change(env: tuple[Path, Path, Path]) -> None:
     pull(state, guest, dest)
     exact(guest, dest)
     assert pull(state, guest, dest).diff.nothing_to_do
+    with PullState.open(state, dest, "local:guest") as st:
+        size = sum(
+            os.lstat(p).st_size for p in guest.rglob("*") if p.is_file() and not p.is_symlink()
+        )
+        assert st.tree_bytes() == size
 
 
 def test_unchanged_entries_are_linked_not_copied(env: tuple[Path, Path, Path]) -> None:
@@ -166,6 +171,15 @@ def test_failed_pull_after_farm_costs_only_a_rehash(env: tuple[Path, Path, Path]
     res = pull(state, guest, dest)
     assert res.diff.nothing_to_do
     exact(guest, dest)
+    # the verified signatures were recorded: the next diff hashes nothing
+    with PullState.open(state, dest, "local:guest") as st:
+        st.load_manifest(manifest(guest), Excludes.none())
+        fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert st.diff(fd).nothing_to_do
+        finally:
+            os.close(fd)
+        assert st.db.execute("SELECT count(*) FROM s.verdict").fetchone()[0] == 0
 
 
 def test_hardlinked_guest_files_are_fetched_together(env: tuple[Path, Path, Path]) -> None:

@@ -211,8 +211,8 @@ class PullState:
                 raise StagingFailed("the guest's manifest has no root directory entry")
             while True:
                 cur = db.execute(
-                    "DELETE FROM s.man WHERE path != x'2e' AND parent NOT IN "
-                    "(SELECT path FROM s.man WHERE kind = 'd')"
+                    "DELETE FROM s.man WHERE path != x'2e' AND NOT EXISTS "
+                    "(SELECT 1 FROM s.man p WHERE p.path = s.man.parent AND p.kind = 'd')"
                 )
                 if cur.rowcount <= 0:
                     break
@@ -237,7 +237,15 @@ class PullState:
                 db.execute("CREATE TEMP VIEW base AS SELECT * FROM s.nostate")
             db.execute("DELETE FROM s.plan")
             db.execute(_PLAN)
-            self._recheck(dest_fd)
+            if self._recheck(dest_fd) and self.has_baseline():
+                # verified by their bytes: record where they are now, so the next pull
+                # does not hash them again (the hash recorded stays the same)
+                db.execute(
+                    "UPDATE main.state SET "
+                    "hino = (SELECT h.ino FROM s.host h WHERE h.path = main.state.path), "
+                    "hctime = (SELECT h.ctime FROM s.host h WHERE h.path = main.state.path) "
+                    "WHERE path IN (SELECT path FROM s.verdict WHERE ok = 1)"
+                )
             # a fetched guest inode is fetched under every name it has
             db.execute(
                 "UPDATE s.plan SET act = 'linked', hash = NULL WHERE act = 'keep' AND kind = 'f' "
@@ -247,7 +255,8 @@ class PullState:
             db.commit()
             changed = db.execute("SELECT count(*) FROM s.plan WHERE act != 'keep'").fetchone()[0]
             deleted = db.execute(
-                "SELECT count(*) FROM s.host WHERE path NOT IN (SELECT path FROM s.man)"
+                "SELECT count(*) FROM s.host h "
+                "WHERE NOT EXISTS (SELECT 1 FROM s.man m WHERE m.path = h.path)"
             ).fetchone()[0]
         self._diffed = True
         return Diff(self, int(changed), int(deleted))
@@ -265,8 +274,9 @@ class PullState:
                     batch.clear()
         db.executemany(insert, batch)
 
-    def _recheck(self, dest_fd: int) -> None:
-        """Entries whose host inode or ctime moved: re-hash (re-read the link) and compare."""
+    def _recheck(self, dest_fd: int) -> int:
+        """Entries whose host inode or ctime moved: re-hash (re-read the link) and compare.
+        Returns how many were verified."""
         db = self.db
         db.execute("DELETE FROM s.verdict")
         rows = db.execute(
@@ -287,10 +297,12 @@ class PullState:
                 db.executemany("INSERT INTO s.verdict VALUES (?, ?)", batch)
                 batch.clear()
         db.executemany("INSERT INTO s.verdict VALUES (?, ?)", batch)
+        verified = db.execute("SELECT count(*) FROM s.verdict WHERE ok = 1").fetchone()[0]
         db.execute(
             "UPDATE s.plan SET act = CASE (SELECT ok FROM s.verdict v WHERE v.path = s.plan.path) "
             "WHEN 1 THEN 'keep' ELSE 'tampered' END WHERE act = 'check'"
         )
+        return int(verified)
 
     # -- after the pull -----------------------------------------------------------------
 
@@ -333,6 +345,14 @@ class PullState:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
+
+    def tree_bytes(self) -> int:
+        """Bytes of the regular files recorded (after :meth:`commit`: the tree now in DEST)."""
+        with self._errors():
+            found = self.db.execute(
+                "SELECT coalesce(sum(hsize), 0) FROM main.state WHERE kind = 'f'"
+            ).fetchone()
+        return int(found[0])
 
     def forget(self) -> None:
         """Drop the baseline: the next pull into DEST is a full one."""
@@ -389,8 +409,8 @@ class Diff:
         """``rsync -i`` style lines: deletions first, then changes, paths escaped."""
         db = self.state.db
         gone = db.execute(
-            "SELECT path, kind FROM s.host WHERE path NOT IN (SELECT path FROM s.man) "
-            "ORDER BY path DESC"
+            "SELECT path, kind FROM s.host h "
+            "WHERE NOT EXISTS (SELECT 1 FROM s.man m WHERE m.path = h.path) ORDER BY path DESC"
         )
         for path, kind in gone:
             yield itemize_line("*deleting", bytes(path), str(kind) == "d", b"")
@@ -414,19 +434,19 @@ INSERT INTO s.plan (path, kind, ino, act, hash)
 SELECT m.path, m.kind, m.ino,
   CASE
     WHEN m.kind = 'd' THEN CASE
-      WHEN h.path IS NULL OR h.kind != 'd' THEN 'new'
+      WHEN h.path IS NULL OR h.kind IS NOT 'd' THEN 'new'
       WHEN o.path IS NULL THEN 'new'
-      WHEN o.kind != 'd' OR o.mode != m.mode OR o.mtime != m.mtime THEN 'changed'
-      WHEN h.mode != o.hmode OR h.mtime != o.hmtime THEN 'tampered'
+      WHEN o.kind IS NOT 'd' OR o.mode IS NOT m.mode OR o.mtime IS NOT m.mtime THEN 'changed'
+      WHEN h.mode IS NOT o.hmode OR h.mtime IS NOT o.hmtime THEN 'tampered'
       ELSE 'keep' END
     WHEN o.path IS NULL THEN 'new'
-    WHEN o.kind != m.kind OR o.mode != m.mode OR o.size != m.size OR o.mtime != m.mtime
-      OR o.ctime != m.ctime OR o.ino != m.ino OR o.target != m.target
-      OR o.digest != m.digest THEN 'changed'
+    WHEN o.kind IS NOT m.kind OR o.mode IS NOT m.mode OR o.size IS NOT m.size
+      OR o.mtime IS NOT m.mtime OR o.ctime IS NOT m.ctime OR o.ino IS NOT m.ino
+      OR o.target IS NOT m.target OR o.digest IS NOT m.digest THEN 'changed'
     WHEN h.path IS NULL THEN 'missing'
-    WHEN h.kind != o.hkind OR h.kind != m.kind OR h.mode != o.hmode OR h.size != o.hsize
-      OR h.mtime != o.hmtime THEN 'tampered'
-    WHEN h.ino != o.hino OR h.ctime != o.hctime THEN 'check'
+    WHEN h.kind IS NOT o.hkind OR h.kind IS NOT m.kind OR h.mode IS NOT o.hmode
+      OR h.size IS NOT o.hsize OR h.mtime IS NOT o.hmtime THEN 'tampered'
+    WHEN h.ino IS NOT o.hino OR h.ctime IS NOT o.hctime THEN 'check'
     ELSE 'keep'
   END,
   CASE WHEN m.kind = 'f' THEN o.hash END
