@@ -20,23 +20,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import secrets
 import stat
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
+from wsync.engine import incremental
 from wsync.engine.api import Progress, ProgressCallback, PullOptions, PullResult
 from wsync.engine.destdir import DestDir
 from wsync.engine.extract import ExtractStats
-from wsync.engine.feed import ChunkFeed, extract_feed
+from wsync.engine.feed import ChunkFeed, consume_feed, extract_feed
 from wsync.engine.fsutil import host_io, syncfs
 from wsync.engine.guest import CallStats, GuestPlan, GuestSession
+from wsync.engine.incremental import Incremental
 from wsync.engine.journal import DestRegistry, Journal
 from wsync.engine.settle import apply_lists
 from wsync.engine.winddown import (
@@ -65,6 +68,8 @@ from wsync.transports.base import Transport
 from wsync.transports.registry import open_transport
 
 log = structlog.get_logger("wsync.pull")
+
+_T = TypeVar("_T")
 
 _INDEX_READ = 1024 * 1024
 _POLL_MIN, _POLL_MAX = 0.05, 1.0
@@ -161,6 +166,19 @@ class _Pull:
         self.io = WriterPool(
             max_workers=max(1, options.parallel), thread_name_prefix="wsync-journal"
         )
+        #: the journal (or journal phase) the chunks being fetched go to
+        self.chunk_journal = journal
+        #: every snapshot this run admitted (cleaned up at the end)
+        self.snapshots: list[str] = []
+        self.inc: Incremental | None = None
+        self.swapped = False
+        #: the consumer thread outlived the wind-down: its tmp tree is left to the next run
+        self.stuck = False
+        self.tree_bytes = 0
+        #: the manifest phase's journal (its stream is not bounded by ``max_bytes``, which
+        #: bounds file bytes; the entry count is bounded by ``max_files`` as it loads)
+        self.manifest_journal: Journal | None = None
+        self.changes: list[str] = []
 
     # -- progress ----------------------------------------------------------------
 
@@ -198,58 +216,63 @@ class _Pull:
 
     # -- the pull ------------------------------------------------------------------
 
-    async def run(self) -> tuple[ExtractStats, int, int, str | None]:
-        """Everything up to and including the swap.  Returns what ``finish`` needs."""
+    async def run(self) -> tuple[ExtractStats, int, int, str | None] | None:
+        """Everything up to and including the swap.  Returns what ``finish`` needs, or
+        None when DEST stays as it is (nothing changed, or a dry run)."""
         self.emit("probe")
         plan = await self.session.probe(self.workspace)
         self.plan = plan
-        snapshot = self.choose_snapshot(plan)
-        self.progress.snapshot = snapshot
-        # every later log line of this pull (workers inherit the context) names it
-        structlog.contextvars.bind_contextvars(snapshot=snapshot)
-        self.emit("admit")
-        self.reconciled = await self.session.admit(snapshot, self.workspace, plan.compressor)
-        journaled = self.journal.chunks()
-        if journaled and not self.reconciled:
-            # the guest staging is gone and a new producer started: its stream
-            # differs from the one our chunks came from, so they are worthless
-            log.info("guest staging restarted; discarding journaled chunks", n=len(journaled))
-            self.journal.clear_chunks()
-            journaled = {}
+        inc = self.inc = self.open_incremental(plan)
+        run = "tar"
+        if inc is not None:
+            await self.manifest_phase(plan, inc)
+            self.emit("diff")
+            empty = self.journal.dir / "empty"
+            await in_thread(lambda: self.decide(inc, plan, empty))
+            if self.options.dry_run and inc.diff is not None:
+                diff = inc.diff
+                self.changes = await in_thread(lambda: list(diff.itemize()))
+            run = inc.run
+            if not run or self.options.dry_run:
+                return None
+        journal = self.journal if run == "tar" else self.journal.phase("select")
+        listing = b""
+        extra: dict[str, Any] = {}
+        if inc is not None and run == "select":
+            listing = await in_thread(inc.select_list)
+            extra["list"] = hashlib.sha256(listing).hexdigest()
+        snapshot = self.choose_snapshot(plan, journal, run, extra)
+        if listing:
+            await self.session.upload_list(snapshot, listing)
+        journaled = await self.admit_phase(plan, journal, snapshot, run)
         tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
         tmp_fd, leftovers = self.target.make_tmp(tmp)
         self.warnings.extend(leftovers)
-        feed = ChunkFeed(plan.algorithm)
-        box: dict[str, Any] = {}
+        replace = run == "select"
+        hook = None
+        if inc is not None:
+            inc.hashes.start()
+            hook = inc.hashes.add
 
-        def work() -> None:
-            try:
-                box["stats"] = extract_feed(
-                    feed, plan.compressor, tmp_fd, self.options.limits, self.extracted
-                )
-            except BaseException as exc:
-                box["error"] = exc
+        def extract(feed: ChunkFeed) -> ExtractStats:
+            if inc is not None and replace:
+                inc.farm(tmp_fd, feed.check_cancel)
+            limits = self.options.limits
+            return extract_feed(
+                feed, plan.compressor, tmp_fd, limits, self.extracted, replace=replace, on_file=hook
+            )
 
-        thread = threading.Thread(target=work, name="wsync-extract", daemon=True)
-        thread.start()
         try:
             self.emit("pull")
-            chunks, length = await self.fetch_all(plan, feed, journaled, thread)
-            self.emit("extract")
-            await await_thread(thread, None)
-            raise_if_cancelled()  # a cancel swallowed on the way must not swap DEST
-            if "error" in box:
-                raise box["error"]
-            stats: ExtractStats = box["stats"]
-            assert self.done is not None
-            if feed.length != length or feed.digest != self.done.digest:
-                raise IntegrityFailed(
-                    f"whole stream: {feed.length} bytes hashing to {feed.digest[:16]}…, "
-                    f"guest says {length} bytes hashing to {self.done.digest[:16]}…"
-                )
+            stats, chunks, length = await self.stream(plan, journal, journaled, extract)
+            if inc is not None:
+                inc.hashes.close()
             self.unstable = await apply_lists(
                 self.session, self.done, self.sizer, tmp_fd, self.options.best_effort, self.warnings
             )
+            if inc is not None and replace:
+                self.emit("apply")
+                await in_thread(lambda: inc.dir_meta(tmp_fd))
             self.emit("swap")
             with host_io(f"flushing {self.dest.parent / tmp}"):
                 syncfs(tmp_fd)
@@ -257,20 +280,130 @@ class _Pull:
             # the next run refuse a DEST that wsync itself just wrote
             DestRegistry(self.options.state_dir).record(self.dest)
             old = self.target.swap(tmp)
+            self.swapped = True
+        except BaseException:
+            await self.remove_tmp(tmp)
+            raise
+        finally:
+            # every write was awaited on success; after a failure none is waited for here
+            self.io.shutdown(wait=False)
+        return stats, chunks, length, old
+
+    def open_incremental(self, plan: GuestPlan) -> Incremental | None:
+        """The incremental state of DEST, when this guest can list its workspace."""
+        if not incremental.can_list(plan):
+            return None
+        key = f"{self.transport.description}\n{self.workspace}"
+        hashes = incremental.HashLog(self.journal.dir / "hashes")
+        return Incremental(self.options, self.target, key, hashes)
+
+    def decide(self, inc: Incremental, plan: GuestPlan, empty: Path) -> None:
+        """Diff (in a thread); a full pull with excludes or a dry run without a baseline
+        diffs against an empty directory of the journal."""
+        with contextlib.suppress(FileExistsError):
+            empty.mkdir(mode=0o700)
+        fd = os.open(empty, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            inc.decide(plan, stdin=self.session.gate, tmp_fd=fd)
+            if self.options.dry_run and inc.diff is None:
+                inc.diff = inc.state.diff(fd)
+        finally:
+            os.close(fd)
+
+    async def manifest_phase(self, plan: GuestPlan, inc: Incremental) -> None:
+        """The manifest run, streamed into the state (see :mod:`wsync.engine.incremental`)."""
+        self.emit("manifest")
+        journal = self.manifest_journal = self.journal.phase("manifest")
+        prune = inc.prune()
+        snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
+        journaled = await self.admit_phase(plan, journal, snapshot, "manifest", prune)
+
+        def load(feed: ChunkFeed) -> None:
+            consume_feed(feed, plan.compressor, inc.load)
+
+        await self.stream(plan, journal, journaled, load)
+        # verified and loaded: its staging goes now (even with keep_staging, which keeps
+        # the content run's).  A kill -9 later takes a fresh manifest, whose diff (same
+        # guest, same DEST) names the same list, so the select run's journal resumes
+        self.snapshots.remove(snapshot)
+        try:
+            async with asyncio.timeout(self.options.call_timeout * 2):
+                await self.session.cleanup()
+        except (WsyncError, TimeoutError) as exc:
+            self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
+
+    async def admit_phase(
+        self,
+        plan: GuestPlan,
+        journal: Journal,
+        snapshot: str,
+        mode: str,
+        prune: tuple[str, ...] = (),
+    ) -> dict[int, tuple[str, Path]]:
+        """Admit ``snapshot``'s producer run; return the journal's chunks still good."""
+        self.progress.snapshot = snapshot
+        # every later log line of this pull (workers inherit the context) names it
+        structlog.contextvars.bind_contextvars(snapshot=snapshot)
+        self.emit("admit")
+        self.chunk_journal = journal
+        self.snapshots.append(snapshot)
+        self.reconciled = await self.session.admit(
+            snapshot, self.workspace, plan.compressor, mode=mode, prune=prune
+        )
+        journaled = journal.chunks()
+        if journaled and not self.reconciled:
+            # the guest staging is gone and a new producer started: its stream
+            # differs from the one our chunks came from, so they are worthless
+            log.info("guest staging restarted; discarding journaled chunks", n=len(journaled))
+            journal.clear_chunks()
+            journaled = {}
+        return journaled
+
+    async def stream(
+        self,
+        plan: GuestPlan,
+        journal: Journal,
+        journaled: dict[int, tuple[str, Path]],
+        consume: Callable[[ChunkFeed], _T],
+    ) -> tuple[_T, int, int]:
+        """Fetch the admitted snapshot's stream while ``consume`` reads it in a thread;
+        verify the whole stream; return what ``consume`` returned, chunks and length."""
+        feed = ChunkFeed(plan.algorithm)
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["value"] = consume(feed)
+            except BaseException as exc:
+                box["error"] = exc
+
+        thread = threading.Thread(target=work, name="wsync-extract", daemon=True)
+        thread.start()
+        self.chunk_journal = journal
+        try:
+            chunks, length = await self.fetch_all(plan, feed, journaled, thread)
+            self.emit("extract")
+            await await_thread(thread, None)
+            raise_if_cancelled()  # a cancel swallowed on the way must not swap DEST
+            if "error" in box:
+                raise box["error"]
+            assert self.done is not None
+            if feed.length != length or feed.digest != self.done.digest:
+                raise IntegrityFailed(
+                    f"whole stream: {feed.length} bytes hashing to {feed.digest[:16]}…, "
+                    f"guest says {length} bytes hashing to {self.done.digest[:16]}…"
+                )
+            return box["value"], chunks, length
         except BaseException as exc:
-            await self.wind_down(feed, thread, tmp)
+            await self.wind_down(feed, thread)
             if isinstance(exc, _ExtractorStopped) and "error" in box:
                 raise box["error"] from None
             raise
         finally:
-            # every write was awaited on success; after wind_down() none is waited for here
-            self.io.shutdown(wait=False)
             feed.close()
-        return stats, chunks, length, old
 
-    async def wind_down(self, feed: ChunkFeed, thread: threading.Thread, tmp: str) -> None:
-        """After a failure or a cancel: stop the extractor and the journal writers,
-        then remove the partial tree beside DEST.
+    async def wind_down(self, feed: ChunkFeed, thread: threading.Thread) -> None:
+        """After a failure or a cancel: stop the consumer thread and the journal writers.
 
         This runs on the event loop while the pull is being cancelled, so it never
         blocks it: a cancelled CLI pull must exit within a second or two and the
@@ -279,7 +412,7 @@ class _Pull:
         their fsync+rename (a chunk either counts or leaves a temp file the next
         run deletes).  Each wait is polled with a bound, never joined: what is
         still running after :data:`_WIND_DOWN_S` is left to finish or die with the
-        process (daemon threads), and so is ``tmp``, which the next run removes
+        process (daemon threads), and so is the tmp tree, which the next run removes
         before it extracts.  Never :func:`asyncio.to_thread` here: the default
         executor is joined without a bound by ``asyncio.run`` and at exit.
         """
@@ -288,19 +421,25 @@ class _Pull:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _WIND_DOWN_S
         if not await await_thread(thread, _WIND_DOWN_S):
-            log.warning("the extractor is still running; its partial tree stays", tmp=str(tmp))
+            log.warning("the extractor is still running; its partial tree stays")
+            self.stuck = True
             return
         for write in list(self.io.pending):
             if not await await_future(write, deadline - loop.time()):
-                log.warning("a journal write is still running", tmp=str(tmp))
+                log.warning("a journal write is still running")
                 break
+
+    async def remove_tmp(self, tmp: str) -> None:
+        """Remove the partial tree beside DEST (bounded; the next run removes what stays)."""
+        if self.stuck:
+            return
 
         def remove() -> None:
             self.target.discard(tmp)  # never raises: the pull's own error is reported
 
         remover = threading.Thread(target=remove, name="wsync-cleanup", daemon=True)
         remover.start()
-        if not await await_thread(remover, max(0.1, deadline - loop.time())):
+        if not await await_thread(remover, _WIND_DOWN_S):
             log.info("partial tree not removed yet; the next run removes it", tmp=str(tmp))
 
     async def finish(self, old: str | None) -> None:
@@ -315,18 +454,32 @@ class _Pull:
                 await in_thread(self.target.removal(old))
             except (HostIOError, OSError) as exc:
                 self.warnings.append(f"the previous tree was not fully removed: {exc}")
-        if not self.options.keep_staging:
+        inc = self.inc
+        if inc is not None and self.swapped:
+            # after the old tree is gone: unlinking it changed the ctimes of kept files
             try:
-                async with asyncio.timeout(self.options.call_timeout * 2):
-                    await self.session.cleanup()
-            except (WsyncError, TimeoutError) as exc:
-                self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
+                await in_thread(inc.commit)
+                self.tree_bytes = await in_thread(inc.tree_bytes)
+            except (WsyncError, OSError) as exc:
+                self.warnings.append(f"incremental state not recorded (next pull re-checks): {exc}")
+        if not self.options.keep_staging:
+            for snapshot in dict.fromkeys(self.snapshots):
+                self.session.snapshot = snapshot
+                try:
+                    async with asyncio.timeout(self.options.call_timeout * 2):
+                        await self.session.cleanup()
+                except (WsyncError, TimeoutError) as exc:
+                    self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
         try:
             self.journal.remove()
         except WsyncError as exc:
             self.warnings.append(f"journal not removed: {exc}")
 
-    def choose_snapshot(self, plan: GuestPlan) -> str:
+    def choose_snapshot(
+        self, plan: GuestPlan, journal: Journal, mode: str, extra: Mapping[str, Any]
+    ) -> str:
+        """The snapshot of ``journal`` to resume when it was admitted for the same run
+        (same mode, and for a select run the same list), else a fresh one."""
         wanted = {
             "sandbox": self.transport.description,
             "workspace": self.workspace,
@@ -334,8 +487,10 @@ class _Pull:
             "chunk_size": self.options.chunk_size,
             "algorithm": plan.algorithm.name,
             "compressor": plan.compressor,
+            **({"mode": mode} if mode != "tar" else {}),
+            **extra,
         }
-        meta = self.journal.meta
+        meta = journal.meta
         fresh = meta is not None and (
             time.time() - float(meta.get("created", 0)) < self.options.staging_ttl
         )
@@ -344,7 +499,7 @@ class _Pull:
             log.info("resuming", snapshot=snapshot)
             return snapshot
         snapshot = new_snapshot_id()
-        self.journal.start({**wanted, "snapshot": snapshot, "created": time.time()})
+        journal.start({**wanted, "snapshot": snapshot, "created": time.time()})
         return snapshot
 
     async def fetch_all(
@@ -378,7 +533,10 @@ class _Pull:
                         data = await self.session.read("index", index.consumed, n, self.sizer)
                         for chunk in index.receive_data(data):
                             self.admit_chunk(chunk, journaled, queue, feed)
-                    if index.next_offset > limits.max_bytes:
+                    if (
+                        index.next_offset > limits.max_bytes
+                        and self.chunk_journal is not self.manifest_journal
+                    ):
                         raise LimitExceeded(f"archive larger than {limits.max_bytes} bytes")
                     if status.done is not None:
                         done = status.done
@@ -425,7 +583,7 @@ class _Pull:
             except (WsyncError, TimeoutError) as exc:
                 log.warning("failed snapshot not removed from the guest", error=str(exc))
         with contextlib.suppress(WsyncError):
-            self.journal.forget()
+            self.chunk_journal.forget()
 
     def check_tar(self, plan: GuestPlan, tar_rc: int, errors: str) -> None:
         """GNU tar exits 1 only for files that changed while read: a warning.
@@ -465,7 +623,7 @@ class _Pull:
     ) -> None:
         while (chunk := await queue.get()) is not None:
             data = await self.fetch_chunk(chunk, plan)
-            store = self.io.submit(self.journal.store, chunk.seq, chunk.digest, data)
+            store = self.io.submit(self.chunk_journal.store, chunk.seq, chunk.digest, data)
             path = await asyncio.wrap_future(store)
             feed.publish(chunk.seq, path)
             self.progress.chunks_done += 1
@@ -499,13 +657,21 @@ _PERMANENT = (StagingFailed, HostileArchive, UnstableFiles)
 async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
     async with runner.ticking():
         try:
-            return await runner.run()
+            done = await runner.run()
         except _PERMANENT as exc:
             # a host limit (disk space, --max-bytes) is not the snapshot's fault: the
             # next run, with room made or the limit raised, resumes it
             if not isinstance(exc, LimitExceeded):
                 await runner.discard()
+            if runner.inc is not None:
+                runner.inc.close()
             raise
+        except BaseException:
+            if runner.inc is not None:
+                runner.inc.close()
+            raise
+    # nothing to do (or a dry run): DEST stays as it is
+    return done if done is not None else (ExtractStats(), 0, 0, None)
 
 
 #: how long a failing or cancelled pull waits for its threads before it leaves them
@@ -571,15 +737,19 @@ async def pull(
         with contextlib.suppress(WsyncError):
             journal.remove()
     finally:
+        if runner.inc is not None:
+            runner.inc.close()
         journal.close()
     runner.emit("done", force=True)
+    inc = runner.inc
+    files = stats.files + stats.symlinks + stats.hardlinks
     return PullResult(
         ok=True,
         sandbox=sandbox,
         dest=str(real),
         snapshot=runner.progress.snapshot,
         reconciled=runner.reconciled,
-        files=stats.files + stats.symlinks + stats.hardlinks,
+        files=files,
         bytes=length,
         transferred_bytes=runner.stats.transferred,
         chunks=chunks,
@@ -589,6 +759,11 @@ async def pull(
         elapsed_s=time.monotonic() - started,
         warnings=runner.warnings,
         unstable_files=runner.unstable,
+        mode=inc.mode if inc is not None else "full",
+        changed_files=inc.changed if inc is not None and inc.mode != "full" else files,
+        deleted_files=inc.deleted if inc is not None else 0,
+        tree_bytes=runner.tree_bytes,
+        changes=runner.changes,
     )
 
 

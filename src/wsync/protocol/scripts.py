@@ -149,7 +149,7 @@ if [ -d "$ws" ]; then
   if [ -r "$ws" ] && [ -x "$ws" ]; then w=dir; else w=unreadable; fi
 elif [ -e "$ws" ]; then w=notdir; else w=missing; fi
 p="$p${nl}workspace $w"
-for t in tar zstd gzip xxhsum b2sum sha256sum setsid base64 dd wc find ls du id; do
+for t in tar zstd gzip xxhsum b2sum sha256sum setsid base64 dd wc find ls du id stat readlink xargs; do
   if command -v "$t" >/dev/null 2>&1; then p="$p${nl}has_$t 1"; else p="$p${nl}has_$t 0"; fi
 done
 p="$p${nl}test_xxh128 $(printf wsync-probe | xxhsum -H2)"
@@ -159,6 +159,7 @@ if [ "$(printf abcdef | dd bs=65536 iflag=skip_bytes,count_bytes skip=2 count=3 
   p="$p${nl}has_dd_bytes 1"
 fi
 p="$p${nl}tar_version $(tar --version 2>&1 | head -n 1)"
+find / -maxdepth 0 -printf '' >/dev/null 2>&1 && p="$p${nl}has_find_printf 1"
 if [ "$w" = dir ] && command -v ls >/dev/null 2>&1 && command -v id >/dev/null 2>&1; then
   stage "$2" "$ws"
   p="$p${nl}stage_root $R${nl}stage_free_kb $(df -Pk "$R" | awk 'NR == 2 { print $4 }')"
@@ -168,7 +169,8 @@ emit ok "$p"
 
 _PRODUCER = r"""
 set -u
-d=$1 ws=$2 cs=$3 hid=$4 comp=$5
+d=$1 ws=$2 cs=$3 hid=$4 comp=$5 mode=$6
+shift 6
 # tar's diagnostics in English with names escaped: torn() reads them
 LC_ALL=C
 export LC_ALL
@@ -264,7 +266,102 @@ torn() {
     done
 }
 : > gone || fail "cannot create the gone list"
-{ rounds | { z 2>comp.err; echo $? > comp.rc; } >> data; } &
+# mode manifest: one record per entry instead of a tar (wsync.protocol.manifest); the
+# arguments left are find -name globs of excluded names, pruned here so that their
+# bytes never cross.  GNU find prints ns times, ctime and inode; busybox find has no
+# -printf, so there each name goes through stat -c (whole seconds, ctime, inode)
+manifest() {
+  n=$#
+  for g do
+    if [ $# -eq $n ]; then set -- "$@" -name "$g"; else set -- "$@" -o -name "$g"; fi
+  done
+  shift $n
+  [ $# -eq 0 ] || set -- ! -path . \( "$@" \) -prune -o
+  if find . -maxdepth 0 -printf '' >/dev/null 2>&1; then
+    (cd "$ws" && find . -ignore_readdir_race "$@" -printf '%y %m %s %T@ %C@ %i\0%p\0%l\0') 2>>tar.err
+  else
+    (cd "$ws" && find . "$@" -print0 | xargs -0 sh -c '
+      for f; do
+        s=$(stat -c "%a %s %Y %Z %i %F" -- "$f") || continue
+        set -f
+        set -- $s
+        set +f
+        a=$1 sz=$2 mt=$3 ct=$4 in=$5
+        shift 5
+        case $* in
+          "regular file"|"regular empty file") k=f ;;
+          directory) k=d ;;
+          "symbolic link") k=l ;;
+          fifo|FIFO) k=p ;;
+          "character special file") k=c ;;
+          "block special file") k=b ;;
+          socket) k=s ;;
+          *) continue ;;
+        esac
+        t=
+        if [ $k = l ]; then t=$(readlink -- "$f"; echo .); t=${t%?}; t=${t%?}; fi
+        printf "%s %s %s %s %s %s\0%s\0%s\0" "$k" "$a" "$sz" "$mt" "$ct" "$in" "$f" "$t"
+      done' sh) 2>>tar.err
+  fi
+  rc=$?
+  [ $rc = 0 ] || rc=2
+  echo $rc > tar.rc
+}
+# mode select: archive exactly the entries named in "list" (NUL-separated, "./"-prefixed,
+# uploaded and hash-checked by the host beforehand).  tar reads them by path (-T): a guest
+# that swaps a parent directory for a symlink can only make tar read other guest files it
+# could show us anyway; the host extractor stays confined and the next manifest sees the
+# swap.  Listed entries that are gone go to "gone"; the settle rounds read again those
+# listed entries changed since the mark, like rounds() does for the whole tree
+lchanged() {
+  : > chg || fail "cannot list changed files"
+  [ -s "$1" ] || return 0
+  (cd "$ws" && xargs -0 sh -c 'c=$0 m=$1; shift; find "$@" -prune ! -type d "$c" "$m" -print0' "$cn" "$D/m") < "$1" > chg 2>/dev/null
+  return 0
+}
+sel() {
+  if [ "$gnu" = 1 ]; then
+    tar -cf - --null --no-recursion --ignore-failed-read -C "$ws" -T "$D/$1" 2>>tar.err
+  else
+    tr '\000' '\n' < "$1" > nl || fail "cannot write the list"
+    tar -cf - -C "$ws" -T "$D/nl" 2>>tar.err
+  fi
+}
+choose() {
+  exists list live
+  mv -f live sel0 || fail "cannot write the list"
+  tick
+  sel sel0
+  echo $? > tar.rc
+  lchanged sel0
+  k=0
+  while [ -s chg ] && [ "$gnu" = 1 ] && [ $k -lt 3 ]; do
+    k=$((k + 1))
+    exists chg live
+    mv -f live sel1 || fail "cannot write the list"
+    tick
+    sel sel1
+    rc=$?
+    [ $rc -gt "$(cat tar.rc)" ] && echo $rc > tar.rc
+    lchanged sel1
+  done
+  exists chg live
+  torn
+  if [ -s live ]; then mv -f live unstable || fail "cannot record unstable files"; fi
+  # --ignore-failed-read: a listed entry that vanished is in "gone", any other error fails
+  if [ -n "$(grep -v -e ': Warning: Cannot stat: No such file or directory$' -e ': file changed as we read it$' -e ': File shrank by ' tar.err)" ]; then
+    echo 2 > tar.rc
+  fi
+}
+produce() {
+  case $mode in
+    tar) rounds ;;
+    manifest) manifest "$@" ;;
+    select) choose ;;
+    *) fail "unknown mode" ;;
+  esac
+}
+{ produce "$@" | { z 2>comp.err; echo $? > comp.rc; } >> data; } &
 pp=$!
 seq=0 off=0
 index_upto() {
@@ -327,7 +424,8 @@ stop() { pid=$(cat "$1/pid") && mine "$pid" && { kill -TERM "-$pid" || kill "$pi
 """
 
 _ADMIT = r"""
-root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$8 ph=$9
+root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$8 ph=$9 mode=${10}
+shift 10
 # the probe checked the root and its ancestors; make sure it is still that
 lsn "$root"
 [ "$(cd -P "$root" && pwd -P)" = "$root" ] && [ "$u" = "$me" ] || { emit err "unsafe-root"; exit 0; }
@@ -347,7 +445,11 @@ for x in "$root"/s*; do
   rm -rf "$x"
 done
 d=$root/$id n= f=
-if [ ! -d "$d/launch" ]; then
+if [ ! -d "$d/launch" ] && [ "$mode" = select ] && [ ! -f "$d/list" ]; then
+  emit err "list-missing"
+  exit 0
+fi
+if [ ! -d "$d/launch" ] && [ "$mode" = tar ]; then
   # refuse what cannot fit even at 4x compression, before starting anything
   # bounded: a retried admission must not walk a huge cold tree forever
   if command -v timeout >/dev/null; then n=$(timeout 20 du -sk "$ws"); else n=$(du -sk "$ws"); fi
@@ -361,9 +463,9 @@ if mkdir "$d/launch"; then
   printf '%s' "$run" > "$d/launch/by" || { emit err "cannot write the admission token"; exit 0; }
   printf '%s %s' "$n" "$f" > "$d/launch/size"
   if command -v setsid >/dev/null 2>&1; then
-    setsid sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" </dev/null >/dev/null 2>&1 &
+    setsid sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" "$mode" "$@" </dev/null >/dev/null 2>&1 &
   else
-    nohup sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" </dev/null >/dev/null 2>&1 &
+    nohup sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" "$mode" "$@" </dev/null >/dev/null 2>&1 &
   fi
   # record the pid before answering, so "alive" is known from the first status
   echo $! > "$d/pid.launch" && mv -f "$d/pid.launch" "$d/pid" || {
@@ -402,6 +504,32 @@ if [ -f "${t}0" ]; then
   rm -f "${t}0"
 fi
 dg=$(h < "$root/$name")
+emit ok "${dg%% *}"
+"""
+
+_UPLOAD = r"""
+root=$1 id=$2 how=$3 i=$4 n=$5 text=$6 want=$7
+umask 077
+d=$root/$id
+no() { emit err "$1"; exit 0; }
+[ ! -d "$d/launch" ] || no "already-launched"
+mkdir -p "$d" || no "cannot create the staging directory"
+if [ "$how" = stdin ]; then
+  if [ "$enc" = b64 ]; then base64 -d > "$d/list.tmp"; else cat > "$d/list.tmp"; fi || no "cannot write the list"
+else
+  printf '%s' "$text" > "$d/list.$i" || no "cannot write the list"
+  [ "$i" = $((n - 1)) ] || { emit ok "part $i"; exit 0; }
+  j=0
+  : > "$d/list.b64" || no "cannot write the list"
+  while [ $j -lt "$n" ]; do
+    cat "$d/list.$j" >> "$d/list.b64" || no "cannot write the list"
+    j=$((j + 1))
+  done
+  base64 -d < "$d/list.b64" > "$d/list.tmp" || no "cannot write the list"
+fi
+dg=$(h < "$d/list.tmp")
+[ "${dg%% *}" = "$want" ] || no "list-damaged"
+mv -f "$d/list.tmp" "$d/list" || no "cannot write the list"
 emit ok "${dg%% *}"
 """
 
@@ -464,6 +592,7 @@ SCRIPTS: dict[str, str] = {
     "read": _compact(_PRELUDE + _READ),
     "cleanup": _compact(_PRELUDE + _KILL + _CLEANUP),
     "install": _compact(_PRELUDE + _INSTALL),
+    "upload": _compact(_PRELUDE + _UPLOAD),
 }
 PRODUCER = _compact(_PRODUCER)
 #: the producer's file name in the staging root (not snapshot-shaped: never GC'd)
@@ -548,8 +677,14 @@ def admit(
     ttl_minutes: int,
     run: str,
     producer_hash: str,
+    mode: str = "tar",
+    prune: tuple[str, ...] = (),
 ) -> list[str]:
-    """``run`` identifies this wsync run: a retried admission it made itself
+    """``mode`` is the producer's: ``tar`` (the whole workspace), ``manifest`` (one record
+    per entry, ``prune`` naming find ``-name`` globs left out in the guest) or ``select``
+    (the entries of the list uploaded with :func:`upload`).
+
+    ``run`` identifies this wsync run: a retried admission it made itself
     answers ``admitted`` again; only another run's snapshot is ``reconciled``.
 
     The guest runs the installed producer only when it hashes to
@@ -569,6 +704,8 @@ def admit(
         PRODUCER_NAME,
         run,
         producer_hash,
+        check_mode(mode),
+        *prune,
     )
     return render("admit", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
 
@@ -642,3 +779,49 @@ def cleanup(
     check_snapshot_id(snapshot)
     args = (staging_root, snapshot, PRODUCER_NAME)
     return render("cleanup", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
+
+
+MODES = ("tar", "manifest", "select")
+#: list text (base64) per upload call where the list travels in argv
+UPLOAD_PART = 4096
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"bad producer mode {mode!r}")
+    return mode
+
+
+def upload(
+    *,
+    gate: bool,
+    nonce: str,
+    algorithm: str,
+    b64: bool,
+    staging_root: str,
+    snapshot: str,
+    how: str,
+    part: int = 0,
+    parts: int = 1,
+    text: str = "",
+    digest: str,
+) -> list[str]:
+    """Stage the NUL-separated list of a ``select`` run as ``SNAPSHOT/list``.
+
+    ``how="stdin"``: the list follows the gate line on stdin (base64 on text channels).
+    ``how="argv"``: part ``part`` of ``parts`` of its base64 ``text`` (no stdin: Cloudflare,
+    Daytona); the call with the last part joins and decodes them.  Either way the guest
+    moves the list into place only when it hashes to ``digest``.
+    """
+    if how not in ("stdin", "argv"):
+        raise ValueError(how)
+    args = (
+        staging_root,
+        check_snapshot_id(snapshot),
+        how,
+        str(part),
+        str(parts),
+        text,
+        digest,
+    )
+    return render("upload", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
