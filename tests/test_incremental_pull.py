@@ -1,0 +1,185 @@
+"""Incremental pulls end to end (issue 8): every kind of change between two pulls gives an
+exact DEST, an unchanged workspace changes nothing, over local: and a real sshd."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_exact, make_tree, options
+from wsync.engine.api import PullOptions, PullResult
+from wsync.engine.pull import pull
+from wsync.testing.sshd import SshdServer
+from wsync.transports.base import Transport
+from wsync.transports.local import LocalTransport
+from wsync.transports.ssh import SshTransport
+from wsync.uri import parse
+
+Make = Callable[[Path], tuple[Transport, str]]
+
+
+def _local(ws: Path) -> tuple[Transport, str]:
+    return LocalTransport(), str(ws)
+
+
+@pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.ssh)])
+def make(request: pytest.FixtureRequest) -> Make:
+    if request.param == "local":
+        return _local
+    server: SshdServer = request.getfixturevalue("sshd")
+
+    def ssh(ws: Path) -> tuple[Transport, str]:
+        uri = parse(server.uri(str(ws)))
+        return SshTransport.from_uri(uri, server.transport_options()), str(ws)
+
+    return ssh
+
+
+def go(make: Make, ws: Path, dest: Path, opts: PullOptions) -> PullResult:
+    async def run() -> PullResult:
+        transport, path = make(ws)
+        try:
+            return await pull(transport, path, dest, opts)
+        finally:
+            await transport.aclose()
+
+    return asyncio.run(run())
+
+
+def change_everything(ws: Path) -> None:
+    """One of each kind of change the issue lists."""
+    small = sorted((ws / "src").glob("f*.txt"))
+    # append
+    with small[0].open("ab") as f:
+        f.write(b"appended\n")
+    # same-size rewrite, mtime put back
+    victim = small[1]
+    st = victim.stat()
+    data = victim.read_bytes()
+    victim.write_bytes(bytes(b ^ 0xFF for b in data[:16]) + data[16:])
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # delete a file, a directory
+    small[2].unlink()
+    (ws / "gone-dir" / "sub").mkdir(parents=True, exist_ok=True)
+    # new files and directories, one with a non-UTF-8 name
+    (ws / "new-dir" / "deeper").mkdir(parents=True)
+    (ws / "new-dir" / "deeper" / "n.txt").write_bytes(b"new\n")
+    (Path(os.fsdecode(bytes(ws) + b"/caf\xe9-\xff.bin"))).write_bytes(b"latin-1 name\n")
+    # rename a file and a directory
+    small[3].rename(small[3].with_name(small[3].name + ".renamed"))
+    (ws / "tree-a").rename(ws / "tree-a-renamed")
+    # file -> directory, directory -> file
+    (ws / "f2d").unlink()
+    (ws / "f2d").mkdir()
+    (ws / "f2d" / "inside").write_bytes(b"was a file\n")
+    shutil.rmtree(ws / "d2f")
+    (ws / "d2f").write_bytes(b"was a directory\n")
+    # symlink retargeted, file -> symlink, symlink -> file
+    (ws / "link").unlink()
+    (ws / "link").symlink_to("f2d/inside")
+    (ws / "f2l").unlink()
+    (ws / "f2l").symlink_to("d2f")
+    (ws / "l2f").unlink()
+    (ws / "l2f").write_bytes(b"was a link\n")
+    # chmod +x / -x
+    (ws / "exe").chmod(0o755)
+    (ws / "noexe").chmod(0o644)
+    # empty dirs added and removed
+    (ws / "empty-new").mkdir()
+    (ws / "empty-old").rmdir()
+    shutil.rmtree(ws / "gone-dir")
+
+
+def prepare(ws: Path) -> None:
+    make_tree(ws, big=256 * 1024, small=30)
+    (ws / "tree-a" / "x").mkdir(parents=True)
+    (ws / "tree-a" / "x" / "y.txt").write_bytes(b"y\n")
+    (ws / "f2d").write_bytes(b"file\n")
+    (ws / "d2f").mkdir()
+    (ws / "d2f" / "z").write_bytes(b"z\n")
+    (ws / "link").symlink_to("f2d")
+    (ws / "f2l").write_bytes(b"file\n")
+    (ws / "l2f").symlink_to("f2l")
+    (ws / "exe").write_bytes(b"#!/bin/sh\n")
+    (ws / "exe").chmod(0o644)
+    (ws / "noexe").write_bytes(b"#!/bin/sh\n")
+    (ws / "noexe").chmod(0o755)
+    (ws / "empty-old").mkdir()
+    (ws / "gone-dir").mkdir()
+    (ws / "gone-dir" / "g").write_bytes(b"g\n")
+
+
+def test_every_kind_of_change_is_exact(tmp_path: Path, make: Make) -> None:
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path, chunk_size=256 * 1024)
+    first = go(make, ws, dest, opts)
+    assert first.mode == "full"
+    assert_exact(ws, dest)
+
+    change_everything(ws)
+    second = go(make, ws, dest, opts)
+    assert_exact(ws, dest)
+    assert second.mode == "incremental"
+    assert second.changed_files > 0 and second.deleted_files > 0
+    assert second.transferred_bytes < first.transferred_bytes
+
+    # unchanged: nothing fetched, DEST not written at all
+    before = os.stat(dest)
+    third = go(make, ws, dest, opts)
+    assert third.mode == "incremental" and third.changed_files == 0
+    assert third.deleted_files == 0 and third.chunks == 0
+    after = os.stat(dest)
+    assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
+    assert_exact(ws, dest)
+
+
+def test_full_forces_a_full_pull(tmp_path: Path) -> None:
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path)
+    go(_local, ws, dest, opts)
+    (ws / "exe").write_bytes(b"changed\n")
+    result = go(_local, ws, dest, options(tmp_path, full=True))
+    assert result.mode == "full"
+    assert_exact(ws, dest)
+    # and the full pull left a baseline: the next one is incremental again
+    assert go(_local, ws, dest, opts).mode == "incremental"
+    assert_exact(ws, dest)
+
+
+def test_hardlinked_files_are_fetched_together(tmp_path: Path) -> None:
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    (ws / "h1").write_bytes(b"one inode\n")
+    os.link(ws / "h1", ws / "h2")
+    opts = options(tmp_path)
+    go(_local, ws, dest, opts)
+    with (ws / "h1").open("ab") as f:
+        f.write(b"more\n")
+    result = go(_local, ws, dest, opts)
+    assert result.mode == "incremental"
+    assert_exact(ws, dest)
+    assert os.stat(dest / "h1").st_ino == os.stat(dest / "h2").st_ino
+
+
+def test_a_kept_file_shares_no_write_with_the_old_tree(tmp_path: Path) -> None:
+    """Replace mode: a changed file is a new inode; the old tree's inode keeps its bytes
+    (a reader holding the old DEST open sees the old content, never a mix)."""
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path)
+    go(_local, ws, dest, opts)
+    target = sorted(p for p in dest.rglob("*.bin") if p.is_file())[0]
+    rel = target.relative_to(dest)
+    old_bytes = target.read_bytes()
+    with target.open("rb") as held:
+        (ws / rel).write_bytes(b"rewritten\n")
+        go(_local, ws, dest, opts)
+        assert held.read() == old_bytes
+    assert (dest / rel).read_bytes() == b"rewritten\n"
