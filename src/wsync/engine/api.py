@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from wsync.engine.excludes import Excludes
 from wsync.errors import Interrupted, WsyncError
 
 KiB = 1024
@@ -72,6 +73,8 @@ class PullOptions:
     #: reached from it without following symlinks at the time of the write
     #: (the daemon sets it to the dest root that DEST was accepted under)
     dest_root: Path | None = None
+    #: entries left out of the pull (filtered in the guest where it can, and on the host)
+    excludes: Excludes = dataclasses.field(default_factory=Excludes.none)
 
 
 @dataclasses.dataclass(slots=True)
@@ -125,6 +128,13 @@ class PullResult:
     warnings: list[str] = dataclasses.field(default_factory=list)
     #: files that changed every time they were read (only with ``best_effort``)
     unstable_files: list[str] = dataclasses.field(default_factory=list)
+    #: "full" (the whole tree crossed) or "incremental" (only the changes)
+    mode: str = "full"
+    #: entries of the new tree fetched or (directories) re-created, and entries removed
+    changed_files: int = 0
+    deleted_files: int = 0
+    #: bytes of the regular files in DEST after the pull (to set against transferred_bytes)
+    tree_bytes: int = 0
     error: str | None = None
     error_kind: str | None = None
     exit_code: int = 0

@@ -86,6 +86,15 @@ class Excludes:
     def __bool__(self) -> bool:
         return self._spec is not None
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Excludes) and other.patterns == self.patterns
+
+    def __hash__(self) -> int:
+        return hash(self.patterns)
+
+    def __repr__(self) -> str:
+        return f"Excludes({list(self.patterns)!r})"
+
     def excluded(self, path: bytes, is_dir: bool) -> bool:
         """True when ``path`` (workspace-relative, ``/``-separated) or a parent is excluded.
 

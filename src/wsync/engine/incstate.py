@@ -112,11 +112,12 @@ def check_path(path: bytes) -> None:
     """A manifest path must name an entry inside the workspace; HostileArchive if not."""
     if path == b".":
         return
-    if not path or b"\0" in path or path.startswith(b"/"):
+    bad = not path or b"\0" in path or path.startswith(b"/") or path.endswith(b"/")
+    bad = bad or b"//" in path
+    if not bad and (path.startswith(b".") or b"/." in path):  # only then can "." or ".." be a part
+        bad = any(part in (b".", b"..") for part in path.split(b"/"))
+    if bad:
         raise HostileArchive(f"the manifest names {path!r}, not a path inside the workspace")
-    for part in path.split(b"/"):
-        if part in (b"", b".", b".."):
-            raise HostileArchive(f"the manifest names {path!r}, not a path inside the workspace")
 
 
 class PullState:
