@@ -73,15 +73,20 @@ class PullOptions:
     #: reached from it without following symlinks at the time of the write
     #: (the daemon sets it to the dest root that DEST was accepted under)
     dest_root: Path | None = None
-    #: entries left out of the pull (filtered in the guest where it can, and on the host)
+    #: a full pull even when DEST holds a baseline of this sandbox (issue 8)
+    full: bool = False
+    #: entries left out in the guest and deleted from DEST (rsync/.gitignore patterns)
     excludes: Excludes = dataclasses.field(default_factory=Excludes.none)
+    #: manifest and diff only: report the changes (``PullResult.changes``), write nothing
+    dry_run: bool = False
 
 
 @dataclasses.dataclass(slots=True)
 class Progress:
     """A snapshot of a running pull, emitted often; cheap to copy."""
 
-    phase: str = "probe"  # probe | admit | pull | extract | swap | cleanup | done
+    #: probe | manifest | diff | admit | pull | extract | apply | swap | cleanup | done
+    phase: str = "probe"
     snapshot: str = ""
     bytes_fetched: int = 0
     #: total archive bytes once the guest producer finished, else None
@@ -128,13 +133,15 @@ class PullResult:
     warnings: list[str] = dataclasses.field(default_factory=list)
     #: files that changed every time they were read (only with ``best_effort``)
     unstable_files: list[str] = dataclasses.field(default_factory=list)
-    #: "full" (the whole tree crossed) or "incremental" (only the changes)
+    #: "full" (the whole workspace was archived) or "incremental" (only changes)
     mode: str = "full"
-    #: entries of the new tree fetched or (directories) re-created, and entries removed
+    #: entries fetched or changed in DEST, and entries of DEST deleted (issue 8)
     changed_files: int = 0
     deleted_files: int = 0
-    #: bytes of the regular files in DEST after the pull (to set against transferred_bytes)
+    #: bytes of regular files in the tree DEST holds now (0 when not known)
     tree_bytes: int = 0
+    #: ``rsync -i`` style lines of a ``dry_run``
+    changes: list[str] = dataclasses.field(default_factory=list)
     error: str | None = None
     error_kind: str | None = None
     exit_code: int = 0
