@@ -14,7 +14,7 @@ import pytest
 from incr_helpers import Entry, manifest, pull
 from wsync.engine.excludes import Excludes
 from wsync.engine.incstate import PullState, state_path
-from wsync.errors import HostileArchive, StagingFailed
+from wsync.errors import HostileArchive, LimitExceeded, StagingFailed
 from wsync.treediff import diff as treediff
 
 
@@ -247,6 +247,15 @@ ROOT = Entry(b".", "d", 0o755, 0, 1, 1, 1, b"")
 def test_hostile_manifest_paths_are_refused(tmp_path: Path, bad: bytes) -> None:
     with pytest.raises(HostileArchive):
         _load(tmp_path, [ROOT, Entry(bad, "f", 0o644, 1, 1, 1, 2, b"")])
+
+
+def test_manifest_longer_than_the_limit_is_refused(tmp_path: Path) -> None:
+    many = [ROOT] + [Entry(b"d%d" % i, "d", 0o755, 0, 1, 1, 2 + i, b"") for i in range(10)]
+    st = PullState.open(tmp_path / "state", tmp_path / "d", "k")
+    with pytest.raises(LimitExceeded):
+        st.load_manifest(many, Excludes.none(), max_entries=10)
+    st.load_manifest(many, Excludes.none(), max_entries=11)
+    st.close()
 
 
 def test_manifest_without_root_fails(tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ from wsync.engine import hostscan
 from wsync.engine.excludes import Excludes
 from wsync.engine.fsutil import host_io
 from wsync.engine.itemize import changed_flags, itemize_line
-from wsync.errors import HostileArchive, HostIOError, StagingFailed
+from wsync.errors import HostileArchive, HostIOError, LimitExceeded, StagingFailed
 
 log = structlog.get_logger("wsync.incstate")
 
@@ -184,20 +184,34 @@ class PullState:
 
     # -- the manifest -------------------------------------------------------------------
 
-    def load_manifest(self, entries: Iterable[ManifestEntry], excludes: Excludes) -> None:
+    def load_manifest(
+        self,
+        entries: Iterable[ManifestEntry],
+        excludes: Excludes,
+        *,
+        max_entries: int | None = None,
+    ) -> None:
         """Stream the guest's manifest into the scratch table, dropping excluded entries and
         sockets (tar never archives them), then entries whose parent is not a directory of
-        the manifest (a directory renamed while ``find`` walked it)."""
+        the manifest (a directory renamed while ``find`` walked it).
+
+        ``max_entries`` (the extractor's ``max_files``) bounds what a hostile guest can make
+        the host create: the farm makes every directory listed, without an archive to count.
+        """
         with self._errors():
             db = self.db
             db.execute("DELETE FROM s.man")
             batch: list[tuple[object, ...]] = []
             insert = "INSERT OR REPLACE INTO s.man VALUES (?,?,?,?,?,?,?,?,?,?)"
+            count = 0
             for e in entries:
                 path = e.path
                 check_path(path)
                 if e.kind == "s" or excludes.excluded(path, e.kind == "d"):
                     continue
+                count += 1
+                if max_entries is not None and count > max_entries:
+                    raise LimitExceeded(f"the guest's manifest has more than {max_entries} entries")
                 parent = (path.rpartition(b"/")[0] or b".") if path != b"." else b""
                 batch.append(
                     (path, parent, e.kind, e.mode & 0o7777, e.size, e.mtime_ns,
