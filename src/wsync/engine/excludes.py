@@ -201,11 +201,18 @@ def _to_gitignore(pattern: str) -> str:
     """The gitignore line with rsync's meaning, in latin-1 text (one character per byte)."""
     negate = pattern.startswith("!")
     body = pattern[1:] if negate else pattern
+    dir_only = body.endswith("/")
     inner = body.rstrip("/")
-    if "/" in inner and not body.startswith("/") and not body.startswith("**/"):
+    comps = inner.split("/")  # anchored: comps[0] == ""
+    for i in range(1, len(comps)):
+        if comps[i] != "**" or (comps[i - 1] == "" and i == len(comps) - 1):
+            continue  # only "/**" itself means everything in both tools
+        # rsync's "**" between two slashes, or after the last one, matches one name or
+        # more ("a/**/b" is not "a/b", "a/**" is not "a"); gitignore's matches zero or more
+        comps[i] = "**/*" if i == len(comps) - 1 else "*/**"
+    body = "/".join(comps) + ("/" if dir_only else "")
+    if "/" in inner and not inner.startswith("/") and not inner.startswith("**/"):
         body = "**/" + body  # rsync: a pattern with an inner '/' matches at any depth
-    if body.endswith("/**"):
-        body += "/*"  # rsync: "logs/**" is what is inside logs, not logs itself
     text = os.fsencode(body).decode("latin-1")
     if text.startswith("#"):
         text = "\\" + text  # a comment to gitignore, a name to rsync
