@@ -14,7 +14,7 @@ import pytest
 from incr_helpers import Entry, manifest, pull
 from wsync.engine.excludes import Excludes
 from wsync.engine.incstate import PullState, state_path
-from wsync.errors import HostileArchive, LimitExceeded, StagingFailed
+from wsync.errors import HostileArchive, HostIOError, LimitExceeded, StagingFailed
 from wsync.treediff import diff as treediff
 
 
@@ -312,3 +312,34 @@ def test_scratch_tables_live_outside_the_state_file(env: tuple[Path, Path, Path]
     assert path.read_bytes() == before
     tables = {r[0] for r in sqlite3.connect(path).execute("SELECT name FROM sqlite_master")}
     assert tables <= {"meta", "state", "sqlite_autoindex_meta_1"}
+
+
+def test_a_commit_that_fails_midway_keeps_the_old_baseline(
+    env: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state moves in one SQLite transaction: a failure (or kill -9) leaves the old one."""
+    from wsync.engine import hostscan
+
+    state, guest, dest = env
+    pull(state, guest, dest)
+    with PullState.open(state, dest, "local:guest") as st:
+        before = st.db.execute("SELECT * FROM main.state ORDER BY path").fetchall()
+        (guest / "a.txt").write_text("changed\n")
+        st.load_manifest(manifest(guest), Excludes.none())
+        real = hostscan.scan
+
+        def failing(fd: int):  # type: ignore[no-untyped-def]
+            for i, item in enumerate(real(fd)):
+                if i == 5:
+                    raise OSError(5, "Input/output error")
+                yield item
+
+        monkeypatch.setattr(hostscan, "scan", failing)
+        fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with pytest.raises(HostIOError):
+                st.commit(fd, {})
+        finally:
+            os.close(fd)
+        assert st.db.execute("SELECT * FROM main.state ORDER BY path").fetchall() == before
+        assert st.has_baseline()
