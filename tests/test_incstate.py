@@ -54,6 +54,9 @@ def test_first_pull_fetches_all_then_unchanged_does_nothing(env: tuple[Path, Pat
     assert first.diff.changed > 0
     assert b"a.txt" in first.fetched and b"src/pkg/mod.py" in first.fetched
     assert not any(p in first.fetched for p in (b".", b"src", b"empty"))  # dirs never fetched
+    with PullState.open(state, dest, "local:guest") as st:
+        rows = st.db.execute("SELECT path, hash FROM main.state WHERE kind = 'f'").fetchall()
+    assert len(rows) == 8 and all(h is not None and len(h) == 32 for _, h in rows)
     again = pull(state, guest, dest)
     assert again.diff.nothing_to_do, again.lines
     assert again.fetched == []

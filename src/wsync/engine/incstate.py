@@ -129,6 +129,7 @@ class PullState:
         self.sandbox_key = sandbox_key
         self._loaded = False
         self._diffed = False
+        self._hash_batch: list[tuple[bytes, str]] = []
 
     # -- opening ------------------------------------------------------------------------
 
@@ -201,6 +202,8 @@ class PullState:
         with self._errors():
             db = self.db
             db.execute("DELETE FROM s.man")
+            db.execute("DELETE FROM s.hashes")
+            self._hash_batch.clear()
             batch: list[tuple[object, ...]] = []
             insert = "INSERT OR REPLACE INTO s.man VALUES (?,?,?,?,?,?,?,?,?,?)"
             count = 0
@@ -327,7 +330,8 @@ class PullState:
         """Record the tree now in DEST (open at ``dest_fd``) as this sandbox's baseline.
 
         Call it after the swap and after the old tree was removed.  ``file_hashes`` are the
-        extractor's xxh3_128 of every file it wrote; kept files carry their recorded hash.
+        extractor's xxh3_128 of every file it wrote (on top of those given to
+        :meth:`add_hash` since :meth:`load_manifest`); kept files carry their recorded hash.
         An entry is recorded only where DEST holds it with the manifest's kind, so anything
         the pull did not leave (vanished in the guest, refused) is fetched next time.
         """
@@ -337,14 +341,9 @@ class PullState:
         with self._errors():
             db = self.db
             self._scan_host(dest_fd)
-            db.execute("DELETE FROM s.hashes")
-            batch: list[tuple[bytes, str]] = []
-            for item in pairs:
-                batch.append(item)
-                if len(batch) >= BATCH:
-                    db.executemany("INSERT OR REPLACE INTO s.hashes VALUES (?, ?)", batch)
-                    batch.clear()
-            db.executemany("INSERT OR REPLACE INTO s.hashes VALUES (?, ?)", batch)
+            for path, digest in pairs:
+                self.add_hash(path, digest)
+            self._flush_hashes()
             if not self._diffed:
                 db.execute("DELETE FROM s.plan")
             db.commit()
@@ -360,6 +359,18 @@ class PullState:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
+
+    def add_hash(self, path: bytes, digest: str) -> None:
+        """Note the xxh3_128 of a file the extractor wrote (``on_file`` can be this method):
+        kept in the scratch database, not in memory, so a million files cost no RSS."""
+        self._hash_batch.append((path, digest))
+        if len(self._hash_batch) >= BATCH:
+            with self._errors():
+                self._flush_hashes()
+
+    def _flush_hashes(self) -> None:
+        self.db.executemany("INSERT OR REPLACE INTO s.hashes VALUES (?, ?)", self._hash_batch)
+        self._hash_batch.clear()
 
     def tree_bytes(self) -> int:
         """Bytes of the regular files recorded (after :meth:`commit`: the tree now in DEST)."""
