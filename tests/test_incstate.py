@@ -237,6 +237,22 @@ def test_damaged_state_starts_afresh(env: tuple[Path, Path, Path]) -> None:
     assert not path.exists()
 
 
+def test_a_torn_state_file_is_set_aside(env: tuple[Path, Path, Path]) -> None:
+    """Damaged pages behind a valid header: quick_check catches it, a full pull follows."""
+    state, guest, dest = env
+    pull(state, guest, dest)
+    path = state_path(state, dest)
+    data = bytearray(path.read_bytes())
+    assert len(data) >= 3 * 4096
+    for page in range(4096, len(data), 4096):  # every table page, headers left alone
+        data[page + 8 : page + 4000] = os.urandom(3992)
+    path.write_bytes(bytes(data))
+    with PullState.open(state, dest, "local:guest") as st:
+        assert not st.has_baseline()
+    assert b"a.txt" in pull(state, guest, dest).fetched
+    exact(guest, dest)
+
+
 def _load(tmp_path: Path, entries: list[Entry]) -> PullState:
     st = PullState.open(tmp_path / "state", tmp_path / "d", "k")
     st.load_manifest(entries, Excludes.none())

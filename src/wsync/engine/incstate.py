@@ -141,15 +141,15 @@ class PullState:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             db = _connect(path)
-        except sqlite3.DatabaseError as exc:
+        except sqlite3.OperationalError as exc:  # locked, unreadable: not ours to delete
+            raise HostIOError(f"incremental state {path}: {exc}") from exc
+        except sqlite3.DatabaseError as exc:  # not a database, or damaged
             log.warning("incremental state unreadable, starting afresh", path=str(path), error=exc)
             _remove_db(path)
             try:
                 db = _connect(path)
             except sqlite3.Error as again:
                 raise HostIOError(f"incremental state {path}: {again}") from again
-        except sqlite3.Error as exc:
-            raise HostIOError(f"incremental state {path}: {exc}") from exc
         return cls(path, db, sandbox_key)
 
     def close(self) -> None:
@@ -494,16 +494,21 @@ LEFT JOIN s.plan p ON p.path = m.path
 
 
 def _connect(path: Path) -> sqlite3.Connection:
+    """Open the state file; sqlite3.DatabaseError (not OperationalError) when it is damaged."""
     db = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
     try:
         db.execute(f"PRAGMA cache_size = -{CACHE_KIB}")
         db.execute("PRAGMA synchronous = FULL")
-        db.execute("PRAGMA journal_mode = DELETE")
-        db.execute("BEGIN")
-        db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
-        db.execute(f"CREATE TABLE IF NOT EXISTS state ({_STATE_COLUMNS}) WITHOUT ROWID")
-        db.execute("COMMIT")
-        db.execute("PRAGMA quick_check(1)").fetchone()
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
+        if not {"meta", "state"} <= tables:  # a write lock only the first time
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
+            db.execute(f"CREATE TABLE IF NOT EXISTS state ({_STATE_COLUMNS}) WITHOUT ROWID")
+            db.execute("COMMIT")
+        # a torn or edited file must cost a full pull, never a wrong diff
+        verdict = db.execute("PRAGMA quick_check(1)").fetchone()
+        if verdict is None or verdict[0] != "ok":
+            raise sqlite3.DatabaseError(f"quick_check: {verdict[0] if verdict else 'no answer'}")
         _scratch(db)
     except BaseException:
         db.close()
