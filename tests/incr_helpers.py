@@ -120,7 +120,10 @@ def pull(
                     continue
                 _copy_entry(src, tmp_path + b"/" + path)
                 if os.path.isfile(src) and not os.path.islink(src):
-                    hashes[path] = hash_file(src)
+                    if len(path) % 2:  # both ways of handing hashes over
+                        state.add_hash(path, hash_file(src))
+                    else:
+                        hashes[path] = hash_file(src)
             set_dir_meta(tmp_fd, diff.dirs())
         finally:
             os.close(tmp_fd)

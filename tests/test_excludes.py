@@ -8,6 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from wsync.engine.excludes import Excludes
 from wsync.errors import UsageError
@@ -128,6 +130,15 @@ CASES: list[list[str]] = [
     ["src/**/inner.o"],
     ["*/build"],
     ["*.[ch]", "x?0.txt"],
+    ["deep/**/"],
+    ["/**/a.py"],
+    ["/**/x1.txt"],
+    ["deep/**/b"],
+    ["deep/a/**/c"],
+    ["**/a/**"],
+    ["/**"],
+    ["**"],
+    ["src/**/"],
 ]
 
 
@@ -219,3 +230,56 @@ def test_guest_prune_is_a_safe_subset() -> None:
     for name in (b"a.pyc", b"node_modules", b"x/node_modules", b"x/y.pyc"):
         for is_dir in (False, True):
             assert ex.excluded(name, is_dir)
+
+
+_TOKENS = ["a", "b", "*", "?", "[ab]", "[!a]", ".py", "x", "\u00e9"]
+
+
+@st.composite
+def patterns(draw: st.DrawFn) -> str:
+    """Patterns of the grammar both tools share: components of tokens, '**', anchors."""
+    parts = []
+    for _ in range(draw(st.integers(1, 3))):
+        if draw(st.integers(0, 5)) == 0:
+            parts.append("**")
+        else:
+            parts.append("".join(draw(st.lists(st.sampled_from(_TOKENS), min_size=1, max_size=3))))
+    text = "/".join(parts)
+    if draw(st.booleans()):
+        text = "/" + text
+    if draw(st.booleans()):
+        text += "/"
+    return text
+
+
+def random_tree(root: Path) -> None:
+    names = ["a", "b", "ab", "ba", "a.py", "b.py", "x", "xa", "\u00e9", "a\u00e9", ".py", "aa"]
+    for i, first in enumerate(names):
+        (root / first).mkdir(parents=True) if i % 2 else (root / first).write_text(first)
+    for d in names[1::2]:
+        for j, second in enumerate(names):
+            path = root / d / second
+            path.mkdir() if j % 3 == 0 else path.write_text(second)
+            if j % 3 == 0:
+                (path / "a.py").write_text("x")
+                (path / "b").write_text("x")
+
+
+@pytest.mark.skipif(RSYNC is None, reason="rsync not installed")
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(chosen=st.lists(patterns(), min_size=1, max_size=3))
+def test_random_patterns_same_as_rsync(
+    tmp_path_factory: pytest.TempPathFactory, chosen: list[str]
+) -> None:
+    base = tmp_path_factory.mktemp("rand")
+    src = base / "src"
+    src.mkdir()
+    random_tree(src)
+    dst = base / "dst"
+    args = [RSYNC or "rsync", "-a", *(f"--exclude={p}" for p in chosen)]
+    subprocess.run([*args, f"{src}/", f"{dst}/"], check=True, capture_output=True)
+    got = ours(src, Excludes.from_options(chosen, []))
+    expected = walk(dst)
+    assert got == expected, (chosen, sorted(got - expected), sorted(expected - got))

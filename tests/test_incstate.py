@@ -14,7 +14,7 @@ import pytest
 from incr_helpers import Entry, manifest, pull
 from wsync.engine.excludes import Excludes
 from wsync.engine.incstate import PullState, state_path
-from wsync.errors import HostileArchive, StagingFailed
+from wsync.errors import HostileArchive, HostIOError, LimitExceeded, StagingFailed
 from wsync.treediff import diff as treediff
 
 
@@ -54,6 +54,9 @@ def test_first_pull_fetches_all_then_unchanged_does_nothing(env: tuple[Path, Pat
     assert first.diff.changed > 0
     assert b"a.txt" in first.fetched and b"src/pkg/mod.py" in first.fetched
     assert not any(p in first.fetched for p in (b".", b"src", b"empty"))  # dirs never fetched
+    with PullState.open(state, dest, "local:guest") as st:
+        rows = st.db.execute("SELECT path, hash FROM main.state WHERE kind = 'f'").fetchall()
+    assert len(rows) == 8 and all(h is not None and len(h) == 32 for _, h in rows)
     again = pull(state, guest, dest)
     assert again.diff.nothing_to_do, again.lines
     assert again.fetched == []
@@ -234,6 +237,22 @@ def test_damaged_state_starts_afresh(env: tuple[Path, Path, Path]) -> None:
     assert not path.exists()
 
 
+def test_a_torn_state_file_is_set_aside(env: tuple[Path, Path, Path]) -> None:
+    """Damaged pages behind a valid header: quick_check catches it, a full pull follows."""
+    state, guest, dest = env
+    pull(state, guest, dest)
+    path = state_path(state, dest)
+    data = bytearray(path.read_bytes())
+    assert len(data) >= 3 * 4096
+    for page in range(4096, len(data), 4096):  # every table page, headers left alone
+        data[page + 8 : page + 4000] = os.urandom(3992)
+    path.write_bytes(bytes(data))
+    with PullState.open(state, dest, "local:guest") as st:
+        assert not st.has_baseline()
+    assert b"a.txt" in pull(state, guest, dest).fetched
+    exact(guest, dest)
+
+
 def _load(tmp_path: Path, entries: list[Entry]) -> PullState:
     st = PullState.open(tmp_path / "state", tmp_path / "d", "k")
     st.load_manifest(entries, Excludes.none())
@@ -247,6 +266,15 @@ ROOT = Entry(b".", "d", 0o755, 0, 1, 1, 1, b"")
 def test_hostile_manifest_paths_are_refused(tmp_path: Path, bad: bytes) -> None:
     with pytest.raises(HostileArchive):
         _load(tmp_path, [ROOT, Entry(bad, "f", 0o644, 1, 1, 1, 2, b"")])
+
+
+def test_manifest_longer_than_the_limit_is_refused(tmp_path: Path) -> None:
+    many = [ROOT] + [Entry(b"d%d" % i, "d", 0o755, 0, 1, 1, 2 + i, b"") for i in range(10)]
+    st = PullState.open(tmp_path / "state", tmp_path / "d", "k")
+    with pytest.raises(LimitExceeded):
+        st.load_manifest(many, Excludes.none(), max_entries=10)
+    st.load_manifest(many, Excludes.none(), max_entries=11)
+    st.close()
 
 
 def test_manifest_without_root_fails(tmp_path: Path) -> None:
@@ -303,3 +331,34 @@ def test_scratch_tables_live_outside_the_state_file(env: tuple[Path, Path, Path]
     assert path.read_bytes() == before
     tables = {r[0] for r in sqlite3.connect(path).execute("SELECT name FROM sqlite_master")}
     assert tables <= {"meta", "state", "sqlite_autoindex_meta_1"}
+
+
+def test_a_commit_that_fails_midway_keeps_the_old_baseline(
+    env: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state moves in one SQLite transaction: a failure (or kill -9) leaves the old one."""
+    from wsync.engine import hostscan
+
+    state, guest, dest = env
+    pull(state, guest, dest)
+    with PullState.open(state, dest, "local:guest") as st:
+        before = st.db.execute("SELECT * FROM main.state ORDER BY path").fetchall()
+        (guest / "a.txt").write_text("changed\n")
+        st.load_manifest(manifest(guest), Excludes.none())
+        real = hostscan.scan
+
+        def failing(fd: int):  # type: ignore[no-untyped-def]
+            for i, item in enumerate(real(fd)):
+                if i == 5:
+                    raise OSError(5, "Input/output error")
+                yield item
+
+        monkeypatch.setattr(hostscan, "scan", failing)
+        fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with pytest.raises(HostIOError):
+                st.commit(fd, {})
+        finally:
+            os.close(fd)
+        assert st.db.execute("SELECT * FROM main.state ORDER BY path").fetchall() == before
+        assert st.has_baseline()

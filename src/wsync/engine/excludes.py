@@ -86,6 +86,15 @@ class Excludes:
     def __bool__(self) -> bool:
         return self._spec is not None
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Excludes) and other.patterns == self.patterns
+
+    def __hash__(self) -> int:
+        return hash(self.patterns)
+
+    def __repr__(self) -> str:
+        return f"Excludes({list(self.patterns)!r})"
+
     def excluded(self, path: bytes, is_dir: bool) -> bool:
         """True when ``path`` (workspace-relative, ``/``-separated) or a parent is excluded.
 
@@ -192,11 +201,18 @@ def _to_gitignore(pattern: str) -> str:
     """The gitignore line with rsync's meaning, in latin-1 text (one character per byte)."""
     negate = pattern.startswith("!")
     body = pattern[1:] if negate else pattern
+    dir_only = body.endswith("/")
     inner = body.rstrip("/")
-    if "/" in inner and not body.startswith("/") and not body.startswith("**/"):
+    comps = inner.split("/")  # anchored: comps[0] == ""
+    for i in range(1, len(comps)):
+        if comps[i] != "**" or (comps[i - 1] == "" and i == len(comps) - 1):
+            continue  # only "/**" itself means everything in both tools
+        # rsync's "**" between two slashes, or after the last one, matches one name or
+        # more ("a/**/b" is not "a/b", "a/**" is not "a"); gitignore's matches zero or more
+        comps[i] = "**/*" if i == len(comps) - 1 else "*/**"
+    body = "/".join(comps) + ("/" if dir_only else "")
+    if "/" in inner and not inner.startswith("/") and not inner.startswith("**/"):
         body = "**/" + body  # rsync: a pattern with an inner '/' matches at any depth
-    if body.endswith("/**"):
-        body += "/*"  # rsync: "logs/**" is what is inside logs, not logs itself
     text = os.fsencode(body).decode("latin-1")
     if text.startswith("#"):
         text = "\\" + text  # a comment to gitignore, a name to rsync

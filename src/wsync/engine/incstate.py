@@ -53,7 +53,7 @@ from wsync.engine import hostscan
 from wsync.engine.excludes import Excludes
 from wsync.engine.fsutil import host_io
 from wsync.engine.itemize import changed_flags, itemize_line
-from wsync.errors import HostileArchive, HostIOError, StagingFailed
+from wsync.errors import HostileArchive, HostIOError, LimitExceeded, StagingFailed
 
 log = structlog.get_logger("wsync.incstate")
 
@@ -112,11 +112,12 @@ def check_path(path: bytes) -> None:
     """A manifest path must name an entry inside the workspace; HostileArchive if not."""
     if path == b".":
         return
-    if not path or b"\0" in path or path.startswith(b"/"):
+    bad = not path or b"\0" in path or path.startswith(b"/") or path.endswith(b"/")
+    bad = bad or b"//" in path
+    if not bad and (path.startswith(b".") or b"/." in path):  # only then can "." or ".." be a part
+        bad = any(part in (b".", b"..") for part in path.split(b"/"))
+    if bad:
         raise HostileArchive(f"the manifest names {path!r}, not a path inside the workspace")
-    for part in path.split(b"/"):
-        if part in (b"", b".", b".."):
-            raise HostileArchive(f"the manifest names {path!r}, not a path inside the workspace")
 
 
 class PullState:
@@ -128,6 +129,7 @@ class PullState:
         self.sandbox_key = sandbox_key
         self._loaded = False
         self._diffed = False
+        self._hash_batch: list[tuple[bytes, str]] = []
 
     # -- opening ------------------------------------------------------------------------
 
@@ -139,15 +141,15 @@ class PullState:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             db = _connect(path)
-        except sqlite3.DatabaseError as exc:
+        except sqlite3.OperationalError as exc:  # locked, unreadable: not ours to delete
+            raise HostIOError(f"incremental state {path}: {exc}") from exc
+        except sqlite3.DatabaseError as exc:  # not a database, or damaged
             log.warning("incremental state unreadable, starting afresh", path=str(path), error=exc)
             _remove_db(path)
             try:
                 db = _connect(path)
             except sqlite3.Error as again:
                 raise HostIOError(f"incremental state {path}: {again}") from again
-        except sqlite3.Error as exc:
-            raise HostIOError(f"incremental state {path}: {exc}") from exc
         return cls(path, db, sandbox_key)
 
     def close(self) -> None:
@@ -183,20 +185,36 @@ class PullState:
 
     # -- the manifest -------------------------------------------------------------------
 
-    def load_manifest(self, entries: Iterable[ManifestEntry], excludes: Excludes) -> None:
+    def load_manifest(
+        self,
+        entries: Iterable[ManifestEntry],
+        excludes: Excludes,
+        *,
+        max_entries: int | None = None,
+    ) -> None:
         """Stream the guest's manifest into the scratch table, dropping excluded entries and
         sockets (tar never archives them), then entries whose parent is not a directory of
-        the manifest (a directory renamed while ``find`` walked it)."""
+        the manifest (a directory renamed while ``find`` walked it).
+
+        ``max_entries`` (the extractor's ``max_files``) bounds what a hostile guest can make
+        the host create: the farm makes every directory listed, without an archive to count.
+        """
         with self._errors():
             db = self.db
             db.execute("DELETE FROM s.man")
+            db.execute("DELETE FROM s.hashes")
+            self._hash_batch.clear()
             batch: list[tuple[object, ...]] = []
             insert = "INSERT OR REPLACE INTO s.man VALUES (?,?,?,?,?,?,?,?,?,?)"
+            count = 0
             for e in entries:
                 path = e.path
                 check_path(path)
                 if e.kind == "s" or excludes.excluded(path, e.kind == "d"):
                     continue
+                count += 1
+                if max_entries is not None and count > max_entries:
+                    raise LimitExceeded(f"the guest's manifest has more than {max_entries} entries")
                 parent = (path.rpartition(b"/")[0] or b".") if path != b"." else b""
                 batch.append(
                     (path, parent, e.kind, e.mode & 0o7777, e.size, e.mtime_ns,
@@ -312,7 +330,8 @@ class PullState:
         """Record the tree now in DEST (open at ``dest_fd``) as this sandbox's baseline.
 
         Call it after the swap and after the old tree was removed.  ``file_hashes`` are the
-        extractor's xxh3_128 of every file it wrote; kept files carry their recorded hash.
+        extractor's xxh3_128 of every file it wrote (on top of those given to
+        :meth:`add_hash` since :meth:`load_manifest`); kept files carry their recorded hash.
         An entry is recorded only where DEST holds it with the manifest's kind, so anything
         the pull did not leave (vanished in the guest, refused) is fetched next time.
         """
@@ -322,14 +341,9 @@ class PullState:
         with self._errors():
             db = self.db
             self._scan_host(dest_fd)
-            db.execute("DELETE FROM s.hashes")
-            batch: list[tuple[bytes, str]] = []
-            for item in pairs:
-                batch.append(item)
-                if len(batch) >= BATCH:
-                    db.executemany("INSERT OR REPLACE INTO s.hashes VALUES (?, ?)", batch)
-                    batch.clear()
-            db.executemany("INSERT OR REPLACE INTO s.hashes VALUES (?, ?)", batch)
+            for path, digest in pairs:
+                self.add_hash(path, digest)
+            self._flush_hashes()
             if not self._diffed:
                 db.execute("DELETE FROM s.plan")
             db.commit()
@@ -345,6 +359,18 @@ class PullState:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
+
+    def add_hash(self, path: bytes, digest: str) -> None:
+        """Note the xxh3_128 of a file the extractor wrote (``on_file`` can be this method):
+        kept in the scratch database, not in memory, so a million files cost no RSS."""
+        self._hash_batch.append((path, digest))
+        if len(self._hash_batch) >= BATCH:
+            with self._errors():
+                self._flush_hashes()
+
+    def _flush_hashes(self) -> None:
+        self.db.executemany("INSERT OR REPLACE INTO s.hashes VALUES (?, ?)", self._hash_batch)
+        self._hash_batch.clear()
 
     def tree_bytes(self) -> int:
         """Bytes of the regular files recorded (after :meth:`commit`: the tree now in DEST)."""
@@ -468,16 +494,21 @@ LEFT JOIN s.plan p ON p.path = m.path
 
 
 def _connect(path: Path) -> sqlite3.Connection:
+    """Open the state file; sqlite3.DatabaseError (not OperationalError) when it is damaged."""
     db = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
     try:
         db.execute(f"PRAGMA cache_size = -{CACHE_KIB}")
         db.execute("PRAGMA synchronous = FULL")
-        db.execute("PRAGMA journal_mode = DELETE")
-        db.execute("BEGIN")
-        db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
-        db.execute(f"CREATE TABLE IF NOT EXISTS state ({_STATE_COLUMNS}) WITHOUT ROWID")
-        db.execute("COMMIT")
-        db.execute("PRAGMA quick_check(1)").fetchone()
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
+        if not {"meta", "state"} <= tables:  # a write lock only the first time
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
+            db.execute(f"CREATE TABLE IF NOT EXISTS state ({_STATE_COLUMNS}) WITHOUT ROWID")
+            db.execute("COMMIT")
+        # a torn or edited file must cost a full pull, never a wrong diff
+        verdict = db.execute("PRAGMA quick_check(1)").fetchone()
+        if verdict is None or verdict[0] != "ok":
+            raise sqlite3.DatabaseError(f"quick_check: {verdict[0] if verdict else 'no answer'}")
         _scratch(db)
     except BaseException:
         db.close()
