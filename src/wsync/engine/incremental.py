@@ -84,7 +84,7 @@ def read_manifest(stream: BinaryIO, state: PullState, excludes: Excludes, max_fi
         yield from parser.entries()
 
     try:
-        state.load_manifest(entries(), excludes)
+        state.load_manifest(entries(), excludes, max_entries=max_files)
     except ProtocolError as exc:
         raise HostileArchive(f"the guest's manifest: {exc}") from exc
     return parser.count
