@@ -183,3 +183,56 @@ def test_a_kept_file_shares_no_write_with_the_old_tree(tmp_path: Path) -> None:
         go(_local, ws, dest, opts)
         assert held.read() == old_bytes
     assert (dest / rel).read_bytes() == b"rewritten\n"
+
+
+def test_every_kind_of_change_over_sprites_with_every_fault_on(tmp_path: Path) -> None:
+    from wsync.emulators.sprites import EmulatorThread, SpritesFaults
+    from wsync.engine.pull import pull_uri
+
+    with EmulatorThread(tmp_path / "emu") as emu:
+        ws = emu.create_sprite("incr") / "work"
+        prepare(ws)
+        dest = tmp_path / "out"
+        opts = options(tmp_path, chunk_size=128 * 1024)
+        uri = f"sprites://incr{ws}"
+
+        def sprite_pull() -> PullResult:
+            return asyncio.run(pull_uri(uri, dest, opts, emu.transport_options()))
+
+        emu.set_faults(SpritesFaults.all_on(seed=21))
+        assert sprite_pull().mode == "full"
+        assert_exact(ws, dest)
+        change_everything(ws)
+        result = sprite_pull()
+        assert result.mode == "incremental" and result.retries > 0
+        assert_exact(ws, dest)
+        assert sprite_pull().changed_files == 0
+        assert_exact(ws, dest)
+
+
+@pytest.mark.parametrize("backend", ["daytona", "cloudflare"])
+def test_no_stdin_backends_take_the_list_in_argv_parts(
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest
+) -> None:
+    """Cloudflare and Daytona have no stdin: the list travels base64 in argv parts."""
+    from wsync.engine.pull import pull_uri
+
+    emu = request.getfixturevalue(f"{backend}_emulator")
+    ws = tmp_path / "ws"
+    prepare(ws)
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    # the emulators serve the host's files: the workspace path is the host path
+    name = "conformance"
+    uri = f"{backend}://{name}{ws}"
+
+    def once() -> PullResult:
+        return asyncio.run(pull_uri(uri, dest, opts, emu.transport_options()))
+
+    once()
+    change_everything(ws)
+    for i in range(300):  # a list longer than one argv part
+        (ws / "src" / f"added-{i:04d}-{'n' * 40}").write_bytes(b"%d\n" % i)
+    result = once()
+    assert result.mode == "incremental"
+    assert_exact(ws, dest)
