@@ -62,10 +62,6 @@ def can_select(plan: GuestPlan, *, stdin: bool) -> bool:
     return stdin or plan.probe.has("base64")
 
 
-def gnu_tar(plan: GuestPlan) -> bool:
-    return "GNU tar" in plan.probe.tar_version
-
-
 def read_manifest(stream: BinaryIO, state: PullState, excludes: Excludes, max_files: int) -> int:
     """Parse the decompressed manifest ``stream`` into ``state``; return the entries read.
 
@@ -190,9 +186,6 @@ class Incremental:
         self.mode = "incremental"
         self.changed, self.deleted = self.diff.changed, self.diff.deleted
         self.run = "" if self.diff.nothing_to_do else "select"
-        if self.run and not gnu_tar(plan) and any(b"\n" in p for p in self.diff.fetch_paths()):
-            # busybox tar reads -T lists by lines: a name with a newline needs a full pull
-            self.mode, self.run = "full", "tar"
 
     def select_list(self) -> bytes:
         """The NUL-separated, ``./``-prefixed list of entries to archive."""

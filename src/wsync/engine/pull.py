@@ -242,7 +242,7 @@ class _Pull:
             listing = await in_thread(inc.select_list)
             extra["list"] = hashlib.sha256(listing).hexdigest()
         snapshot = self.choose_snapshot(plan, journal, run, extra)
-        if listing:
+        if run == "select":
             await self.session.upload_list(snapshot, listing)
         journaled = await self.admit_phase(plan, journal, snapshot, run)
         tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"

@@ -319,12 +319,16 @@ lchanged() {
   (cd "$ws" && xargs -0 sh -c 'c=$0 m=$1; shift; find "$@" -prune ! -type d "$c" "$m" -print0' "$cn" "$D/m") < "$1" > chg 2>/dev/null
   return 0
 }
+# an empty list is an empty archive (two zero blocks); busybox tar has no -T in some
+# builds, so there the names go through xargs, one archive per batch, appended (the host
+# reads archives appended to one stream); the list holds no directories
 sel() {
-  if [ "$gnu" = 1 ]; then
+  if [ ! -s "$1" ]; then
+    dd if=/dev/zero bs=1024 count=1 2>/dev/null
+  elif [ "$gnu" = 1 ]; then
     tar -cf - --null --no-recursion --ignore-failed-read -C "$ws" -T "$D/$1" 2>>tar.err
   else
-    tr '\000' '\n' < "$1" > nl || fail "cannot write the list"
-    tar -cf - -C "$ws" -T "$D/nl" 2>>tar.err
+    xargs -0 sh -c 'tar -cf - -C "$0" "$@"' "$ws" < "$1" 2>>tar.err || return 2
   fi
 }
 choose() {
