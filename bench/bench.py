@@ -140,6 +140,11 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=1, help="runs per row; the best is kept")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
     parser.add_argument(
+        "--incremental-only",
+        action="store_true",
+        help="only the incremental rows (issue 8): skip full pulls and emulators",
+    )
+    parser.add_argument(
         "--state-entries",
         type=int,
         default=None,
@@ -218,40 +223,39 @@ def main() -> int:
 
         state = root / "state"
         wsync_common = f"--json --state-dir {shlex.quote(str(state))} --ssh-key {shlex.quote(key)} --known-hosts {shlex.quote(kh)}"
-        rsync, plain, clean, faulty = rounds(
-            [
-                (
-                    "rsync -a over ssh",
-                    lambda d: (
-                        f"rsync -a -e {shlex.quote(ssh)} {target}:{shlex.quote(str(ws))}/ {shlex.quote(str(d))}/"
-                    ),
-                    nothing,
+        full_specs: list[tuple[str, Callable[[Path], str], Callable[[], None]]] = [
+            (
+                "rsync -a over ssh",
+                lambda d: (
+                    f"rsync -a -e {shlex.quote(ssh)} {target}:{shlex.quote(str(ws))}/ {shlex.quote(str(d))}/"
                 ),
-                (
-                    "plain ssh tar|zstd stream",
-                    lambda d: (
-                        f"mkdir -p {shlex.quote(str(d))} && {ssh} {target} "
-                        f"{shlex.quote(f'tar -cf - -C {shlex.quote(str(ws))} . | zstd -q -c -T0')} "
-                        f"| zstd -q -d -c | tar -xf - -C {shlex.quote(str(d))}"
-                    ),
-                    nothing,
+                nothing,
+            ),
+            (
+                "plain ssh tar|zstd stream",
+                lambda d: (
+                    f"mkdir -p {shlex.quote(str(d))} && {ssh} {target} "
+                    f"{shlex.quote(f'tar -cf - -C {shlex.quote(str(ws))} . | zstd -q -c -T0')} "
+                    f"| zstd -q -d -c | tar -xf - -C {shlex.quote(str(d))}"
                 ),
-                (
-                    "wsync pull over ssh",
-                    lambda d: (
-                        f"{py} -m wsync pull {shlex.quote(sshd.uri(str(ws)))} {shlex.quote(str(d))} {wsync_common}"
-                    ),
-                    nothing,
+                nothing,
+            ),
+            (
+                "wsync pull over ssh",
+                lambda d: (
+                    f"{py} -m wsync pull {shlex.quote(sshd.uri(str(ws)))} {shlex.quote(str(d))} {wsync_common}"
                 ),
-                (
-                    "wsync pull over ssh, all faults",
-                    lambda d: (
-                        f"{py} -m wsync pull {shlex.quote(sshd.uri(str(ws)))} {shlex.quote(str(d))} {wsync_common} --chaos all"
-                    ),
-                    nothing,
+                nothing,
+            ),
+            (
+                "wsync pull over ssh, all faults",
+                lambda d: (
+                    f"{py} -m wsync pull {shlex.quote(sshd.uri(str(ws)))} {shlex.quote(str(d))} {wsync_common} --chaos all"
                 ),
-            ]
-        )
+                nothing,
+            ),
+        ]
+        full_rows = [] if args.incremental_only else rounds(full_specs)
 
         incremental = incremental_rows(
             args.runs, root, ws, ssh, target, py, sshd.uri(str(ws)), wsync_common
@@ -260,7 +264,7 @@ def main() -> int:
             rows.extend(pair)
 
     emulated: dict[str, tuple[dict[str, object], dict[str, object]]] = {}
-    for name, thread, faults in _emulators():
+    for name, thread, faults in [] if args.incremental_only else _emulators():
         with thread(root / name) as emu:
             create = getattr(emu, "create_sandbox", None) or emu.create_sprite
             create("bench")
@@ -301,11 +305,12 @@ def main() -> int:
             f"{row.get('exact', '-')!s:>6} {row.get('retries', '-')!s:>8} "
             f"{row.get('wire_bytes', '-')!s:>12} {row.get('mode', '-')!s:>12}"
         )
-    summary = {
-        "wsync/rsync wall": ratio(clean, rsync),
-        "wsync/plain-stream wall": ratio(clean, plain),
-        "ssh: clean/faulty throughput (faulty ÷ clean speed)": ratio(clean, faulty),
-    }
+    summary: dict[str, float] = {}
+    if full_rows:
+        rsync, plain, clean, faulty = full_rows
+        summary["wsync/rsync wall"] = ratio(clean, rsync)
+        summary["wsync/plain-stream wall"] = ratio(clean, plain)
+        summary["ssh: clean/faulty throughput (faulty ÷ clean speed)"] = ratio(clean, faulty)
     for name, (e_clean, e_faulty) in emulated.items():
         summary[f"{name}: clean/faulty throughput (faulty ÷ clean speed)"] = ratio(
             e_clean, e_faulty

@@ -125,7 +125,7 @@ def test_unchanged_entries_are_linked_not_copied(env: tuple[Path, Path, Path]) -
     before = os.stat(dest / "src" / "pkg" / "mod.py").st_ino
     (guest / "a.txt").write_text("changed\n")
     res = pull(state, guest, dest)
-    assert res.fetched == [b"a.txt", b"hard.txt"]
+    assert res.fetched == [b"a.txt", b"hard.txt"] and res.diff.fetch == 2
     assert os.stat(dest / "src" / "pkg" / "mod.py").st_ino == before
     exact(guest, dest)
 
@@ -200,7 +200,7 @@ def test_excludes_filter_and_remove_what_an_earlier_pull_left(
     state, guest, dest = env
     pull(state, guest, dest)
     res = pull(state, guest, dest, excludes=Excludes.from_options(["src/", "*.md"], []))
-    assert res.fetched == []
+    assert res.fetched == [] and res.diff.fetch == 0 and not res.diff.nothing_to_do
     assert res.diff.deleted == 5  # src, src/main.py, src/pkg, src/pkg/mod.py, docs/readme.md
     assert not (dest / "src").exists() and not (dest / "docs" / "readme.md").exists()
     assert (dest / "docs").is_dir()

@@ -276,8 +276,12 @@ class PullState:
                 "SELECT count(*) FROM s.host h "
                 "WHERE NOT EXISTS (SELECT 1 FROM s.man m WHERE m.path = h.path)"
             ).fetchone()[0]
+            fetch = db.execute(
+                "SELECT count(*) FROM s.plan WHERE kind != 'd' AND act IN "
+                "('new', 'changed', 'missing', 'tampered', 'linked')"
+            ).fetchone()[0]
         self._diffed = True
-        return Diff(self, int(changed), int(deleted))
+        return Diff(self, int(changed), int(deleted), int(fetch))
 
     def _scan_host(self, dest_fd: int) -> None:
         db = self.db
@@ -395,6 +399,8 @@ class Diff:
     changed: int
     #: entries of DEST that the new tree does not have
     deleted: int
+    #: entries :meth:`fetch_paths` yields (0 with changes: only a farm and a swap, no archive)
+    fetch: int = 0
 
     @property
     def nothing_to_do(self) -> bool:
