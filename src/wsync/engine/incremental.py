@@ -140,7 +140,8 @@ class Incremental:
         self.hashes = hashes
         #: "full" or "incremental"
         self.mode = "full"
-        #: the producer run for the content: "tar", "select" or "" (nothing to do)
+        #: the content run: "tar", "select", "apply" (no entry to fetch: farm and swap
+        #: only) or "" (nothing to do)
         self.run = "tar"
         self.diff: Diff | None = None
         self.changed = 0
@@ -185,7 +186,10 @@ class Incremental:
             os.close(dest_fd)
         self.mode = "incremental"
         self.changed, self.deleted = self.diff.changed, self.diff.deleted
-        self.run = "" if self.diff.nothing_to_do else "select"
+        if self.diff.nothing_to_do:
+            self.run = ""
+        else:
+            self.run = "select" if self.diff.fetch else "apply"
 
     def select_list(self) -> bytes:
         """The NUL-separated, ``./``-prefixed list of entries to archive."""

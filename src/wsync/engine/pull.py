@@ -30,6 +30,7 @@ import contextlib
 import hashlib
 import os
 import stat
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -56,6 +57,7 @@ from wsync.errors import (
     HostileArchive,
     HostIOError,
     IntegrityFailed,
+    Interrupted,
     LimitExceeded,
     StagingFailed,
     UnstableFiles,
@@ -132,6 +134,8 @@ class _Pull(StreamRunner):
             run = inc.run
             if not run or self.options.dry_run:
                 return None
+        if run == "apply":
+            return await self.apply_only(inc)
         journal = self.journal if run == "tar" else self.journal.phase("select")
         listing = b""
         extra: dict[str, Any] = {}
@@ -185,6 +189,39 @@ class _Pull(StreamRunner):
             # every write was awaited on success; after a failure none is waited for here
             self.io.shutdown(wait=False)
         return stats, chunks, length, old
+
+    async def apply_only(
+        self, inc: Incremental | None
+    ) -> tuple[ExtractStats, int, int, str | None]:
+        """Changes without an entry to fetch (deletions, directory modes or mtimes, a
+        host-side chmod of a directory): the new tree is the farm alone, no producer run."""
+        assert inc is not None
+        tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
+        tmp_fd, leftovers = self.target.make_tmp(tmp)
+        self.warnings.extend(leftovers)
+        inc.hashes.start()
+        inc.hashes.close()
+        stop = threading.Event()
+
+        def check() -> None:
+            if stop.is_set():
+                raise Interrupted("pull stopped")
+
+        try:
+            self.emit("apply")
+            await in_thread(lambda: inc.farm(tmp_fd, check))
+            await in_thread(lambda: inc.dir_meta(tmp_fd))
+            self.emit("swap")
+            with host_io(f"flushing {self.dest.parent / tmp}"):
+                syncfs(tmp_fd)
+            DestRegistry(self.options.state_dir).record(self.dest)
+            old = self.target.swap(tmp)
+            self.swapped = True
+        except BaseException:
+            stop.set()
+            await self.remove_tmp(tmp)
+            raise
+        return ExtractStats(), 0, 0, old
 
     def open_incremental(self, plan: GuestPlan) -> Incremental | None:
         """The incremental state of DEST, when this guest can list its workspace."""
