@@ -333,3 +333,30 @@ def test_a_missing_exclude_file_is_exit_2(tmp_path: Path) -> None:
     proc = cli("local:/tmp", str(tmp_path / "o"), "--exclude-from", str(tmp_path / "nope"))
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("stdin", [True, False])
+def test_every_kind_of_change_through_chaos_all(tmp_path: Path, stdin: bool) -> None:
+    """--chaos all on every call, the list upload included (on stdin, or in argv parts)."""
+    from wsync.chaos import ChaosTransport, FaultPlan
+    from wsync.transports.base import Capabilities
+
+    def chaotic(ws: Path) -> tuple[Transport, str]:
+        # without stdin nothing gates the output: the pre-attach ring eats reads above
+        # it, so it must be larger than the smallest read (64 KiB on binary channels)
+        ring = "" if stdin else ",ring=98304"
+        plan = FaultPlan.parse("all=0.05,seed=7,hang=0.2" + ring)
+        transport = ChaosTransport(LocalTransport(), plan)
+        if not stdin:
+            transport.capabilities = Capabilities(stdin=False)  # type: ignore[misc]
+        return transport, str(ws)
+
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path, chunk_size=128 * 1024)
+    go(chaotic, ws, dest, opts)
+    assert_exact(ws, dest)
+    change_everything(ws)
+    result = go(chaotic, ws, dest, opts)
+    assert result.mode == "incremental" and result.retries > 0
+    assert_exact(ws, dest)
