@@ -360,3 +360,19 @@ def test_every_kind_of_change_through_chaos_all(tmp_path: Path, stdin: bool) -> 
     result = go(chaotic, ws, dest, opts)
     assert result.mode == "incremental" and result.retries > 0
     assert_exact(ws, dest)
+
+
+def test_excludes_on_a_guest_that_cannot_list_fail_clearly(tmp_path: Path) -> None:
+    """Without find -printf or stat, a full tar would carry the excluded bytes: refused."""
+    from helpers import busybox_bin
+    from wsync.engine.excludes import Excludes
+    from wsync.errors import GuestToolsMissing
+
+    path = busybox_bin(tmp_path / "bb")  # busybox find, but no stat or readlink
+    env = {"PATH": str(path), "HOME": str(tmp_path)}
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path, excludes=Excludes.from_options(["*.bin"], []))
+    with pytest.raises(GuestToolsMissing):
+        go(lambda w: (LocalTransport(env=env), str(w)), ws, dest, opts)
+    assert not dest.exists()

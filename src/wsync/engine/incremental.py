@@ -39,7 +39,13 @@ from wsync.engine.excludes import Excludes
 from wsync.engine.farm import build_farm, set_dir_meta
 from wsync.engine.guest import GuestPlan
 from wsync.engine.incstate import Diff, PullState
-from wsync.errors import HostileArchive, HostIOError, LimitExceeded, ProtocolError
+from wsync.errors import (
+    GuestToolsMissing,
+    HostileArchive,
+    HostIOError,
+    LimitExceeded,
+    ProtocolError,
+)
 from wsync.protocol.manifest import Entry, ManifestParser
 
 log = structlog.get_logger("wsync.incremental")
@@ -171,7 +177,9 @@ class Incremental:
         dest_fd = open_dest(self.target) if baseline else None
         if dest_fd is None:
             self.mode = "full"
-            if not self.excludes or not selectable:
+            if self.excludes and not selectable:
+                raise GuestToolsMissing("base64 (to hand the guest the list --exclude leaves)")
+            if not self.excludes:
                 self.run = "tar"
                 return
             if tmp_fd is None:

@@ -54,6 +54,7 @@ from wsync.engine.winddown import (
     raise_if_cancelled,
 )
 from wsync.errors import (
+    GuestToolsMissing,
     HostileArchive,
     HostIOError,
     IntegrityFailed,
@@ -226,6 +227,12 @@ class _Pull(StreamRunner):
     def open_incremental(self, plan: GuestPlan) -> Incremental | None:
         """The incremental state of DEST, when this guest can list its workspace."""
         if not incremental.can_list(plan):
+            if self.options.excludes or self.options.dry_run:
+                # a full tar would carry the excluded bytes and list nothing
+                what = "--exclude" if self.options.excludes else "--dry-run"
+                raise GuestToolsMissing(
+                    f"find with -printf, or find, stat, readlink and xargs (for {what})"
+                )
             return None
         key = f"{self.transport.description}\n{self.workspace}"
         hashes = incremental.HashLog(self.journal.dir / "hashes")
