@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import threading
 import time
@@ -165,7 +166,10 @@ class StreamRunner:
         prune: tuple[str, ...] = (),
     ) -> dict[int, tuple[str, Path]]:
         """Admit ``snapshot``'s producer run; return the journal's chunks still good."""
-        self.progress.snapshot = snapshot
+        # the counters are per producer run: a manifest's chunks are not the archive's
+        self.progress = dataclasses.replace(
+            Progress(), phase=self.progress.phase, snapshot=snapshot
+        )
         # every later log line of this pull (workers inherit the context) names it
         structlog.contextvars.bind_contextvars(snapshot=snapshot)
         self.emit("admit")
