@@ -45,6 +45,7 @@ from pydantic_settings import (
 
 from wsync.daemon.confine import Forbidden
 from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
+from wsync.engine.excludes import Excludes, check_pattern
 from wsync.errors import UsageError
 from wsync.transports.registry import SCHEMES
 from wsync.uri import SandboxURI, parse
@@ -148,6 +149,9 @@ class SandboxConfig(_Strict):
     options: dict[str, str | int | float | bool] = Field(default_factory=dict)
     #: secret transport options by reference only: "env:NAME" or "file:/path"
     secrets: dict[str, str] = Field(default_factory=dict)
+    #: paths left out of every pull of this sandbox, ``--exclude`` patterns (rsync meaning:
+    #: ``*.pyc``, ``/build``, ``node_modules/``, ``logs/**``); checked at load, exit 2 if bad
+    exclude: list[str] = Field(default_factory=list)
     #: testing/demo knob: run this sandbox through the fault-injecting transport
     #: (wsync.chaos spec: "all", "all,seed=7", "H=0.1,T=0.05", ...); never in production
     chaos: str | None = None
@@ -194,6 +198,16 @@ class SandboxConfig(_Strict):
                 )
             if kind == "file" and not target.startswith("/"):
                 raise ValueError(f"{key}: file reference must be an absolute path")
+        return value
+
+    @field_validator("exclude")
+    @classmethod
+    def _check_exclude(cls, value: list[str]) -> list[str]:
+        for i, pattern in enumerate(value):
+            try:
+                check_pattern(pattern, f"[{i}]")
+            except UsageError as err:
+                raise ValueError(str(err)) from None
         return value
 
     @field_validator("chaos")
@@ -378,6 +392,7 @@ class DaemonConfig(BaseSettings):
             limits=ExtractLimits(
                 max_files=lim.max_files, max_bytes=lim.max_bytes, min_free_bytes=lim.min_free_bytes
             ),
+            excludes=Excludes(tuple(sandbox.exclude)) if sandbox else Excludes.none(),
         )
 
     def sandbox_concurrency(self, name: str) -> int:

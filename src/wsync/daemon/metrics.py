@@ -75,6 +75,43 @@ class Metrics:
             ["sandbox", "kind"],
             registry=r,
         )
+        self.modes = Counter(
+            "wsync_pull_modes",
+            "Successful pulls by mode: full (the whole tree crossed) or incremental",
+            ["sandbox", "mode"],
+            registry=r,
+        )
+        self.changed = Counter(
+            "wsync_changed_files",
+            "Entries fetched (or directories re-created) by successful pulls",
+            ["sandbox"],
+            registry=r,
+        )
+        self.deleted = Counter(
+            "wsync_deleted_files",
+            "Entries removed from DEST by successful pulls",
+            ["sandbox"],
+            registry=r,
+        )
+        self.tree_bytes = Counter(
+            "wsync_tree_bytes",
+            "Bytes of the trees that successful pulls left in DEST (set against "
+            "wsync_transferred_bytes_total: what an incremental pull saved)",
+            ["sandbox"],
+            registry=r,
+        )
+        self.last_transferred = Gauge(
+            "wsync_last_pull_transferred_bytes",
+            "Bytes read over the transport by the last successful pull",
+            ["sandbox"],
+            registry=r,
+        )
+        self.last_tree = Gauge(
+            "wsync_last_pull_tree_bytes",
+            "Bytes of the tree in DEST after the last successful pull",
+            ["sandbox"],
+            registry=r,
+        )
         self.duration = Histogram(
             "wsync_pull_duration_seconds",
             "Wall time of one pull attempt",
@@ -121,6 +158,13 @@ class Metrics:
         self.duration.labels(state).observe(max(elapsed, 0.0))
         if state == "succeeded":
             self.bytes.labels(sandbox).inc(int(summary.get("bytes") or 0))
+            self.modes.labels(sandbox, str(summary.get("mode") or "full")).inc()
+            self.changed.labels(sandbox).inc(int(summary.get("changed_files") or 0))
+            self.deleted.labels(sandbox).inc(int(summary.get("deleted_files") or 0))
+            tree = int(summary.get("tree_bytes") or 0)
+            self.tree_bytes.labels(sandbox).inc(tree)
+            self.last_tree.labels(sandbox).set(tree)
+            self.last_transferred.labels(sandbox).set(int(summary.get("transferred_bytes") or 0))
         self.transferred.labels(sandbox).inc(int(summary.get("transferred_bytes") or 0))
         self.chunks.labels(sandbox).inc(int(summary.get("chunks") or 0))
         self.resumed.labels(sandbox).inc(int(summary.get("resumed_chunks") or 0))
