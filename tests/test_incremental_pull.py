@@ -4,8 +4,11 @@ exact DEST, an unchanged workspace changes nothing, over local: and a real sshd.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -183,3 +186,193 @@ def test_a_kept_file_shares_no_write_with_the_old_tree(tmp_path: Path) -> None:
         go(_local, ws, dest, opts)
         assert held.read() == old_bytes
     assert (dest / rel).read_bytes() == b"rewritten\n"
+
+
+def test_every_kind_of_change_over_sprites_with_every_fault_on(tmp_path: Path) -> None:
+    from wsync.emulators.sprites import EmulatorThread, SpritesFaults
+    from wsync.engine.pull import pull_uri
+
+    with EmulatorThread(tmp_path / "emu") as emu:
+        ws = emu.create_sprite("incr") / "work"
+        prepare(ws)
+        dest = tmp_path / "out"
+        opts = options(tmp_path, chunk_size=128 * 1024)
+        uri = f"sprites://incr{ws}"
+
+        def sprite_pull() -> PullResult:
+            return asyncio.run(pull_uri(uri, dest, opts, emu.transport_options()))
+
+        emu.set_faults(SpritesFaults.all_on(seed=21))
+        assert sprite_pull().mode == "full"
+        assert_exact(ws, dest)
+        change_everything(ws)
+        result = sprite_pull()
+        assert result.mode == "incremental" and result.retries > 0
+        assert_exact(ws, dest)
+        assert sprite_pull().changed_files == 0
+        assert_exact(ws, dest)
+
+
+@pytest.mark.parametrize("backend", ["daytona", "cloudflare"])
+def test_no_stdin_backends_take_the_list_in_argv_parts(
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest
+) -> None:
+    """Cloudflare and Daytona have no stdin: the list travels base64 in argv parts."""
+    from wsync.engine.pull import pull_uri
+
+    emu = request.getfixturevalue(f"{backend}_emulator")
+    ws = tmp_path / "ws"
+    prepare(ws)
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    # the emulators serve the host's files: the workspace path is the host path
+    name = "conformance"
+    uri = f"{backend}://{name}{ws}"
+
+    def once() -> PullResult:
+        return asyncio.run(pull_uri(uri, dest, opts, emu.transport_options()))
+
+    once()
+    change_everything(ws)
+    for i in range(300):  # a list longer than one argv part
+        (ws / "src" / f"added-{i:04d}-{'n' * 40}").write_bytes(b"%d\n" % i)
+    result = once()
+    assert result.mode == "incremental"
+    assert_exact(ws, dest)
+
+
+def test_busybox_only_guest_pulls_incrementally(tmp_path: Path) -> None:
+    """busybox find has no -printf: the manifest goes through stat -c, whole seconds."""
+    from helpers import busybox_bin, tool_dir
+
+    path = busybox_bin(tmp_path / "bb")
+    busybox = shutil.which("busybox")
+    tool_dir(path, ("stat", "readlink"), target=busybox)
+    env = {"PATH": str(path), "HOME": str(tmp_path)}
+
+    def bb(ws: Path) -> tuple[Transport, str]:
+        return LocalTransport(env=env), str(ws)
+
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path, chunk_size=256 * 1024)
+    assert go(bb, ws, dest, opts).mode == "full"
+    assert_exact(ws, dest)
+    change_everything(ws)
+    result = go(bb, ws, dest, opts)
+    assert result.mode == "incremental"
+    assert_exact(ws, dest)
+    again = go(bb, ws, dest, opts)
+    assert again.mode == "incremental" and again.changed_files == 0
+
+
+def test_only_a_directory_changed_is_an_empty_select_run(tmp_path: Path) -> None:
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path)
+    go(_local, ws, dest, opts)
+    (ws / "src").chmod(0o700)
+    os.utime(ws / "empty", ns=(0, 1_500_000_000_123_456_789))
+    result = go(_local, ws, dest, opts)
+    assert result.mode == "incremental" and result.changed_files == 2
+    assert_exact(ws, dest)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "wsync", "pull", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_excludes_and_dry_run_from_the_command_line(tmp_path: Path) -> None:
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    (ws / "node_modules" / "pkg").mkdir(parents=True)
+    (ws / "node_modules" / "pkg" / "big.js").write_bytes(os.urandom(2 * 1024 * 1024))
+    (ws / "src" / "x.pyc").write_bytes(b"bytecode")
+    common = ["--state-dir", str(tmp_path / "state"), "--staging-dir", str(tmp_path / "st")]
+    # the first pull takes everything
+    first = cli(f"local:{ws}", str(dest), "--json", *common)
+    assert first.returncode == 0, first.stderr
+    assert (dest / "node_modules" / "pkg" / "big.js").exists()
+    # a dry run lists what excluding would delete, and writes nothing
+    excl = ["--exclude", "node_modules/", "--exclude-from", str(tmp_path / "ex")]
+    (tmp_path / "ex").write_text("# comment\n*.pyc\n")
+    before = sorted(str(p) for p in dest.rglob("*"))
+    dry = cli(f"local:{ws}", str(dest), "--dry-run", *excl, *common)
+    assert dry.returncode == 0, dry.stderr
+    assert "*deleting   node_modules/pkg/big.js" in dry.stdout
+    assert "*deleting   src/x.pyc" in dry.stdout
+    assert sorted(str(p) for p in dest.rglob("*")) == before
+    # the real pull deletes the excluded entries, and their bytes never cross
+    real = cli(f"local:{ws}", str(dest), "--json", *excl, *common)
+    assert real.returncode == 0, real.stderr
+    result = json.loads(real.stdout)
+    assert result["mode"] == "incremental" and result["deleted_files"] >= 3
+    assert not (dest / "node_modules").exists() and not (dest / "src" / "x.pyc").exists()
+    times = {d: os.stat(d).st_mtime_ns for d in (ws, ws / "src")}
+    shutil.rmtree(ws / "node_modules")
+    (ws / "src" / "x.pyc").unlink()
+    for d, t in times.items():
+        os.utime(d, ns=(t, t))
+    assert_exact(ws, dest)
+    # a first pull with excludes never reads the excluded bytes
+    (ws / "node_modules" / "pkg").mkdir(parents=True)
+    (ws / "node_modules" / "pkg" / "big.js").write_bytes(os.urandom(2 * 1024 * 1024))
+    other = tmp_path / "other"
+    fresh = cli(f"local:{ws}", str(other), "--json", *excl, *common)
+    assert fresh.returncode == 0, fresh.stderr
+    assert json.loads(fresh.stdout)["transferred_bytes"] < 1024 * 1024
+    assert not (other / "node_modules").exists()
+
+
+def test_a_missing_exclude_file_is_exit_2(tmp_path: Path) -> None:
+    proc = cli("local:/tmp", str(tmp_path / "o"), "--exclude-from", str(tmp_path / "nope"))
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("stdin", [True, False])
+def test_every_kind_of_change_through_chaos_all(tmp_path: Path, stdin: bool) -> None:
+    """--chaos all on every call, the list upload included (on stdin, or in argv parts)."""
+    from wsync.chaos import ChaosTransport, FaultPlan
+    from wsync.transports.base import Capabilities
+
+    def chaotic(ws: Path) -> tuple[Transport, str]:
+        # without stdin nothing gates the output: the pre-attach ring eats reads above
+        # it, so it must be larger than the smallest read (64 KiB on binary channels)
+        ring = "" if stdin else ",ring=98304"
+        plan = FaultPlan.parse("all=0.05,seed=7,hang=0.2" + ring)
+        transport = ChaosTransport(LocalTransport(), plan)
+        if not stdin:
+            transport.capabilities = Capabilities(stdin=False)  # type: ignore[misc]
+        return transport, str(ws)
+
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path, chunk_size=128 * 1024)
+    go(chaotic, ws, dest, opts)
+    assert_exact(ws, dest)
+    change_everything(ws)
+    result = go(chaotic, ws, dest, opts)
+    assert result.mode == "incremental" and result.retries > 0
+    assert_exact(ws, dest)
+
+
+def test_excludes_on_a_guest_that_cannot_list_fail_clearly(tmp_path: Path) -> None:
+    """Without find -printf or stat, a full tar would carry the excluded bytes: refused."""
+    from helpers import busybox_bin
+    from wsync.engine.excludes import Excludes
+    from wsync.errors import GuestToolsMissing
+
+    path = busybox_bin(tmp_path / "bb")  # busybox find, but no stat or readlink
+    env = {"PATH": str(path), "HOME": str(tmp_path)}
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path, excludes=Excludes.from_options(["*.bin"], []))
+    with pytest.raises(GuestToolsMissing):
+        go(lambda w: (LocalTransport(env=env), str(w)), ws, dest, opts)
+    assert not dest.exists()

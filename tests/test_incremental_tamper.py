@@ -142,11 +142,6 @@ def test_excludes_end_to_end_equal_rsync(tmp_path: Path, patterns: list[str]) ->
     assert_exact(expected, dest)
 
 
-@pytest.mark.xfail(
-    reason="incr-guest: a diff with only deletions starts a select run with an empty list "
-    "(notes/incr.md 07:2x); remove this mark once fixed",
-    strict=True,
-)
 def test_adding_excludes_removes_what_an_earlier_pull_left(tmp_path: Path) -> None:
     ws = make_tree(tmp_path / "ws", big=64 * 1024, small=10)
     dest = tmp_path / "dest"

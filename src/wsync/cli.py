@@ -258,6 +258,33 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         "--json as unstable_files) instead of failing with exit 24",
     )
     p.add_argument(
+        "--full",
+        action="store_true",
+        help="archive the whole workspace even when DEST holds an earlier pull of it "
+        "(default: only what changed)",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="leave out entries matching PATTERN (rsync/.gitignore meaning; repeatable); "
+        "they never leave the sandbox and go from DEST too",
+    )
+    p.add_argument(
+        "--exclude-from",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="read exclude patterns from FILE, one a line (# comments)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list what a pull would change (like rsync -i) and write nothing",
+    )
+    p.add_argument(
         "--max-files",
         type=positive_int,
         default=5_000_000,
@@ -440,6 +467,7 @@ def run_async(coro_factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from wsync.engine.api import ExtractLimits, PullOptions, PullResult, default_state_dir
+    from wsync.engine.excludes import Excludes
     from wsync.engine.pull import pull_uri
     from wsync.progress import describe_faults, human_bytes, plural, progress_display
 
@@ -456,6 +484,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
         best_effort=args.best_effort,
         compressor="gzip" if args.gzip else "zstd",
         limits=ExtractLimits(max_files=args.max_files, max_bytes=args.max_bytes),
+        full=args.full,
+        excludes=Excludes.from_options(args.exclude, args.exclude_from),
+        dry_run=args.dry_run,
     )
     if options.chunk_size % (64 * 1024):
         raise UsageError("--chunk-size must be a multiple of 64K")
@@ -479,10 +510,23 @@ def cmd_pull(args: argparse.Namespace) -> int:
         bar.close()
     if args.json:
         print(json.dumps(result.to_json()))
+    elif args.dry_run:
+        for line in result.changes:
+            print(line)
+        print(
+            f"dry run ({result.mode}): {plural(result.changed_files, 'change')}, "
+            f"{plural(result.deleted_files, 'deletion')}; DEST not written",
+            file=sys.stderr,
+        )
     else:
         note = " (adopted a running snapshot)" if result.reconciled else ""
         resumed = f", {result.resumed_chunks} resumed" if result.resumed_chunks else ""
         faults = f" ({describe_faults(result.faults)})" if result.faults else ""
+        if result.mode == "incremental":
+            note += (
+                f" (incremental: {plural(result.changed_files, 'change')}, "
+                f"{plural(result.deleted_files, 'deletion')})"
+            )
         print(
             f"pulled {args.sandbox} -> {result.dest}: {plural(result.files, 'file')}, "
             f"{human_bytes(result.bytes)} archive in {plural(result.chunks, 'chunk')}{resumed}, "

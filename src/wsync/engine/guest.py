@@ -334,6 +334,8 @@ class GuestSession:
                 stdin=body,
             )
             answers.append(envelope.text)
+            if not envelope.ok and envelope.text == "already-launched":
+                return  # a resumed run: the list is in place and its producer started
             if not envelope.ok:
                 raise StagingFailed(f"uploading the list: {records.printable(envelope.text)}")
         else:
@@ -347,6 +349,8 @@ class GuestSession:
                     functools.partial(self._upload_argv, snapshot, part, count, piece, digest),
                     max_length=_SMALL,
                 )
+                if not envelope.ok and envelope.text == "already-launched":
+                    return
                 if not envelope.ok:
                     raise StagingFailed(f"uploading the list: {records.printable(envelope.text)}")
                 answers.append(envelope.text)

@@ -39,7 +39,13 @@ from wsync.engine.excludes import Excludes
 from wsync.engine.farm import build_farm, set_dir_meta
 from wsync.engine.guest import GuestPlan
 from wsync.engine.incstate import Diff, PullState
-from wsync.errors import HostileArchive, HostIOError, LimitExceeded, ProtocolError
+from wsync.errors import (
+    GuestToolsMissing,
+    HostileArchive,
+    HostIOError,
+    LimitExceeded,
+    ProtocolError,
+)
 from wsync.protocol.manifest import Entry, ManifestParser
 
 log = structlog.get_logger("wsync.incremental")
@@ -62,10 +68,6 @@ def can_select(plan: GuestPlan, *, stdin: bool) -> bool:
     return stdin or plan.probe.has("base64")
 
 
-def gnu_tar(plan: GuestPlan) -> bool:
-    return "GNU tar" in plan.probe.tar_version
-
-
 def read_manifest(stream: BinaryIO, state: PullState, excludes: Excludes, max_files: int) -> int:
     """Parse the decompressed manifest ``stream`` into ``state``; return the entries read.
 
@@ -84,7 +86,7 @@ def read_manifest(stream: BinaryIO, state: PullState, excludes: Excludes, max_fi
         yield from parser.entries()
 
     try:
-        state.load_manifest(entries(), excludes)
+        state.load_manifest(entries(), excludes, max_entries=max_files)
     except ProtocolError as exc:
         raise HostileArchive(f"the guest's manifest: {exc}") from exc
     return parser.count
@@ -144,7 +146,8 @@ class Incremental:
         self.hashes = hashes
         #: "full" or "incremental"
         self.mode = "full"
-        #: the producer run for the content: "tar", "select" or "" (nothing to do)
+        #: the content run: "tar", "select", "apply" (no entry to fetch: farm and swap
+        #: only) or "" (nothing to do)
         self.run = "tar"
         self.diff: Diff | None = None
         self.changed = 0
@@ -174,7 +177,9 @@ class Incremental:
         dest_fd = open_dest(self.target) if baseline else None
         if dest_fd is None:
             self.mode = "full"
-            if not self.excludes or not selectable:
+            if self.excludes and not selectable:
+                raise GuestToolsMissing("base64 (to hand the guest the list --exclude leaves)")
+            if not self.excludes:
                 self.run = "tar"
                 return
             if tmp_fd is None:
@@ -189,10 +194,10 @@ class Incremental:
             os.close(dest_fd)
         self.mode = "incremental"
         self.changed, self.deleted = self.diff.changed, self.diff.deleted
-        self.run = "" if self.diff.nothing_to_do else "select"
-        if self.run and not gnu_tar(plan) and any(b"\n" in p for p in self.diff.fetch_paths()):
-            # busybox tar reads -T lists by lines: a name with a newline needs a full pull
-            self.mode, self.run = "full", "tar"
+        if self.diff.nothing_to_do:
+            self.run = ""
+        else:
+            self.run = "select" if self.diff.fetch else "apply"
 
     def select_list(self) -> bytes:
         """The NUL-separated, ``./``-prefixed list of entries to archive."""

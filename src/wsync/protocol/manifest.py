@@ -25,7 +25,6 @@ Path *meaning* (``..``, empty components) is judged by the host state
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from wsync.errors import ProtocolError
 
@@ -34,11 +33,9 @@ MAX_HEADER = 512
 MAX_NAME = 64 * 1024
 KINDS = frozenset("fdlpcbs")
 
-_HEADER = re.compile(
-    rb"([fdlpcbs]) ([0-7]{1,6}) ([0-9]{1,20}) (-?[0-9]{1,20}(?:\.[0-9]{0,20})?)"
-    rb" (-?[0-9]{1,20}(?:\.[0-9]{0,20})?) ([0-9]{1,20})(?: ([0-9a-f]{8,128}))?"
-)
+_KINDS = {k.encode(): k for k in KINDS}
 _NS = 1_000_000_000
+_DIGEST_CHARS = frozenset(b"0123456789abcdef")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,10 +56,21 @@ class Entry:
 def parse_time(text: bytes) -> int:
     """``b"1700000000.1234567890"`` → nanoseconds (digits beyond 9 are dropped, not
     rounded: the same guest always prints the same digits, which is all a diff needs)."""
-    negative = text.startswith(b"-")
-    whole, _, frac = text.lstrip(b"-").partition(b".")
-    ns = int(whole) * _NS + int((frac[:9] or b"0").ljust(9, b"0"))
+    negative = text[:1] == b"-"
+    whole, _, frac = (text[1:] if negative else text).partition(b".")
+    if not whole.isdigit() or len(whole) > 20 or len(frac) > 20 or (frac and not frac.isdigit()):
+        raise ProtocolError(f"malformed manifest time: {text[:40]!r}")
+    ns = int(whole) * _NS + (int(frac[:9].ljust(9, b"0")) if frac else 0)
     return -ns if negative else ns
+
+
+def _number(text: bytes, base: int = 10) -> int:
+    if not text.isdigit() or len(text) > 20:
+        raise ProtocolError(f"malformed manifest number: {text[:40]!r}")
+    try:
+        return int(text, base)
+    except ValueError:
+        raise ProtocolError(f"malformed manifest number: {text[:40]!r}") from None
 
 
 def _path(raw: bytes) -> bytes:
@@ -77,7 +85,7 @@ class ManifestParser:
     """Feed bytes with :meth:`receive_data`, take records with :meth:`entries`."""
 
     def __init__(self) -> None:
-        self._buf = bytearray()
+        self._tail = b""
         self._fields: list[bytes] = []
         self._ready: list[Entry] = []
         self._eof = False
@@ -86,41 +94,50 @@ class ManifestParser:
     def receive_data(self, data: bytes) -> None:
         if self._eof:
             raise ProtocolError("manifest data after its end")
-        self._buf += data
-        buf = self._buf
-        start = 0
-        while True:
-            limit = MAX_HEADER if not self._fields else MAX_NAME
-            end = buf.find(b"\0", start, start + limit + 1)
-            if end < 0:
-                if len(buf) - start > limit:
-                    raise ProtocolError("manifest field too long")
-                break
-            self._fields.append(bytes(buf[start:end]))
-            start = end + 1
-            if len(self._fields) == 3:
-                self._ready.append(self._record(*self._fields))
-                self._fields = []
-        del buf[:start]
+        if b"\0" not in data:
+            self._tail += data
+            if len(self._tail) > MAX_NAME:
+                raise ProtocolError("manifest field too long")
+            return
+        fields = (self._tail + data).split(b"\0")
+        self._tail = fields.pop()
+        if len(self._tail) > MAX_NAME:
+            raise ProtocolError("manifest field too long")
+        if self._fields:
+            fields = self._fields + fields
+        whole = len(fields) - len(fields) % 3
+        record = self._record
+        self._ready.extend(
+            [record(fields[i], fields[i + 1], fields[i + 2]) for i in range(0, whole, 3)]
+        )
+        self._fields = fields[whole:]
 
     def _record(self, header: bytes, raw_path: bytes, target: bytes) -> Entry:
-        match = _HEADER.fullmatch(header)
-        if match is None:
+        parts = header.split(b" ")
+        kind = _KINDS.get(parts[0])
+        if len(header) > MAX_HEADER or kind is None or len(parts) not in (6, 7):
             raise ProtocolError(f"malformed manifest record: {header[:80]!r}")
-        kind, mode, size, mtime, ctime, ino, digest = match.groups()
-        if (kind == b"l") != bool(target):
+        if len(raw_path) > MAX_NAME or len(target) > MAX_NAME:
+            raise ProtocolError("manifest field too long")
+        if (kind == "l") != bool(target):
             raise ProtocolError(f"manifest link target mismatch: {header[:80]!r}")
+        digest = parts[6] if len(parts) == 7 else b""
+        if digest and (len(digest) > 128 or not _DIGEST_CHARS.issuperset(digest)):
+            raise ProtocolError(f"malformed manifest digest: {header[:80]!r}")
+        mode = parts[1]
+        if len(mode) > 6:
+            raise ProtocolError(f"malformed manifest mode: {header[:80]!r}")
         self.count += 1
         return Entry(
-            path=_path(raw_path),
-            kind=kind.decode(),
-            mode=int(mode, 8) & 0o7777,
-            size=int(size),
-            mtime_ns=parse_time(mtime),
-            ctime_ns=parse_time(ctime),
-            ino=int(ino),
-            target=target,
-            digest=(digest or b"").decode(),
+            _path(raw_path),
+            kind,
+            _number(mode, 8) & 0o7777,
+            _number(parts[2]),
+            parse_time(parts[3]),
+            parse_time(parts[4]),
+            _number(parts[5]),
+            target,
+            digest.decode(),
         )
 
     def entries(self) -> list[Entry]:
@@ -130,5 +147,5 @@ class ManifestParser:
 
     def receive_eof(self) -> None:
         self._eof = True
-        if self._buf or self._fields:
+        if self._tail or self._fields:
             raise ProtocolError("manifest ends inside a record", fault="truncated")
