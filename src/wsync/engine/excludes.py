@@ -29,18 +29,20 @@ line; blank lines and lines starting with ``#`` or ``;`` are skipped, as rsync d
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 from pathspec import GitIgnoreSpec
+from pathspec.patterns.gitignore.spec import GitIgnoreSpecPattern
 
 from wsync.errors import UsageError
 
 #: directory verdicts remembered while a manifest streams past (cleared when this many)
 _DIR_CACHE = 65536
-#: characters that make a name pattern a glob; anything else in it is matched literally
-_GLOB = frozenset("*?[\\")
+#: a negated class in a regex pathspec made (not an escaped literal "[")
+_NEGATED_CLASS = re.compile(r"(?<!\\)\[\^")
 
 
 class Excludes:
@@ -171,7 +173,18 @@ def _compile(lines: list[str]) -> GitIgnoreSpec:
     # set some day; today it is what rsync means, and the warning is noise
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return GitIgnoreSpec.from_lines(lines)
+        return GitIgnoreSpec.from_lines(lines, pattern_factory=_pattern)
+
+
+def _pattern(line: str) -> GitIgnoreSpecPattern:
+    """pathspec's pattern, with negated classes kept off ``/``: in rsync (and git) a class
+    never matches the slash between names, but the regex ``[^a]`` does, so ``a[!a]`` would
+    match the directory ``x/a/`` by the trailing slash that marks it as a directory."""
+    pattern = GitIgnoreSpecPattern(line)
+    regex = pattern.regex
+    if regex is not None and "[^" in regex.pattern:
+        pattern.regex = re.compile(_NEGATED_CLASS.sub("[^/", regex.pattern))
+    return pattern
 
 
 def _malformed(pattern: str) -> str | None:

@@ -7,9 +7,9 @@ symlink (:func:`~wsync.engine.destdir.open_beneath`), entries are ``lstat``'ed t
 and a file is opened ``O_NOFOLLOW`` in its directory and checked to be the inode the walk
 saw before its bytes are hashed.  A symlink is an entry (kind ``l``), never a way in.
 
-Only one directory fd is open at a time (plus one file while hashing), whatever the depth,
-and the pending directories are a list of paths, so memory is bounded by the widest level
-of names, not by the tree.
+At most 65 directory fds are open at a time (plus one file while hashing), whatever the
+depth, and the pending directories are a list of paths, so memory is bounded by the
+widest level of names, not by the tree.
 """
 
 from __future__ import annotations
@@ -25,34 +25,37 @@ from wsync.engine.destdir import open_beneath
 
 #: bytes read per call while hashing
 _READ = 1024 * 1024
+#: directory fds the walk keeps open for their subdirectories
+_FD_CACHE = 64
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 #: (path, kind, mode, size, mtime_ns, ctime_ns, ino): one lstat of an entry of DEST
 HostRow = tuple[bytes, str, int, int, int, int, int]
 
 
+_KINDS = {
+    stat.S_IFREG: "f",
+    stat.S_IFDIR: "d",
+    stat.S_IFLNK: "l",
+    stat.S_IFIFO: "p",
+    stat.S_IFCHR: "c",
+    stat.S_IFBLK: "b",
+    stat.S_IFSOCK: "s",
+}
+
+
 def kind_of(mode: int) -> str:
     """The manifest's one-letter kind for an ``st_mode``."""
-    if stat.S_ISREG(mode):
-        return "f"
-    if stat.S_ISDIR(mode):
-        return "d"
-    if stat.S_ISLNK(mode):
-        return "l"
-    if stat.S_ISFIFO(mode):
-        return "p"
-    if stat.S_ISCHR(mode):
-        return "c"
-    if stat.S_ISBLK(mode):
-        return "b"
-    return "s"
+    return _KINDS.get(stat.S_IFMT(mode), "s")
 
 
 def row(path: bytes, st: os.stat_result) -> HostRow:
+    mode = st.st_mode
     return (
         path,
-        kind_of(st.st_mode),
-        stat.S_IMODE(st.st_mode),
+        _KINDS.get(stat.S_IFMT(mode), "s"),
+        stat.S_IMODE(mode),
         st.st_size,
         st.st_mtime_ns,
         st.st_ctime_ns,
@@ -71,6 +74,38 @@ def join(parent: bytes, name: bytes) -> bytes:
     return name if parent == b"." else parent + b"/" + name
 
 
+class _DirFds:
+    """Recently opened directories of the walk by path: a directory popped from the walk's
+    stack is nearly always a child of one just listed, so it is opened from that fd with
+    one ``openat(O_NOFOLLOW)``; anything else is reached from the root by ``open_beneath``.
+    """
+
+    def __init__(self, root_fd: int) -> None:
+        self.root_fd = root_fd
+        self.fds: dict[bytes, int] = {}
+
+    def open(self, path: bytes) -> int:
+        """A new fd on directory ``path`` (the caller closes it); OSError if impossible."""
+        parent, _, leaf = path.rpartition(b"/")
+        held = self.root_fd if not parent else self.fds.get(parent)
+        if path == b".":
+            return os.dup(self.root_fd)
+        if held is not None:
+            return os.open(leaf, _DIR_FLAGS, dir_fd=held)
+        return open_beneath(self.root_fd, parts_of(path))
+
+    def keep(self, path: bytes, fd: int) -> None:
+        if len(self.fds) >= _FD_CACHE:
+            oldest = next(iter(self.fds))
+            os.close(self.fds.pop(oldest))
+        self.fds[path] = fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
 def scan(root_fd: int) -> Iterator[HostRow]:
     """Every entry of the tree open at ``root_fd``, the root itself first as ``.``.
 
@@ -79,28 +114,39 @@ def scan(root_fd: int) -> Iterator[HostRow]:
     """
     yield row(b".", os.fstat(root_fd))
     pending: list[bytes] = [b"."]
-    while pending:
-        path = pending.pop()
-        try:
-            fd = open_beneath(root_fd, parts_of(path))
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-                continue
-            raise
-        try:
-            with os.scandir(fd) as entries:
-                for entry in entries:
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    child = join(path, os.fsencode(entry.name))
-                    item = row(child, st)
-                    if item[1] == "d":
-                        pending.append(child)
-                    yield item
-        finally:
-            os.close(fd)
+    fds = _DirFds(root_fd)
+    try:
+        while pending:
+            path = pending.pop()
+            try:
+                fd = fds.open(path)
+            except OSError as exc:
+                if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                    continue
+                raise
+            prefix = b"" if path == b"." else path + b"/"
+            subdirs = False
+            try:
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue
+                        item = row(prefix + entry.name.encode("utf-8", "surrogateescape"), st)
+                        if item[1] == "d":
+                            pending.append(item[0])
+                            subdirs = True
+                        yield item
+            except BaseException:
+                os.close(fd)
+                raise
+            if subdirs:
+                fds.keep(path, fd)
+            else:
+                os.close(fd)
+    finally:
+        fds.close()
 
 
 def file_hash(root_fd: int, path: bytes, ino: int) -> str | None:

@@ -271,14 +271,13 @@ class PullState:
                 "AND act IN ('new', 'changed', 'missing', 'tampered', 'linked'))"
             )
             db.commit()
-            changed = db.execute("SELECT count(*) FROM s.plan WHERE act != 'keep'").fetchone()[0]
+            changed, fetch = db.execute(
+                "SELECT coalesce(sum(act != 'keep'), 0), coalesce(sum(kind != 'd' AND act IN "
+                "('new', 'changed', 'missing', 'tampered', 'linked')), 0) FROM s.plan"
+            ).fetchone()
             deleted = db.execute(
                 "SELECT count(*) FROM s.host h "
                 "WHERE NOT EXISTS (SELECT 1 FROM s.man m WHERE m.path = h.path)"
-            ).fetchone()[0]
-            fetch = db.execute(
-                "SELECT count(*) FROM s.plan WHERE kind != 'd' AND act IN "
-                "('new', 'changed', 'missing', 'tampered', 'linked')"
             ).fetchone()[0]
         self._diffed = True
         return Diff(self, int(changed), int(deleted), int(fetch))
