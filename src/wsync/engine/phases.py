@@ -423,8 +423,9 @@ class StreamRunner:
             store = self.io.submit(self.chunk_journal.store, chunk.seq, chunk.digest, data)
             path = await asyncio.wrap_future(store)
             feed.publish(chunk.seq, path)
-            self.progress.chunks_done += 1
-            self.progress.bytes_fetched += len(data)
+            if self.chunk_journal is not self.manifest_journal:  # archive chunks only
+                self.progress.chunks_done += 1
+                self.progress.bytes_fetched += len(data)
             self.emit()
 
     async def fetch_chunk(self, chunk: Chunk, plan: GuestPlan) -> bytes:
