@@ -38,7 +38,8 @@ from wsync.protocol import scripts
 
 #: the required property: while the pull runs, a redraw in every window this long
 REDRAW_WINDOW_S = 1.5
-PHASES = ("probe", "admit", "pull", "extract", "swap", "cleanup", "done")
+#: a first (full) pull: the manifest run and the diff come first (issue 8)
+PHASES = ("probe", "manifest", "diff", "admit", "pull", "extract", "swap", "cleanup", "done")
 _CSI = re.compile(rb"\x1b\[([0-9;?]*)([@-~])")
 _OSC = re.compile(rb"\x1b\][^\x07\x1b]*(\x07|\x1b\\)")
 

@@ -27,9 +27,10 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import structlog
 
@@ -49,6 +50,8 @@ from wsync.errors import (
 from wsync.protocol.manifest import Entry, ManifestParser
 
 log = structlog.get_logger("wsync.incremental")
+
+_R = TypeVar("_R")
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = 1 << 20
@@ -153,19 +156,33 @@ class Incremental:
         self.changed = 0
         self.deleted = 0
         self.entries = 0
+        #: held while a worker thread uses the state's connection
+        self.busy = threading.Lock()
 
     def close(self) -> None:
+        """Close the state, unless a worker thread still uses its connection (a pull
+        stopped mid-diff): closing under it can crash the interpreter; it dies with us."""
         self.hashes.close()
-        self.state.close()
+        if self.busy.acquire(blocking=False):
+            try:
+                self.state.close()
+            finally:
+                self.busy.release()
+
+    def locked(self, work: Callable[[], _R]) -> _R:
+        """``work()`` holding :attr:`busy` (for worker threads using the state)."""
+        with self.busy:
+            return work()
 
     def prune(self) -> tuple[str, ...]:
         return tuple(self.excludes.guest_prune())
 
     def load(self, stream: BinaryIO) -> None:
         """The manifest phase's consumer (extractor thread)."""
-        self.entries = read_manifest(
-            stream, self.state, self.excludes, self.options.limits.max_files
-        )
+        with self.busy:
+            self.entries = read_manifest(
+                stream, self.state, self.excludes, self.options.limits.max_files
+            )
 
     def decide(self, plan: GuestPlan, *, stdin: bool, tmp_fd: int | None = None) -> None:
         """Diff and choose the content run (see the module docstring).  Runs in a thread.

@@ -172,8 +172,9 @@ class StreamRunner:
         )
         # every later log line of this pull (workers inherit the context) names it
         structlog.contextvars.bind_contextvars(snapshot=snapshot)
-        self.emit("admit")
         self.chunk_journal = journal
+        if journal is not self.manifest_journal:  # the manifest run shows as one phase
+            self.emit("admit")
         self.snapshots.append(snapshot)
         self.reconciled = await self.session.admit(
             snapshot, self.workspace, plan.compressor, mode=mode, prune=prune
@@ -210,7 +211,8 @@ class StreamRunner:
         self.chunk_journal = journal
         try:
             chunks, length = await self.fetch_all(plan, feed, journaled, thread)
-            self.emit("extract")
+            if journal is not self.manifest_journal:
+                self.emit("extract")
             await await_thread(thread, None)
             raise_if_cancelled()  # a cancel swallowed on the way must not swap DEST
             if "error" in box:
@@ -421,8 +423,9 @@ class StreamRunner:
             store = self.io.submit(self.chunk_journal.store, chunk.seq, chunk.digest, data)
             path = await asyncio.wrap_future(store)
             feed.publish(chunk.seq, path)
-            self.progress.chunks_done += 1
-            self.progress.bytes_fetched += len(data)
+            if self.chunk_journal is not self.manifest_journal:  # archive chunks only
+                self.progress.chunks_done += 1
+                self.progress.bytes_fetched += len(data)
             self.emit()
 
     async def fetch_chunk(self, chunk: Chunk, plan: GuestPlan) -> bytes:

@@ -128,10 +128,10 @@ class _Pull(StreamRunner):
             await self.manifest_phase(plan, inc)
             self.emit("diff")
             empty = self.journal.dir / "empty"
-            await in_thread(lambda: self.decide(inc, plan, empty))
+            await in_thread(lambda: inc.locked(lambda: self.decide(inc, plan, empty)))
             if self.options.dry_run and inc.diff is not None:
                 diff = inc.diff
-                self.changes = await in_thread(lambda: list(diff.itemize()))
+                self.changes = await in_thread(lambda: inc.locked(lambda: list(diff.itemize())))
             run = inc.run
             if not run or self.options.dry_run:
                 return None
@@ -141,7 +141,7 @@ class _Pull(StreamRunner):
         listing = b""
         extra: dict[str, Any] = {}
         if inc is not None and run == "select":
-            listing = await in_thread(inc.select_list)
+            listing = await in_thread(lambda: inc.locked(inc.select_list))
             extra["list"] = hashlib.sha256(listing).hexdigest()
         snapshot = self.choose_snapshot(plan, journal, run, extra)
         if run == "select":
@@ -158,7 +158,7 @@ class _Pull(StreamRunner):
 
         def extract(feed: ChunkFeed) -> ExtractStats:
             if inc is not None and replace:
-                inc.farm(tmp_fd, feed.check_cancel)
+                inc.locked(lambda: inc.farm(tmp_fd, feed.check_cancel))
             limits = self.options.limits
             return extract_feed(
                 feed, plan.compressor, tmp_fd, limits, self.extracted, replace=replace, on_file=hook
@@ -174,7 +174,7 @@ class _Pull(StreamRunner):
             )
             if inc is not None and replace:
                 self.emit("apply")
-                await in_thread(lambda: inc.dir_meta(tmp_fd))
+                await in_thread(lambda: inc.locked(lambda: inc.dir_meta(tmp_fd)))
             self.emit("swap")
             with host_io(f"flushing {self.dest.parent / tmp}"):
                 syncfs(tmp_fd)
@@ -212,8 +212,8 @@ class _Pull(StreamRunner):
 
         try:
             self.emit("apply")
-            await in_thread(lambda: inc.farm(tmp_fd, check))
-            await in_thread(lambda: inc.dir_meta(tmp_fd))
+            await in_thread(lambda: inc.locked(lambda: inc.farm(tmp_fd, check)))
+            await in_thread(lambda: inc.locked(lambda: inc.dir_meta(tmp_fd)))
             self.emit("swap")
             with host_io(f"flushing {self.dest.parent / tmp}"):
                 syncfs(tmp_fd)
@@ -293,8 +293,8 @@ class _Pull(StreamRunner):
         if inc is not None and self.swapped:
             # after the old tree is gone: unlinking it changed the ctimes of kept files
             try:
-                await in_thread(inc.commit)
-                self.tree_bytes = await in_thread(inc.tree_bytes)
+                await in_thread(lambda: inc.locked(inc.commit))
+                self.tree_bytes = await in_thread(lambda: inc.locked(inc.tree_bytes))
             except (WsyncError, OSError) as exc:
                 self.warnings.append(f"incremental state not recorded (next pull re-checks): {exc}")
         if not self.options.keep_staging:
