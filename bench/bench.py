@@ -37,8 +37,12 @@ from wsync.testing.sshd import SshdServer
 from wsync.treediff import diff
 
 
-def make_workspace(root: Path, quick: bool) -> Path:
-    ws = root / ("ws-quick" if quick else "ws")
+def make_workspace(root: Path, quick: bool, blob_mib: int | None = None) -> Path:
+    """The stdlib (only its ``json`` package when ``quick``) plus three random blobs of
+    ``blob_mib`` MiB each (default 4 when quick, else 64)."""
+    name = "ws-quick" if quick else "ws"
+    ws = root / (f"{name}-{blob_mib}" if blob_mib else name)
+    blob_mib = blob_mib or (4 if quick else 64)
     if ws.exists():
         return ws
     tmp = root / "ws.partial"
@@ -49,7 +53,7 @@ def make_workspace(root: Path, quick: bool) -> Path:
     shutil.copytree(src, tmp / "lib", symlinks=True, ignore_dangling_symlinks=True)
     rng = random.Random(1)
     for i in range(3):
-        size = (4 if quick else 64) * 1024 * 1024
+        size = blob_mib * 1024 * 1024
         (tmp / f"blob{i}.bin").write_bytes(rng.randbytes(size))
     tmp.rename(ws)
     return ws
