@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark wsync against rsync and a plain tar|zstd stream, measured in one run.
 
-    python3 bench/bench.py [--workdir DIR] [--quick] [--runs N]
+    python3 bench/bench.py [--workdir DIR] [--quick] [--runs N] [--median]
+        [--emulators-only] [--backend NAME]... [--blob-mib N]
 
 Workspace: a copy of this Python's standard library directory (about 1 GB,
 ~60k files, site-packages included) plus a few large random files.  Every tool
@@ -10,7 +11,10 @@ the numbers measure the tools, not a network).  Reported per row: wall time
 (best of N runs), peak RSS of the host-side command tree, and the ratio to
 rsync and to the plain stream.  Extra rows: wsync through the fault injector
 (all field-report faults on) and through the Sprites emulator, clean and with
-all faults, with the faulty/clean throughput ratio.
+all faults, with the faulty/clean throughput ratio.  ``--quick --blob-mib 16
+--emulators-only --runs 5 --median`` measures just the emulator rows on a ~50 MB tree,
+each faulty run with its own fault seed (``bench/faultcost.py`` then says where a
+faulty run lost its time).
 
 This is a script, not a test: nothing here asserts a speed.
 """
@@ -18,6 +22,7 @@ This is a script, not a test: nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -133,11 +138,26 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "wsync-bench")
     parser.add_argument("--quick", action="store_true", help="small workspace (smoke run)")
     parser.add_argument("--runs", type=int, default=1, help="runs per row; the best is kept")
+    parser.add_argument(
+        "--median",
+        action="store_true",
+        help="keep each row's median run, and give each run of a faulty emulator row "
+        "its own fault seed (3, 4, ...): a best-of-N would keep the luckiest schedule",
+    )
+    parser.add_argument(
+        "--emulators-only", action="store_true", help="skip the ssh, rsync and plain rows"
+    )
+    parser.add_argument(
+        "--backend", action="append", help="only this emulator (repeatable; default: all)"
+    )
+    parser.add_argument(
+        "--blob-mib", type=int, help="size of each of the three random blobs (default 4/64)"
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
     args = parser.parse_args()
     root = args.workdir.resolve()
     root.mkdir(parents=True, exist_ok=True)
-    ws = make_workspace(root, args.quick)
+    ws = make_workspace(root, args.quick, args.blob_mib)
     subprocess.run(["tar", "-cf", "/dev/null", "-C", str(ws), "."], check=True)  # warm cache
     files = sum(len(d) + len(f) for _, d, f in os.walk(ws))
     size = sum(p.stat().st_size for p in ws.rglob("*") if p.is_file() and not p.is_symlink())
@@ -184,6 +204,7 @@ def main() -> int:
 
         def rounds(
             specs: list[tuple[str, Callable[[Path], str], Callable[[], None]]],
+            enabled: bool = True,
         ) -> list[dict[str, object]]:
             """Best of ``--runs``, with the rows interleaved round by round.
 
@@ -191,14 +212,17 @@ def main() -> int:
             deleted, so measuring one tool's runs back to back favours whoever
             goes first; interleaving spreads that drift over every row.
             """
-            best: dict[str, dict[str, object]] = {}
+            runs: dict[str, list[dict[str, object]]] = {}
+            if not enabled:
+                return []
             for _ in range(args.runs):
                 for name, build, before in specs:
                     before()
-                    row = measure_once(name, build)
-                    if name not in best or float(row["wall_s"]) < float(best[name]["wall_s"]):  # type: ignore[arg-type]
-                        best[name] = row
-            out = [best[name] for name, _, _ in specs]
+                    runs.setdefault(name, []).append(measure_once(name, build))
+            out = []
+            for name, _, _ in specs:
+                ordered = sorted(runs[name], key=lambda row: float(row["wall_s"]))  # type: ignore[arg-type]
+                out.append(ordered[len(ordered) // 2] if args.median else ordered[0])
             rows.extend(out)
             return out
 
@@ -207,7 +231,7 @@ def main() -> int:
 
         state = root / "state"
         wsync_common = f"--json --state-dir {shlex.quote(str(state))} --ssh-key {shlex.quote(key)} --known-hosts {shlex.quote(kh)}"
-        rsync, plain, clean, faulty = rounds(
+        ssh_rows = rounds(
             [
                 (
                     "rsync -a over ssh",
@@ -239,11 +263,15 @@ def main() -> int:
                     ),
                     nothing,
                 ),
-            ]
+            ],
+            enabled=not args.emulators_only,
         )
 
     emulated: dict[str, tuple[dict[str, object], dict[str, object]]] = {}
     for name, thread, faults in _emulators():
+        if args.backend and name not in args.backend:
+            continue
+        seeds = itertools.count(3)  # each backend's faulty runs: seeds 3, 4, ... (--median)
         with thread(root / name) as emu:
             create = getattr(emu, "create_sandbox", None) or emu.create_sprite
             create("bench")
@@ -266,7 +294,8 @@ def main() -> int:
                         (f"wsync pull {name} emulator, clean", pull_cmd,
                          lambda emu=emu, f=faults: emu.set_faults(f.off())),
                         (f"wsync pull {name} emulator, all faults", pull_cmd,
-                         lambda emu=emu, f=faults: emu.set_faults(f.all_on(seed=3))),
+                         lambda emu=emu, f=faults, seeds=seeds: emu.set_faults(
+                             f.all_on(seed=next(seeds) if args.median else 3))),
                     ]
                 )
             )  # fmt: skip
@@ -280,11 +309,14 @@ def main() -> int:
             f"{row['name']:<42} {row['wall_s']:>8} {row['rss_mib']:>8} "
             f"{row.get('exact', '-')!s:>6} {row.get('retries', '-')!s:>8}"
         )
-    summary = {
-        "wsync/rsync wall": ratio(clean, rsync),
-        "wsync/plain-stream wall": ratio(clean, plain),
-        "ssh: clean/faulty throughput (faulty ÷ clean speed)": ratio(clean, faulty),
-    }
+    summary = {}
+    if ssh_rows:
+        rsync, plain, clean, faulty = ssh_rows
+        summary = {
+            "wsync/rsync wall": ratio(clean, rsync),
+            "wsync/plain-stream wall": ratio(clean, plain),
+            "ssh: clean/faulty throughput (faulty ÷ clean speed)": ratio(clean, faulty),
+        }
     for name, (e_clean, e_faulty) in emulated.items():
         summary[f"{name}: clean/faulty throughput (faulty ÷ clean speed)"] = ratio(
             e_clean, e_faulty
