@@ -251,3 +251,10 @@ def test_line_events_come_as_one_run_per_name() -> None:
     for item in items:
         collector.feed(item)
     assert collector.result().stdout == "".join(f"line {i}\n" for i in range(1000)).encode()
+
+
+@given(st.sampled_from(["stdout", "stderr"]), st.lists(st.text(max_size=100), max_size=20))
+def test_batch_encoding_is_byte_for_byte_the_single_one(name: str, texts: list[str]) -> None:
+    from wsync.transports.cloudflare_protocol import encode_outputs
+
+    assert encode_outputs(name, texts) == b"".join(encode_output(name, t) for t in texts)

@@ -190,6 +190,16 @@ def encode_output(name: str, text: str) -> bytes:
     return encode_event(name, payload)
 
 
+def encode_outputs(name: str, texts: Sequence[str]) -> bytes:
+    """Many ``stdout``/``stderr`` events at once, byte for byte what :func:`encode_output`
+    writes for each (the emulator's session mode sends one event per line)."""
+    head = encode_event(name, "")[: -len(b"\n\n")]
+    b2a = binascii.b2a_base64
+    return b"".join(
+        [head + b2a(t.encode("utf-8", "surrogatepass"), newline=False) + b"\n\n" for t in texts]
+    )
+
+
 def encode_exit(code: int | None) -> bytes:
     """``exit``; the Bridge writes ``exitCode ?? 0``, so ``None`` is sent as 0."""
     body = {"exit_code": 0 if code is None else code}
