@@ -120,7 +120,9 @@ class GuestSession:
         """
         last = "none"
         received = 0
-        kind = what.split(" ", 1)[0]
+        # reads and status polls answer at once from staged files: one pool to learn from
+        # (a pull whose chunks go through a file API makes few exec reads of its own)
+        kind = "staged" if what.startswith(("read ", "status")) else what.split(" ", 1)[0]
         mode = "b64" if self.b64 else "raw"
         attempt = stalls = 0
         while attempt < self.options.max_attempts:

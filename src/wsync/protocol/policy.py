@@ -110,8 +110,10 @@ def backoff(attempt: int, *, base: float = 0.05, cap: float = 2.0, rng: random.R
 #: an adaptive deadline is never shorter than this, seconds: a busy host's scheduling,
 #: a GC pause or a reconnect must not pass for a hang (and a hang costs this much)
 STALL_FLOOR = 2.0
-#: call sizes below this are not scaled down: a tiny answer's time is mostly latency
-_SCALE_GRAIN = 64 * 1024
+#: an answer smaller than this counts as if this big when its time is scaled up to a
+#: bigger call's size: a tiny answer's time is latency, it says little about throughput
+#: (a 200-byte status poll taking 0.9 s on a busy host does not mean 4 MiB takes 5 min)
+_SCALE_GRAIN = 1024 * 1024
 
 
 class CallDeadlines:
