@@ -16,6 +16,15 @@ all faults, with the faulty/clean throughput ratio.  ``--quick --blob-mib 16
 each faulty run with its own fault seed (``bench/faultcost.py`` then says where a
 faulty run lost its time).
 
+Incremental rows (issue 8), over the same sshd, rounds interleaved, into DESTs that
+a first (untimed) run of each tool filled: an unchanged re-pull beside ``rsync -a``'s
+no-op, and a re-pull after 1% of the files changed (a new 1% each round) beside
+``rsync -a``; wall time and bytes on the wire (``transferred_bytes`` from
+``--json``; rsync's own ``--stats`` "Total bytes received").  Then
+``bench/incr_state.py`` (``--state-entries``, default 1M; 0 skips it): the diff
+time and peak RSS of the state code for a synthetic 1M-entry manifest against a
+real 1M-entry DEST, and the hardlink farm for 8k and 100k files.
+
 This is a script, not a test: nothing here asserts a speed.
 """
 
@@ -120,6 +129,8 @@ def _emulators() -> list[tuple[str, Any, Any]]:
     from wsync.emulators.cloudflare import CloudflareFaults
     from wsync.emulators.cloudflare import EmulatorThread as CloudflareThread
     from wsync.emulators.daytona import DaytonaEmulatorThread, DaytonaFaults
+    from wsync.emulators.docker import DockerFaults
+    from wsync.emulators.docker import EmulatorThread as DockerThread
     from wsync.emulators.e2b import E2BFaults
     from wsync.emulators.e2b import EmulatorThread as E2BThread
     from wsync.emulators.sprites import EmulatorThread as SpritesThread
@@ -130,6 +141,7 @@ def _emulators() -> list[tuple[str, Any, Any]]:
         ("e2b", E2BThread, E2BFaults),
         ("daytona", DaytonaEmulatorThread, DaytonaFaults),
         ("cloudflare", CloudflareThread, CloudflareFaults),
+        ("docker", DockerThread, DockerFaults),
     ]
 
 
@@ -154,6 +166,17 @@ def main() -> int:
         "--blob-mib", type=int, help="size of each of the three random blobs (default 4/64)"
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    parser.add_argument(
+        "--incremental-only",
+        action="store_true",
+        help="only the incremental rows (issue 8): skip full pulls and emulators",
+    )
+    parser.add_argument(
+        "--state-entries",
+        type=int,
+        default=None,
+        help="entries of the synthetic manifest row (default 1M, 100k with --quick; 0: skip)",
+    )
     args = parser.parse_args()
     root = args.workdir.resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -204,7 +227,6 @@ def main() -> int:
 
         def rounds(
             specs: list[tuple[str, Callable[[Path], str], Callable[[], None]]],
-            enabled: bool = True,
         ) -> list[dict[str, object]]:
             """Best of ``--runs``, with the rows interleaved round by round.
 
@@ -213,8 +235,6 @@ def main() -> int:
             goes first; interleaving spreads that drift over every row.
             """
             runs: dict[str, list[dict[str, object]]] = {}
-            if not enabled:
-                return []
             for _ in range(args.runs):
                 for name, build, before in specs:
                     before()
@@ -231,44 +251,52 @@ def main() -> int:
 
         state = root / "state"
         wsync_common = f"--json --state-dir {shlex.quote(str(state))} --ssh-key {shlex.quote(key)} --known-hosts {shlex.quote(kh)}"
-        ssh_rows = rounds(
-            [
-                (
-                    "rsync -a over ssh",
-                    lambda d: (
-                        f"rsync -a -e {shlex.quote(ssh)} {target}:{shlex.quote(str(ws))}/ {shlex.quote(str(d))}/"
-                    ),
-                    nothing,
+        full_specs: list[tuple[str, Callable[[Path], str], Callable[[], None]]] = [
+            (
+                "rsync -a over ssh",
+                lambda d: (
+                    f"rsync -a -e {shlex.quote(ssh)} {target}:{shlex.quote(str(ws))}/ {shlex.quote(str(d))}/"
                 ),
-                (
-                    "plain ssh tar|zstd stream",
-                    lambda d: (
-                        f"mkdir -p {shlex.quote(str(d))} && {ssh} {target} "
-                        f"{shlex.quote(f'tar -cf - -C {shlex.quote(str(ws))} . | zstd -q -c -T0')} "
-                        f"| zstd -q -d -c | tar -xf - -C {shlex.quote(str(d))}"
-                    ),
-                    nothing,
+                nothing,
+            ),
+            (
+                "plain ssh tar|zstd stream",
+                lambda d: (
+                    f"mkdir -p {shlex.quote(str(d))} && {ssh} {target} "
+                    f"{shlex.quote(f'tar -cf - -C {shlex.quote(str(ws))} . | zstd -q -c -T0')} "
+                    f"| zstd -q -d -c | tar -xf - -C {shlex.quote(str(d))}"
                 ),
-                (
-                    "wsync pull over ssh",
-                    lambda d: (
-                        f"{py} -m wsync pull {shlex.quote(sshd.uri(str(ws)))} {shlex.quote(str(d))} {wsync_common}"
-                    ),
-                    nothing,
+                nothing,
+            ),
+            (
+                "wsync pull over ssh",
+                lambda d: (
+                    f"{py} -m wsync pull {shlex.quote(sshd.uri(str(ws)))} {shlex.quote(str(d))} {wsync_common}"
                 ),
-                (
-                    "wsync pull over ssh, all faults",
-                    lambda d: (
-                        f"{py} -m wsync pull {shlex.quote(sshd.uri(str(ws)))} {shlex.quote(str(d))} {wsync_common} --chaos all"
-                    ),
-                    nothing,
+                nothing,
+            ),
+            (
+                "wsync pull over ssh, all faults",
+                lambda d: (
+                    f"{py} -m wsync pull {shlex.quote(sshd.uri(str(ws)))} {shlex.quote(str(d))} {wsync_common} --chaos all"
                 ),
-            ],
-            enabled=not args.emulators_only,
+                nothing,
+            ),
+        ]
+        full_rows = [] if args.incremental_only or args.emulators_only else rounds(full_specs)
+
+        incremental = (
+            {}
+            if args.emulators_only
+            else incremental_rows(
+                args.runs, root, ws, ssh, target, py, sshd.uri(str(ws)), wsync_common
+            )
         )
+        for pair in incremental.values():
+            rows.extend(pair)
 
     emulated: dict[str, tuple[dict[str, object], dict[str, object]]] = {}
-    for name, thread, faults in _emulators():
+    for name, thread, faults in [] if args.incremental_only else _emulators():
         if args.backend and name not in args.backend:
             continue
         seeds = itertools.count(3)  # each backend's faulty runs: seeds 3, 4, ... (--median)
@@ -282,6 +310,10 @@ def main() -> int:
                 f"--json --state-dir {shlex.quote(str(state))} "
                 f"--{name}-url {shlex.quote(str(opts[f'{name}_url']))} "
                 f"--{name}-token-file {shlex.quote(str(token_file))}"
+                if f"{name}_url" in opts
+                # docker: no token, and the endpoint is a socket (--docker-host)
+                else f"--json --state-dir {shlex.quote(str(state))} "
+                f"--{name}-host {shlex.quote(str(opts[f'{name}_host']))}"
             )
             uri = shlex.quote(f"{name}://bench{ws}")
 
@@ -300,33 +332,159 @@ def main() -> int:
                 )
             )  # fmt: skip
 
+    # k8s: the cluster is reached through the kubeconfig the emulator writes (CA, token)
+    from wsync.emulators.k8s import K8sEmulatorThread, K8sFaults
+
+    with K8sEmulatorThread(root / "k8s") as cluster:
+        cluster.create_pod("bench")
+        k8s_uri = shlex.quote(f"k8s://default/bench{ws}")
+        k8s_common = (
+            f"--json --state-dir {shlex.quote(str(state))} "
+            f"--kubeconfig {shlex.quote(str(cluster.kubeconfig))}"
+        )
+
+        def k8s_pull(d: Path) -> str:
+            return f"{py} -m wsync pull {k8s_uri} {shlex.quote(str(d))} {k8s_common}"
+
+        emulated["k8s"] = tuple(  # type: ignore[assignment]
+            rounds(
+                [
+                    ("wsync pull k8s emulator, clean", k8s_pull,
+                     lambda: cluster.set_faults(K8sFaults.off())),
+                    ("wsync pull k8s emulator, all faults", k8s_pull,
+                     lambda: cluster.set_faults(K8sFaults.all_on(seed=3))),
+                ]
+            )
+        )  # fmt: skip
+
     def ratio(a: dict[str, object], b: dict[str, object]) -> float:
         return round(float(a["wall_s"]) / float(b["wall_s"]), 2)  # type: ignore[arg-type]
 
-    print(f"\n{'row':<42} {'wall s':>8} {'RSS MiB':>8} {'exact':>6} {'retries':>8}")
+    print(
+        f"\n{'row':<42} {'wall s':>8} {'RSS MiB':>8} {'exact':>6} {'retries':>8} "
+        f"{'wire bytes':>12} {'mode':>12}"
+    )
     for row in rows:
         print(
             f"{row['name']:<42} {row['wall_s']:>8} {row['rss_mib']:>8} "
-            f"{row.get('exact', '-')!s:>6} {row.get('retries', '-')!s:>8}"
+            f"{row.get('exact', '-')!s:>6} {row.get('retries', '-')!s:>8} "
+            f"{row.get('wire_bytes', '-')!s:>12} {row.get('mode', '-')!s:>12}"
         )
-    summary = {}
-    if ssh_rows:
-        rsync, plain, clean, faulty = ssh_rows
-        summary = {
-            "wsync/rsync wall": ratio(clean, rsync),
-            "wsync/plain-stream wall": ratio(clean, plain),
-            "ssh: clean/faulty throughput (faulty ÷ clean speed)": ratio(clean, faulty),
-        }
+    summary: dict[str, float] = {}
+    if full_rows:
+        rsync, plain, clean, faulty = full_rows
+        summary["wsync/rsync wall"] = ratio(clean, rsync)
+        summary["wsync/plain-stream wall"] = ratio(clean, plain)
+        summary["ssh: clean/faulty throughput (faulty ÷ clean speed)"] = ratio(clean, faulty)
     for name, (e_clean, e_faulty) in emulated.items():
         summary[f"{name}: clean/faulty throughput (faulty ÷ clean speed)"] = ratio(
             e_clean, e_faulty
         )
+    for label, (r_row, w_row) in incremental.items():
+        summary[f"{label}: wsync/rsync wall"] = ratio(w_row, r_row)
+        summary[f"{label}: wsync/rsync bytes"] = round(
+            float(w_row["wire_bytes"]) / max(float(r_row["wire_bytes"]), 1.0),  # type: ignore[arg-type]
+            2,
+        )
+    state_entries = args.state_entries
+    if state_entries is None:
+        state_entries = 100_000 if args.quick else 1_000_000
+    if state_entries:
+        script = Path(__file__).with_name("incr_state.py")
+        farm = ["8000"] if args.quick else ["8000", "100000"]
+        done = subprocess.run(
+            [sys.executable, str(script), "--entries", str(state_entries),
+             "--workdir", str(root), "--farm", *farm],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        print(
+            f"\n{'state code, synthetic manifest':<42} {'entries':>9} {'diff s':>7} {'RSS MiB':>8}"
+        )
+        for item in json.loads(done.stdout):
+            rows.append({"name": f"state {item['phase']}", **item})
+            secs = item.get("diff_s", item.get("farm_s"))
+            print(f"{item['phase']:<42} {item['entries']:>9} {secs!s:>7} {item['peak_rss_mib']:>8}")
     print()
     for k, v in summary.items():
         print(f"{k:<58} {v}")
     if args.json:
         print(json.dumps({"rows": rows, "ratios": summary, "files": files, "bytes": size}))
     return 0
+
+
+def _rsync_received(out: bytes) -> int:
+    """ "Total bytes received: 1,234" from ``rsync --stats``."""
+    for line in out.decode(errors="replace").splitlines():
+        if line.startswith("Total bytes received:"):
+            return int(line.split(":", 1)[1].strip().replace(",", ""))
+    return 0
+
+
+def _change_one_percent(ws: Path, round_no: int) -> int:
+    """Append a line to every 100th file of the workspace (a different 1% each round)."""
+    files = sorted(p for p in ws.rglob("*") if p.is_file() and not p.is_symlink())
+    picked = files[round_no % 100 :: 100]
+    for path in picked:
+        with path.open("ab") as f:
+            f.write(f"# changed in round {round_no}\n".encode())
+    return len(picked)
+
+
+def incremental_rows(
+    runs: int,
+    root: Path,
+    ws: Path,
+    ssh: str,
+    target: str,
+    py: str,
+    uri: str,
+    wsync_common: str,
+) -> dict[str, tuple[dict[str, object], dict[str, object]]]:
+    """Unchanged and 1%-changed re-pulls into kept DESTs, wsync beside rsync (issue 8)."""
+    r_dest, w_dest = root / "out" / "incr-rsync", root / "out" / "incr-wsync"
+    for d in (r_dest, w_dest):
+        if d.exists():
+            subprocess.run(["rm", "-rf", str(d)], check=True)
+    r_dest.parent.mkdir(parents=True, exist_ok=True)
+    rsync = f"rsync -a --stats -e {shlex.quote(ssh)} {target}:{shlex.quote(str(ws))}/ {shlex.quote(str(r_dest))}/"
+    wsync = f"{py} -m wsync pull {shlex.quote(uri)} {shlex.quote(str(w_dest))} {wsync_common}"
+    run(rsync)  # the first, full copies are not timed
+    run(wsync)
+    out: dict[str, tuple[dict[str, object], dict[str, object]]] = {}
+
+    def timed(name: str, command: str, dest: Path, kind: str) -> dict[str, object]:
+        wall, rss, stdout = run(command)
+        row: dict[str, object] = {
+            "name": name,
+            "wall_s": round(wall, 2),
+            "rss_mib": round(rss / 1024, 1),
+        }
+        if kind == "rsync":
+            row["wire_bytes"] = _rsync_received(stdout)
+        else:
+            result = json.loads(stdout)
+            row["wire_bytes"] = result.get("transferred_bytes", 0)
+            row["mode"] = result.get("mode", "full")
+            row["changed"] = result.get("changed_files")
+        row["exact"] = not diff(ws, dest)
+        print(f"  {row}", file=sys.stderr)
+        return row
+
+    for label, change in (("unchanged re-pull", False), ("1% of files changed", True)):
+        best: dict[str, dict[str, object]] = {}
+        for round_no in range(runs):
+            if change:
+                n = _change_one_percent(ws, round_no)
+                print(f"  changed {n} files", file=sys.stderr)
+            for name, command, dest, kind in (
+                (f"rsync -a, {label}", rsync, r_dest, "rsync"),
+                (f"wsync pull, {label}", wsync, w_dest, "wsync"),
+            ):
+                row = timed(name, command, dest, kind)
+                if name not in best or float(row["wall_s"]) < float(best[name]["wall_s"]):  # type: ignore[arg-type]
+                    best[name] = row
+        out[label] = (best[f"rsync -a, {label}"], best[f"wsync pull, {label}"])
+    return out
 
 
 if __name__ == "__main__":

@@ -26,12 +26,16 @@ import pytest
 from wsync.emulators import e2b as e2b_emulator
 from wsync.emulators.cloudflare import EmulatorThread as CloudflareEmulatorThread
 from wsync.emulators.daytona import DaytonaEmulatorThread
+from wsync.emulators.docker import EmulatorThread as DockerEmulatorThread
+from wsync.emulators.k8s import K8sEmulatorThread
 from wsync.emulators.sprites import EmulatorThread
 from wsync.testing.sshd import SshdServer, SshdUnavailable
 from wsync.transports.base import Transport
 from wsync.transports.cloudflare import CloudflareTransport
 from wsync.transports.daytona import DaytonaTransport
+from wsync.transports.docker import DockerTransport
 from wsync.transports.e2b import E2BTransport
+from wsync.transports.k8s import K8sTransport
 from wsync.transports.local import LocalTransport
 from wsync.transports.sprites import SpritesTransport
 from wsync.transports.ssh import SshTransport
@@ -131,6 +135,21 @@ def daytona_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dayto
         yield emulator
 
 
+@pytest.fixture(scope="session")
+def docker_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerEmulatorThread]:
+    """The Docker Engine API emulator (faults off) on a unix socket, for the whole session."""
+    with DockerEmulatorThread(tmp_path_factory.mktemp("docker")) as emulator:
+        emulator.create_container("conformance")
+        yield emulator
+
+
+def _docker_case(request: pytest.FixtureRequest) -> TransportCase:
+    emulator: DockerEmulatorThread = request.getfixturevalue("docker_emulator")
+    uri = parse("docker://conformance/work")
+    options = emulator.transport_options()
+    return TransportCase("docker", lambda: DockerTransport.from_uri(uri, options))
+
+
 def _e2b_case(request: pytest.FixtureRequest) -> TransportCase:
     emulator: e2b_emulator.EmulatorThread = request.getfixturevalue("e2b_envd")
     uri = parse("e2b://conformance/work")
@@ -152,6 +171,38 @@ def _cloudflare_case(request: pytest.FixtureRequest) -> TransportCase:
     return TransportCase("cloudflare", lambda: CloudflareTransport.from_uri(uri, options))
 
 
+@pytest.fixture(scope="session")
+def k8s_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[K8sEmulatorThread]:
+    """The Kubernetes API server emulator (faults off, HTTPS), for the whole session."""
+    with K8sEmulatorThread(tmp_path_factory.mktemp("k8s")) as emulator:
+        emulator.create_pod("conformance")
+        yield emulator
+
+
+def _k8s_case(request: pytest.FixtureRequest) -> TransportCase:
+    emulator: K8sEmulatorThread = request.getfixturevalue("k8s_emulator")
+    uri = parse("k8s://default/conformance/work")
+    options = emulator.transport_options()
+    return TransportCase("k8s", lambda: K8sTransport.from_uri(uri, options))
+
+
+@pytest.fixture(scope="session")
+def k8s_v4_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[K8sEmulatorThread]:
+    """An API server that speaks only ``v4.base64.channel.k8s.io``: no stdin EOF, text frames."""
+    with K8sEmulatorThread(
+        tmp_path_factory.mktemp("k8s-v4"), protocols=("v4.base64.channel.k8s.io",)
+    ) as emulator:
+        emulator.create_pod("conformance")
+        yield emulator
+
+
+def _k8s_v4_case(request: pytest.FixtureRequest) -> TransportCase:
+    emulator: K8sEmulatorThread = request.getfixturevalue("k8s_v4_emulator")
+    uri = parse("k8s://default/conformance/work")
+    options = emulator.transport_options()
+    return TransportCase("k8s", lambda: K8sTransport.from_uri(uri, options))
+
+
 #: every real transport the conformance suite must pass; one line per backend
 REAL_TRANSPORTS = [
     pytest.param(_local_case, id="local"),
@@ -160,6 +211,9 @@ REAL_TRANSPORTS = [
     pytest.param(_e2b_case, id="e2b"),
     pytest.param(_daytona_case, id="daytona"),
     pytest.param(_cloudflare_case, id="cloudflare"),
+    pytest.param(_docker_case, id="docker"),
+    pytest.param(_k8s_case, id="k8s"),
+    pytest.param(_k8s_v4_case, id="k8s-v4base64"),
 ]
 
 

@@ -66,6 +66,10 @@ ELSEWHERE: dict[tuple[str, str], str] = {
         "docs/backends/e2b.md",
         "wsync pull e2b://SANDBOX_ID/home/user/project ./project",
     ): "needs a real E2B sandbox",
+    (
+        "docs/backends/docker.md",
+        "wsync pull docker://CONTAINER/workspace ./workspace",
+    ): "needs a running Docker daemon and container",
 }
 MAX_NO_TEST = 3  # honest and short: raise it only with a reason in the Markdown
 
@@ -160,7 +164,9 @@ def _base_env(tmp: Path) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("WSYNC_", "PYTEST_", "SPRITES_", "E2B_", "DAYTONA_", "CLOUDFLARE_"))
+        if not k.startswith(
+            ("WSYNC_", "PYTEST_", "SPRITES_", "E2B_", "DAYTONA_", "CLOUDFLARE_", "DOCKER_")
+        )
     }
     (tmp / "home").mkdir()
     env.update(HOME=str(tmp / "home"), XDG_STATE_HOME=str(tmp / "state"), TERM="dumb")

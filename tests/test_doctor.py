@@ -61,3 +61,29 @@ def _doctor_with_token(tmp_path: Path, options: dict[str, Any]) -> tuple[int, di
         "--staging-dir",
         str(tmp_path / "stage"),
     )
+
+
+def test_doctor_prints_the_k8s_early_success(tmp_path: Path) -> None:
+    """kata-containers#13640 in the doctor's table, on a v4 server (no stdin EOF, so a
+    plain exec requests no stdin): large plain reads end after the first flush with a
+    Success status (exit 0); wsync's verified reads, which request stdin, are exact."""
+    from wsync.emulators.k8s import K8sEmulatorThread, K8sFaults
+
+    with K8sEmulatorThread(
+        tmp_path / "emu", faults=K8sFaults.kata(), protocols=("v4.channel.k8s.io",)
+    ) as cluster:
+        cluster.create_pod("probe")
+        (tmp_path / "ws").mkdir()
+        _, report = doctor(
+            f"k8s://default/probe{tmp_path}/ws",
+            "--kubeconfig",
+            str(cluster.kubeconfig),
+            "--staging-dir",
+            str(tmp_path / "stage"),
+        )
+    table = rows(report)
+    assert report["lossy"]
+    for size in (1024, 4096):
+        row = table[size]
+        assert row["exit"] == 0 and row["received"] < size * 1024 and not row["intact"]
+    assert all(r["verified"] == "intact" for r in report["rows"])

@@ -135,6 +135,21 @@ def add_transport_options(p: argparse.ArgumentParser) -> None:
         help="cloudflare: file holding the Bridge token (default $CLOUDFLARE_SANDBOX_TOKEN)",
     )
     g.add_argument(
+        "--docker-host",
+        metavar="URL",
+        help="docker: the Docker daemon, unix:///PATH or tcp://HOST[:PORT] "
+        "(default $DOCKER_HOST or unix:///var/run/docker.sock)",
+    )
+    g.add_argument(
+        "--kubeconfig",
+        metavar="FILE",
+        help="k8s: kubeconfig file (default $KUBECONFIG, a list too, else ~/.kube/config)",
+    )
+    g.add_argument("--context", metavar="NAME", help="k8s: kubeconfig context (default current)")
+    g.add_argument(
+        "--container", metavar="NAME", help="k8s: the pod's container (needed when it has several)"
+    )
+    g.add_argument(
         "--chaos",
         metavar="SPEC",
         help="inject transport faults, for demos and testing: 'all', or e.g. 'H=0.1,T=0.1,seed=1'",
@@ -154,6 +169,10 @@ def transport_options(args: argparse.Namespace) -> dict[str, Any]:
         "daytona_token_file": args.daytona_token_file,
         "cloudflare_url": args.cloudflare_url,
         "cloudflare_token_file": args.cloudflare_token_file,
+        "docker_host": args.docker_host,
+        "kubeconfig": args.kubeconfig,
+        "context": args.context,
+        "container": args.container,
         "chaos": args.chaos,
     }
     return {k: v for k, v in pairs.items() if v is not None}
@@ -202,7 +221,11 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         "  daytona://SANDBOX_ID/PATH         Daytona toolbox ($DAYTONA_API_KEY, "
         "$DAYTONA_TOOLBOX_URL)\n"
         "  cloudflare://SANDBOX_ID/PATH      Cloudflare Sandbox Bridge ($CLOUDFLARE_SANDBOX_URL,\n"
-        "                                    $CLOUDFLARE_SANDBOX_TOKEN)\n\n" + _EPILOG_EXIT,
+        "                                    $CLOUDFLARE_SANDBOX_TOKEN)\n"
+        "  docker://CONTAINER/PATH           Docker Engine API ($DOCKER_HOST, --docker-host)\n"
+        "  k8s://NAMESPACE/POD/PATH          Kubernetes pods/exec (kubeconfig as kubectl finds\n"
+        "                                    it; NAMESPACE '-' is the context's)\n\n"
+        + _EPILOG_EXIT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI including the workspace path")
@@ -258,6 +281,33 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         "--json as unstable_files) instead of failing with exit 24",
     )
     p.add_argument(
+        "--full",
+        action="store_true",
+        help="archive the whole workspace even when DEST holds an earlier pull of it "
+        "(default: only what changed)",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="leave out entries matching PATTERN (rsync/.gitignore meaning; repeatable); "
+        "they never leave the sandbox and go from DEST too",
+    )
+    p.add_argument(
+        "--exclude-from",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="read exclude patterns from FILE, one a line (# comments)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list what a pull would change (like rsync -i) and write nothing",
+    )
+    p.add_argument(
         "--max-files",
         type=positive_int,
         default=5_000_000,
@@ -296,7 +346,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--backend",
-        choices=("local", "sprites", "e2b", "daytona", "cloudflare"),
+        choices=("local", "sprites", "e2b", "daytona", "cloudflare", "docker", "k8s"),
         default="local",
         help="local: fault-injecting wrapper around local:; the others: that "
         "backend's emulator with its field faults on",
@@ -440,6 +490,7 @@ def run_async(coro_factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     from wsync.engine.api import ExtractLimits, PullOptions, PullResult, default_state_dir
+    from wsync.engine.excludes import Excludes
     from wsync.engine.pull import pull_uri
     from wsync.progress import describe_faults, human_bytes, plural, progress_display
 
@@ -456,6 +507,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
         best_effort=args.best_effort,
         compressor="gzip" if args.gzip else "zstd",
         limits=ExtractLimits(max_files=args.max_files, max_bytes=args.max_bytes),
+        full=args.full,
+        excludes=Excludes.from_options(args.exclude, args.exclude_from),
+        dry_run=args.dry_run,
     )
     if options.chunk_size % (64 * 1024):
         raise UsageError("--chunk-size must be a multiple of 64K")
@@ -479,10 +533,23 @@ def cmd_pull(args: argparse.Namespace) -> int:
         bar.close()
     if args.json:
         print(json.dumps(result.to_json()))
+    elif args.dry_run:
+        for line in result.changes:
+            print(line)
+        print(
+            f"dry run ({result.mode}): {plural(result.changed_files, 'change')}, "
+            f"{plural(result.deleted_files, 'deletion')}; DEST not written",
+            file=sys.stderr,
+        )
     else:
         note = " (adopted a running snapshot)" if result.reconciled else ""
         resumed = f", {result.resumed_chunks} resumed" if result.resumed_chunks else ""
         faults = f" ({describe_faults(result.faults)})" if result.faults else ""
+        if result.mode == "incremental":
+            note += (
+                f" (incremental: {plural(result.changed_files, 'change')}, "
+                f"{plural(result.deleted_files, 'deletion')})"
+            )
         print(
             f"pulled {args.sandbox} -> {result.dest}: {plural(result.files, 'file')}, "
             f"{human_bytes(result.bytes)} archive in {plural(result.chunks, 'chunk')}{resumed}, "

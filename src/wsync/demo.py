@@ -114,6 +114,23 @@ def backend(kind: str, workdir: Path, workspace: Path) -> Iterator[tuple[str, di
             bridge.create_sandbox("demo")
             yield f"cloudflare://demo{workspace}", bridge.transport_options()
         return
+    if kind == "docker":
+        from wsync.emulators.docker import DockerFaults
+        from wsync.emulators.docker import EmulatorThread as DockerThread
+
+        # seed 14: the first start (the naive copy's) draws the dropped final frame
+        with DockerThread(workdir / "docker", faults=DockerFaults.all_on(seed=14)) as daemon:
+            daemon.create_container("demo")
+            yield f"docker://demo{workspace}", daemon.transport_options()
+        return
+    if kind == "k8s":
+        from wsync.emulators.k8s import K8sEmulatorThread, K8sFaults
+
+        # seed 13: the naive tar (the emulator's 2nd exec) loses its tail behind a Success
+        with K8sEmulatorThread(workdir / "k8s", faults=K8sFaults.all_on(seed=13)) as cluster:
+            cluster.create_pod("demo")
+            yield f"k8s://default/demo{workspace}", cluster.transport_options()
+        return
     from wsync.emulators.sprites import EmulatorThread, SpritesFaults
 
     with EmulatorThread(workdir / "sprites", faults=SpritesFaults.all_on(seed=11)) as emu:

@@ -57,6 +57,14 @@ class UsageError(WsyncError):
     kind = "usage"
 
 
+class Busy(UsageError):
+    """Another pull holds this journal or DEST's lock.  Still a usage error (exit 2) for
+    the CLI; a daemon fleet tells it apart to hand the job back instead of failing it
+    (the holder may be a frozen daemon whose lease another one took over)."""
+
+    kind = "busy"
+
+
 class SandboxUnreachable(WsyncError):
     exit_code = 3
     kind = "unreachable"
@@ -121,6 +129,13 @@ class Interrupted(WsyncError):
     exit_code = 130
     kind = "interrupted"
     template = "interrupted: {}"
+
+
+class Fenced(Interrupted):
+    """A daemon's lease on its job ran out before the swap: another daemon may own the
+    job now, so this one must not replace DEST (the journal stays for the new owner)."""
+
+    kind = "fenced"
 
 
 class ProtocolError(WsyncError):

@@ -15,6 +15,10 @@ import urllib.parse
 
 from wsync.errors import UsageError
 
+#: schemes whose sandbox is named by two segments, ``k8s://NAMESPACE/POD/PATH``: the
+#: name is ``NAMESPACE/POD`` and the path is what follows
+TWO_SEGMENT_NAMES = frozenset({"k8s"})
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SandboxURI:
@@ -85,4 +89,11 @@ def parse(raw: str) -> SandboxURI:
     if not host:
         raise UsageError(f"{raw!r}: missing host or sandbox name")
     user = urllib.parse.unquote(parts.username) if parts.username else None
-    return SandboxURI(scheme=scheme, path=path, raw=raw, user=user, host=host, port=port, name=host)
+    name = host
+    if scheme in TWO_SEGMENT_NAMES:
+        second, sep, rest = path.lstrip("/").partition("/")
+        if not second or not sep or not rest.strip("/"):
+            raise UsageError(f"{raw!r}: expected {scheme}://NAMESPACE/POD/PATH")
+        name = f"{host}/{second}"
+        path = rest if rest.startswith("~") else "/" + rest
+    return SandboxURI(scheme=scheme, path=path, raw=raw, user=user, host=host, port=port, name=name)

@@ -26,9 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import wsync
 from wsync.daemon.confine import Forbidden
-from wsync.daemon.jobs import JobFinished, JobManager, NotAccepting, UnknownJob
+from wsync.daemon.jobs import JobFinished, NotAccepting, UnknownJob
 from wsync.daemon.metrics import Metrics
-from wsync.daemon.store import STATES
+from wsync.daemon.service import JobService
+from wsync.daemon.store import STATES, StoreUnavailable
 from wsync.errors import UsageError, WsyncError
 
 SSE_KEEPALIVE = 15.0
@@ -43,7 +44,7 @@ class AppState:
 
     def __init__(
         self,
-        manager: JobManager,
+        manager: JobService,
         metrics: Metrics,
         token: str,
         reload: Callable[[], dict[str, Any]],
@@ -109,7 +110,7 @@ def _status_for(err: WsyncError) -> int:
         return 409
     if isinstance(err, Forbidden):  # dest or source outside the configured roots
         return 403
-    if isinstance(err, NotAccepting):
+    if isinstance(err, NotAccepting | StoreUnavailable):
         return 503
     if isinstance(err, UsageError):
         return 422
@@ -117,7 +118,7 @@ def _status_for(err: WsyncError) -> int:
 
 
 def create_app(state: AppState) -> FastAPI:
-    """Build the ASGI app around a running :class:`JobManager`."""
+    """Build the ASGI app around a running :class:`JobService`."""
     app = FastAPI(
         title="wsync daemon",
         version=wsync.__version__,
@@ -168,7 +169,7 @@ def create_app(state: AppState) -> FastAPI:
     @app.post("/v1/pulls", status_code=202, dependencies=v1, responses=errors)
     async def create_pull(body: PullRequest) -> JobOut:
         """Queue a pull; an active job for the same sandbox and dest is returned reconciled."""
-        job, reconciled = state.manager.submit(body.sandbox, body.dest, trigger="api")
+        job, reconciled = await state.manager.submit(body.sandbox, body.dest, trigger="api")
         return JobOut(**job.to_json(reconciled=reconciled))
 
     @app.get("/v1/pulls", dependencies=v1, responses=errors)
@@ -181,17 +182,17 @@ def create_app(state: AppState) -> FastAPI:
         for value in state_ or []:
             if value not in STATES:
                 raise UsageError(f"state: unknown state {value!r} (known: {', '.join(STATES)})")
-        jobs = state.manager.list_jobs(states=state_, sandbox=sandbox, limit=limit)
+        jobs = await state.manager.list_jobs(states=state_, sandbox=sandbox, limit=limit)
         return JobList(jobs=[JobOut(**j.to_json()) for j in jobs])
 
     @app.get("/v1/pulls/{job_id}", dependencies=v1, responses=errors)
     async def get_pull(job_id: str) -> JobOut:
-        return JobOut(**state.manager.get(job_id).to_json())
+        return JobOut(**(await state.manager.get(job_id)).to_json())
 
     @app.delete("/v1/pulls/{job_id}", status_code=202, dependencies=v1, responses=errors)
     async def cancel_pull(job_id: str) -> JobOut:
         """Cancel a queued or running job; a running pull keeps its journal."""
-        return JobOut(**state.manager.cancel(job_id).to_json())
+        return JobOut(**(await state.manager.cancel(job_id)).to_json())
 
     @app.get(
         "/v1/events",
@@ -203,7 +204,11 @@ def create_app(state: AppState) -> FastAPI:
         """Server-sent events: ``job`` on every state change, ``progress`` (rate-limited)."""
         manager = state.manager
         queue = manager.events.subscribe()
-        active = manager.list_jobs(states=("queued", "running"), limit=1000)
+        try:
+            active = await manager.list_jobs(states=("queued", "running"), limit=1000)
+        except BaseException:
+            manager.events.unsubscribe(queue)
+            raise
 
         async def stream() -> AsyncIterator[str]:
             try:
@@ -243,7 +248,7 @@ def create_app(state: AppState) -> FastAPI:
             "listen": state.listen,
             "uptime_s": round(time.time() - state.started, 3),
             "ready": state.ready,
-            **state.manager.status(),
+            **(await state.manager.status()),
         }
 
     @app.get("/healthz")
@@ -253,9 +258,11 @@ def create_app(state: AppState) -> FastAPI:
 
     @app.get("/readyz", responses={503: {"model": ErrorOut}})
     async def readyz() -> Response:
-        """Readiness: jobs restored and new jobs accepted."""
-        if state.ready and state.manager.accepting:
+        """Readiness: jobs restored, new jobs accepted, and the job store reachable."""
+        if state.ready and state.manager.accepting and state.manager.store_ok():
             return JSONResponse({"ready": True})
+        if state.ready and state.manager.accepting:
+            return _error(503, "not ready (the job store is unreachable)", "not-ready")
         return _error(503, "not ready (starting or shutting down)", "not-ready")
 
     @app.get("/metrics", response_class=Response)

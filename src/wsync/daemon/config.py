@@ -45,6 +45,7 @@ from pydantic_settings import (
 
 from wsync.daemon.confine import Forbidden
 from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
+from wsync.engine.excludes import Excludes, check_pattern
 from wsync.errors import UsageError
 from wsync.transports.registry import SCHEMES
 from wsync.uri import SandboxURI, parse
@@ -118,6 +119,9 @@ class LimitsConfig(_Strict):
     min_free_bytes: int = Field(default=_LIMITS.min_free_bytes, ge=0)
     #: finished jobs kept in the job store (oldest dropped first)
     keep_finished_jobs: int = Field(default=1000, ge=10)
+    #: with a PostgreSQL ``store``: pulls running at once across the whole fleet
+    #: (0: no fleet-wide cap; ``max_concurrent`` still caps each daemon)
+    fleet_max_concurrent: int = Field(default=0, ge=0, le=100_000)
 
     @field_validator("chunk_size")
     @classmethod
@@ -145,6 +149,9 @@ class SandboxConfig(_Strict):
     options: dict[str, str | int | float | bool] = Field(default_factory=dict)
     #: secret transport options by reference only: "env:NAME" or "file:/path"
     secrets: dict[str, str] = Field(default_factory=dict)
+    #: paths left out of every pull of this sandbox, ``--exclude`` patterns (rsync meaning:
+    #: ``*.pyc``, ``/build``, ``node_modules/``, ``logs/**``); checked at load, exit 2 if bad
+    exclude: list[str] = Field(default_factory=list)
     #: testing/demo knob: run this sandbox through the fault-injecting transport
     #: (wsync.chaos spec: "all", "all,seed=7", "H=0.1,T=0.05", ...); never in production
     chaos: str | None = None
@@ -193,6 +200,16 @@ class SandboxConfig(_Strict):
                 raise ValueError(f"{key}: file reference must be an absolute path")
         return value
 
+    @field_validator("exclude")
+    @classmethod
+    def _check_exclude(cls, value: list[str]) -> list[str]:
+        for i, pattern in enumerate(value):
+            try:
+                check_pattern(pattern, f"[{i}]")
+            except UsageError as err:
+                raise ValueError(str(err)) from None
+        return value
+
     @field_validator("chaos")
     @classmethod
     def _check_chaos(cls, value: str | None) -> str | None:
@@ -221,6 +238,14 @@ class DaemonConfig(BaseSettings):
 
     #: jobs database, engine journals and the daemon's address file
     state_dir: Path = Field(default_factory=default_state_dir)
+    #: where jobs live: unset (SQLite ``STATE_DIR/jobs.db``, one daemon) or
+    #: ``postgresql://…`` (a fleet of daemons sharing jobs, leases and schedules)
+    store: str | None = None
+    #: engine journals and the record of DESTs wsync wrote (default STATE_DIR/engine);
+    #: a fleet needs it on the filesystem every daemon shares, so a takeover resumes
+    engine_dir: Path | None = None
+    #: with a PostgreSQL store: seconds a claimed job stays ours without a renewal
+    lease_seconds: float = Field(default=30.0, ge=1.0, le=3600.0)
     #: destinations must resolve inside one of these directories
     dest_roots: list[Path] = Field(default_factory=list)
     #: seconds SIGTERM waits for in-flight pulls to checkpoint before exiting anyway
@@ -258,6 +283,20 @@ class DaemonConfig(BaseSettings):
             raise ValueError("must be an absolute path")
         return value
 
+    @field_validator("store")
+    @classmethod
+    def _check_store(cls, value: str | None) -> str | None:
+        if value is not None and value and not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a postgresql:// URL (unset: SQLite in the state dir)")
+        return value or None
+
+    @field_validator("engine_dir")
+    @classmethod
+    def _check_engine_dir(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError("must be an absolute path")
+        return value
+
     @field_validator("dest_roots")
     @classmethod
     def _check_roots(cls, value: list[Path]) -> list[Path]:
@@ -281,7 +320,24 @@ class DaemonConfig(BaseSettings):
                     raise ValueError(f"sandboxes.{name}.dest: {err}") from None
             if box.interval is not None and box.dest is None:
                 raise ValueError(f"sandboxes.{name}: a scheduled sandbox (interval) needs a dest")
+        if self.engine_dir is not None:
+            for root in self.dest_roots:
+                if self.engine_dir.is_relative_to(root) or root.is_relative_to(self.engine_dir):
+                    # a request naming the journals as its DEST would replace them
+                    raise ValueError(
+                        f"engine_dir: must lie outside every dest root (it overlaps {root})"
+                    )
+        if self.store is not None and self.engine_dir is None:
+            raise ValueError(
+                "engine_dir: a PostgreSQL store (a fleet) needs engine_dir on the filesystem "
+                "every daemon shares, so that a daemon taking over a job resumes its journal"
+            )
         return self
+
+    @property
+    def engine_state_dir(self) -> Path:
+        """The engine's state directory: journals and the DEST registry."""
+        return self.engine_dir or self.state_dir / "engine"
 
     # -- derived values ---------------------------------------------------
 
@@ -327,7 +383,7 @@ class DaemonConfig(BaseSettings):
         parallel = sandbox.parallel if sandbox and sandbox.parallel else lim.parallel
         chunk = sandbox.chunk_size if sandbox and sandbox.chunk_size else lim.chunk_size
         return PullOptions(
-            state_dir=self.state_dir / "engine",
+            state_dir=self.engine_state_dir,
             parallel=parallel,
             timeout=lim.pull_timeout,
             call_timeout=lim.call_timeout,
@@ -336,6 +392,7 @@ class DaemonConfig(BaseSettings):
             limits=ExtractLimits(
                 max_files=lim.max_files, max_bytes=lim.max_bytes, min_free_bytes=lim.min_free_bytes
             ),
+            excludes=Excludes(tuple(sandbox.exclude)) if sandbox else Excludes.none(),
         )
 
     def sandbox_concurrency(self, name: str) -> int:
@@ -472,6 +529,8 @@ def _anchor_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
     data = dict(data)
     if "state_dir" in data:
         data["state_dir"] = _anchor(data["state_dir"], base)
+    if "engine_dir" in data:
+        data["engine_dir"] = _anchor(data["engine_dir"], base)
     if "dest_roots" in data:
         data["dest_roots"] = _anchor_list(data["dest_roots"], base)
     api = data.get("api")

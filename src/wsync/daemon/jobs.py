@@ -127,6 +127,52 @@ def _check_source(job: Job, config: DaemonConfig) -> None:
         confine_source(Path(parsed.path), config.api.local_roots)
 
 
+def resolve_request(config: DaemonConfig, sandbox: str, dest: str | None) -> tuple[str, str, str]:
+    """(sandbox label, uri, resolved dest) for a request; raises UsageError/DestForbidden."""
+    box = config.sandboxes.get(sandbox)
+    if box is not None:
+        name, uri = sandbox, box.uri
+        dest = dest or (str(box.dest) if box.dest else None)
+    elif ":" in sandbox:
+        parsed = check_uri(sandbox)
+        if not config.api.allow_uris:
+            raise Forbidden(
+                "sandbox URIs are disabled (api.allow_uris = false); use a configured sandbox name"
+            )
+        uri = parsed.raw
+        if parsed.scheme == "local":
+            real = check_local_source(Path(parsed.path), config.api.local_roots)
+            uri = f"local:{real}"
+        name = uri
+    else:
+        known = ", ".join(sorted(config.sandboxes)) or "none configured"
+        raise UsageError(f"unknown sandbox {sandbox!r} (configured: {known})")
+    if not dest:
+        raise UsageError(f"dest is required for sandbox {sandbox!r} (it has no default dest)")
+    return name, uri, str(check_dest(dest, config.dest_roots))
+
+
+def failure_summary(job: Job, err: WsyncError | None) -> dict[str, Any]:
+    """A failed job's result: the PullResult shape, filled from the last progress."""
+    prog = job.progress
+    result = PullResult(
+        ok=False,
+        sandbox=job.uri,
+        dest=job.dest,
+        snapshot=str(prog.get("snapshot") or ""),
+        bytes=int(prog.get("archive_bytes") or 0),
+        transferred_bytes=int(prog.get("transferred_bytes") or 0),
+        chunks=int(prog.get("chunks_done") or 0),
+        resumed_chunks=int(prog.get("resumed_chunks") or 0),
+        retries=int(prog.get("retries") or 0),
+        faults=dict(prog.get("faults") or {}),
+    )
+    if err is not None:
+        result.error, result.error_kind, result.exit_code = str(err), err.kind, err.exit_code
+        job.error, job.error_kind, job.exit_code = str(err), err.kind, err.exit_code
+    return result.to_json()
+
+
 class EventBroker:
     """Fan-out of job events to SSE subscribers; a slow subscriber loses old events."""
 
@@ -268,28 +314,7 @@ class JobManager:
 
     def resolve(self, sandbox: str, dest: str | None) -> tuple[str, str, str]:
         """(sandbox label, uri, resolved dest) for a request; raises UsageError/DestForbidden."""
-        box = self.config.sandboxes.get(sandbox)
-        if box is not None:
-            name, uri = sandbox, box.uri
-            dest = dest or (str(box.dest) if box.dest else None)
-        elif ":" in sandbox:
-            parsed = check_uri(sandbox)
-            if not self.config.api.allow_uris:
-                raise Forbidden(
-                    "sandbox URIs are disabled (api.allow_uris = false); "
-                    "use a configured sandbox name"
-                )
-            uri = parsed.raw
-            if parsed.scheme == "local":
-                real = check_local_source(Path(parsed.path), self.config.api.local_roots)
-                uri = f"local:{real}"
-            name = uri
-        else:
-            known = ", ".join(sorted(self.config.sandboxes)) or "none configured"
-            raise UsageError(f"unknown sandbox {sandbox!r} (configured: {known})")
-        if not dest:
-            raise UsageError(f"dest is required for sandbox {sandbox!r} (it has no default dest)")
-        return name, uri, str(check_dest(dest, self.config.dest_roots))
+        return resolve_request(self.config, sandbox, dest)
 
     def submit(self, sandbox: str, dest: str | None, trigger: str = "api") -> tuple[Job, bool]:
         """Queue a pull, or return the active job for the same (uri, dest) as reconciled."""
@@ -501,24 +526,7 @@ class JobManager:
         return state, summary
 
     def _failure(self, job: Job, err: WsyncError | None) -> dict[str, Any]:
-        """A failed job's result: the PullResult shape, filled from the last progress."""
-        prog = job.progress
-        result = PullResult(
-            ok=False,
-            sandbox=job.uri,
-            dest=job.dest,
-            snapshot=str(prog.get("snapshot") or ""),
-            bytes=int(prog.get("archive_bytes") or 0),
-            transferred_bytes=int(prog.get("transferred_bytes") or 0),
-            chunks=int(prog.get("chunks_done") or 0),
-            resumed_chunks=int(prog.get("resumed_chunks") or 0),
-            retries=int(prog.get("retries") or 0),
-            faults=dict(prog.get("faults") or {}),
-        )
-        if err is not None:
-            result.error, result.error_kind, result.exit_code = str(err), err.kind, err.exit_code
-            job.error, job.error_kind, job.exit_code = str(err), err.kind, err.exit_code
-        return result.to_json()
+        return failure_summary(job, err)
 
     def _on_progress(self, job: Job, run: _Running, progress: dict[str, Any]) -> None:
         """Engine progress (often, relayed from the pull's thread): keep the latest

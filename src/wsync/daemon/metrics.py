@@ -75,6 +75,43 @@ class Metrics:
             ["sandbox", "kind"],
             registry=r,
         )
+        self.modes = Counter(
+            "wsync_pull_modes",
+            "Successful pulls by mode: full (the whole tree crossed) or incremental",
+            ["sandbox", "mode"],
+            registry=r,
+        )
+        self.changed = Counter(
+            "wsync_changed_files",
+            "Entries fetched (or directories re-created) by successful pulls",
+            ["sandbox"],
+            registry=r,
+        )
+        self.deleted = Counter(
+            "wsync_deleted_files",
+            "Entries removed from DEST by successful pulls",
+            ["sandbox"],
+            registry=r,
+        )
+        self.tree_bytes = Counter(
+            "wsync_tree_bytes",
+            "Bytes of the trees that successful pulls left in DEST (set against "
+            "wsync_transferred_bytes_total: what an incremental pull saved)",
+            ["sandbox"],
+            registry=r,
+        )
+        self.last_transferred = Gauge(
+            "wsync_last_pull_transferred_bytes",
+            "Bytes read over the transport by the last successful pull",
+            ["sandbox"],
+            registry=r,
+        )
+        self.last_tree = Gauge(
+            "wsync_last_pull_tree_bytes",
+            "Bytes of the tree in DEST after the last successful pull",
+            ["sandbox"],
+            registry=r,
+        )
         self.duration = Histogram(
             "wsync_pull_duration_seconds",
             "Wall time of one pull attempt",
@@ -87,6 +124,31 @@ class Metrics:
         self.reloads = Counter(
             "wsync_config_reloads", "Configuration reloads by outcome", ["outcome"], registry=r
         )
+        # a fleet on PostgreSQL (store = "postgresql://..."); zero with SQLite
+        self.claims = Counter(
+            "wsync_fleet_claims", "Jobs this daemon claimed from the shared store", registry=r
+        )
+        self.renewals = Counter(
+            "wsync_fleet_lease_renewals",
+            "Lease renewals by outcome: ok, or lost (another daemon owns the job now)",
+            ["outcome"],
+            registry=r,
+        )
+        self.takeovers = Counter(
+            "wsync_fleet_takeovers",
+            "Jobs claimed after another daemon's lease ran out",
+            registry=r,
+        )
+        self.fenced = Counter(
+            "wsync_fleet_fenced_writes",
+            "Writes of a job refused because another daemon holds a newer fencing token",
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "wsync_fleet_store_errors",
+            "Statements the shared store failed (unreachable, restarted); retried with backoff",
+            registry=r,
+        )
 
     def observe_pull(
         self, sandbox: str, state: str, elapsed: float, summary: Mapping[str, Any]
@@ -96,6 +158,13 @@ class Metrics:
         self.duration.labels(state).observe(max(elapsed, 0.0))
         if state == "succeeded":
             self.bytes.labels(sandbox).inc(int(summary.get("bytes") or 0))
+            self.modes.labels(sandbox, str(summary.get("mode") or "full")).inc()
+            self.changed.labels(sandbox).inc(int(summary.get("changed_files") or 0))
+            self.deleted.labels(sandbox).inc(int(summary.get("deleted_files") or 0))
+            tree = int(summary.get("tree_bytes") or 0)
+            self.tree_bytes.labels(sandbox).inc(tree)
+            self.last_tree.labels(sandbox).set(tree)
+            self.last_transferred.labels(sandbox).set(int(summary.get("transferred_bytes") or 0))
         self.transferred.labels(sandbox).inc(int(summary.get("transferred_bytes") or 0))
         self.chunks.labels(sandbox).inc(int(summary.get("chunks") or 0))
         self.resumed.labels(sandbox).inc(int(summary.get("resumed_chunks") or 0))

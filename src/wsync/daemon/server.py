@@ -50,6 +50,7 @@ from wsync.daemon.config import (
 )
 from wsync.daemon.jobs import JobManager
 from wsync.daemon.metrics import Metrics
+from wsync.daemon.service import JobService, LocalJobs
 from wsync.daemon.store import JobStore
 from wsync.errors import WsyncError
 
@@ -146,9 +147,15 @@ class Daemon:
             self.metrics.reloads.labels("failed").inc()
             log.error("config.reload_failed", error=str(err))
             raise
-        if new.api.listen != self.config.api.listen or new.state_dir != self.config.state_dir:
-            log.warning("config.reload_partial", note="api.listen and state_dir need a restart")
-            new = new.model_copy(update={"state_dir": self.config.state_dir})
+        fixed = ("state_dir", "store", "engine_dir", "lease_seconds")
+        if new.api.listen != self.config.api.listen or any(
+            getattr(new, key) != getattr(self.config, key) for key in fixed
+        ):
+            log.warning(
+                "config.reload_partial",
+                note="api.listen, state_dir, store, engine_dir and lease_seconds need a restart",
+            )
+            new = new.model_copy(update={key: getattr(self.config, key) for key in fixed})
         self.config = new
         self.token = token
         self._register_secrets(new)
@@ -189,12 +196,11 @@ class Daemon:
 
     async def _run_locked(self, state_dir: Path) -> int:
         self.metrics = Metrics()
-        store = JobStore(state_dir / "jobs.db")
-        self.manager = JobManager(self.config, store, self.metrics)
+        self.manager = self._service()
         try:
             sock, address = bind(self.config.api.listen)
         except OSError as err:
-            store.close()
+            await self.manager.close()
             log.error("listen.failed", listen=self.config.api.listen, error=err.strerror)
             _say(f"cannot listen on {self.config.api.listen}: {err.strerror}")
             return 2
@@ -217,10 +223,17 @@ class Daemon:
         while not server.started and not serving.done():  # noqa: ASYNC110 - uvicorn has no event
             await asyncio.sleep(0.01)
         if serving.done():
-            store.close()
+            await self.manager.close()
             log.error("http.start_failed")
             return 1
-        resumed = await self.manager.start()
+        try:
+            resumed = await self.manager.start()
+        except WsyncError:
+            server.should_exit = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(serving), HTTP_GRACE + 2)
+            await self.manager.close()
+            raise
         self.app_state.ready = True
         info = state_dir / "daemon.json"
         _write_json(info, {"pid": os.getpid(), "listen": address, "started": time.time()})
@@ -243,7 +256,7 @@ class Daemon:
         await asyncio.gather(watchdog, stop, serving, return_exceptions=True)
         # every job task has recorded its job by now (shutdown waited for them),
         # so nothing writes to the store after this
-        store.close()
+        await self.manager.close()
         self.abandoned = self.manager.busy_threads()
         if self.abandoned:
             log.warning(
@@ -258,6 +271,15 @@ class Daemon:
                 os.unlink(address[len("unix:") :])
         log.info("daemon.stopped")
         return 0
+
+    def _service(self) -> JobService:
+        """SQLite in the state dir (one daemon), or a fleet on PostgreSQL (``store``)."""
+        if self.config.store is None:
+            store = JobStore(self.config.state_dir / "jobs.db")
+            return LocalJobs(JobManager(self.config, store, self.metrics))
+        from wsync.daemon.fleet import FleetManager  # psycopg only when a fleet is configured
+
+        return FleetManager(self.config, self.metrics)
 
     async def _watchdog(self) -> None:
         interval = watchdog_interval()

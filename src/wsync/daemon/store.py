@@ -29,6 +29,14 @@ from typing import Any
 
 from wsync.errors import HostIOError
 
+
+class StoreUnavailable(HostIOError):
+    """The shared job store cannot be reached right now (HTTP 503; the daemon retries)."""
+
+    kind = "store-unavailable"
+    template = "job store: {}"
+
+
 ACTIVE_STATES = ("queued", "running")
 FINAL_STATES = ("succeeded", "failed", "cancelled")
 STATES = ACTIVE_STATES + FINAL_STATES

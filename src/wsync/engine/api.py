@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from wsync.engine.excludes import Excludes
 from wsync.errors import Interrupted, WsyncError
 
 KiB = 1024
@@ -72,13 +73,24 @@ class PullOptions:
     #: reached from it without following symlinks at the time of the write
     #: (the daemon sets it to the dest root that DEST was accepted under)
     dest_root: Path | None = None
+    #: called on the pull's thread just before DEST is replaced; raising (e.g.
+    #: :class:`~wsync.errors.Fenced`) stops the swap.  A daemon fleet uses it so a
+    #: daemon whose lease ran out (frozen, cut off from the store) never swaps
+    fence: Callable[[], None] | None = None
+    #: a full pull even when DEST holds a baseline of this sandbox (issue 8)
+    full: bool = False
+    #: entries left out in the guest and deleted from DEST (rsync/.gitignore patterns)
+    excludes: Excludes = dataclasses.field(default_factory=Excludes.none)
+    #: manifest and diff only: report the changes (``PullResult.changes``), write nothing
+    dry_run: bool = False
 
 
 @dataclasses.dataclass(slots=True)
 class Progress:
     """A snapshot of a running pull, emitted often; cheap to copy."""
 
-    phase: str = "probe"  # probe | admit | pull | extract | swap | cleanup | done
+    #: probe | manifest | diff | admit | pull | extract | apply | swap | cleanup | done
+    phase: str = "probe"
     snapshot: str = ""
     bytes_fetched: int = 0
     #: total archive bytes once the guest producer finished, else None
@@ -125,6 +137,15 @@ class PullResult:
     warnings: list[str] = dataclasses.field(default_factory=list)
     #: files that changed every time they were read (only with ``best_effort``)
     unstable_files: list[str] = dataclasses.field(default_factory=list)
+    #: "full" (the whole workspace was archived) or "incremental" (only changes)
+    mode: str = "full"
+    #: entries fetched or changed in DEST, and entries of DEST deleted (issue 8)
+    changed_files: int = 0
+    deleted_files: int = 0
+    #: bytes of regular files in the tree DEST holds now (0 when not known)
+    tree_bytes: int = 0
+    #: ``rsync -i`` style lines of a ``dry_run``
+    changes: list[str] = dataclasses.field(default_factory=list)
     error: str | None = None
     error_kind: str | None = None
     exit_code: int = 0

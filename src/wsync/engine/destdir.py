@@ -42,7 +42,7 @@ import structlog
 
 from wsync.engine import fsutil
 from wsync.engine.fsutil import host_io, remove_tree_at, swap_at
-from wsync.errors import HostIOError, UsageError, WsyncError
+from wsync.errors import Busy, HostIOError, UsageError, WsyncError
 
 log = structlog.get_logger("wsync.destdir")
 
@@ -223,7 +223,7 @@ class DestDir:
                 holder = _read_pid(fd)
                 os.close(fd)
                 who = f" (pid {holder})" if holder else ""
-                raise UsageError(
+                raise Busy(
                     f"DEST {self.path} is being written by another wsync pull{who}; "
                     "wait for it to finish or choose another DEST"
                 ) from None

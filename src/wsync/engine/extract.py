@@ -78,11 +78,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+import xxhash
+
 from wsync.engine.api import ExtractLimits, MiB
 from wsync.engine.tarstream import TarReader, show_name
 from wsync.errors import HostileArchive, HostIOError, LimitExceeded, WsyncError
 
-__all__ = ["ExtractStats", "extract_tar_stream"]
+__all__ = ["ExtractStats", "FileHook", "extract_tar_stream"]
 
 #: longest member name or link target, in bytes
 _MAX_NAME = 64 * 1024
@@ -133,8 +135,21 @@ def extract_tar_stream(
     *,
     check_cancel: Callable[[], None] | None = None,
     stats: ExtractStats | None = None,
+    replace: bool = False,
+    on_file: FileHook | None = None,
 ) -> ExtractStats:
     """Extract the uncompressed tar ``stream`` into the empty directory ``root``, confined.
+
+    ``replace`` (incremental pulls): ``root`` is not empty but holds a hardlink farm of
+    DEST's unchanged entries, whose files share their inodes with the live DEST.  Every
+    non-directory member is then written under a fresh name and renamed over the name
+    (never opened for writing, chmod'ed or utime'd in place), like a member of a later
+    archive; an existing directory takes the member's mode and mtime.  Confinement holds
+    as before: the farm's directories are real directories created fresh, its links are
+    never followed (``O_NOFOLLOW`` walk, ``rename`` replaces the link itself).
+
+    ``on_file(path, xxh3_128_hex)`` hears every regular file (and hardlink) written, with
+    the hash of the bytes as written: the incremental state records it.
 
     ``root`` is a path or an already-open directory fd (which stays open; the pull passes
     one so that nothing is resolved by path after its checks).  Raises
@@ -154,10 +169,14 @@ def extract_tar_stream(
     except OSError as exc:
         raise HostIOError(f"cannot open extraction root {str(root)!r}: {exc.strerror}") from exc
     try:
-        with os.scandir(root_fd) as entries:
-            if next(entries, None) is not None:
-                raise HostIOError(f"extraction root {str(root)!r} is not empty")
-        return _Extractor(stream, root_fd, limits, check_cancel, stats).run()
+        if not replace:
+            with os.scandir(root_fd) as entries:
+                if next(entries, None) is not None:
+                    raise HostIOError(f"extraction root {str(root)!r} is not empty")
+        extractor = _Extractor(stream, root_fd, limits, check_cancel, stats)
+        extractor.replace = replace
+        extractor.on_file = on_file
+        return extractor.run()
     finally:
         os.close(root_fd)
 
@@ -223,6 +242,25 @@ def _utime(
             dir_fd=dir_fd,
             follow_symlinks=follow_symlinks,
         )
+
+
+#: hears (path, xxh3_128 hex) of every regular file written
+FileHook = Callable[[bytes, str], None]
+
+
+def _hash_at(dir_fd: int, leaf: bytes, shown: str) -> str:
+    """xxh3_128 of the regular file ``leaf`` in ``dir_fd`` (never through a symlink)."""
+    digest = xxhash.xxh3_128()
+    try:
+        fd = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            while block := os.read(fd, 1 << 20):
+                digest.update(block)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise HostIOError(f"{shown}: {exc.strerror or exc}") from exc
+    return digest.hexdigest()
 
 
 def _replacement_name() -> bytes:
@@ -318,6 +356,13 @@ class _Extractor:
         self.dir_updates: dict[bytes, tuple[int, int]] = {}
         self.unchecked_bytes = 0
         self.unchecked_members = 0
+        #: write every entry under a fresh name and rename it over (see extract_tar_stream)
+        self.replace = False
+        self.on_file: FileHook | None = None
+
+    def _fresh(self) -> bool:
+        """Whether a non-directory is written under a fresh name and renamed over."""
+        return self.replace or self.reader.archive > 0
 
     def run(self) -> ExtractStats:
         try:
@@ -407,16 +452,17 @@ class _Extractor:
         if self.unchecked_bytes >= _SPACE_CHECK_BYTES:
             self._check_space(size)
         parent = self._parent(parts, name)
-        leaf = _replacement_name() if self.reader.archive else parts[-1]
+        leaf = _replacement_name() if self._fresh() else parts[-1]
         try:
             fd = os.open(leaf, _FILE_FLAGS, mode, dir_fd=parent)
         except OSError as exc:
             raise _refuse_os(exc, show_name(name)) from exc
+        digest = xxhash.xxh3_128() if self.on_file is not None else None
         try:
             remaining = size
             while remaining:
                 step = min(remaining, _CHUNK)
-                self.reader.copy_to(fd, step, name)
+                self.reader.copy_to(fd, step, name, digest)
                 remaining -= step
                 if remaining:
                     if self.check_cancel is not None:
@@ -436,13 +482,15 @@ class _Extractor:
         self.stats.bytes += size
         if leaf is parts[-1] or not self._replace(parent, leaf, parts[-1], name):
             self.stats.files += 1
+        if self.on_file is not None and digest is not None:
+            self.on_file(b"/".join(parts), digest.hexdigest())
 
     def _dir(self, name: bytes, mode: int, mtime_ns: int) -> None:
         parts = _split(name, is_dir=True)
         if mode & 0o4000:
             raise HostileArchive(f"{show_name(name)}: setuid bit on a directory")
         if not parts:
-            if self.root_meta is not None and not self.reader.archive:
+            if self.root_meta is not None and not self._fresh():
                 raise HostileArchive(f"{show_name(name)}: the root directory appears twice")
             self.root_meta = (mode, mtime_ns)
             return
@@ -450,7 +498,7 @@ class _Extractor:
         try:
             os.mkdir(parts[-1], 0o700, dir_fd=parent)
         except OSError as exc:
-            if exc.errno == errno.EEXIST and self.reader.archive and self._is_dir(parent, parts):
+            if exc.errno == errno.EEXIST and self._fresh() and self._is_dir(parent, parts):
                 # read again: the newer mode and mtime win in the final pass
                 self.dir_updates[b"/".join(parts)] = (mode, mtime_ns)
                 return
@@ -466,7 +514,7 @@ class _Extractor:
         parts = _split(name, is_dir=False)
         _check_link_target(name, target)
         parent = self._parent(parts, name)
-        leaf = _replacement_name() if self.reader.archive else parts[-1]
+        leaf = _replacement_name() if self._fresh() else parts[-1]
         try:
             os.symlink(target, leaf, dir_fd=parent)
         except OSError as exc:
@@ -501,7 +549,7 @@ class _Extractor:
             if not stat.S_ISREG(st.st_mode):
                 raise HostileArchive(f"{shown} is not an earlier regular file")
             parent = self._parent(parts, name)
-            leaf = _replacement_name() if self.reader.archive else parts[-1]
+            leaf = _replacement_name() if self._fresh() else parts[-1]
             try:
                 os.link(
                     tparts[-1],
@@ -514,6 +562,8 @@ class _Extractor:
                 raise _refuse_os(exc, show_name(name)) from exc
             if leaf is parts[-1] or not self._replace(parent, leaf, parts[-1], name):
                 self.stats.hardlinks += 1
+            if self.on_file is not None:
+                self.on_file(b"/".join(parts), _hash_at(tparent, tparts[-1], shown))
         finally:
             os.close(tparent)
 

@@ -19,18 +19,20 @@ import threading
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import BinaryIO, TypeVar, cast
 
 import zstandard
 
 from wsync.engine.api import ExtractLimits
-from wsync.engine.extract import ExtractStats, extract_tar_stream
+from wsync.engine.extract import ExtractStats, FileHook, extract_tar_stream
 from wsync.errors import HostileArchive, Interrupted
 from wsync.protocol.hashing import Algorithm
 
 #: refuse zstd frames that ask for a larger window: a hostile guest must not
 #: make the host allocate gigabytes (zstd -3 uses 2 MiB, -19 uses 8 MiB)
 MAX_WINDOW = 1 << 27
+
+T = TypeVar("T")
 
 
 class FeedAborted(Interrupted):
@@ -120,6 +122,9 @@ def extract_feed(
     root: Path | int,
     limits: ExtractLimits,
     stats: ExtractStats | None = None,
+    *,
+    replace: bool = False,
+    on_file: FileHook | None = None,
 ) -> ExtractStats:
     """Decompress and extract the whole feed into ``root`` (a path or an open
     directory fd, which stays open), then drain it.
@@ -128,6 +133,19 @@ def extract_feed(
     blocks, but the whole-stream hash must cover every byte of the stream.
     ``stats`` is counted into live (see :func:`extract_tar_stream`).
     """
+    check: Callable[[], None] = feed.check_cancel
+
+    def extract(stream: BinaryIO) -> ExtractStats:
+        return extract_tar_stream(
+            stream, root, limits, check_cancel=check, stats=stats, replace=replace, on_file=on_file
+        )
+
+    return consume_feed(feed, compressor, extract)
+
+
+def consume_feed(feed: ChunkFeed, compressor: str, use: Callable[[BinaryIO], T]) -> T:
+    """Decompress the whole feed into ``use`` (the extractor, or the manifest reader),
+    then drain it (see :func:`extract_feed`)."""
     raw = io.BufferedReader(feed, 1 << 20)
     stream: BinaryIO
     try:
@@ -137,13 +155,12 @@ def extract_feed(
             stream = cast(BinaryIO, reader)
         else:
             stream = cast(BinaryIO, gzip.GzipFile(fileobj=raw, mode="rb"))
-        check: Callable[[], None] = feed.check_cancel
         try:
-            stats = extract_tar_stream(stream, root, limits, check_cancel=check, stats=stats)
+            result = use(stream)
         except (zstandard.ZstdError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
             raise HostileArchive(f"the archive does not decompress: {exc}") from exc
         while raw.read(1 << 20):
             pass
-        return stats
+        return result
     finally:
         raw.close()

@@ -10,6 +10,7 @@ exit status is logged but never consulted.
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import dataclasses
 import functools
@@ -105,6 +106,7 @@ class GuestSession:
         algorithm: Algorithm | None = None,
         observe: Callable[[str | None, int], None] | None = None,
         asked: Callable[[], int] | None = None,
+        stdin: bytes = b"",
     ) -> Envelope:
         """Exec ``build(nonce)`` until a verified envelope comes back.
 
@@ -138,7 +140,7 @@ class GuestSession:
             try:
                 result = await self.transport.exec(
                     argv,
-                    stdin=_GATE if self.gate else None,
+                    stdin=_GATE + stdin if self.gate else None,
                     timeout=deadline,
                     max_output=bound,
                 )
@@ -250,7 +252,14 @@ class GuestSession:
         return GuestPlan(algorithm, compressor, report)
 
     async def admit(
-        self, snapshot: str, workspace: str, compressor: str, *, installed: bool = False
+        self,
+        snapshot: str,
+        workspace: str,
+        compressor: str,
+        *,
+        installed: bool = False,
+        mode: str = "tar",
+        prune: tuple[str, ...] = (),
     ) -> bool:
         """Start (or adopt) the snapshot's producer.  True when adopted.
 
@@ -271,12 +280,16 @@ class GuestSession:
                 ttl_minutes=int(self.options.staging_ttl // 60),
                 run=self.run_id,
                 producer_hash=producer_hash,
+                mode=mode,
+                prune=prune,
             ),
             max_length=_SMALL,
         )
         if not envelope.ok and envelope.text == "producer-missing" and not installed:
             await self.install_producer()
-            return await self.admit(snapshot, workspace, compressor, installed=True)
+            return await self.admit(
+                snapshot, workspace, compressor, installed=True, mode=mode, prune=prune
+            )
         if not envelope.ok:
             self._admission_failed(envelope.text, workspace)
         self.admission = records.parse_admit(envelope.payload)
@@ -291,6 +304,8 @@ class GuestSession:
                 "the producer script in the guest does not match its hash even after "
                 "installing it afresh"
             )
+        if text == "list-missing":
+            raise StagingFailed("the list of entries to archive is missing from the staging")
         if text == "unsafe-root":
             raise StagingFailed(
                 f"the staging root {records.printable(self.staging_root)} is no longer a "
@@ -315,6 +330,63 @@ class GuestSession:
 
     def _install_argv(self, part: int, nonce: str) -> list[str]:
         return scripts.install_producer(**self._wire(nonce), part=part, run=self.run_id)
+
+    async def upload_list(self, snapshot: str, data: bytes) -> None:
+        """Stage ``data`` (a NUL-separated name list) as the ``list`` of ``snapshot``.
+
+        On stdin where the transport has it (one call, base64 on text channels), else in
+        argv parts of base64 (Cloudflare, Daytona); the guest keeps it only when it
+        hashes to ours, and the answer must name that hash too.
+        """
+        assert self.algorithm is not None
+        digest = self.algorithm.digest(data)
+        answers: list[str] = []
+        if self.gate:
+            body = base64.b64encode(data) if self.b64 else data
+            envelope = await self.call(
+                "upload",
+                lambda nonce: scripts.upload(
+                    **self._wire(nonce), snapshot=snapshot, how="stdin", digest=digest
+                ),
+                max_length=_SMALL,
+                stdin=body,
+            )
+            answers.append(envelope.text)
+            if not envelope.ok and envelope.text == "already-launched":
+                return  # a resumed run: the list is in place and its producer started
+            if not envelope.ok:
+                raise StagingFailed(f"uploading the list: {records.printable(envelope.text)}")
+        else:
+            text = base64.b64encode(data).decode()
+            size = scripts.UPLOAD_PART
+            count = max(1, -(-len(text) // size))
+            for part in range(count):
+                piece = text[part * size : (part + 1) * size]
+                envelope = await self.call(
+                    "upload",
+                    functools.partial(self._upload_argv, snapshot, part, count, piece, digest),
+                    max_length=_SMALL,
+                )
+                if not envelope.ok and envelope.text == "already-launched":
+                    return
+                if not envelope.ok:
+                    raise StagingFailed(f"uploading the list: {records.printable(envelope.text)}")
+                answers.append(envelope.text)
+        if answers[-1] != digest:
+            raise StagingFailed("the list of entries arrived damaged in the guest")
+
+    def _upload_argv(
+        self, snapshot: str, part: int, count: int, text: str, digest: str, nonce: str
+    ) -> list[str]:
+        return scripts.upload(
+            **self._wire(nonce),
+            snapshot=snapshot,
+            how="argv",
+            part=part,
+            parts=count,
+            text=text,
+            digest=digest,
+        )
 
     async def status(self) -> records.StatusReport:
         assert self.algorithm is not None

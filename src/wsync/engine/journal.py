@@ -34,7 +34,7 @@ from typing import Any
 
 from wsync.engine.destdir import DestDir
 from wsync.engine.fsutil import fsync_dir, host_io, rmtree, write_atomic
-from wsync.errors import HostIOError, UsageError
+from wsync.errors import Busy, HostIOError
 
 
 def _key(*parts: str) -> str:
@@ -84,9 +84,7 @@ class Journal:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise UsageError(
-                "another wsync pull of this sandbox into this DEST is running"
-            ) from None
+            raise Busy("another wsync pull of this sandbox into this DEST is running") from None
         self._lock_fd = fd
         self._collect_stale()
         try:
@@ -128,12 +126,6 @@ class Journal:
         write_atomic(self.dir / "meta.json", json.dumps(meta, sort_keys=True).encode())
         self.meta = meta
 
-    def clear_chunks(self) -> None:
-        with host_io("clearing the journal"):
-            for entry in os.scandir(self.chunks_dir):
-                os.unlink(entry.path)
-            fsync_dir(self.chunks_dir)
-
     def forget(self) -> None:
         """Drop the snapshot and its chunks (it failed for good): the next run starts afresh."""
         self.clear_chunks()
@@ -146,6 +138,32 @@ class Journal:
         """Forget this pull entirely (after success)."""
         with host_io("removing the journal"):
             rmtree(self.dir)
+
+    def phase(self, name: str) -> Journal:
+        """The journal of one phase of this pull (``manifest``, ``select``): its own
+        snapshot and chunks in ``KEY/phase-NAME/``, under this journal's lock, removed
+        with it.  A kill -9 during any phase resumes that phase's chunks."""
+        sub = Journal.__new__(Journal)
+        sub.dest_dir = None
+        sub.key = self.key
+        sub.min_free = self.min_free
+        sub.dir = self.dir / f"phase-{name}"
+        sub.chunks_dir = sub.dir / "chunks"
+        sub._lock_fd = None
+        with host_io(f"opening the journal in {sub.dir}"):
+            sub.chunks_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            sub.meta = json.loads((sub.dir / "meta.json").read_text("utf-8"))
+        except (OSError, ValueError):
+            sub.meta = None
+        return sub
+
+    def clear_chunks(self) -> None:
+        with host_io("clearing the journal"):
+            for entry in os.scandir(self.chunks_dir):
+                if entry.is_file(follow_symlinks=False):
+                    os.unlink(entry.path)
+            fsync_dir(self.chunks_dir)
 
     # -- chunks ----------------------------------------------------------------
 

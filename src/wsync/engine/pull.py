@@ -1,4 +1,11 @@
-"""Drive one pull: probe, admit, fetch chunks in parallel, extract, verify, swap.
+"""Drive one pull: probe, manifest and diff, admit, fetch chunks in parallel, extract,
+verify, swap, record the incremental state.
+
+Where the guest can list its workspace, every pull begins with a manifest run and a diff
+against what the last pull into DEST recorded (:mod:`wsync.engine.incremental`); then only
+the changed entries are archived (a ``select`` run) and applied over a hardlink farm of
+DEST's unchanged entries, or, without a baseline, the whole workspace as before.  Each
+producer run is admitted, fetched and verified by :class:`~wsync.engine.phases.StreamRunner`.
 
 The order of trust:
 
@@ -20,65 +27,50 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
-import secrets
 import stat
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
-from wsync.engine.api import Progress, ProgressCallback, PullOptions, PullResult
+from wsync.engine import incremental
+from wsync.engine.api import ProgressCallback, PullOptions, PullResult
 from wsync.engine.destdir import DestDir
 from wsync.engine.extract import ExtractStats
-from wsync.engine.feed import ChunkFeed, extract_feed
+from wsync.engine.feed import ChunkFeed, consume_feed, extract_feed
 from wsync.engine.fsutil import host_io, syncfs
-from wsync.engine.guest import CallStats, GuestPlan, GuestSession
+from wsync.engine.guest import GuestPlan
+from wsync.engine.incremental import Incremental
 from wsync.engine.journal import DestRegistry, Journal
+from wsync.engine.phases import StreamRunner
 from wsync.engine.settle import apply_lists
 from wsync.engine.winddown import (
-    WriterPool,
-    await_future,
-    await_thread,
     in_thread,
     raise_if_cancelled,
 )
 from wsync.errors import (
+    GuestToolsMissing,
     HostileArchive,
     HostIOError,
     IntegrityFailed,
+    Interrupted,
     LimitExceeded,
-    ProducerVanished,
     StagingFailed,
     UnstableFiles,
     UsageError,
     WsyncError,
-    first_error,
 )
-from wsync.protocol.policy import MIN_TEXT_READ, ReadSizer
-from wsync.protocol.records import Chunk, DoneRecord, IndexParser
-from wsync.protocol.scripts import BLOCK
 from wsync.transports.base import Transport
 from wsync.transports.registry import open_transport
 
 log = structlog.get_logger("wsync.pull")
 
-_INDEX_READ = 1024 * 1024
-_POLL_MIN, _POLL_MAX = 0.05, 1.0
-_DEAD_CONFIRMATIONS = 3
-#: progress is emitted at least this often, events or not (counters move between events)
-_TICK = 0.5
-
-
-class _ExtractorStopped(Exception):
-    """Internal: the extractor thread ended before the stream did."""
-
-
-def new_snapshot_id() -> str:
-    return time.strftime("s%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(4)
+_T = TypeVar("_T")
 
 
 def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOptions) -> DestDir:
@@ -121,187 +113,169 @@ def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOp
     return target
 
 
-class _Pull:
-    def __init__(
-        self,
-        transport: Transport,
-        workspace: str,
-        dest: Path,
-        options: PullOptions,
-        journal: Journal,
-        on_progress: ProgressCallback | None,
-        stats: CallStats | None = None,
-    ) -> None:
-        self.transport = transport
-        self.workspace = workspace
-        self.dest = dest
-        self.options = options
-        self.journal = journal
-        #: DEST's parent fd and the DEST lock (closed with the journal)
-        if journal.dest_dir is None:
-            raise ValueError("a pull's journal must carry its DestDir (see check_dest)")
-        self.target = journal.dest_dir
-        self.on_progress = on_progress
-        self.stats = stats or CallStats()
-        self.session = GuestSession(transport, options, self.stats)
-        # text channels carry base64, 4/3 the bytes: let reads go below one block there
-        minimum = MIN_TEXT_READ if not transport.capabilities.binary_safe else BLOCK
-        self.sizer = ReadSizer(options.chunk_size, minimum=minimum)
-        self.progress = Progress()
-        #: counted into by the extractor thread while it runs (progress reads it)
-        self.extracted = ExtractStats()
-        self.warnings: list[str] = []
-        self.reconciled = False
-        self.last_emit = 0.0
-        self.done: DoneRecord | None = None
-        #: files taken as last read although they kept changing (best effort only)
-        self.unstable: list[str] = []
-        #: journal writes run here, so that a cancelled pull can wait for the
-        #: writes in flight before it releases the journal (to_thread cannot)
-        self.io = WriterPool(
-            max_workers=max(1, options.parallel), thread_name_prefix="wsync-journal"
-        )
+class _Pull(StreamRunner):
+    """One pull: the phases in order, the swap, and what follows it."""
 
-    # -- progress ----------------------------------------------------------------
-
-    def emit(self, phase: str | None = None, *, force: bool = False) -> None:
-        p = self.progress
-        if phase:
-            p.phase = phase
-        p.retries = self.stats.retries
-        p.transferred_bytes = self.stats.transferred
-        p.faults = dict(self.stats.faults)
-        x = self.extracted
-        p.files = x.files + x.symlinks + x.hardlinks
-        now = time.monotonic()
-        if self.on_progress and (force or phase or now - self.last_emit > 0.1):
-            self.last_emit = now
-            self.on_progress(p)
-
-    @contextlib.asynccontextmanager
-    async def ticking(self) -> AsyncIterator[None]:
-        """Emit every ``_TICK`` seconds meanwhile: retries, faults and the extractor's
-        file count change while no chunk arrives (a hanging call, a resume's extract)."""
-
-        async def tick() -> None:
-            while True:
-                await asyncio.sleep(_TICK)
-                self.emit()
-
-        task = asyncio.create_task(tick())
-        try:
-            yield
-        finally:
-            task.cancel()
-            # gather: the ticker's own cancellation is a result, the caller's propagates
-            await asyncio.gather(task, return_exceptions=True)
-
-    # -- the pull ------------------------------------------------------------------
-
-    async def run(self) -> tuple[ExtractStats, int, int, str | None]:
-        """Everything up to and including the swap.  Returns what ``finish`` needs."""
+    async def run(self) -> tuple[ExtractStats, int, int, str | None] | None:
+        """Everything up to and including the swap.  Returns what ``finish`` needs, or
+        None when DEST stays as it is (nothing changed, or a dry run)."""
         self.emit("probe")
         plan = await self.session.probe(self.workspace)
         self.plan = plan
-        snapshot = self.choose_snapshot(plan)
-        self.progress.snapshot = snapshot
-        # every later log line of this pull (workers inherit the context) names it
-        structlog.contextvars.bind_contextvars(snapshot=snapshot)
-        self.emit("admit")
-        self.reconciled = await self.session.admit(snapshot, self.workspace, plan.compressor)
-        journaled = self.journal.chunks()
-        if journaled and not self.reconciled:
-            # the guest staging is gone and a new producer started: its stream
-            # differs from the one our chunks came from, so they are worthless
-            log.info("guest staging restarted; discarding journaled chunks", n=len(journaled))
-            self.journal.clear_chunks()
-            journaled = {}
+        inc = self.inc = self.open_incremental(plan)
+        run = "tar"
+        if inc is not None:
+            await self.manifest_phase(plan, inc)
+            self.emit("diff")
+            empty = self.journal.dir / "empty"
+            await in_thread(lambda: self.decide(inc, plan, empty))
+            if self.options.dry_run and inc.diff is not None:
+                diff = inc.diff
+                self.changes = await in_thread(lambda: list(diff.itemize()))
+            run = inc.run
+            if not run or self.options.dry_run:
+                return None
+        if run == "apply":
+            return await self.apply_only(inc)
+        journal = self.journal if run == "tar" else self.journal.phase("select")
+        listing = b""
+        extra: dict[str, Any] = {}
+        if inc is not None and run == "select":
+            listing = await in_thread(inc.select_list)
+            extra["list"] = hashlib.sha256(listing).hexdigest()
+        snapshot = self.choose_snapshot(plan, journal, run, extra)
+        if run == "select":
+            await self.session.upload_list(snapshot, listing)
+        journaled = await self.admit_phase(plan, journal, snapshot, run)
         tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
         tmp_fd, leftovers = self.target.make_tmp(tmp)
         self.warnings.extend(leftovers)
-        feed = ChunkFeed(plan.algorithm)
-        box: dict[str, Any] = {}
+        replace = run == "select"
+        hook = None
+        if inc is not None:
+            inc.hashes.start()
+            hook = inc.hashes.add
 
-        def work() -> None:
-            try:
-                box["stats"] = extract_feed(
-                    feed, plan.compressor, tmp_fd, self.options.limits, self.extracted
-                )
-            except BaseException as exc:
-                box["error"] = exc
+        def extract(feed: ChunkFeed) -> ExtractStats:
+            if inc is not None and replace:
+                inc.farm(tmp_fd, feed.check_cancel)
+            limits = self.options.limits
+            return extract_feed(
+                feed, plan.compressor, tmp_fd, limits, self.extracted, replace=replace, on_file=hook
+            )
 
-        thread = threading.Thread(target=work, name="wsync-extract", daemon=True)
-        thread.start()
         try:
             self.emit("pull")
-            chunks, length = await self.fetch_all(plan, feed, journaled, thread)
-            self.emit("extract")
-            await await_thread(thread, None)
-            raise_if_cancelled()  # a cancel swallowed on the way must not swap DEST
-            if "error" in box:
-                raise box["error"]
-            stats: ExtractStats = box["stats"]
-            assert self.done is not None
-            if feed.length != length or feed.digest != self.done.digest:
-                raise IntegrityFailed(
-                    f"whole stream: {feed.length} bytes hashing to {feed.digest[:16]}…, "
-                    f"guest says {length} bytes hashing to {self.done.digest[:16]}…"
-                )
+            stats, chunks, length = await self.stream(plan, journal, journaled, extract)
+            if inc is not None:
+                inc.hashes.close()
             self.unstable = await apply_lists(
                 self.session, self.done, self.sizer, tmp_fd, self.options.best_effort, self.warnings
             )
+            if inc is not None and replace:
+                self.emit("apply")
+                await in_thread(lambda: inc.dir_meta(tmp_fd))
             self.emit("swap")
             with host_io(f"flushing {self.dest.parent / tmp}"):
                 syncfs(tmp_fd)
+            if self.options.fence is not None:
+                self.options.fence()  # last word of a daemon fleet's lease before the swap
             # recorded before the swap: a kill right after it must not make
             # the next run refuse a DEST that wsync itself just wrote
             DestRegistry(self.options.state_dir).record(self.dest)
             old = self.target.swap(tmp)
-        except BaseException as exc:
-            await self.wind_down(feed, thread, tmp)
-            if isinstance(exc, _ExtractorStopped) and "error" in box:
-                raise box["error"] from None
+            self.swapped = True
+        except BaseException:
+            await self.remove_tmp(tmp)
             raise
         finally:
-            # every write was awaited on success; after wind_down() none is waited for here
+            # every write was awaited on success; after a failure none is waited for here
             self.io.shutdown(wait=False)
-            feed.close()
         return stats, chunks, length, old
 
-    async def wind_down(self, feed: ChunkFeed, thread: threading.Thread, tmp: str) -> None:
-        """After a failure or a cancel: stop the extractor and the journal writers,
-        then remove the partial tree beside DEST.
+    async def apply_only(
+        self, inc: Incremental | None
+    ) -> tuple[ExtractStats, int, int, str | None]:
+        """Changes without an entry to fetch (deletions, directory modes or mtimes, a
+        host-side chmod of a directory): the new tree is the farm alone, no producer run."""
+        assert inc is not None
+        tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
+        tmp_fd, leftovers = self.target.make_tmp(tmp)
+        self.warnings.extend(leftovers)
+        inc.hashes.start()
+        inc.hashes.close()
+        stop = threading.Event()
 
-        This runs on the event loop while the pull is being cancelled, so it never
-        blocks it: a cancelled CLI pull must exit within a second or two and the
-        daemon's loop keeps serving.  The extractor sees ``feed.abort`` at its next
-        read or ``check_cancel`` (milliseconds); journal writes in flight finish
-        their fsync+rename (a chunk either counts or leaves a temp file the next
-        run deletes).  Each wait is polled with a bound, never joined: what is
-        still running after :data:`_WIND_DOWN_S` is left to finish or die with the
-        process (daemon threads), and so is ``tmp``, which the next run removes
-        before it extracts.  Never :func:`asyncio.to_thread` here: the default
-        executor is joined without a bound by ``asyncio.run`` and at exit.
-        """
-        feed.abort("pull stopped")
-        self.io.shutdown(wait=False, cancel_futures=True)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _WIND_DOWN_S
-        if not await await_thread(thread, _WIND_DOWN_S):
-            log.warning("the extractor is still running; its partial tree stays", tmp=str(tmp))
-            return
-        for write in list(self.io.pending):
-            if not await await_future(write, deadline - loop.time()):
-                log.warning("a journal write is still running", tmp=str(tmp))
-                break
+        def check() -> None:
+            if stop.is_set():
+                raise Interrupted("pull stopped")
 
-        def remove() -> None:
-            self.target.discard(tmp)  # never raises: the pull's own error is reported
+        try:
+            self.emit("apply")
+            await in_thread(lambda: inc.farm(tmp_fd, check))
+            await in_thread(lambda: inc.dir_meta(tmp_fd))
+            self.emit("swap")
+            with host_io(f"flushing {self.dest.parent / tmp}"):
+                syncfs(tmp_fd)
+            if self.options.fence is not None:
+                self.options.fence()  # last word of a daemon fleet's lease before the swap
+            DestRegistry(self.options.state_dir).record(self.dest)
+            old = self.target.swap(tmp)
+            self.swapped = True
+        except BaseException:
+            stop.set()
+            await self.remove_tmp(tmp)
+            raise
+        return ExtractStats(), 0, 0, old
 
-        remover = threading.Thread(target=remove, name="wsync-cleanup", daemon=True)
-        remover.start()
-        if not await await_thread(remover, max(0.1, deadline - loop.time())):
-            log.info("partial tree not removed yet; the next run removes it", tmp=str(tmp))
+    def open_incremental(self, plan: GuestPlan) -> Incremental | None:
+        """The incremental state of DEST, when this guest can list its workspace."""
+        if not incremental.can_list(plan):
+            if self.options.excludes or self.options.dry_run:
+                # a full tar would carry the excluded bytes and list nothing
+                what = "--exclude" if self.options.excludes else "--dry-run"
+                raise GuestToolsMissing(
+                    f"find with -printf, or find, stat, readlink and xargs (for {what})"
+                )
+            return None
+        key = f"{self.transport.description}\n{self.workspace}"
+        hashes = incremental.HashLog(self.journal.dir / "hashes")
+        return Incremental(self.options, self.target, key, hashes)
+
+    def decide(self, inc: Incremental, plan: GuestPlan, empty: Path) -> None:
+        """Diff (in a thread); a full pull with excludes or a dry run without a baseline
+        diffs against an empty directory of the journal."""
+        with contextlib.suppress(FileExistsError):
+            empty.mkdir(mode=0o700)
+        fd = os.open(empty, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            inc.decide(plan, stdin=self.session.gate, tmp_fd=fd)
+            if self.options.dry_run and inc.diff is None:
+                inc.diff = inc.state.diff(fd)
+        finally:
+            os.close(fd)
+
+    async def manifest_phase(self, plan: GuestPlan, inc: Incremental) -> None:
+        """The manifest run, streamed into the state (see :mod:`wsync.engine.incremental`)."""
+        self.emit("manifest")
+        journal = self.manifest_journal = self.journal.phase("manifest")
+        prune = inc.prune()
+        snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
+        journaled = await self.admit_phase(plan, journal, snapshot, "manifest", prune)
+
+        def load(feed: ChunkFeed) -> None:
+            consume_feed(feed, plan.compressor, inc.load)
+
+        await self.stream(plan, journal, journaled, load)
+        # verified and loaded: its staging goes now (even with keep_staging, which keeps
+        # the content run's).  A kill -9 later takes a fresh manifest, whose diff (same
+        # guest, same DEST) names the same list, so the select run's journal resumes
+        self.snapshots.remove(snapshot)
+        try:
+            async with asyncio.timeout(self.options.call_timeout * 2):
+                await self.session.cleanup()
+        except (WsyncError, TimeoutError) as exc:
+            self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
 
     async def finish(self, old: str | None) -> None:
         """After the swap DEST is final: nothing here may fail the pull.
@@ -315,181 +289,26 @@ class _Pull:
                 await in_thread(self.target.removal(old))
             except (HostIOError, OSError) as exc:
                 self.warnings.append(f"the previous tree was not fully removed: {exc}")
-        if not self.options.keep_staging:
+        inc = self.inc
+        if inc is not None and self.swapped:
+            # after the old tree is gone: unlinking it changed the ctimes of kept files
             try:
-                async with asyncio.timeout(self.options.call_timeout * 2):
-                    await self.session.cleanup()
-            except (WsyncError, TimeoutError) as exc:
-                self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
+                await in_thread(inc.commit)
+                self.tree_bytes = await in_thread(inc.tree_bytes)
+            except (WsyncError, OSError) as exc:
+                self.warnings.append(f"incremental state not recorded (next pull re-checks): {exc}")
+        if not self.options.keep_staging:
+            for snapshot in dict.fromkeys(self.snapshots):
+                self.session.snapshot = snapshot
+                try:
+                    async with asyncio.timeout(self.options.call_timeout * 2):
+                        await self.session.cleanup()
+                except (WsyncError, TimeoutError) as exc:
+                    self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
         try:
             self.journal.remove()
         except WsyncError as exc:
             self.warnings.append(f"journal not removed: {exc}")
-
-    def choose_snapshot(self, plan: GuestPlan) -> str:
-        wanted = {
-            "sandbox": self.transport.description,
-            "workspace": self.workspace,
-            "staging_root": self.options.staging_root,
-            "chunk_size": self.options.chunk_size,
-            "algorithm": plan.algorithm.name,
-            "compressor": plan.compressor,
-        }
-        meta = self.journal.meta
-        fresh = meta is not None and (
-            time.time() - float(meta.get("created", 0)) < self.options.staging_ttl
-        )
-        if meta and fresh and all(meta.get(k) == v for k, v in wanted.items()):
-            snapshot = str(meta["snapshot"])
-            log.info("resuming", snapshot=snapshot)
-            return snapshot
-        snapshot = new_snapshot_id()
-        self.journal.start({**wanted, "snapshot": snapshot, "created": time.time()})
-        return snapshot
-
-    async def fetch_all(
-        self,
-        plan: GuestPlan,
-        feed: ChunkFeed,
-        journaled: dict[int, tuple[str, Path]],
-        thread: threading.Thread,
-    ) -> tuple[int, int]:
-        """Follow the guest index until ``done``; fetch every chunk; return (chunks, length)."""
-        queue: asyncio.Queue[Chunk | None] = asyncio.Queue()
-        index = IndexParser(plan.algorithm, self.options.chunk_size)
-        limits = self.options.limits
-        try:
-            async with asyncio.TaskGroup() as group:
-                workers = [
-                    group.create_task(self.worker(queue, feed, plan))
-                    for _ in range(max(1, self.options.parallel))
-                ]
-                poll, dead, dead_since = _POLL_MIN, 0, 0.0
-                while True:
-                    status = await self.session.status()
-                    if not status.exists:
-                        raise ProducerVanished("the guest staging directory disappeared")
-                    if status.failed is not None:
-                        raise StagingFailed(status.failed)
-                    self.progress.archive_produced = status.data_size
-                    grew = index.consumed < status.index_size
-                    while index.consumed < status.index_size:
-                        n = min(_INDEX_READ, status.index_size - index.consumed)
-                        data = await self.session.read("index", index.consumed, n, self.sizer)
-                        for chunk in index.receive_data(data):
-                            self.admit_chunk(chunk, journaled, queue, feed)
-                    if index.next_offset > limits.max_bytes:
-                        raise LimitExceeded(f"archive larger than {limits.max_bytes} bytes")
-                    if status.done is not None:
-                        done = status.done
-                        break
-                    if not thread.is_alive():
-                        raise _ExtractorStopped  # stop fetching; run() reports why
-                    if status.alive:
-                        dead = 0
-                    else:
-                        dead += 1
-                        dead_since = dead_since if dead > 1 else time.monotonic()
-                        if dead >= _DEAD_CONFIRMATIONS and time.monotonic() - dead_since > 5:
-                            raise ProducerVanished("the guest producer died without a result")
-                    self.emit()
-                    await asyncio.sleep(poll)
-                    poll = _POLL_MIN if grew else min(_POLL_MAX, poll * 1.5)
-                if not index.clean or index.next_seq != done.chunks:
-                    raise IntegrityFailed(
-                        f"index lists {index.next_seq} chunks, done record says {done.chunks}"
-                    )
-                if index.next_offset != done.length:
-                    raise IntegrityFailed(
-                        f"index covers {index.next_offset} bytes, done record says {done.length}"
-                    )
-                self.check_tar(plan, done.tar_rc, status.tar_errors)
-                self.done = done
-                self.progress.archive_bytes = done.length
-                self.progress.chunks_total = done.chunks
-                feed.finish(done.chunks)
-                for _ in workers:
-                    queue.put_nowait(None)
-        except BaseExceptionGroup as group_error:
-            raise first_error(group_error) from None
-        return done.chunks, done.length
-
-    async def discard(self) -> None:
-        """Forget a snapshot that failed for a reason a retry of it cannot fix: remove the
-        guest staging now (a full guest disk must not stay full until the GC) and the
-        journal's chunks, so that the next run starts a fresh snapshot."""
-        if self.session.snapshot and self.session.algorithm and not self.options.keep_staging:
-            try:
-                async with asyncio.timeout(self.options.call_timeout * 2):
-                    await self.session.cleanup()
-            except (WsyncError, TimeoutError) as exc:
-                log.warning("failed snapshot not removed from the guest", error=str(exc))
-        with contextlib.suppress(WsyncError):
-            self.journal.forget()
-
-    def check_tar(self, plan: GuestPlan, tar_rc: int, errors: str) -> None:
-        """GNU tar exits 1 only for files that changed while read: a warning.
-
-        Busybox tar exits 1 for any error, unreadable files left out included,
-        so there exit 1 is a failure: the archive is not the workspace.
-        """
-        if tar_rc == 1 and "GNU tar" not in plan.probe.tar_version:
-            raise StagingFailed(f"tar exited 1: {errors or 'no details'}")
-        if tar_rc == 1:
-            self.warnings.append(
-                "tar reported files changed while archiving (exit 1): " + (errors or "no details")
-            )
-        elif errors:
-            self.warnings.append(f"tar printed: {errors}")
-
-    def admit_chunk(
-        self,
-        chunk: Chunk,
-        journaled: dict[int, tuple[str, Path]],
-        queue: asyncio.Queue[Chunk | None],
-        feed: ChunkFeed,
-    ) -> None:
-        have = journaled.get(chunk.seq)
-        if have is not None and have[0] == chunk.digest:
-            with contextlib.suppress(OSError):
-                if have[1].stat().st_size == chunk.length:
-                    feed.publish(chunk.seq, have[1])
-                    self.progress.resumed_chunks += 1
-                    self.progress.bytes_resumed += chunk.length
-                    self.progress.chunks_done += 1
-                    return
-        queue.put_nowait(chunk)
-
-    async def worker(
-        self, queue: asyncio.Queue[Chunk | None], feed: ChunkFeed, plan: GuestPlan
-    ) -> None:
-        while (chunk := await queue.get()) is not None:
-            data = await self.fetch_chunk(chunk, plan)
-            store = self.io.submit(self.journal.store, chunk.seq, chunk.digest, data)
-            path = await asyncio.wrap_future(store)
-            feed.publish(chunk.seq, path)
-            self.progress.chunks_done += 1
-            self.progress.bytes_fetched += len(data)
-            self.emit()
-
-    async def fetch_chunk(self, chunk: Chunk, plan: GuestPlan) -> bytes:
-        direct = await self.session.read_direct(chunk.offset, chunk.length, chunk.digest)
-        if direct is not None:
-            return direct
-        for _ in range(self.options.max_attempts):
-            buf = bytearray()
-            while len(buf) < chunk.length:
-                buf += await self.session.read(
-                    "data", chunk.offset + len(buf), chunk.length - len(buf), self.sizer
-                )
-            if plan.algorithm.digest(buf) == chunk.digest:
-                return bytes(buf)
-            self.stats.faults["chunk-hash-mismatch"] += 1
-            self.stats.retries += 1
-            log.info(
-                "retry", call=f"chunk {chunk.seq}", fault="chunk-hash-mismatch", asked=len(buf)
-            )
-        raise IntegrityFailed(f"chunk {chunk.seq} never matched its index hash")
 
 
 #: failures that the same snapshot would repeat on every run: it is discarded at once
@@ -499,17 +318,23 @@ _PERMANENT = (StagingFailed, HostileArchive, UnstableFiles)
 async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
     async with runner.ticking():
         try:
-            return await runner.run()
+            done = await runner.run()
         except _PERMANENT as exc:
             # a host limit (disk space, --max-bytes) is not the snapshot's fault: the
             # next run, with room made or the limit raised, resumes it
             if not isinstance(exc, LimitExceeded):
                 await runner.discard()
+            if runner.inc is not None:
+                runner.inc.close()
             raise
+        except BaseException:
+            if runner.inc is not None:
+                runner.inc.close()
+            raise
+    # nothing to do (or a dry run): DEST stays as it is
+    return done if done is not None else (ExtractStats(), 0, 0, None)
 
 
-#: how long a failing or cancelled pull waits for its threads before it leaves them
-_WIND_DOWN_S = 10.0
 #: how long closing the transport may take once the pull is over
 _CLOSE_S = 10.0
 
@@ -571,15 +396,19 @@ async def pull(
         with contextlib.suppress(WsyncError):
             journal.remove()
     finally:
+        if runner.inc is not None:
+            runner.inc.close()
         journal.close()
     runner.emit("done", force=True)
+    inc = runner.inc
+    files = stats.files + stats.symlinks + stats.hardlinks
     return PullResult(
         ok=True,
         sandbox=sandbox,
         dest=str(real),
         snapshot=runner.progress.snapshot,
         reconciled=runner.reconciled,
-        files=stats.files + stats.symlinks + stats.hardlinks,
+        files=files,
         bytes=length,
         transferred_bytes=runner.stats.transferred,
         chunks=chunks,
@@ -589,6 +418,11 @@ async def pull(
         elapsed_s=time.monotonic() - started,
         warnings=runner.warnings,
         unstable_files=runner.unstable,
+        mode=inc.mode if inc is not None else "full",
+        changed_files=inc.changed if inc is not None and inc.mode != "full" else files,
+        deleted_files=inc.deleted if inc is not None else 0,
+        tree_bytes=runner.tree_bytes,
+        changes=runner.changes,
     )
 
 

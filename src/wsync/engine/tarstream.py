@@ -36,7 +36,7 @@ import os
 import struct
 import tarfile
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from wsync.engine.api import MiB
 from wsync.errors import HostileArchive, HostIOError, WsyncError
@@ -270,8 +270,9 @@ class TarReader:
         """Skip the zero padding that rounds ``size`` bytes of payload up to whole blocks."""
         self.skip(-size % BLOCK, "padding")
 
-    def copy_to(self, fd: int, size: int, name: bytes) -> None:
-        """Write the next ``size`` payload bytes to ``fd`` straight from the buffer."""
+    def copy_to(self, fd: int, size: int, name: bytes, digest: Any = None) -> None:
+        """Write the next ``size`` payload bytes to ``fd`` straight from the buffer
+        (and into ``digest``, a hash object, when given)."""
         mv = self._mv
         while size:
             if self._pos == self._end and not self._fill():
@@ -279,6 +280,8 @@ class TarReader:
             take = min(size, self._end - self._pos)
             start = self._pos
             stop = start + take
+            if digest is not None:
+                digest.update(mv[start:stop])
             while start < stop:
                 start += os.write(fd, mv[start:stop])
             self._pos = stop

@@ -47,6 +47,7 @@ import re
 from typing import TypedDict
 
 from wsync.errors import UsageError
+from wsync.protocol.producer import _PRODUCER
 
 #: snapshot ids are ours, but they become guest paths: keep them boring
 SNAPSHOT_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
@@ -149,7 +150,7 @@ if [ -d "$ws" ]; then
   if [ -r "$ws" ] && [ -x "$ws" ]; then w=dir; else w=unreadable; fi
 elif [ -e "$ws" ]; then w=notdir; else w=missing; fi
 p="$p${nl}workspace $w"
-for t in tar zstd gzip xxhsum b2sum sha256sum setsid base64 dd wc find ls du id; do
+for t in tar zstd gzip xxhsum b2sum sha256sum setsid base64 dd wc find ls du id stat readlink xargs; do
   if command -v "$t" >/dev/null 2>&1; then p="$p${nl}has_$t 1"; else p="$p${nl}has_$t 0"; fi
 done
 p="$p${nl}test_xxh128 $(printf wsync-probe | xxhsum -H2)"
@@ -159,156 +160,12 @@ if [ "$(printf abcdef | dd bs=65536 iflag=skip_bytes,count_bytes skip=2 count=3 
   p="$p${nl}has_dd_bytes 1"
 fi
 p="$p${nl}tar_version $(tar --version 2>&1 | head -n 1)"
+find / -maxdepth 0 -printf '' >/dev/null 2>&1 && p="$p${nl}has_find_printf 1"
 if [ "$w" = dir ] && command -v ls >/dev/null 2>&1 && command -v id >/dev/null 2>&1; then
   stage "$2" "$ws"
   p="$p${nl}stage_root $R${nl}stage_free_kb $(df -Pk "$R" | awk 'NR == 2 { print $4 }')"
 fi
 emit ok "$p"
-"""
-
-_PRODUCER = r"""
-set -u
-d=$1 ws=$2 cs=$3 hid=$4 comp=$5
-# tar's diagnostics in English with names escaped: torn() reads them
-LC_ALL=C
-export LC_ALL
-cd "$d" || exit 1
-h() {
-  case $hid in
-    xxh128) xxhsum -H2 ;;
-    b2) b2sum ;;
-    sha256) sha256sum ;;
-  esac
-}
-alive() {
-  kill -0 "$1" 2>/dev/null || return 1
-  if [ -r "/proc/$1/stat" ]; then
-    case $(sed 's/.*) //' "/proc/$1/stat" | cut -d ' ' -f 1) in Z) return 1 ;; esac
-  fi
-  return 0
-}
-fail() {
-  # a failed write on a full disk says so: the host names the figures
-  f=$(df -Pk . | awk 'NR == 2 { print $4 + 0 }')
-  [ "${f:-9999}" -lt 1024 ] && set -- "disk-full $f: $1"
-  # failed.tmp was reserved at start: rewriting it in place (1<>, no
-  # truncation) needs no new disk blocks, so a full disk can still say why
-  printf '%s\n' "$1" 1<> failed.tmp
-  mv -f failed.tmp failed
-  trap '' TERM
-  kill -TERM 0 2>/dev/null
-  exit 1
-}
-printf '%512s\n' '' > failed.tmp || exit 1
-echo $$ > pid.tmp && mv -f pid.tmp pid || fail "cannot write the pid file"
-: > index || fail "cannot create the index"
-: > data || fail "cannot create the data file"
-case $comp in
-  zstd) z() { zstd -q -c -3 -T0; } ;;
-  gzip) z() { gzip -c -1; } ;;
-  *) fail "unknown compressor" ;;
-esac
-# files whose status changed after a mark were (maybe) read torn: GNU tar reads
-# again, up to 3 more rounds, every entry changed since the mark before the
-# previous read (-N: a recursive walk through directory fds, like the first
-# read, so a directory swapped for a symlink is never followed), appending the
-# archives to the same stream (the host applies later archives over earlier
-# ones); non-directories that still changed in the last round are listed in
-# "unstable", ones that vanished after a torn read in "gone" (NUL-separated)
-D=$(pwd -P) || exit 1
-cn=-cnewer
-find . -maxdepth 0 -cnewer . >/dev/null 2>&1 || cn=-newer
-case $(tar --version 2>/dev/null) in *"GNU tar"*) gnu=1 ;; *) gnu=0 ;; esac
-tick() {
-  : > m && : > tick.t || fail "cannot write a mark"
-  until [ -n "$(find tick.t -newer m)" ]; do sleep 0.01 2>/dev/null || sleep 1; : > tick.t; done
-}
-changed() {
-  (cd "$ws" && find . "$cn" "$D/m" ! -type d -print0) > chg || fail "cannot list changed files"
-}
-exists() {
-  [ -s "$1" ] || { : > "$2"; return; }
-  (cd "$ws" && xargs -0 sh -c 'for f; do if [ -e "$f" ] || [ -L "$f" ]; then printf "%s\0" "$f"; else printf "%s\0" "$f" >&3; fi; done' sh) < "$1" > "$2" 3>> gone || fail "cannot check changed files"
-}
-rounds() {
-  tick
-  tar -cf - -C "$ws" . 2>>tar.err
-  echo $? > tar.rc
-  changed
-  k=0
-  while [ -s chg ] && [ "$gnu" = 1 ] && [ $k -lt 3 ]; do
-    k=$((k + 1))
-    mv -f m prev || fail "cannot write a mark"
-    tick
-    tar -cf - -N "$D/prev" -C "$ws" . 2>>tar.err
-    rc=$?
-    [ $rc -gt "$(cat tar.rc)" ] && echo $rc > tar.rc
-    exists chg live
-    changed
-  done
-  exists chg live
-  torn
-  if [ -s live ]; then mv -f live unstable || fail "cannot record unstable files"; fi
-}
-# a file tar read torn and that vanished before the next find is in no list:
-# tar named it ("changed as we read it", "shrank"); gone if it is still absent,
-# unstable if its name came escaped (C locale, escape quoting: undecodable here)
-torn() {
-  sed -n -e 's/^[^ ]*tar: \(.*\): file changed as we read it$/\1/p' \
-    -e 's/^[^ ]*tar: \(.*\): File shrank by [0-9]* bytes; padding with zeros$/\1/p' tar.err |
-    while IFS= read -r n; do
-      case $n in
-        *\\*) printf '%s\0' "$n" >> live ;;
-        *) [ -e "$ws/$n" ] || [ -L "$ws/$n" ] || printf '%s\0' "$n" >> gone ;;
-      esac
-    done
-}
-: > gone || fail "cannot create the gone list"
-{ rounds | { z 2>comp.err; echo $? > comp.rc; } >> data; } &
-pp=$!
-seq=0 off=0
-index_upto() {
-  sz=$(wc -c < data) || fail "cannot read the data size"
-  sz=$((sz + 0))
-  while :; do
-    rem=$((sz - off))
-    if [ "$rem" -ge "$cs" ]; then l=$cs
-    elif [ "$1" = final ] && [ "$rem" -gt 0 ]; then l=$rem
-    else break
-    fi
-    hv=$(dd if=data bs=65536 iflag=skip_bytes,count_bytes skip="$off" count="$l" 2>/dev/null | h)
-    hv=${hv%% *}
-    [ -n "$hv" ] || fail "cannot hash chunk $seq"
-    printf 'C %s %s %s %s\n' "$seq" "$off" "$l" "$hv" >> index || fail "cannot append to the index"
-    seq=$((seq + 1))
-    off=$((off + l))
-  done
-}
-while [ ! -f comp.rc ] && alive "$pp"; do
-  index_upto live
-  sleep 0.2 2>/dev/null || sleep 1
-done
-wait
-trc=$(cat tar.rc) || fail "tar exit status missing"
-crc=$(cat comp.rc) || fail "compressor exit status missing"
-[ "$crc" = 0 ] || fail "compressor exited $crc: $(head -c 300 comp.err | tr '\n' ' ')"
-case $trc in
-  0|1) ;;
-  *) fail "tar exited $trc: $(head -c 300 tar.err | tr '\n' ' ')" ;;
-esac
-index_upto final
-len=$(wc -c < data) || fail "cannot read the data size"
-len=$((len + 0))
-[ "$len" = "$off" ] || fail "data is $len bytes but $off were indexed"
-whole=$(h < data)
-whole=${whole%% *}
-[ -n "$whole" ] || fail "cannot hash the stream"
-ub=0
-[ -f unstable ] && ub=$(wc -c < unstable)
-gb=$(wc -c < gone) || fail "cannot read the gone list"
-printf 'chunks %s\nlength %s\nhash %s\ntar_rc %s\ncomp_rc %s\nunstable_bytes %s\ngone_bytes %s\n' \
-  "$seq" "$len" "$whole" "$trc" "$crc" $((ub + 0)) $((gb + 0)) > done.tmp || fail "cannot write the done record"
-mv -f done.tmp done || fail "cannot write the done record"
 """
 
 _KILL = r"""
@@ -327,7 +184,8 @@ stop() { pid=$(cat "$1/pid") && mine "$pid" && { kill -TERM "-$pid" || kill "$pi
 """
 
 _ADMIT = r"""
-root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$8 ph=$9
+root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$8 ph=$9 mode=${10}
+shift 10
 # the probe checked the root and its ancestors; make sure it is still that
 lsn "$root"
 [ "$(cd -P "$root" && pwd -P)" = "$root" ] && [ "$u" = "$me" ] || { emit err "unsafe-root"; exit 0; }
@@ -347,7 +205,11 @@ for x in "$root"/s*; do
   rm -rf "$x"
 done
 d=$root/$id n= f=
-if [ ! -d "$d/launch" ]; then
+if [ ! -d "$d/launch" ] && [ "$mode" = select ] && [ ! -f "$d/list" ]; then
+  emit err "list-missing"
+  exit 0
+fi
+if [ ! -d "$d/launch" ] && [ "$mode" = tar ]; then
   # refuse what cannot fit even at 4x compression, before starting anything
   # bounded: a retried admission must not walk a huge cold tree forever
   if command -v timeout >/dev/null; then n=$(timeout 20 du -sk "$ws"); else n=$(du -sk "$ws"); fi
@@ -361,9 +223,9 @@ if mkdir "$d/launch"; then
   printf '%s' "$run" > "$d/launch/by" || { emit err "cannot write the admission token"; exit 0; }
   printf '%s %s' "$n" "$f" > "$d/launch/size"
   if command -v setsid >/dev/null 2>&1; then
-    setsid sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" </dev/null >/dev/null 2>&1 &
+    setsid sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" "$mode" "$@" </dev/null >/dev/null 2>&1 &
   else
-    nohup sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" </dev/null >/dev/null 2>&1 &
+    nohup sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" "$mode" "$@" </dev/null >/dev/null 2>&1 &
   fi
   # record the pid before answering, so "alive" is known from the first status
   echo $! > "$d/pid.launch" && mv -f "$d/pid.launch" "$d/pid" || {
@@ -402,6 +264,32 @@ if [ -f "${t}0" ]; then
   rm -f "${t}0"
 fi
 dg=$(h < "$root/$name")
+emit ok "${dg%% *}"
+"""
+
+_UPLOAD = r"""
+root=$1 id=$2 how=$3 i=$4 n=$5 text=$6 want=$7
+umask 077
+d=$root/$id
+no() { emit err "$1"; exit 0; }
+[ ! -d "$d/launch" ] || no "already-launched"
+mkdir -p "$d" || no "cannot create the staging directory"
+if [ "$how" = stdin ]; then
+  if [ "$enc" = b64 ]; then base64 -d > "$d/list.tmp"; else cat > "$d/list.tmp"; fi || no "cannot write the list"
+else
+  printf '%s' "$text" > "$d/list.$i" || no "cannot write the list"
+  [ "$i" = $((n - 1)) ] || { emit ok "part $i"; exit 0; }
+  j=0
+  : > "$d/list.b64" || no "cannot write the list"
+  while [ $j -lt "$n" ]; do
+    cat "$d/list.$j" >> "$d/list.b64" || no "cannot write the list"
+    j=$((j + 1))
+  done
+  base64 -d < "$d/list.b64" > "$d/list.tmp" || no "cannot write the list"
+fi
+dg=$(h < "$d/list.tmp")
+[ "${dg%% *}" = "$want" ] || no "list-damaged"
+mv -f "$d/list.tmp" "$d/list" || no "cannot write the list"
 emit ok "${dg%% *}"
 """
 
@@ -464,6 +352,7 @@ SCRIPTS: dict[str, str] = {
     "read": _compact(_PRELUDE + _READ),
     "cleanup": _compact(_PRELUDE + _KILL + _CLEANUP),
     "install": _compact(_PRELUDE + _INSTALL),
+    "upload": _compact(_PRELUDE + _UPLOAD),
 }
 PRODUCER = _compact(_PRODUCER)
 #: the producer's file name in the staging root (not snapshot-shaped: never GC'd)
@@ -548,8 +437,14 @@ def admit(
     ttl_minutes: int,
     run: str,
     producer_hash: str,
+    mode: str = "tar",
+    prune: tuple[str, ...] = (),
 ) -> list[str]:
-    """``run`` identifies this wsync run: a retried admission it made itself
+    """``mode`` is the producer's: ``tar`` (the whole workspace), ``manifest`` (one record
+    per entry, ``prune`` naming find ``-name`` globs left out in the guest) or ``select``
+    (the entries of the list uploaded with :func:`upload`).
+
+    ``run`` identifies this wsync run: a retried admission it made itself
     answers ``admitted`` again; only another run's snapshot is ``reconciled``.
 
     The guest runs the installed producer only when it hashes to
@@ -569,6 +464,8 @@ def admit(
         PRODUCER_NAME,
         run,
         producer_hash,
+        check_mode(mode),
+        *prune,
     )
     return render("admit", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
 
@@ -642,3 +539,49 @@ def cleanup(
     check_snapshot_id(snapshot)
     args = (staging_root, snapshot, PRODUCER_NAME)
     return render("cleanup", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
+
+
+MODES = ("tar", "manifest", "select")
+#: list text (base64) per upload call where the list travels in argv
+UPLOAD_PART = 4096
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"bad producer mode {mode!r}")
+    return mode
+
+
+def upload(
+    *,
+    gate: bool,
+    nonce: str,
+    algorithm: str,
+    b64: bool,
+    staging_root: str,
+    snapshot: str,
+    how: str,
+    part: int = 0,
+    parts: int = 1,
+    text: str = "",
+    digest: str,
+) -> list[str]:
+    """Stage the NUL-separated list of a ``select`` run as ``SNAPSHOT/list``.
+
+    ``how="stdin"``: the list follows the gate line on stdin (base64 on text channels).
+    ``how="argv"``: part ``part`` of ``parts`` of its base64 ``text`` (no stdin: Cloudflare,
+    Daytona); the call with the last part joins and decodes them.  Either way the guest
+    moves the list into place only when it hashes to ``digest``.
+    """
+    if how not in ("stdin", "argv"):
+        raise ValueError(how)
+    args = (
+        staging_root,
+        check_snapshot_id(snapshot),
+        how,
+        str(part),
+        str(parts),
+        text,
+        digest,
+    )
+    return render("upload", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)

@@ -23,6 +23,8 @@ SCHEMES: dict[str, str] = {
     "e2b": "wsync.transports.e2b:E2BTransport",
     "daytona": "wsync.transports.daytona:DaytonaTransport",
     "cloudflare": "wsync.transports.cloudflare:CloudflareTransport",
+    "docker": "wsync.transports.docker:DockerTransport",
+    "k8s": "wsync.transports.k8s:K8sTransport",
 }
 
 

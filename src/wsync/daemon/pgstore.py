@@ -1,0 +1,507 @@
+"""Jobs, leases and schedules of a daemon fleet in PostgreSQL (psycopg 3, async, pooled).
+
+Why plain SQL on psycopg instead of a queue library: the rules that matter here
+are wsync's own (one active job per sandbox and DEST, per-sandbox and fleet
+limits, placement by ``dest_roots``, a fencing token checked on every write of
+a running job), and each of them is one ``WHERE`` clause in a claim or an
+update.  A queue library would own the job table and its states, and these
+rules would have to be rebuilt around it.
+
+How the rules hold with several daemons writing at once:
+
+* **Claim**: one transaction takes a transaction-scoped advisory lock (claims
+  are serialised fleet-wide, so the running counts it reads cannot change
+  under it), picks the oldest claimable job with ``FOR UPDATE SKIP LOCKED``
+  and turns it into a lease: ``owner``, ``lease_until`` (the *database's*
+  clock, the only clock the fleet shares) and ``fence`` + 1.  A job whose
+  lease ran out while ``running`` is claimable again: that is a takeover.
+* **Every later write** of a running job (progress, renewal, the final state,
+  handing it back) carries ``WHERE fence = %s``: a daemon that was frozen or
+  cut off and wakes up after a takeover changes nothing.
+* **Dedupe**: a partial unique index over active jobs, as in SQLite.
+* **Schedule**: ``UPDATE … WHERE next_at <= now() RETURNING`` is won by
+  exactly one daemon per interval, and the job is inserted in the same
+  transaction.
+* **Audit**: every claim opens a row in ``wsync_attempts`` that its end closes
+  (``succeeded``/``failed``/``cancelled``/``released``/``fenced``), so
+  "exactly once" and "never two at once" can be checked after the fact.
+
+Events cross daemons by ``NOTIFY wsync_events`` (payload: the event name, the
+job id, and for progress the numbers); each daemon ``LISTEN``\\s on its own
+connection and fans out to its SSE clients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+from psycopg_pool.base import AttemptWithBackoff
+
+from wsync.daemon.store import STATES, Job, StoreUnavailable
+
+SCHEMA_VERSION = 1
+CHANNEL = "wsync_events"
+#: NOTIFY payloads must stay under 8000 bytes
+_MAX_PAYLOAD = 7000
+#: serialises claims fleet-wide (a constant key in the advisory lock space)
+_CLAIM_LOCK = 0x77_73_79_6E  # "wsyn"
+
+_MIGRATIONS: dict[int, str] = {
+    1: """
+CREATE TABLE wsync_jobs (
+    id               TEXT PRIMARY KEY,
+    sandbox          TEXT NOT NULL,
+    uri              TEXT NOT NULL,
+    dest             TEXT NOT NULL,
+    state            TEXT NOT NULL,
+    trigger          TEXT NOT NULL,
+    created_at       DOUBLE PRECISION NOT NULL,
+    started_at       DOUBLE PRECISION,
+    finished_at      DOUBLE PRECISION,
+    attempts         INTEGER NOT NULL DEFAULT 0,
+    progress         JSONB NOT NULL DEFAULT '{}',
+    result           JSONB,
+    error            TEXT,
+    error_kind       TEXT,
+    exit_code        INTEGER,
+    owner            TEXT,
+    lease_until      TIMESTAMPTZ,
+    fence            BIGINT NOT NULL DEFAULT 0,
+    cancel_requested BOOLEAN NOT NULL DEFAULT false,
+    not_before       TIMESTAMPTZ
+);
+CREATE UNIQUE INDEX wsync_jobs_active ON wsync_jobs(uri, dest)
+    WHERE state IN ('queued', 'running');
+CREATE INDEX wsync_jobs_created ON wsync_jobs(created_at);
+CREATE INDEX wsync_jobs_state ON wsync_jobs(state);
+CREATE TABLE wsync_attempts (
+    job_id     TEXT NOT NULL,
+    fence      BIGINT NOT NULL,
+    owner      TEXT NOT NULL,
+    sandbox    TEXT NOT NULL,
+    dest       TEXT NOT NULL,
+    takeover   BOOLEAN NOT NULL,
+    started_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),
+    ended_at   TIMESTAMPTZ,
+    outcome    TEXT,
+    PRIMARY KEY (job_id, fence)
+);
+CREATE TABLE wsync_schedule (
+    sandbox TEXT PRIMARY KEY,
+    next_at TIMESTAMPTZ NOT NULL
+);
+""",
+}
+
+_JOB_COLUMNS = (
+    "id, sandbox, uri, dest, state, trigger, created_at, started_at, finished_at, attempts, "
+    "progress, result, error, error_kind, exit_code"
+)
+
+
+def new_owner_id() -> str:
+    """Unique per process start: a restarted daemon never inherits its old leases."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+def _job(row: Mapping[str, Any]) -> Job:
+    return Job(
+        id=row["id"],
+        sandbox=row["sandbox"],
+        uri=row["uri"],
+        dest=row["dest"],
+        state=row["state"],
+        trigger=row["trigger"],
+        created_at=row["created_at"],
+        started_at=row["started_at"],
+        finished_at=row["finished_at"],
+        attempts=row["attempts"],
+        progress=dict(row["progress"] or {}),
+        result=row["result"],
+        error=row["error"],
+        error_kind=row["error_kind"],
+        exit_code=row["exit_code"],
+    )
+
+
+def _jsonb(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, sort_keys=True)
+
+
+class StoreDown(StoreUnavailable):
+    """PostgreSQL is unreachable or refused a statement; the caller retries with backoff."""
+
+
+# psycopg_pool retries a lost connection with a delay that doubles without a cap, so
+# after an outage of some minutes the pool would stay empty for as long again after
+# PostgreSQL is back.  A steady retry about once a second bounds that to a second.
+AttemptWithBackoff.DELAY_BACKOFF = 1.0
+
+
+class Claimed:
+    """A lease this daemon holds on a job: the job, its fence, and whether it was a takeover."""
+
+    __slots__ = ("cancel_requested", "fence", "job", "takeover")
+
+    def __init__(self, job: Job, fence: int, takeover: bool) -> None:
+        self.job, self.fence, self.takeover = job, fence, takeover
+        self.cancel_requested = False
+
+
+class PgStore:
+    """All SQL of a fleet daemon; every method is one short transaction on the pool."""
+
+    def __init__(self, dsn: str, owner: str, lease_seconds: float) -> None:
+        self.dsn = dsn
+        self.owner = owner
+        self.lease_seconds = lease_seconds
+        self.pool = AsyncConnectionPool(
+            dsn,
+            min_size=1,
+            max_size=6,
+            open=False,
+            timeout=5.0,
+            # an outage of any length ends when PostgreSQL is back, never in a dead pool
+            reconnect_timeout=365 * 24 * 3600.0,
+            kwargs={"autocommit": True, "connect_timeout": 5},
+            check=AsyncConnectionPool.check_connection,
+            name="wsync-store",
+        )
+
+    async def open(self) -> None:
+        """Open the pool and create or migrate the schema (under an advisory lock)."""
+        try:
+            await self.pool.open(wait=True, timeout=10.0)
+        except Exception as err:
+            raise StoreDown(f"cannot connect: {_say(err)}") from None
+        await self.migrate()
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def _run(
+        self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()
+    ) -> list[dict[str, Any]]:
+        try:
+            async with self.pool.connection() as conn:
+                cur = conn.cursor(row_factory=dict_row)
+                await cur.execute(sql, params)
+                return await cur.fetchall() if cur.description else []
+        except psycopg.errors.UniqueViolation:
+            raise
+        except (psycopg.Error, OSError, TimeoutError) as err:
+            raise StoreDown(_say(err)) from None
+        except Exception as err:  # psycopg_pool.PoolTimeout and friends
+            raise StoreDown(_say(err)) from None
+
+    async def migrate(self) -> int:
+        """Apply the migrations this version knows beyond the database's; return the version."""
+        try:
+            async with self.pool.connection() as conn, conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_CLAIM_LOCK + 1,))
+                await conn.execute(
+                    "CREATE TABLE IF NOT EXISTS wsync_schema (version INTEGER NOT NULL)"
+                )
+                cur = await conn.execute("SELECT max(version) FROM wsync_schema")
+                row = await cur.fetchone()
+                have = int(row[0]) if row and row[0] is not None else 0
+                if have > SCHEMA_VERSION:
+                    raise StoreDown(
+                        f"the database has schema version {have}, newer than this wsync's "
+                        f"{SCHEMA_VERSION}; upgrade this daemon"
+                    )
+                for version in range(have + 1, SCHEMA_VERSION + 1):
+                    await conn.execute(_MIGRATIONS[version])
+                    await conn.execute("INSERT INTO wsync_schema VALUES (%s)", (version,))
+                return SCHEMA_VERSION
+        except psycopg.Error as err:
+            raise StoreDown(_say(err)) from None
+
+    # -- jobs: reads --------------------------------------------------------
+
+    async def get(self, job_id: str) -> Job | None:
+        rows = await self._run(f"SELECT {_JOB_COLUMNS} FROM wsync_jobs WHERE id = %s", (job_id,))  # noqa: S608
+        return _job(rows[0]) if rows else None
+
+    async def list_jobs(
+        self, *, states: Iterable[str] | None = None, sandbox: str | None = None, limit: int = 100
+    ) -> list[Job]:
+        wanted = [s for s in (states or []) if s in STATES]
+        rows = await self._run(
+            f"SELECT {_JOB_COLUMNS} FROM wsync_jobs "  # noqa: S608
+            "WHERE (cardinality(%(states)s::text[]) = 0 OR state = ANY(%(states)s)) "
+            "AND (%(sandbox)s::text IS NULL OR sandbox = %(sandbox)s) "
+            "ORDER BY created_at DESC, id DESC LIMIT %(limit)s",
+            {"states": wanted, "sandbox": sandbox, "limit": limit},
+        )
+        return [_job(r) for r in rows]
+
+    async def counts(self) -> dict[str, int]:
+        rows = await self._run("SELECT state, count(*) AS n FROM wsync_jobs GROUP BY state")
+        counts = dict.fromkeys(STATES, 0)
+        counts.update({r["state"]: int(r["n"]) for r in rows})
+        return counts
+
+    # -- jobs: submission and cancel ------------------------------------------
+
+    async def submit(self, job: Job) -> tuple[Job, bool]:
+        """Insert ``job``, or return the active one for the same (uri, dest) as reconciled."""
+        for _ in range(5):
+            rows = await self._run(
+                f"INSERT INTO wsync_jobs ({_JOB_COLUMNS}) VALUES "  # noqa: S608
+                "(%s, %s, %s, %s, 'queued', %s, %s, NULL, NULL, 0, '{}', NULL, NULL, NULL, NULL) "
+                "ON CONFLICT (uri, dest) WHERE state IN ('queued', 'running') DO NOTHING "
+                "RETURNING id",
+                (job.id, job.sandbox, job.uri, job.dest, job.trigger, job.created_at),
+            )
+            if rows:
+                return job, False
+            found = await self._run(
+                f"SELECT {_JOB_COLUMNS} FROM wsync_jobs "  # noqa: S608
+                "WHERE uri = %s AND dest = %s AND state IN ('queued', 'running')",
+                (job.uri, job.dest),
+            )
+            if found:
+                return _job(found[0]), True
+        raise StoreDown("the active job for this sandbox and DEST kept changing; try again")
+
+    async def cancel_queued(self, job_id: str) -> Job | None:
+        """Cancel a job that no daemon runs; None when it is running (or gone)."""
+        rows = await self._run(
+            "UPDATE wsync_jobs SET state = 'cancelled', finished_at = extract(epoch FROM now()), "  # noqa: S608
+            "error = 'cancelled by request', error_kind = 'interrupted', exit_code = 130, "
+            "owner = NULL, lease_until = NULL "
+            f"WHERE id = %s AND state = 'queued' RETURNING {_JOB_COLUMNS}",
+            (job_id,),
+        )
+        return _job(rows[0]) if rows else None
+
+    async def request_cancel(self, job_id: str) -> str | None:
+        """Flag a running job for its owner (who polls it with its renewals); its owner."""
+        rows = await self._run(
+            "UPDATE wsync_jobs SET cancel_requested = true "
+            "WHERE id = %s AND state = 'running' RETURNING owner",
+            (job_id,),
+        )
+        return str(rows[0]["owner"]) if rows else None
+
+    # -- leases ---------------------------------------------------------------
+
+    async def claim(
+        self,
+        roots: Sequence[str],
+        per_sandbox: Mapping[str, int],
+        default_per_sandbox: int,
+        fleet_max: int,
+    ) -> Claimed | None:
+        """Lease the oldest job this daemon may run now, or None.
+
+        Claimable: ``queued`` (past any back-off), or ``running`` with a lease
+        that ran out (a takeover).  DEST must lie under one of ``roots``; the
+        job's sandbox must be under its limit and the fleet under ``fleet_max``
+        (0: no cap), counting only running jobs with a live lease.
+        """
+        prefixes = [r.rstrip("/") + "/" for r in roots]
+        try:
+            async with self.pool.connection() as conn, conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_CLAIM_LOCK,))
+                cur = conn.cursor(row_factory=dict_row)
+                await cur.execute(
+                    """
+WITH live AS (
+    SELECT sandbox, count(*) AS n FROM wsync_jobs
+    WHERE state = 'running' AND lease_until > now() GROUP BY sandbox
+), total AS (SELECT coalesce(sum(n), 0) AS n FROM live)
+SELECT j.id, j.state AS was FROM wsync_jobs j LEFT JOIN live ON live.sandbox = j.sandbox
+WHERE (j.state = 'queued' AND (j.not_before IS NULL OR j.not_before <= now())
+       OR j.state = 'running' AND j.lease_until <= now())
+  AND EXISTS (SELECT 1 FROM unnest(%(prefixes)s::text[]) p WHERE starts_with(j.dest, p))
+  AND coalesce(live.n, 0) < coalesce((%(limits)s::jsonb ->> j.sandbox)::int, %(default)s)
+  AND (%(fleet)s = 0 OR (SELECT n FROM total) < %(fleet)s)
+ORDER BY j.created_at, j.id
+LIMIT 1
+FOR UPDATE OF j SKIP LOCKED
+""",
+                    {
+                        "prefixes": prefixes,
+                        "limits": json.dumps(dict(per_sandbox)),
+                        "default": default_per_sandbox,
+                        "fleet": fleet_max,
+                    },
+                )
+                pick = await cur.fetchone()
+                if pick is None:
+                    return None
+                await cur.execute(
+                    "UPDATE wsync_jobs SET state = 'running', owner = %(owner)s, "  # noqa: S608
+                    "lease_until = now() + make_interval(secs => %(ttl)s), fence = fence + 1, "
+                    "attempts = attempts + 1, started_at = extract(epoch FROM now()), "
+                    "finished_at = NULL, result = NULL, error = NULL, error_kind = NULL, "
+                    "exit_code = NULL, not_before = NULL "
+                    f"WHERE id = %(id)s RETURNING {_JOB_COLUMNS}, fence, cancel_requested",
+                    {"owner": self.owner, "ttl": self.lease_seconds, "id": pick["id"]},
+                )
+                row = await cur.fetchone()
+                assert row is not None  # the row is locked by this transaction
+                takeover = pick["was"] == "running"
+                await cur.execute(
+                    "INSERT INTO wsync_attempts (job_id, fence, owner, sandbox, dest, takeover) "
+                    "VALUES (%s, %s, %s, %s, %s, %s)",
+                    (row["id"], row["fence"], self.owner, row["sandbox"], row["dest"], takeover),
+                )
+                if takeover:
+                    await cur.execute(
+                        "UPDATE wsync_attempts SET ended_at = clock_timestamp(), "
+                        "outcome = 'expired' WHERE job_id = %s AND fence < %s AND ended_at IS NULL",
+                        (row["id"], row["fence"]),
+                    )
+                claimed = Claimed(_job(row), int(row["fence"]), takeover)
+                # a DELETE that reached a dead owner: the new owner stops at once
+                claimed.cancel_requested = bool(row["cancel_requested"])
+                return claimed
+        except psycopg.Error as err:
+            raise StoreDown(_say(err)) from None
+        except Exception as err:
+            if isinstance(err, StoreDown):
+                raise
+            raise StoreDown(_say(err)) from None
+
+    async def renew(self, job_id: str, fence: int, progress: dict[str, Any] | None) -> bool | None:
+        """Extend the lease (and save progress); None if it is no longer ours, else
+        whether a cancel was requested."""
+        rows = await self._run(
+            "UPDATE wsync_jobs SET lease_until = now() + make_interval(secs => %s), "
+            "progress = coalesce(%s::jsonb, progress) "
+            "WHERE id = %s AND fence = %s AND state = 'running' RETURNING cancel_requested",
+            (self.lease_seconds, _jsonb(progress), job_id, fence),
+        )
+        return bool(rows[0]["cancel_requested"]) if rows else None
+
+    async def finish(self, job: Job, fence: int, outcome: str, backoff: float = 0.0) -> bool:
+        """Record the job's final state (or ``queued`` to hand it back) if the fence is
+        still ours; False when another daemon owns it now (the write is refused)."""
+        release = job.state == "queued"
+        try:
+            async with self.pool.connection() as conn, conn.transaction():
+                cur = await conn.execute(
+                    "UPDATE wsync_jobs SET state = %s, finished_at = %s, progress = %s::jsonb, "
+                    "result = %s::jsonb, error = %s, error_kind = %s, exit_code = %s, "
+                    "owner = CASE WHEN %s THEN NULL ELSE owner END, "
+                    "lease_until = CASE WHEN %s THEN NULL ELSE lease_until END, "
+                    "not_before = CASE WHEN %s THEN now() + make_interval(secs => %s) END, "
+                    "cancel_requested = false "
+                    "WHERE id = %s AND fence = %s AND state = 'running' RETURNING id",
+                    (
+                        job.state,
+                        job.finished_at,
+                        _jsonb(job.progress) or "{}",
+                        _jsonb(job.result),
+                        job.error,
+                        job.error_kind,
+                        job.exit_code,
+                        release,
+                        release,
+                        release,
+                        backoff,
+                        job.id,
+                        fence,
+                    ),
+                )
+                ok = await cur.fetchone() is not None
+                await conn.execute(
+                    "UPDATE wsync_attempts SET ended_at = clock_timestamp(), outcome = %s "
+                    "WHERE job_id = %s AND fence = %s AND (ended_at IS NULL OR %s)",
+                    (outcome if ok else "fenced", job.id, fence, not ok),
+                )
+                return ok
+        except psycopg.Error as err:
+            raise StoreDown(_say(err)) from None
+        except Exception as err:
+            raise StoreDown(_say(err)) from None
+
+    async def prune(self, keep_finished: int) -> None:
+        await self._run(
+            "DELETE FROM wsync_jobs WHERE id IN (SELECT id FROM wsync_jobs "
+            "WHERE state IN ('succeeded', 'failed', 'cancelled') "
+            "ORDER BY created_at DESC OFFSET %s)",
+            (keep_finished,),
+        )
+
+    # -- schedule -------------------------------------------------------------
+
+    async def due_schedules(self, names: Sequence[str]) -> list[str]:
+        """Which of ``names`` are due now or have no schedule row yet (one cheap read)."""
+        rows = await self._run(
+            "SELECT n AS sandbox FROM unnest(%s::text[]) n "
+            "LEFT JOIN wsync_schedule s ON s.sandbox = n "
+            "WHERE s.next_at IS NULL OR s.next_at <= now()",
+            (list(names),),
+        )
+        return [str(r["sandbox"]) for r in rows]
+
+    async def schedule_due(
+        self, name: str, first_delay: float, next_delay: float, job: Job
+    ) -> tuple[Job, bool] | None:
+        """If ``name`` is due, move its next run on and submit ``job`` in one transaction.
+
+        Exactly one daemon's ``UPDATE`` matches per interval (the row lock makes
+        the others re-check ``next_at`` and find it in the future).  Returns the
+        job (and whether it reconciled with an active one), or None if not due.
+        """
+        try:
+            async with self.pool.connection() as conn, conn.transaction():
+                await conn.execute(
+                    "INSERT INTO wsync_schedule (sandbox, next_at) "
+                    "VALUES (%s, now() + make_interval(secs => %s)) ON CONFLICT DO NOTHING",
+                    (name, first_delay),
+                )
+                cur = await conn.execute(
+                    "UPDATE wsync_schedule SET next_at = now() + make_interval(secs => %s) "
+                    "WHERE sandbox = %s AND next_at <= now() RETURNING sandbox",
+                    (next_delay, name),
+                )
+                if await cur.fetchone() is None:
+                    return None
+                cur = await conn.execute(
+                    "INSERT INTO wsync_jobs (id, sandbox, uri, dest, state, trigger, created_at) "
+                    "VALUES (%s, %s, %s, %s, 'queued', %s, %s) "
+                    "ON CONFLICT (uri, dest) WHERE state IN ('queued', 'running') DO NOTHING "
+                    "RETURNING id",
+                    (job.id, job.sandbox, job.uri, job.dest, job.trigger, job.created_at),
+                )
+                if await cur.fetchone() is not None:
+                    return job, False
+                dict_cur = conn.cursor(row_factory=dict_row)
+                await dict_cur.execute(
+                    f"SELECT {_JOB_COLUMNS} FROM wsync_jobs "  # noqa: S608
+                    "WHERE uri = %s AND dest = %s AND state IN ('queued', 'running')",
+                    (job.uri, job.dest),
+                )
+                row = await dict_cur.fetchone()
+                return (_job(row), True) if row else None
+        except psycopg.Error as err:
+            raise StoreDown(_say(err)) from None
+        except Exception as err:
+            raise StoreDown(_say(err)) from None
+
+    # -- events ---------------------------------------------------------------
+
+    async def notify(self, event: str, job_id: str, data: dict[str, Any] | None = None) -> None:
+        payload = json.dumps({"event": event, "id": job_id, "data": data or {}})
+        if len(payload) > _MAX_PAYLOAD:  # listeners read the job itself
+            payload = json.dumps({"event": event, "id": job_id, "data": {}})
+        await self._run("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
+
+
+def _say(err: BaseException) -> str:
+    """One line about a store error, never the DSN (it may carry a password)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return f"{type(err).__name__}: {text}"[:300]

@@ -1,0 +1,233 @@
+"""The incremental side of a pull (issue 8): manifest, diff, farm, state commit.
+
+A pull whose guest can list its workspace (GNU ``find -printf``, or busybox ``find`` with
+``stat``) begins with a **manifest run**: the producer's ``manifest`` mode, fetched with
+the same verified, journaled, resumable chunk reads as an archive (its own journal
+phase), streamed into the host state (:class:`~wsync.engine.incstate.PullState`).  The
+manifest is taken before any content is read, so the state never describes content newer
+than what DEST holds: a file changed afterwards differs next time and is fetched again.
+
+Then :meth:`Incremental.decide` picks the content run:
+
+- no baseline (first pull, another sandbox or workspace, ``--full``, DEST missing): a
+  **full** pull, the ``tar`` run as before; with excludes, a ``select`` run of every
+  entry left, so excluded bytes never cross;
+- a baseline: the diff's changed entries are uploaded as a list and a ``select`` run
+  archives exactly those; nothing changed and DEST intact: no run, no write.
+
+The new tree is built in the usual tmp dir beside DEST: a hardlink farm of DEST's
+unchanged entries (:func:`~wsync.engine.farm.build_farm`), the archive applied in the
+extractor's replace mode (no inode of the live DEST is ever written), gone entries
+removed, directory modes and mtimes set from the manifest, then the usual flush and swap.
+After the old tree is removed the state is committed with the extractor's file hashes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import structlog
+
+from wsync.engine.api import PullOptions
+from wsync.engine.destdir import DestDir
+from wsync.engine.excludes import Excludes
+from wsync.engine.farm import build_farm, set_dir_meta
+from wsync.engine.guest import GuestPlan
+from wsync.engine.incstate import Diff, PullState
+from wsync.errors import (
+    GuestToolsMissing,
+    HostileArchive,
+    HostIOError,
+    LimitExceeded,
+    ProtocolError,
+)
+from wsync.protocol.manifest import Entry, ManifestParser
+
+log = structlog.get_logger("wsync.incremental")
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ = 1 << 20
+_LEN = struct.Struct(">I")
+
+
+def can_list(plan: GuestPlan) -> bool:
+    """The guest can write a manifest: GNU find, or find + stat + readlink + xargs."""
+    probe = plan.probe
+    if not probe.has("find"):
+        return False
+    return probe.has("find_printf") or all(probe.has(t) for t in ("stat", "readlink", "xargs"))
+
+
+def can_select(plan: GuestPlan, *, stdin: bool) -> bool:
+    """The guest can take a list: on stdin, or in argv parts it base64-decodes."""
+    return stdin or plan.probe.has("base64")
+
+
+def read_manifest(stream: BinaryIO, state: PullState, excludes: Excludes, max_files: int) -> int:
+    """Parse the decompressed manifest ``stream`` into ``state``; return the entries read.
+
+    The stream was verified chunk by chunk, so a record that does not parse is the guest's
+    doing: refused like a hostile archive (the snapshot is discarded).
+    """
+    parser = ManifestParser()
+
+    def entries() -> Iterator[Entry]:
+        while block := stream.read(_READ):
+            parser.receive_data(block)
+            if parser.count > max_files:
+                raise LimitExceeded(f"the guest's manifest lists more than {max_files} entries")
+            yield from parser.entries()
+        parser.receive_eof()
+        yield from parser.entries()
+
+    try:
+        state.load_manifest(entries(), excludes, max_entries=max_files)
+    except ProtocolError as exc:
+        raise HostileArchive(f"the guest's manifest: {exc}") from exc
+    return parser.count
+
+
+def open_dest(target: DestDir) -> int | None:
+    """DEST itself, opened without following a symlink; None when it does not exist."""
+    try:
+        return os.open(target.name, _DIR_FLAGS, dir_fd=target.parent_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise HostIOError(f"opening DEST {target.path}: {exc.strerror or exc}") from exc
+
+
+class HashLog:
+    """The extractor's (path, xxh3_128) pairs, on disk: a million files must not be held
+    in memory until the commit.  Written by the extractor thread, read once after."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: BinaryIO | None = None
+
+    def start(self) -> None:
+        self.close()
+        self._file = self.path.open("wb")
+
+    def add(self, path: bytes, digest: str) -> None:
+        if self._file is not None:
+            self._file.write(_LEN.pack(len(path)) + path + digest.encode().ljust(32)[:32])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __iter__(self) -> Iterator[tuple[bytes, str]]:
+        self.close()
+        with contextlib.suppress(FileNotFoundError), self.path.open("rb") as f:
+            while head := f.read(_LEN.size):
+                (n,) = _LEN.unpack(head)
+                path = f.read(n)
+                digest = f.read(32).decode().rstrip()
+                yield path, digest
+
+
+class Incremental:
+    """One pull's incremental state: opened after the probe, closed with the pull."""
+
+    def __init__(
+        self, options: PullOptions, target: DestDir, sandbox_key: str, hashes: HashLog
+    ) -> None:
+        self.options = options
+        self.excludes: Excludes = options.excludes
+        self.target = target
+        self.state = PullState.open(options.state_dir, target.path, sandbox_key)
+        self.hashes = hashes
+        #: "full" or "incremental"
+        self.mode = "full"
+        #: the content run: "tar", "select", "apply" (no entry to fetch: farm and swap
+        #: only) or "" (nothing to do)
+        self.run = "tar"
+        self.diff: Diff | None = None
+        self.changed = 0
+        self.deleted = 0
+        self.entries = 0
+
+    def close(self) -> None:
+        self.hashes.close()
+        self.state.close()
+
+    def prune(self) -> tuple[str, ...]:
+        return tuple(self.excludes.guest_prune())
+
+    def load(self, stream: BinaryIO) -> None:
+        """The manifest phase's consumer (extractor thread)."""
+        self.entries = read_manifest(
+            stream, self.state, self.excludes, self.options.limits.max_files
+        )
+
+    def decide(self, plan: GuestPlan, *, stdin: bool, tmp_fd: int | None = None) -> None:
+        """Diff and choose the content run (see the module docstring).  Runs in a thread.
+
+        ``tmp_fd`` is an empty directory to diff against when there is no baseline.
+        """
+        selectable = can_select(plan, stdin=stdin)
+        baseline = not self.options.full and self.state.has_baseline() and selectable
+        dest_fd = open_dest(self.target) if baseline else None
+        if dest_fd is None:
+            self.mode = "full"
+            if self.excludes and not selectable:
+                raise GuestToolsMissing("base64 (to hand the guest the list --exclude leaves)")
+            if not self.excludes:
+                self.run = "tar"
+                return
+            if tmp_fd is None:
+                raise ValueError("a full pull with excludes diffs against the empty tmp tree")
+            self.diff = self.state.diff(tmp_fd)
+            self.run = "select"
+            self.changed, self.deleted = self.diff.changed, 0
+            return
+        try:
+            self.diff = self.state.diff(dest_fd)
+        finally:
+            os.close(dest_fd)
+        self.mode = "incremental"
+        self.changed, self.deleted = self.diff.changed, self.diff.deleted
+        if self.diff.nothing_to_do:
+            self.run = ""
+        else:
+            self.run = "select" if self.diff.fetch else "apply"
+
+    def select_list(self) -> bytes:
+        """The NUL-separated, ``./``-prefixed list of entries to archive."""
+        assert self.diff is not None
+        return b"".join(b"./" + path + b"\0" for path in self.diff.fetch_paths())
+
+    def farm(self, tmp_fd: int, check_cancel: object) -> int:
+        """Link DEST's unchanged entries and create every directory in the tmp tree."""
+        assert self.diff is not None
+        dest_fd = open_dest(self.target) if self.mode == "incremental" else None
+        source = dest_fd if dest_fd is not None else tmp_fd
+        try:
+            return build_farm(source, tmp_fd, self.diff.keep(), check_cancel)  # type: ignore[arg-type]
+        finally:
+            if dest_fd is not None:
+                os.close(dest_fd)
+
+    def dir_meta(self, tmp_fd: int) -> None:
+        assert self.diff is not None
+        set_dir_meta(tmp_fd, self.diff.dirs())
+
+    def commit(self) -> None:
+        """Record DEST as this sandbox's baseline (after the old tree was removed)."""
+        dest_fd = open_dest(self.target)
+        if dest_fd is None:
+            return
+        try:
+            self.state.commit(dest_fd, iter(self.hashes))
+        finally:
+            os.close(dest_fd)
+
+    def tree_bytes(self) -> int:
+        return self.state.tree_bytes()

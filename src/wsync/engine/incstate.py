@@ -1,0 +1,554 @@
+"""What the last pull left in DEST, and what this pull must change: state and diff in SQLite.
+
+One SQLite file per DEST, ``STATE/incremental/<sha256 of DEST's real path>.sqlite``, holds
+the sandbox key of the last successful pull into DEST and, per entry of the tree it left:
+the guest's manifest record, the xxh3_128 of the file's bytes as written on the host, and
+the host ``lstat`` signature (kind, mode, size, mtime, ctime, inode) taken after that pull
+finished (after the old tree was removed: linking and unlinking change ctimes).
+
+Why SQLite: a workspace may hold a million entries, and wsync's memory must stay bounded
+(issue 8: peak RSS <= 200 MB for a 1M-entry manifest).  The manifest and a scan of DEST are
+streamed into tables of a private scratch database (``ATTACH ''``: an on-disk temporary file
+behind a bounded page cache), in batches, and the diff is a few joins on primary keys there.
+Nothing in Python ever holds the whole tree: results are read back through cursors.
+
+The diff, per entry of the (excluded-filtered) manifest:
+
+- the guest record differs from the one recorded (kind, mode, size, mtime, ctime, inode,
+  link target, content digest): **changed**, fetch it;
+- it matches but DEST no longer has it: **missing**, fetch;
+- DEST's signature differs from the recorded one in kind, mode, size or mtime: **tampered**
+  (edited or chmod'ed on the host), fetch;
+- only the inode or ctime differ (a pull that failed after building its farm, a kill -9
+  between the swap and the commit, a ``touch -r`` edit on the host): **re-hash** the file
+  (or re-read the link) and compare with the recorded hash; equal keeps it, else fetch.
+  This is what makes an interrupted pull cost a local re-hash, never a wrong tree;
+- otherwise it is kept: the farm links it into the new tree.
+
+Entries of DEST that the filtered manifest does not have are **deleted** (they are simply
+not linked into the new tree; excluded paths an earlier pull left go away too).  Guest files
+sharing an inode (hardlinks) are fetched together: if one is fetched, all are.  Directories
+are never fetched: the farm creates every one fresh and their modes and mtimes are set from
+the manifest (:func:`wsync.engine.farm.set_dir_meta`); a directory whose record or host
+metadata changed still counts as a change, so "nothing changed" means nothing at all.
+
+Without a baseline (first pull, another sandbox, unreadable state) the same diff runs
+against an empty state: every file is fetched and every directory created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import sqlite3
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+
+from wsync.engine import hostscan
+from wsync.engine.excludes import Excludes
+from wsync.engine.fsutil import host_io
+from wsync.engine.itemize import changed_flags, itemize_line
+from wsync.errors import HostileArchive, HostIOError, LimitExceeded, StagingFailed
+
+log = structlog.get_logger("wsync.incstate")
+
+#: rows per executemany while streaming
+BATCH = 4096
+#: SQLite page cache per database, KiB (negative pragma value): bounds memory whatever the size
+CACHE_KIB = 16 * 1024
+SCHEMA_VERSION = "1"
+
+_STATE_COLUMNS = """
+    path BLOB PRIMARY KEY, kind TEXT NOT NULL, mode INT, size INT, mtime INT, ctime INT,
+    ino INT, target BLOB, digest TEXT, hash TEXT,
+    hkind TEXT, hmode INT, hsize INT, hmtime INT, hctime INT, hino INT
+"""
+
+
+class ManifestEntry(Protocol):
+    """What the diff reads of :class:`wsync.protocol.manifest.Entry` (structural)."""
+
+    @property
+    def path(self) -> bytes: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def mode(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def mtime_ns(self) -> int: ...
+    @property
+    def ctime_ns(self) -> int: ...
+    @property
+    def ino(self) -> int: ...
+    @property
+    def target(self) -> bytes: ...
+    @property
+    def digest(self) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DirMeta:
+    """A directory's final mode and mtime, from the manifest."""
+
+    path: bytes
+    mode: int
+    mtime_ns: int
+
+
+def state_path(state_dir: Path, dest: Path) -> Path:
+    real = os.path.realpath(dest)
+    key = hashlib.sha256(os.fsencode(real)).hexdigest()
+    return state_dir / "incremental" / f"{key}.sqlite"
+
+
+def check_path(path: bytes) -> None:
+    """A manifest path must name an entry inside the workspace; HostileArchive if not."""
+    if path == b".":
+        return
+    bad = not path or b"\0" in path or path.startswith(b"/") or path.endswith(b"/")
+    bad = bad or b"//" in path
+    if not bad and (path.startswith(b".") or b"/." in path):  # only then can "." or ".." be a part
+        bad = any(part in (b".", b"..") for part in path.split(b"/"))
+    if bad:
+        raise HostileArchive(f"the manifest names {path!r}, not a path inside the workspace")
+
+
+class PullState:
+    """The incremental state of one DEST (see the module docstring)."""
+
+    def __init__(self, path: Path, db: sqlite3.Connection, sandbox_key: str) -> None:
+        self.path = path
+        self.db = db
+        self.sandbox_key = sandbox_key
+        self._loaded = False
+        self._diffed = False
+        self._hash_batch: list[tuple[bytes, str]] = []
+
+    # -- opening ------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, state_dir: Path, dest: Path, sandbox_key: str) -> PullState:
+        """Open (creating) DEST's state; a damaged file is set aside and started afresh."""
+        path = state_path(state_dir, dest)
+        with host_io(f"creating {path.parent}"):
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            db = _connect(path)
+        except sqlite3.OperationalError as exc:  # locked, unreadable: not ours to delete
+            raise HostIOError(f"incremental state {path}: {exc}") from exc
+        except sqlite3.DatabaseError as exc:  # not a database, or damaged
+            log.warning("incremental state unreadable, starting afresh", path=str(path), error=exc)
+            _remove_db(path)
+            try:
+                db = _connect(path)
+            except sqlite3.Error as again:
+                raise HostIOError(f"incremental state {path}: {again}") from again
+        return cls(path, db, sandbox_key)
+
+    def close(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self.db.close()
+
+    def __enter__(self) -> PullState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _meta(self, key: str) -> str | None:
+        found = self.db.execute("SELECT v FROM meta WHERE k = ?", (key,)).fetchone()
+        return None if found is None else str(found[0])
+
+    def has_baseline(self) -> bool:
+        """True when the last successful pull into DEST was of this sandbox and recorded."""
+        with self._errors():
+            if self._meta("sandbox") != self.sandbox_key:
+                return False
+            if self._meta("version") != SCHEMA_VERSION:
+                return False
+            root = self.db.execute("SELECT kind FROM state WHERE path = ?", (b".",)).fetchone()
+            return root is not None and root[0] == "d"
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise HostIOError(f"incremental state {self.path}: {exc}") from exc
+
+    # -- the manifest -------------------------------------------------------------------
+
+    def load_manifest(
+        self,
+        entries: Iterable[ManifestEntry],
+        excludes: Excludes,
+        *,
+        max_entries: int | None = None,
+    ) -> None:
+        """Stream the guest's manifest into the scratch table, dropping excluded entries and
+        sockets (tar never archives them), then entries whose parent is not a directory of
+        the manifest (a directory renamed while ``find`` walked it).
+
+        ``max_entries`` (the extractor's ``max_files``) bounds what a hostile guest can make
+        the host create: the farm makes every directory listed, without an archive to count.
+        """
+        with self._errors():
+            db = self.db
+            db.execute("DELETE FROM s.man")
+            db.execute("DELETE FROM s.hashes")
+            self._hash_batch.clear()
+            batch: list[tuple[object, ...]] = []
+            insert = "INSERT OR REPLACE INTO s.man VALUES (?,?,?,?,?,?,?,?,?,?)"
+            count = 0
+            for e in entries:
+                path = e.path
+                check_path(path)
+                if e.kind == "s" or excludes.excluded(path, e.kind == "d"):
+                    continue
+                count += 1
+                if max_entries is not None and count > max_entries:
+                    raise LimitExceeded(f"the guest's manifest has more than {max_entries} entries")
+                parent = (path.rpartition(b"/")[0] or b".") if path != b"." else b""
+                batch.append(
+                    (path, parent, e.kind, e.mode & 0o7777, e.size, e.mtime_ns,
+                     e.ctime_ns, e.ino, e.target, e.digest)
+                )  # fmt: skip
+                if len(batch) >= BATCH:
+                    db.executemany(insert, batch)
+                    batch.clear()
+            db.executemany(insert, batch)
+            root = db.execute("SELECT kind FROM s.man WHERE path = ?", (b".",)).fetchone()
+            if root is None or root[0] != "d":
+                raise StagingFailed("the guest's manifest has no root directory entry")
+            while True:
+                cur = db.execute(
+                    "DELETE FROM s.man WHERE path != x'2e' AND NOT EXISTS "
+                    "(SELECT 1 FROM s.man p WHERE p.path = s.man.parent AND p.kind = 'd')"
+                )
+                if cur.rowcount <= 0:
+                    break
+            db.commit()
+        self._loaded = True
+        self._diffed = False
+
+    # -- the diff -----------------------------------------------------------------------
+
+    def diff(self, dest_fd: int) -> Diff:
+        """Compare the loaded manifest and DEST (open at ``dest_fd``) with the state."""
+        if not self._loaded:
+            raise RuntimeError("load_manifest() first")
+        with self._errors():
+            self._scan_host(dest_fd)
+            db = self.db
+            # "base" is the recorded state, or an empty one when it is not this sandbox's
+            db.execute("DROP VIEW IF EXISTS temp.base")
+            if self.has_baseline():
+                db.execute("CREATE TEMP VIEW base AS SELECT * FROM main.state")
+            else:
+                db.execute("CREATE TEMP VIEW base AS SELECT * FROM s.nostate")
+            db.execute("DELETE FROM s.plan")
+            db.execute(_PLAN)
+            if self._recheck(dest_fd) and self.has_baseline():
+                # verified by their bytes: record where they are now, so the next pull
+                # does not hash them again (the hash recorded stays the same)
+                db.execute(
+                    "UPDATE main.state SET "
+                    "hino = (SELECT h.ino FROM s.host h WHERE h.path = main.state.path), "
+                    "hctime = (SELECT h.ctime FROM s.host h WHERE h.path = main.state.path) "
+                    "WHERE path IN (SELECT path FROM s.verdict WHERE ok = 1)"
+                )
+            # a fetched guest inode is fetched under every name it has
+            db.execute(
+                "UPDATE s.plan SET act = 'linked', hash = NULL WHERE act = 'keep' AND kind = 'f' "
+                "AND ino != 0 AND ino IN (SELECT ino FROM s.plan WHERE kind = 'f' AND ino != 0 "
+                "AND act IN ('new', 'changed', 'missing', 'tampered', 'linked'))"
+            )
+            db.commit()
+            changed = db.execute("SELECT count(*) FROM s.plan WHERE act != 'keep'").fetchone()[0]
+            deleted = db.execute(
+                "SELECT count(*) FROM s.host h "
+                "WHERE NOT EXISTS (SELECT 1 FROM s.man m WHERE m.path = h.path)"
+            ).fetchone()[0]
+            fetch = db.execute(
+                "SELECT count(*) FROM s.plan WHERE kind != 'd' AND act IN "
+                "('new', 'changed', 'missing', 'tampered', 'linked')"
+            ).fetchone()[0]
+        self._diffed = True
+        return Diff(self, int(changed), int(deleted), int(fetch))
+
+    def _scan_host(self, dest_fd: int) -> None:
+        db = self.db
+        db.execute("DELETE FROM s.host")
+        batch: list[hostscan.HostRow] = []
+        insert = "INSERT OR REPLACE INTO s.host VALUES (?,?,?,?,?,?,?)"
+        with host_io("reading DEST"):
+            for item in hostscan.scan(dest_fd):
+                batch.append(item)
+                if len(batch) >= BATCH:
+                    db.executemany(insert, batch)
+                    batch.clear()
+        db.executemany(insert, batch)
+
+    def _recheck(self, dest_fd: int) -> int:
+        """Entries whose host inode or ctime moved: re-hash (re-read the link) and compare.
+        Returns how many were verified."""
+        db = self.db
+        db.execute("DELETE FROM s.verdict")
+        rows = db.execute(
+            "SELECT p.path, p.kind, h.ino, o.hash, m.target FROM s.plan p "
+            "JOIN s.host h USING (path) JOIN base o USING (path) JOIN s.man m USING (path) "
+            "WHERE p.act = 'check'"
+        )
+        batch: list[tuple[bytes, int]] = []
+        for path, kind, ino, recorded, target in rows:
+            if kind == "f":
+                same = recorded is not None and hostscan.file_hash(dest_fd, path, ino) == recorded
+            elif kind == "l":
+                same = hostscan.link_target(dest_fd, path) == target
+            else:
+                same = False
+            batch.append((path, 1 if same else 0))
+            if len(batch) >= BATCH:
+                db.executemany("INSERT INTO s.verdict VALUES (?, ?)", batch)
+                batch.clear()
+        db.executemany("INSERT INTO s.verdict VALUES (?, ?)", batch)
+        verified = db.execute("SELECT count(*) FROM s.verdict WHERE ok = 1").fetchone()[0]
+        db.execute(
+            "UPDATE s.plan SET act = CASE (SELECT ok FROM s.verdict v WHERE v.path = s.plan.path) "
+            "WHEN 1 THEN 'keep' ELSE 'tampered' END WHERE act = 'check'"
+        )
+        return int(verified)
+
+    # -- after the pull -----------------------------------------------------------------
+
+    def commit(
+        self, dest_fd: int, file_hashes: Mapping[bytes, str] | Iterable[tuple[bytes, str]]
+    ) -> None:
+        """Record the tree now in DEST (open at ``dest_fd``) as this sandbox's baseline.
+
+        Call it after the swap and after the old tree was removed.  ``file_hashes`` are the
+        extractor's xxh3_128 of every file it wrote (on top of those given to
+        :meth:`add_hash` since :meth:`load_manifest`); kept files carry their recorded hash.
+        An entry is recorded only where DEST holds it with the manifest's kind, so anything
+        the pull did not leave (vanished in the guest, refused) is fetched next time.
+        """
+        if not self._loaded:
+            raise RuntimeError("load_manifest() first")
+        pairs = file_hashes.items() if isinstance(file_hashes, Mapping) else file_hashes
+        with self._errors():
+            db = self.db
+            self._scan_host(dest_fd)
+            for path, digest in pairs:
+                self.add_hash(path, digest)
+            self._flush_hashes()
+            if not self._diffed:
+                db.execute("DELETE FROM s.plan")
+            db.commit()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute("DELETE FROM main.state")
+                db.execute(_COMMIT)
+                db.executemany(
+                    "INSERT OR REPLACE INTO main.meta VALUES (?, ?)",
+                    [("sandbox", self.sandbox_key), ("version", SCHEMA_VERSION)],
+                )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def add_hash(self, path: bytes, digest: str) -> None:
+        """Note the xxh3_128 of a file the extractor wrote (``on_file`` can be this method):
+        kept in the scratch database, not in memory, so a million files cost no RSS."""
+        self._hash_batch.append((path, digest))
+        if len(self._hash_batch) >= BATCH:
+            with self._errors():
+                self._flush_hashes()
+
+    def _flush_hashes(self) -> None:
+        self.db.executemany("INSERT OR REPLACE INTO s.hashes VALUES (?, ?)", self._hash_batch)
+        self._hash_batch.clear()
+
+    def tree_bytes(self) -> int:
+        """Bytes of the regular files recorded (after :meth:`commit`: the tree now in DEST)."""
+        with self._errors():
+            found = self.db.execute(
+                "SELECT coalesce(sum(hsize), 0) FROM main.state WHERE kind = 'f'"
+            ).fetchone()
+        return int(found[0])
+
+    def forget(self) -> None:
+        """Drop the baseline: the next pull into DEST is a full one."""
+        self.close()
+        _remove_db(self.path)
+
+
+@dataclasses.dataclass
+class Diff:
+    """The outcome of :meth:`PullState.diff`; its iterators stream from the scratch tables."""
+
+    state: PullState
+    #: entries of the new tree that are not kept as they are (directories included)
+    changed: int
+    #: entries of DEST that the new tree does not have
+    deleted: int
+    #: entries :meth:`fetch_paths` yields (0 with changes: only a farm and a swap, no archive)
+    fetch: int = 0
+
+    @property
+    def nothing_to_do(self) -> bool:
+        return self.changed == 0 and self.deleted == 0
+
+    def fetch_paths(self) -> Iterator[bytes]:
+        """Non-directory entries to fetch, sorted by path bytes (parents before children)."""
+        rows = self.state.db.execute(
+            "SELECT path FROM s.plan WHERE kind != 'd' AND act IN "
+            "('new', 'changed', 'missing', 'tampered', 'linked') ORDER BY path"
+        )
+        for (path,) in rows:
+            yield bytes(path)
+
+    def keep(self) -> Iterator[tuple[bytes, str]]:
+        """(path, kind) for the farm: every directory but the root, and the unchanged
+        entries to link, sorted by path bytes, so a directory comes before its entries."""
+        rows = self.state.db.execute(
+            "SELECT path, kind FROM s.plan WHERE (kind = 'd' AND path != x'2e') "
+            "OR (kind != 'd' AND act = 'keep') ORDER BY path"
+        )
+        for path, kind in rows:
+            yield bytes(path), str(kind)
+
+    def dirs(self) -> Iterator[DirMeta]:
+        """Every directory of the manifest, descendants before ancestors, the root last."""
+        rows = self.state.db.execute(
+            "SELECT path, mode, mtime FROM s.man WHERE kind = 'd' AND path != x'2e' "
+            "ORDER BY path DESC"
+        )
+        for path, mode, mtime in rows:
+            yield DirMeta(bytes(path), int(mode), int(mtime))
+        root = self.state.db.execute("SELECT mode, mtime FROM s.man WHERE path = x'2e'").fetchone()
+        if root is not None:
+            yield DirMeta(b".", int(root[0]), int(root[1]))
+
+    def itemize(self) -> Iterator[str]:
+        """``rsync -i`` style lines: deletions first, then changes, paths escaped."""
+        db = self.state.db
+        gone = db.execute(
+            "SELECT path, kind FROM s.host h "
+            "WHERE NOT EXISTS (SELECT 1 FROM s.man m WHERE m.path = h.path) ORDER BY path DESC"
+        )
+        for path, kind in gone:
+            yield itemize_line("*deleting", bytes(path), str(kind) == "d", b"")
+        rows = db.execute(
+            "SELECT p.path, p.act, m.kind, m.mode, m.size, m.mtime, m.ctime, m.ino, m.target, "
+            "m.digest, o.kind, o.mode, o.size, o.mtime, o.ctime, o.ino, o.target, o.digest "
+            "FROM s.plan p JOIN s.man m USING (path) LEFT JOIN base o USING (path) "
+            "WHERE p.act != 'keep' ORDER BY p.path"
+        )
+        for path, act, *record in rows:
+            new, old = tuple(record[:8]), tuple(record[8:])
+            code = changed_flags(str(act), new, old)
+            target = bytes(new[6] or b"") if new[0] == "l" else b""
+            yield itemize_line(code, bytes(path), new[0] == "d", target)
+
+
+# -- SQL ----------------------------------------------------------------------------------
+
+_PLAN = """
+INSERT INTO s.plan (path, kind, ino, act, hash)
+SELECT m.path, m.kind, m.ino,
+  CASE
+    WHEN m.kind = 'd' THEN CASE
+      WHEN h.path IS NULL OR h.kind IS NOT 'd' THEN 'new'
+      WHEN o.path IS NULL THEN 'new'
+      WHEN o.kind IS NOT 'd' OR o.mode IS NOT m.mode OR o.mtime IS NOT m.mtime THEN 'changed'
+      WHEN h.mode IS NOT o.hmode OR h.mtime IS NOT o.hmtime THEN 'tampered'
+      ELSE 'keep' END
+    WHEN o.path IS NULL THEN 'new'
+    WHEN o.kind IS NOT m.kind OR o.mode IS NOT m.mode OR o.size IS NOT m.size
+      OR o.mtime IS NOT m.mtime OR o.ctime IS NOT m.ctime OR o.ino IS NOT m.ino
+      OR o.target IS NOT m.target OR o.digest IS NOT m.digest THEN 'changed'
+    WHEN h.path IS NULL THEN 'missing'
+    WHEN h.kind IS NOT o.hkind OR h.kind IS NOT m.kind OR h.mode IS NOT o.hmode
+      OR h.size IS NOT o.hsize OR h.mtime IS NOT o.hmtime THEN 'tampered'
+    WHEN h.ino IS NOT o.hino OR h.ctime IS NOT o.hctime THEN 'check'
+    ELSE 'keep'
+  END,
+  CASE WHEN m.kind = 'f' THEN o.hash END
+FROM s.man m
+LEFT JOIN base o ON o.path = m.path
+LEFT JOIN s.host h ON h.path = m.path
+"""
+
+_COMMIT = """
+INSERT INTO main.state
+SELECT m.path, m.kind, m.mode, m.size, m.mtime, m.ctime, m.ino, m.target, m.digest,
+  CASE WHEN m.kind = 'f' THEN coalesce(fh.hash, CASE WHEN p.act = 'keep' THEN p.hash END) END,
+  h.kind, h.mode, h.size, h.mtime, h.ctime, h.ino
+FROM s.man m
+JOIN s.host h ON h.path = m.path AND h.kind = m.kind
+LEFT JOIN s.hashes fh ON fh.path = m.path
+LEFT JOIN s.plan p ON p.path = m.path
+"""
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    """Open the state file; sqlite3.DatabaseError (not OperationalError) when it is damaged."""
+    db = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
+    try:
+        db.execute(f"PRAGMA cache_size = -{CACHE_KIB}")
+        db.execute("PRAGMA synchronous = FULL")
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
+        if not {"meta", "state"} <= tables:  # a write lock only the first time
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
+            db.execute(f"CREATE TABLE IF NOT EXISTS state ({_STATE_COLUMNS}) WITHOUT ROWID")
+            db.execute("COMMIT")
+        # a torn or edited file must cost a full pull, never a wrong diff
+        verdict = db.execute("PRAGMA quick_check(1)").fetchone()
+        if verdict is None or verdict[0] != "ok":
+            raise sqlite3.DatabaseError(f"quick_check: {verdict[0] if verdict else 'no answer'}")
+        _scratch(db)
+    except BaseException:
+        db.close()
+        raise
+    # the scratch tables take many statements: one implicit transaction each is slow
+    db.isolation_level = "DEFERRED"
+    return db
+
+
+def _scratch(db: sqlite3.Connection) -> None:
+    """The per-run tables, in a private temporary database (gone when the connection is)."""
+    db.execute("ATTACH DATABASE '' AS s")
+    db.execute(f"PRAGMA s.cache_size = -{CACHE_KIB}")
+    db.execute("PRAGMA s.journal_mode = OFF")
+    db.execute("PRAGMA s.synchronous = OFF")
+    db.execute(
+        "CREATE TABLE s.man (path BLOB PRIMARY KEY, parent BLOB, kind TEXT, mode INT, size INT, "
+        "mtime INT, ctime INT, ino INT, target BLOB, digest TEXT) WITHOUT ROWID"
+    )
+    db.execute(
+        "CREATE TABLE s.host (path BLOB PRIMARY KEY, kind TEXT, mode INT, size INT, mtime INT, "
+        "ctime INT, ino INT) WITHOUT ROWID"
+    )
+    db.execute(
+        "CREATE TABLE s.plan (path BLOB PRIMARY KEY, kind TEXT, ino INT, act TEXT, hash TEXT) "
+        "WITHOUT ROWID"
+    )
+    db.execute("CREATE TABLE s.verdict (path BLOB PRIMARY KEY, ok INT) WITHOUT ROWID")
+    db.execute("CREATE TABLE s.hashes (path BLOB PRIMARY KEY, hash TEXT) WITHOUT ROWID")
+    db.execute(f"CREATE TABLE s.nostate ({_STATE_COLUMNS}) WITHOUT ROWID")
+
+
+def _remove_db(path: Path) -> None:
+    with host_io(f"removing {path}"):
+        for suffix in ("", "-journal", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{path}{suffix}")

@@ -1,0 +1,448 @@
+"""The machinery every producer run of a pull shares: admit, fetch, verify, consume.
+
+A pull runs the guest producer once or twice (issue 8): a ``manifest`` run, then a
+``tar`` or ``select`` run.  Each is admitted under its own journal (phase), its chunks
+fetched in parallel with the same verified reads, journaled durably, and fed in order to
+a consumer thread (the extractor, or the manifest loader) while they still arrive; the
+whole stream is checked against the guest's ``done`` record before anything is believed.
+See :mod:`wsync.engine.pull` for the order of trust.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import structlog
+
+from wsync.engine.api import Progress, ProgressCallback, PullOptions
+from wsync.engine.extract import ExtractStats
+from wsync.engine.feed import ChunkFeed
+from wsync.engine.guest import CallStats, GuestPlan, GuestSession
+from wsync.engine.incremental import Incremental
+from wsync.engine.journal import Journal
+from wsync.engine.winddown import WriterPool, await_future, await_thread, raise_if_cancelled
+from wsync.errors import (
+    IntegrityFailed,
+    LimitExceeded,
+    ProducerVanished,
+    StagingFailed,
+    WsyncError,
+    first_error,
+)
+from wsync.protocol.policy import MIN_TEXT_READ, ReadSizer
+from wsync.protocol.records import Chunk, DoneRecord, IndexParser
+from wsync.protocol.scripts import BLOCK
+from wsync.transports.base import Transport
+
+log = structlog.get_logger("wsync.pull")
+
+_T = TypeVar("_T")
+
+_INDEX_READ = 1024 * 1024
+_POLL_MIN, _POLL_MAX = 0.05, 1.0
+_DEAD_CONFIRMATIONS = 3
+#: progress is emitted at least this often, events or not (counters move between events)
+_TICK = 0.5
+
+
+class _ExtractorStopped(Exception):
+    """Internal: the extractor thread ended before the stream did."""
+
+
+def new_snapshot_id() -> str:
+    return time.strftime("s%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(4)
+
+
+#: how long a failing or cancelled pull waits for its threads before it leaves them
+_WIND_DOWN_S = 10.0
+
+
+class StreamRunner:
+    """The state of one pull shared by its producer runs (see the module docstring)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        workspace: str,
+        dest: Path,
+        options: PullOptions,
+        journal: Journal,
+        on_progress: ProgressCallback | None,
+        stats: CallStats | None = None,
+    ) -> None:
+        self.transport = transport
+        self.workspace = workspace
+        self.dest = dest
+        self.options = options
+        self.journal = journal
+        #: DEST's parent fd and the DEST lock (closed with the journal)
+        if journal.dest_dir is None:
+            raise ValueError("a pull's journal must carry its DestDir (see check_dest)")
+        self.target = journal.dest_dir
+        self.on_progress = on_progress
+        self.stats = stats or CallStats()
+        self.session = GuestSession(transport, options, self.stats)
+        # text channels carry base64, 4/3 the bytes: let reads go below one block there
+        minimum = MIN_TEXT_READ if not transport.capabilities.binary_safe else BLOCK
+        self.sizer = ReadSizer(options.chunk_size, minimum=minimum)
+        self.progress = Progress()
+        #: counted into by the extractor thread while it runs (progress reads it)
+        self.extracted = ExtractStats()
+        self.warnings: list[str] = []
+        self.reconciled = False
+        self.last_emit = 0.0
+        self.done: DoneRecord | None = None
+        #: files taken as last read although they kept changing (best effort only)
+        self.unstable: list[str] = []
+        #: journal writes run here, so that a cancelled pull can wait for the
+        #: writes in flight before it releases the journal (to_thread cannot)
+        self.io = WriterPool(
+            max_workers=max(1, options.parallel), thread_name_prefix="wsync-journal"
+        )
+        #: the journal (or journal phase) the chunks being fetched go to
+        self.chunk_journal = journal
+        #: every snapshot this run admitted (cleaned up at the end)
+        self.snapshots: list[str] = []
+        self.inc: Incremental | None = None
+        self.swapped = False
+        #: the consumer thread outlived the wind-down: its tmp tree is left to the next run
+        self.stuck = False
+        self.tree_bytes = 0
+        #: the manifest phase's journal (its stream is not bounded by ``max_bytes``, which
+        #: bounds file bytes; the entry count is bounded by ``max_files`` as it loads)
+        self.manifest_journal: Journal | None = None
+        self.changes: list[str] = []
+
+    # -- progress ----------------------------------------------------------------
+
+    def emit(self, phase: str | None = None, *, force: bool = False) -> None:
+        p = self.progress
+        if phase:
+            p.phase = phase
+        p.retries = self.stats.retries
+        p.transferred_bytes = self.stats.transferred
+        p.faults = dict(self.stats.faults)
+        x = self.extracted
+        p.files = x.files + x.symlinks + x.hardlinks
+        now = time.monotonic()
+        if self.on_progress and (force or phase or now - self.last_emit > 0.1):
+            self.last_emit = now
+            self.on_progress(p)
+
+    @contextlib.asynccontextmanager
+    async def ticking(self) -> AsyncIterator[None]:
+        """Emit every ``_TICK`` seconds meanwhile: retries, faults and the extractor's
+        file count change while no chunk arrives (a hanging call, a resume's extract)."""
+
+        async def tick() -> None:
+            while True:
+                await asyncio.sleep(_TICK)
+                self.emit()
+
+        task = asyncio.create_task(tick())
+        try:
+            yield
+        finally:
+            task.cancel()
+            # gather: the ticker's own cancellation is a result, the caller's propagates
+            await asyncio.gather(task, return_exceptions=True)
+
+    # -- the pull ------------------------------------------------------------------
+
+    async def admit_phase(
+        self,
+        plan: GuestPlan,
+        journal: Journal,
+        snapshot: str,
+        mode: str,
+        prune: tuple[str, ...] = (),
+    ) -> dict[int, tuple[str, Path]]:
+        """Admit ``snapshot``'s producer run; return the journal's chunks still good."""
+        # the counters are per producer run: a manifest's chunks are not the archive's
+        self.progress = dataclasses.replace(
+            Progress(), phase=self.progress.phase, snapshot=snapshot
+        )
+        # every later log line of this pull (workers inherit the context) names it
+        structlog.contextvars.bind_contextvars(snapshot=snapshot)
+        self.emit("admit")
+        self.chunk_journal = journal
+        self.snapshots.append(snapshot)
+        self.reconciled = await self.session.admit(
+            snapshot, self.workspace, plan.compressor, mode=mode, prune=prune
+        )
+        journaled = journal.chunks()
+        if journaled and not self.reconciled:
+            # the guest staging is gone and a new producer started: its stream
+            # differs from the one our chunks came from, so they are worthless
+            log.info("guest staging restarted; discarding journaled chunks", n=len(journaled))
+            journal.clear_chunks()
+            journaled = {}
+        return journaled
+
+    async def stream(
+        self,
+        plan: GuestPlan,
+        journal: Journal,
+        journaled: dict[int, tuple[str, Path]],
+        consume: Callable[[ChunkFeed], _T],
+    ) -> tuple[_T, int, int]:
+        """Fetch the admitted snapshot's stream while ``consume`` reads it in a thread;
+        verify the whole stream; return what ``consume`` returned, chunks and length."""
+        feed = ChunkFeed(plan.algorithm)
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["value"] = consume(feed)
+            except BaseException as exc:
+                box["error"] = exc
+
+        thread = threading.Thread(target=work, name="wsync-extract", daemon=True)
+        thread.start()
+        self.chunk_journal = journal
+        try:
+            chunks, length = await self.fetch_all(plan, feed, journaled, thread)
+            self.emit("extract")
+            await await_thread(thread, None)
+            raise_if_cancelled()  # a cancel swallowed on the way must not swap DEST
+            if "error" in box:
+                raise box["error"]
+            assert self.done is not None
+            if feed.length != length or feed.digest != self.done.digest:
+                raise IntegrityFailed(
+                    f"whole stream: {feed.length} bytes hashing to {feed.digest[:16]}…, "
+                    f"guest says {length} bytes hashing to {self.done.digest[:16]}…"
+                )
+            return box["value"], chunks, length
+        except BaseException as exc:
+            await self.wind_down(feed, thread)
+            if isinstance(exc, _ExtractorStopped) and "error" in box:
+                raise box["error"] from None
+            raise
+        finally:
+            feed.close()
+
+    async def wind_down(self, feed: ChunkFeed, thread: threading.Thread) -> None:
+        """After a failure or a cancel: stop the consumer thread and the journal writers.
+
+        This runs on the event loop while the pull is being cancelled, so it never
+        blocks it: a cancelled CLI pull must exit within a second or two and the
+        daemon's loop keeps serving.  The extractor sees ``feed.abort`` at its next
+        read or ``check_cancel`` (milliseconds); journal writes in flight finish
+        their fsync+rename (a chunk either counts or leaves a temp file the next
+        run deletes).  Each wait is polled with a bound, never joined: what is
+        still running after :data:`_WIND_DOWN_S` is left to finish or die with the
+        process (daemon threads), and so is the tmp tree, which the next run removes
+        before it extracts.  Never :func:`asyncio.to_thread` here: the default
+        executor is joined without a bound by ``asyncio.run`` and at exit.
+        """
+        feed.abort("pull stopped")
+        self.io.shutdown(wait=False, cancel_futures=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _WIND_DOWN_S
+        if not await await_thread(thread, _WIND_DOWN_S):
+            log.warning("the extractor is still running; its partial tree stays")
+            self.stuck = True
+            return
+        for write in list(self.io.pending):
+            if not await await_future(write, deadline - loop.time()):
+                log.warning("a journal write is still running")
+                break
+
+    async def remove_tmp(self, tmp: str) -> None:
+        """Remove the partial tree beside DEST (bounded; the next run removes what stays)."""
+        if self.stuck:
+            return
+
+        def remove() -> None:
+            self.target.discard(tmp)  # never raises: the pull's own error is reported
+
+        remover = threading.Thread(target=remove, name="wsync-cleanup", daemon=True)
+        remover.start()
+        if not await await_thread(remover, _WIND_DOWN_S):
+            log.info("partial tree not removed yet; the next run removes it", tmp=str(tmp))
+
+    def choose_snapshot(
+        self, plan: GuestPlan, journal: Journal, mode: str, extra: Mapping[str, Any]
+    ) -> str:
+        """The snapshot of ``journal`` to resume when it was admitted for the same run
+        (same mode, and for a select run the same list), else a fresh one."""
+        wanted = {
+            "sandbox": self.transport.description,
+            "workspace": self.workspace,
+            "staging_root": self.options.staging_root,
+            "chunk_size": self.options.chunk_size,
+            "algorithm": plan.algorithm.name,
+            "compressor": plan.compressor,
+            **({"mode": mode} if mode != "tar" else {}),
+            **extra,
+        }
+        meta = journal.meta
+        fresh = meta is not None and (
+            time.time() - float(meta.get("created", 0)) < self.options.staging_ttl
+        )
+        if meta and fresh and all(meta.get(k) == v for k, v in wanted.items()):
+            snapshot = str(meta["snapshot"])
+            log.info("resuming", snapshot=snapshot)
+            return snapshot
+        snapshot = new_snapshot_id()
+        journal.start({**wanted, "snapshot": snapshot, "created": time.time()})
+        return snapshot
+
+    async def fetch_all(
+        self,
+        plan: GuestPlan,
+        feed: ChunkFeed,
+        journaled: dict[int, tuple[str, Path]],
+        thread: threading.Thread,
+    ) -> tuple[int, int]:
+        """Follow the guest index until ``done``; fetch every chunk; return (chunks, length)."""
+        queue: asyncio.Queue[Chunk | None] = asyncio.Queue()
+        index = IndexParser(plan.algorithm, self.options.chunk_size)
+        limits = self.options.limits
+        try:
+            async with asyncio.TaskGroup() as group:
+                workers = [
+                    group.create_task(self.worker(queue, feed, plan))
+                    for _ in range(max(1, self.options.parallel))
+                ]
+                poll, dead, dead_since = _POLL_MIN, 0, 0.0
+                while True:
+                    status = await self.session.status()
+                    if not status.exists:
+                        raise ProducerVanished("the guest staging directory disappeared")
+                    if status.failed is not None:
+                        raise StagingFailed(status.failed)
+                    self.progress.archive_produced = status.data_size
+                    grew = index.consumed < status.index_size
+                    while index.consumed < status.index_size:
+                        n = min(_INDEX_READ, status.index_size - index.consumed)
+                        data = await self.session.read("index", index.consumed, n, self.sizer)
+                        for chunk in index.receive_data(data):
+                            self.admit_chunk(chunk, journaled, queue, feed)
+                    if (
+                        index.next_offset > limits.max_bytes
+                        and self.chunk_journal is not self.manifest_journal
+                    ):
+                        raise LimitExceeded(f"archive larger than {limits.max_bytes} bytes")
+                    if status.done is not None:
+                        done = status.done
+                        break
+                    if not thread.is_alive():
+                        raise _ExtractorStopped  # stop fetching; run() reports why
+                    if status.alive:
+                        dead = 0
+                    else:
+                        dead += 1
+                        dead_since = dead_since if dead > 1 else time.monotonic()
+                        if dead >= _DEAD_CONFIRMATIONS and time.monotonic() - dead_since > 5:
+                            raise ProducerVanished("the guest producer died without a result")
+                    self.emit()
+                    await asyncio.sleep(poll)
+                    poll = _POLL_MIN if grew else min(_POLL_MAX, poll * 1.5)
+                if not index.clean or index.next_seq != done.chunks:
+                    raise IntegrityFailed(
+                        f"index lists {index.next_seq} chunks, done record says {done.chunks}"
+                    )
+                if index.next_offset != done.length:
+                    raise IntegrityFailed(
+                        f"index covers {index.next_offset} bytes, done record says {done.length}"
+                    )
+                self.check_tar(plan, done.tar_rc, status.tar_errors)
+                self.done = done
+                self.progress.archive_bytes = done.length
+                self.progress.chunks_total = done.chunks
+                feed.finish(done.chunks)
+                for _ in workers:
+                    queue.put_nowait(None)
+        except BaseExceptionGroup as group_error:
+            raise first_error(group_error) from None
+        return done.chunks, done.length
+
+    async def discard(self) -> None:
+        """Forget a snapshot that failed for a reason a retry of it cannot fix: remove the
+        guest staging now (a full guest disk must not stay full until the GC) and the
+        journal's chunks, so that the next run starts a fresh snapshot."""
+        if self.session.snapshot and self.session.algorithm and not self.options.keep_staging:
+            try:
+                async with asyncio.timeout(self.options.call_timeout * 2):
+                    await self.session.cleanup()
+            except (WsyncError, TimeoutError) as exc:
+                log.warning("failed snapshot not removed from the guest", error=str(exc))
+        with contextlib.suppress(WsyncError):
+            self.chunk_journal.forget()
+
+    def check_tar(self, plan: GuestPlan, tar_rc: int, errors: str) -> None:
+        """GNU tar exits 1 only for files that changed while read: a warning.
+
+        Busybox tar exits 1 for any error, unreadable files left out included,
+        so there exit 1 is a failure: the archive is not the workspace.
+        """
+        if tar_rc == 1 and "GNU tar" not in plan.probe.tar_version:
+            raise StagingFailed(f"tar exited 1: {errors or 'no details'}")
+        if tar_rc == 1:
+            self.warnings.append(
+                "tar reported files changed while archiving (exit 1): " + (errors or "no details")
+            )
+        elif errors:
+            self.warnings.append(f"tar printed: {errors}")
+
+    def admit_chunk(
+        self,
+        chunk: Chunk,
+        journaled: dict[int, tuple[str, Path]],
+        queue: asyncio.Queue[Chunk | None],
+        feed: ChunkFeed,
+    ) -> None:
+        have = journaled.get(chunk.seq)
+        if have is not None and have[0] == chunk.digest:
+            with contextlib.suppress(OSError):
+                if have[1].stat().st_size == chunk.length:
+                    feed.publish(chunk.seq, have[1])
+                    self.progress.resumed_chunks += 1
+                    self.progress.bytes_resumed += chunk.length
+                    self.progress.chunks_done += 1
+                    return
+        queue.put_nowait(chunk)
+
+    async def worker(
+        self, queue: asyncio.Queue[Chunk | None], feed: ChunkFeed, plan: GuestPlan
+    ) -> None:
+        while (chunk := await queue.get()) is not None:
+            data = await self.fetch_chunk(chunk, plan)
+            store = self.io.submit(self.chunk_journal.store, chunk.seq, chunk.digest, data)
+            path = await asyncio.wrap_future(store)
+            feed.publish(chunk.seq, path)
+            self.progress.chunks_done += 1
+            self.progress.bytes_fetched += len(data)
+            self.emit()
+
+    async def fetch_chunk(self, chunk: Chunk, plan: GuestPlan) -> bytes:
+        # the manifest (a fraction of an archive) is read by exec reads only, so that the
+        # file API's reads and ``chunks`` both count archive chunks alone
+        if self.chunk_journal is not self.manifest_journal:
+            direct = await self.session.read_direct(chunk.offset, chunk.length, chunk.digest)
+            if direct is not None:
+                return direct
+        for _ in range(self.options.max_attempts):
+            buf = bytearray()
+            while len(buf) < chunk.length:
+                buf += await self.session.read(
+                    "data", chunk.offset + len(buf), chunk.length - len(buf), self.sizer
+                )
+            if plan.algorithm.digest(buf) == chunk.digest:
+                return bytes(buf)
+            self.stats.faults["chunk-hash-mismatch"] += 1
+            self.stats.retries += 1
+            log.info(
+                "retry", call=f"chunk {chunk.seq}", fault="chunk-hash-mismatch", asked=len(buf)
+            )
+        raise IntegrityFailed(f"chunk {chunk.seq} never matched its index hash")

@@ -1,0 +1,257 @@
+"""The producer: the detached guest script that writes one snapshot (see
+:mod:`wsync.protocol.scripts` for the staging layout and the rules every script keeps).
+
+It runs in one of three modes (issue 8): ``tar`` archives the whole workspace with the
+settle re-read rounds; ``manifest`` writes one record per entry
+(:mod:`wsync.protocol.manifest`) instead of a tar; ``select`` archives exactly the
+entries of an uploaded list.  Each writes the same compressed, chunk-indexed, hashed
+``data`` stream and the same ``done``/``failed`` records, so the host reads them all
+with the same verified, journaled, resumable chunk reads.
+"""
+
+from __future__ import annotations
+
+_PRODUCER = r"""
+set -u
+d=$1 ws=$2 cs=$3 hid=$4 comp=$5 mode=$6
+shift 6
+# tar's diagnostics in English with names escaped: torn() reads them
+LC_ALL=C
+export LC_ALL
+cd "$d" || exit 1
+h() {
+  case $hid in
+    xxh128) xxhsum -H2 ;;
+    b2) b2sum ;;
+    sha256) sha256sum ;;
+  esac
+}
+alive() {
+  kill -0 "$1" 2>/dev/null || return 1
+  if [ -r "/proc/$1/stat" ]; then
+    case $(sed 's/.*) //' "/proc/$1/stat" | cut -d ' ' -f 1) in Z) return 1 ;; esac
+  fi
+  return 0
+}
+fail() {
+  # a failed write on a full disk says so: the host names the figures
+  f=$(df -Pk . | awk 'NR == 2 { print $4 + 0 }')
+  [ "${f:-9999}" -lt 1024 ] && set -- "disk-full $f: $1"
+  # failed.tmp was reserved at start: rewriting it in place (1<>, no
+  # truncation) needs no new disk blocks, so a full disk can still say why
+  printf '%s\n' "$1" 1<> failed.tmp
+  mv -f failed.tmp failed
+  trap '' TERM
+  kill -TERM 0 2>/dev/null
+  exit 1
+}
+printf '%512s\n' '' > failed.tmp || exit 1
+echo $$ > pid.tmp && mv -f pid.tmp pid || fail "cannot write the pid file"
+: > index || fail "cannot create the index"
+: > data || fail "cannot create the data file"
+case $comp in
+  zstd) z() { zstd -q -c -3 -T0; } ;;
+  gzip) z() { gzip -c -1; } ;;
+  *) fail "unknown compressor" ;;
+esac
+# files whose status changed after a mark were (maybe) read torn: GNU tar reads
+# again, up to 3 more rounds, every entry changed since the mark before the
+# previous read (-N: a recursive walk through directory fds, like the first
+# read, so a directory swapped for a symlink is never followed), appending the
+# archives to the same stream (the host applies later archives over earlier
+# ones); non-directories that still changed in the last round are listed in
+# "unstable", ones that vanished after a torn read in "gone" (NUL-separated)
+D=$(pwd -P) || exit 1
+cn=-cnewer
+find . -maxdepth 0 -cnewer . >/dev/null 2>&1 || cn=-newer
+case $(tar --version 2>/dev/null) in *"GNU tar"*) gnu=1 ;; *) gnu=0 ;; esac
+tick() {
+  : > m && : > tick.t || fail "cannot write a mark"
+  until [ -n "$(find tick.t -newer m)" ]; do sleep 0.01 2>/dev/null || sleep 1; : > tick.t; done
+}
+changed() {
+  (cd "$ws" && find . "$cn" "$D/m" ! -type d -print0) > chg || fail "cannot list changed files"
+}
+exists() {
+  [ -s "$1" ] || { : > "$2"; return; }
+  (cd "$ws" && xargs -0 sh -c 'for f; do if [ -e "$f" ] || [ -L "$f" ]; then printf "%s\0" "$f"; else printf "%s\0" "$f" >&3; fi; done' sh) < "$1" > "$2" 3>> gone || fail "cannot check changed files"
+}
+rounds() {
+  tick
+  tar -cf - -C "$ws" . 2>>tar.err
+  echo $? > tar.rc
+  changed
+  k=0
+  while [ -s chg ] && [ "$gnu" = 1 ] && [ $k -lt 3 ]; do
+    k=$((k + 1))
+    mv -f m prev || fail "cannot write a mark"
+    tick
+    tar -cf - -N "$D/prev" -C "$ws" . 2>>tar.err
+    rc=$?
+    [ $rc -gt "$(cat tar.rc)" ] && echo $rc > tar.rc
+    exists chg live
+    changed
+  done
+  exists chg live
+  torn
+  if [ -s live ]; then mv -f live unstable || fail "cannot record unstable files"; fi
+}
+# a file tar read torn and that vanished before the next find is in no list:
+# tar named it ("changed as we read it", "shrank"); gone if it is still absent,
+# unstable if its name came escaped (C locale, escape quoting: undecodable here)
+torn() {
+  sed -n -e 's/^[^ ]*tar: \(.*\): file changed as we read it$/\1/p' \
+    -e 's/^[^ ]*tar: \(.*\): File shrank by [0-9]* bytes; padding with zeros$/\1/p' tar.err |
+    while IFS= read -r n; do
+      case $n in
+        *\\*) printf '%s\0' "$n" >> live ;;
+        *) [ -e "$ws/$n" ] || [ -L "$ws/$n" ] || printf '%s\0' "$n" >> gone ;;
+      esac
+    done
+}
+: > gone || fail "cannot create the gone list"
+# mode manifest: one record per entry instead of a tar (wsync.protocol.manifest); the
+# arguments left are find -name globs of excluded names, pruned here so that their
+# bytes never cross.  GNU find prints ns times, ctime and inode; busybox find has no
+# -printf, so there each name goes through stat -c (whole seconds, ctime, inode)
+manifest() {
+  n=$#
+  for g do
+    if [ $# -eq $n ]; then set -- "$@" -name "$g"; else set -- "$@" -o -name "$g"; fi
+  done
+  shift $n
+  [ $# -eq 0 ] || set -- ! -path . \( "$@" \) -prune -o
+  if find . -maxdepth 0 -printf '' >/dev/null 2>&1; then
+    (cd "$ws" && find . -ignore_readdir_race "$@" -printf '%y %m %s %T@ %C@ %i\0%p\0%l\0') 2>>tar.err
+  else
+    (cd "$ws" && find . "$@" -print0 | xargs -0 sh -c '
+      for f; do
+        s=$(stat -c "%a %s %Y %Z %i %F" -- "$f") || continue
+        set -f
+        set -- $s
+        set +f
+        a=$1 sz=$2 mt=$3 ct=$4 in=$5
+        shift 5
+        case $* in
+          "regular file"|"regular empty file") k=f ;;
+          directory) k=d ;;
+          "symbolic link") k=l ;;
+          fifo|FIFO) k=p ;;
+          "character special file") k=c ;;
+          "block special file") k=b ;;
+          socket) k=s ;;
+          *) continue ;;
+        esac
+        t=
+        if [ $k = l ]; then t=$(readlink -- "$f"; echo .); t=${t%?}; t=${t%?}; fi
+        printf "%s %s %s %s %s %s\0%s\0%s\0" "$k" "$a" "$sz" "$mt" "$ct" "$in" "$f" "$t"
+      done' sh) 2>>tar.err
+  fi
+  rc=$?
+  [ $rc = 0 ] || rc=2
+  echo $rc > tar.rc
+}
+# mode select: archive exactly the entries named in "list" (NUL-separated, "./"-prefixed,
+# uploaded and hash-checked by the host beforehand).  tar reads them by path (-T): a guest
+# that swaps a parent directory for a symlink can only make tar read other guest files it
+# could show us anyway; the host extractor stays confined and the next manifest sees the
+# swap.  Listed entries that are gone go to "gone"; the settle rounds read again those
+# listed entries changed since the mark, like rounds() does for the whole tree
+lchanged() {
+  : > chg || fail "cannot list changed files"
+  [ -s "$1" ] || return 0
+  (cd "$ws" && xargs -0 sh -c 'c=$0 m=$1; shift; find "$@" -prune ! -type d "$c" "$m" -print0' "$cn" "$D/m") < "$1" > chg 2>/dev/null
+  return 0
+}
+# an empty list is an empty archive (two zero blocks); busybox tar has no -T in some
+# builds, so there the names go through xargs, one archive per batch, appended (the host
+# reads archives appended to one stream); the list holds no directories
+sel() {
+  if [ ! -s "$1" ]; then
+    dd if=/dev/zero bs=1024 count=1 2>/dev/null
+  elif [ "$gnu" = 1 ]; then
+    tar -cf - --null --no-recursion --ignore-failed-read -C "$ws" -T "$D/$1" 2>>tar.err
+  else
+    xargs -0 sh -c 'tar -cf - -C "$0" "$@"' "$ws" < "$1" 2>>tar.err || return 2
+  fi
+}
+choose() {
+  exists list live
+  mv -f live sel0 || fail "cannot write the list"
+  tick
+  sel sel0
+  echo $? > tar.rc
+  lchanged sel0
+  k=0
+  while [ -s chg ] && [ "$gnu" = 1 ] && [ $k -lt 3 ]; do
+    k=$((k + 1))
+    exists chg live
+    mv -f live sel1 || fail "cannot write the list"
+    tick
+    sel sel1
+    rc=$?
+    [ $rc -gt "$(cat tar.rc)" ] && echo $rc > tar.rc
+    lchanged sel1
+  done
+  exists chg live
+  torn
+  if [ -s live ]; then mv -f live unstable || fail "cannot record unstable files"; fi
+  # --ignore-failed-read: a listed entry that vanished is in "gone", any other error fails
+  if [ -n "$(grep -v -e ': Warning: Cannot stat: No such file or directory$' -e ': file changed as we read it$' -e ': File shrank by ' tar.err)" ]; then
+    echo 2 > tar.rc
+  fi
+}
+produce() {
+  case $mode in
+    tar) rounds ;;
+    manifest) manifest "$@" ;;
+    select) choose ;;
+    *) fail "unknown mode" ;;
+  esac
+}
+{ produce "$@" | { z 2>comp.err; echo $? > comp.rc; } >> data; } &
+pp=$!
+seq=0 off=0
+index_upto() {
+  sz=$(wc -c < data) || fail "cannot read the data size"
+  sz=$((sz + 0))
+  while :; do
+    rem=$((sz - off))
+    if [ "$rem" -ge "$cs" ]; then l=$cs
+    elif [ "$1" = final ] && [ "$rem" -gt 0 ]; then l=$rem
+    else break
+    fi
+    hv=$(dd if=data bs=65536 iflag=skip_bytes,count_bytes skip="$off" count="$l" 2>/dev/null | h)
+    hv=${hv%% *}
+    [ -n "$hv" ] || fail "cannot hash chunk $seq"
+    printf 'C %s %s %s %s\n' "$seq" "$off" "$l" "$hv" >> index || fail "cannot append to the index"
+    seq=$((seq + 1))
+    off=$((off + l))
+  done
+}
+while [ ! -f comp.rc ] && alive "$pp"; do
+  index_upto live
+  sleep 0.2 2>/dev/null || sleep 1
+done
+wait
+trc=$(cat tar.rc) || fail "tar exit status missing"
+crc=$(cat comp.rc) || fail "compressor exit status missing"
+[ "$crc" = 0 ] || fail "compressor exited $crc: $(head -c 300 comp.err | tr '\n' ' ')"
+case $trc in
+  0|1) ;;
+  *) fail "tar exited $trc: $(head -c 300 tar.err | tr '\n' ' ')" ;;
+esac
+index_upto final
+len=$(wc -c < data) || fail "cannot read the data size"
+len=$((len + 0))
+[ "$len" = "$off" ] || fail "data is $len bytes but $off were indexed"
+whole=$(h < data)
+whole=${whole%% *}
+[ -n "$whole" ] || fail "cannot hash the stream"
+ub=0
+[ -f unstable ] && ub=$(wc -c < unstable)
+gb=$(wc -c < gone) || fail "cannot read the gone list"
+printf 'chunks %s\nlength %s\nhash %s\ntar_rc %s\ncomp_rc %s\nunstable_bytes %s\ngone_bytes %s\n' \
+  "$seq" "$len" "$whole" "$trc" "$crc" $((ub + 0)) $((gb + 0)) > done.tmp || fail "cannot write the done record"
+mv -f done.tmp done || fail "cannot write the done record"
+"""

@@ -1,0 +1,140 @@
+"""Host-side incremental cycle for tests: a guest tree's manifest, and an apply that uses the
+real state, diff and farm with a plain copy standing in for the transfer and extractor."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import xxhash
+
+from wsync.engine.excludes import Excludes
+from wsync.engine.farm import build_farm, set_dir_meta
+from wsync.engine.fsutil import remove_tree_at, swap_at
+from wsync.engine.hostscan import kind_of
+from wsync.engine.incstate import Diff, PullState
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entry:
+    """Same fields as wsync.protocol.manifest.Entry (the interface in the design)."""
+
+    path: bytes
+    kind: str
+    mode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    ino: int
+    target: bytes
+    digest: str = ""
+
+
+def manifest(root: Path) -> Iterator[Entry]:
+    """What the guest's manifest says of ``root``: one lstat per entry, root first."""
+    base = os.fsencode(root)
+    st = os.lstat(base)
+    yield Entry(b".", "d", stat.S_IMODE(st.st_mode), 0, st.st_mtime_ns, st.st_ctime_ns, 0, b"")
+    for dirpath, dirnames, filenames in os.walk(base):
+        for name in sorted(dirnames + filenames):
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, base)
+            st = os.lstat(full)
+            kind = kind_of(st.st_mode)
+            target = os.readlink(full) if kind == "l" else b""
+            size = st.st_size if kind in "fl" else 0
+            yield Entry(
+                rel,
+                kind,
+                stat.S_IMODE(st.st_mode),
+                size,
+                st.st_mtime_ns,
+                st.st_ctime_ns,
+                st.st_ino,
+                target,
+            )
+
+
+def hash_file(path: bytes) -> str:
+    with open(path, "rb") as f:
+        return xxhash.xxh3_128(f.read()).hexdigest()
+
+
+def _copy_entry(src: bytes, dst: bytes) -> None:
+    st = os.lstat(src)
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(src), dst)
+        os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+    else:
+        shutil.copyfile(src, dst)
+        os.chmod(dst, stat.S_IMODE(st.st_mode))
+        os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@dataclasses.dataclass
+class Applied:
+    diff: Diff  # its iterators are closed with the state: use lines and fetched
+    fetched: list[bytes]
+    farm: int
+    lines: list[str]
+
+
+def pull(
+    state_dir: Path,
+    guest: Path,
+    dest: Path,
+    *,
+    key: str = "local:guest",
+    excludes: Excludes | None = None,
+) -> Applied:
+    """One pull of ``guest`` into ``dest``: manifest, diff, farm, copy, dir meta, swap, commit."""
+    excludes = excludes or Excludes.none()
+    dest.mkdir(exist_ok=True)
+    with PullState.open(state_dir, dest, key) as state:
+        state.load_manifest(manifest(guest), excludes)
+        dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            diff = state.diff(dest_fd)
+        finally:
+            os.close(dest_fd)
+        fetched = list(diff.fetch_paths())
+        lines = list(diff.itemize())
+        if diff.nothing_to_do:
+            return Applied(diff, fetched, 0, lines)
+        parent = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+        tmp_name = f".{dest.name}.tmp"
+        os.mkdir(tmp_name, 0o700, dir_fd=parent)
+        tmp_fd = os.open(tmp_name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=parent)
+        dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+        hashes: dict[bytes, str] = {}
+        try:
+            made = build_farm(dest_fd, tmp_fd, diff.keep(), lambda: None)
+            tmp_path = os.fsencode(dest.parent / tmp_name)
+            for path in fetched:
+                src = os.fsencode(guest) + b"/" + path
+                if not os.path.lexists(src):
+                    continue
+                _copy_entry(src, tmp_path + b"/" + path)
+                if os.path.isfile(src) and not os.path.islink(src):
+                    if len(path) % 2:  # both ways of handing hashes over
+                        state.add_hash(path, hash_file(src))
+                    else:
+                        hashes[path] = hash_file(src)
+            set_dir_meta(tmp_fd, diff.dirs())
+        finally:
+            os.close(tmp_fd)
+            os.close(dest_fd)
+        old = swap_at(parent, tmp_name, dest.name, str(dest))
+        if old is not None:
+            remove_tree_at(parent, old)
+        os.close(parent)
+        dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            state.commit(dest_fd, hashes)
+        finally:
+            os.close(dest_fd)
+        return Applied(diff, fetched, made, lines)

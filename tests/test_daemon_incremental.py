@@ -1,0 +1,114 @@
+"""The daemon's share of incremental pulls: per-sandbox excludes, job records, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from wsync.daemon.config import ConfigError, load_config
+from wsync.daemon.jobs import JobManager
+from wsync.daemon.metrics import Metrics
+from wsync.daemon.store import JobStore
+from wsync.engine.api import ProgressCallback, PullOptions, PullResult
+from wsync.engine.excludes import Excludes
+
+
+def write_config(tmp_path: Path, exclude: str) -> Path:
+    (tmp_path / "roots").mkdir(exist_ok=True)
+    (tmp_path / "ws").mkdir(exist_ok=True)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n'
+        f'dest_roots = ["{tmp_path / "roots"}"]\n'
+        "[sandboxes.box]\n"
+        f'uri = "local:{tmp_path / "ws"}"\n'
+        f'dest = "{tmp_path / "roots" / "box"}"\n'
+        f"exclude = {exclude}\n"
+        "[sandboxes.plain]\n"
+        f'uri = "local:{tmp_path / "ws"}"\n',
+        encoding="utf-8",
+    )
+    return cfg
+
+
+def test_exclude_is_validated_at_load_and_passed_to_the_pull(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path, '["node_modules/", "*.pyc", "/build"]'))
+    box = config.sandboxes["box"]
+    assert box.exclude == ["node_modules/", "*.pyc", "/build"]
+    options = config.pull_options(box)
+    assert options.excludes == Excludes(("node_modules/", "*.pyc", "/build"))
+    assert options.excludes.excluded(b"a/b.pyc", False)
+    assert config.pull_options(config.sandboxes["plain"]).excludes == Excludes.none()
+    assert config.pull_options(None).excludes == Excludes.none()
+
+
+@pytest.mark.parametrize("bad", ['["ok", "x["]', '["a**b"]', '[""]', '"*.pyc"'])
+def test_a_malformed_exclude_is_one_config_error(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(write_config(tmp_path, bad))
+    assert err.value.exit_code == 2
+    assert "sandboxes.box.exclude" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_job_record_and_metrics_show_mode_counts_and_bytes(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path, '["*.log"]'))
+    seen: list[PullOptions] = []
+    results = [
+        PullResult(ok=True, sandbox="", dest="", mode="full", changed_files=120,
+                   transferred_bytes=5_000_000, tree_bytes=9_000_000),
+        PullResult(ok=True, sandbox="", dest="", mode="incremental", changed_files=3,
+                   deleted_files=2, transferred_bytes=40_000, tree_bytes=9_100_000),
+    ]  # fmt: skip
+
+    async def puller(
+        uri: str,
+        dest: Path,
+        options: PullOptions,
+        transport_options: Mapping[str, Any] | None,
+        on_progress: ProgressCallback | None,
+    ) -> PullResult:
+        seen.append(options)
+        result = results[len(seen) - 1]
+        result.sandbox, result.dest = uri, str(dest)
+        return result
+
+    async def run() -> list[dict[str, Any]]:
+        store = JobStore(tmp_path / "jobs.sqlite")
+        metrics = Metrics()
+        manager = JobManager(config, store, metrics, puller=puller)
+        await manager.start()
+        records = []
+        for _ in results:
+            job, _ = manager.submit("box", None)
+            deadline = time.monotonic() + 60
+            while manager.get(job.id).state not in ("succeeded", "failed"):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.02)
+            records.append(manager.get(job.id).to_json())
+        await manager.shutdown(5)
+        text = metrics.render().decode()
+        store.close()
+        records.append({"metrics": text})
+        return records
+
+    *jobs, last = asyncio.run(run())
+    assert [o.excludes for o in seen] == [Excludes(("*.log",))] * 2
+    assert jobs[0]["state"] == "succeeded"
+    result = jobs[1]["result"]
+    assert result["mode"] == "incremental"
+    assert (result["changed_files"], result["deleted_files"]) == (3, 2)
+    assert (result["transferred_bytes"], result["tree_bytes"]) == (40_000, 9_100_000)
+    text = last["metrics"]
+    assert 'wsync_pull_modes_total{mode="full",sandbox="box"} 1.0' in text
+    assert 'wsync_pull_modes_total{mode="incremental",sandbox="box"} 1.0' in text
+    assert 'wsync_changed_files_total{sandbox="box"} 123.0' in text
+    assert 'wsync_deleted_files_total{sandbox="box"} 2.0' in text
+    assert 'wsync_tree_bytes_total{sandbox="box"} 1.81e+07' in text
+    assert 'wsync_last_pull_transferred_bytes{sandbox="box"} 40000.0' in text
+    assert 'wsync_last_pull_tree_bytes{sandbox="box"} 9.1e+06' in text

@@ -1,0 +1,285 @@
+"""Excludes: the same entries as ``rsync -a --exclude`` on the same patterns and tree."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from wsync.engine.excludes import Excludes
+from wsync.errors import UsageError
+
+RSYNC = shutil.which("rsync")
+
+
+def tricky_tree(root: Path) -> None:
+    """Names that trip matchers: dots, brackets, spaces, non-UTF-8, look-alike prefixes."""
+    files = [
+        b"a.py",
+        b"a.pyc",
+        b"b.pyc",
+        b".hidden",
+        b".hidden.pyc",
+        b"build/out.o",
+        b"build/sub/deep.o",
+        b"src/build/inner.o",
+        b"src/build.txt",
+        b"src/gen/x.c",
+        b"other/src/gen/y.c",
+        b"gen/z.c",
+        b"logs/2024/app.log",
+        b"logs/keep.txt",
+        b"deep/a/b/c/target.tmp",
+        b"deep/a/b/c/target.keep",
+        b"cache",
+        b"sub/cache/file",
+        b"node_modules/pkg/index.js",
+        b"pkg/node_modules/dep/index.js",
+        b"x1.txt",
+        b"x2.txt",
+        b"xa.txt",
+        b"x10.txt",
+        b"caf\xc3\xa9.txt",
+        b"raw-\xe9.bin",
+        b"raw-\xe9\xe9.bin",
+        b"space name .txt",
+        b"[br]acket",
+        b"b",
+        b"r",
+        b"star*name",
+        b"anch",
+        b"dir/anch",
+        b"-dash",
+        b"#hash",
+        b"trailing ",
+    ]
+    for name in files:
+        path = os.fsencode(root) + b"/" + name
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(name)
+    os.makedirs(os.fsencode(root) + b"/emptydir/cache")
+    os.symlink("a.py", os.fsencode(root) + b"/link.pyc")
+    os.symlink("build", os.fsencode(root) + b"/buildlink")
+
+
+def walk(root: Path) -> set[bytes]:
+    base = os.fsencode(root)
+    out: set[bytes] = set()
+    for dirpath, dirnames, filenames in os.walk(base):
+        rel = os.path.relpath(dirpath, base)
+        for name in dirnames + filenames:
+            out.add(os.path.normpath(os.path.join(rel, name)))
+    return out
+
+
+def ours(root: Path, excludes: Excludes) -> set[bytes]:
+    kept: set[bytes] = set()
+    for path in walk(root):
+        full = os.fsencode(root) + b"/" + path
+        is_dir = os.path.isdir(full) and not os.path.islink(full)
+        if not excludes.excluded(path, is_dir):
+            kept.add(path)
+    return kept
+
+
+CASES: list[list[str]] = [
+    ["*.pyc"],
+    ["build/"],
+    ["/build"],
+    ["/anch"],
+    ["anch"],
+    ["src/gen"],
+    ["src/gen/"],
+    ["logs/**"],
+    ["deep/**/target.tmp"],
+    ["**/c"],
+    ["x?.txt"],
+    ["x[0-9].txt"],
+    ["x[!0-9].txt"],
+    ["raw-?.bin"],
+    ["raw-??.bin"],
+    ["caf?.txt"],
+    ["caf??.txt"],
+    ["caf\u00e9.txt"],
+    ["[[]br]acket"],
+    ["star\\*name"],
+    ["cache/"],
+    ["cache"],
+    ["node_modules"],
+    [".*"],
+    ["space name .txt"],
+    ["trailing "],
+    ["#hash"],
+    ["-dash"],
+    ["*"],
+    ["b", "r"],
+    ["*.o", "/logs/", "link.pyc"],
+    ["buildlink/"],
+    ["buildlink"],
+    ["emptydir/"],
+    ["/deep/a/"],
+    ["a/b"],
+    ["/deep/a/**"],
+    ["**/gen/"],
+    ["src/**/inner.o"],
+    ["*/build"],
+    ["*.[ch]", "x?0.txt"],
+    ["deep/**/"],
+    ["/**/a.py"],
+    ["/**/x1.txt"],
+    ["deep/**/b"],
+    ["deep/a/**/c"],
+    ["**/a/**"],
+    ["/**"],
+    ["**"],
+    ["src/**/"],
+]
+
+
+@pytest.mark.skipif(RSYNC is None, reason="rsync not installed")
+@pytest.mark.parametrize("patterns", CASES, ids=lambda p: " ".join(p))
+def test_same_entries_as_rsync(tmp_path: Path, patterns: list[str]) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    tricky_tree(src)
+    dst = tmp_path / "dst"
+    args = [RSYNC or "rsync", "-a"]
+    for p in patterns:
+        args.append(f"--exclude={p}")
+    subprocess.run([*args, f"{src}/", f"{dst}/"], check=True, capture_output=True)
+    expected = walk(dst)
+    got = ours(src, Excludes.from_options(patterns, []))
+    assert got == expected, (sorted(got - expected), sorted(expected - got))
+
+
+@pytest.mark.skipif(RSYNC is None, reason="rsync not installed")
+def test_exclude_from_file_as_rsync(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    tricky_tree(src)
+    listing = tmp_path / "ex.txt"
+    listing.write_bytes(b"# comment\n\n*.pyc\n; also a comment\n/build\nraw-\xe9.bin\r\n")
+    dst = tmp_path / "dst"
+    subprocess.run(
+        [RSYNC or "rsync", "-a", f"--exclude-from={listing}", f"{src}/", f"{dst}/"],
+        check=True,
+        capture_output=True,
+    )
+    got = ours(src, Excludes.from_options([], [listing]))
+    assert got == walk(dst)
+
+
+def test_children_of_an_excluded_dir_stay_excluded_despite_negation() -> None:
+    ex = Excludes.from_options(["build/", "!build/keep"], [])
+    assert ex.excluded(b"build", True)
+    assert ex.excluded(b"build/keep", False)
+    assert not ex.excluded(b"other/keep", False)
+    # a negation that is not below an excluded directory re-includes, as in gitignore
+    ex = Excludes.from_options(["*.log", "!keep.log"], [])
+    assert ex.excluded(b"a.log", False)
+    assert not ex.excluded(b"keep.log", False)
+
+
+def test_none_and_root() -> None:
+    assert not Excludes.none()
+    assert not Excludes.none().excluded(b"anything", False)
+    assert not Excludes.from_options(["*"], []).excluded(b".", True)
+    assert Excludes.none().guest_prune() == []
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["", "!", "/", "//", "a\0b", "x[", "[", "a**b", "dir/***", "foo\\", "**x/y"],
+)
+def test_malformed_patterns_are_usage_errors(pattern: str) -> None:
+    with pytest.raises(UsageError) as err:
+        Excludes.from_options([pattern], [])
+    assert err.value.exit_code == 2
+    assert "\n" not in str(err.value)
+    assert "malformed exclude pattern" in str(err.value)
+
+
+def test_missing_exclude_from_file(tmp_path: Path) -> None:
+    with pytest.raises(UsageError) as err:
+        Excludes.from_options([], [tmp_path / "nope"])
+    assert err.value.exit_code == 2
+    assert "--exclude-from" in str(err.value) and "nope" in str(err.value)
+
+
+def test_malformed_line_in_file_names_the_line(tmp_path: Path) -> None:
+    listing = tmp_path / "ex"
+    listing.write_text("ok\nbad[\n")
+    with pytest.raises(UsageError, match="line 2"):
+        Excludes.from_options([], [listing])
+
+
+def test_guest_prune_is_a_safe_subset() -> None:
+    ex = Excludes.from_options(
+        ["*.pyc", "node_modules", "/anch", "build/", "src/gen", "**/x", "[^a]b", "caf\u00e9"], []
+    )
+    assert ex.guest_prune() == ["*.pyc", "node_modules"]
+    # a negation anywhere: the guest prunes nothing
+    assert Excludes.from_options(["*.log", "!keep.log"], []).guest_prune() == []
+    # a name glob prunes exactly what the host excludes, file or directory
+    for name in (b"a.pyc", b"node_modules", b"x/node_modules", b"x/y.pyc"):
+        for is_dir in (False, True):
+            assert ex.excluded(name, is_dir)
+
+
+_TOKENS = ["a", "b", "*", "?", "[ab]", "[!a]", ".py", "x", "\u00e9"]
+
+
+@st.composite
+def patterns(draw: st.DrawFn) -> str:
+    """Patterns of the grammar both tools share: components of tokens, '**', anchors."""
+    parts = []
+    for _ in range(draw(st.integers(1, 3))):
+        if draw(st.integers(0, 5)) == 0:
+            parts.append("**")
+        else:
+            parts.append("".join(draw(st.lists(st.sampled_from(_TOKENS), min_size=1, max_size=3))))
+    text = "/".join(parts)
+    if draw(st.booleans()):
+        text = "/" + text
+    if draw(st.booleans()):
+        text += "/"
+    return text
+
+
+def random_tree(root: Path) -> None:
+    names = ["a", "b", "ab", "ba", "a.py", "b.py", "x", "xa", "\u00e9", "a\u00e9", ".py", "aa"]
+    for i, first in enumerate(names):
+        (root / first).mkdir(parents=True) if i % 2 else (root / first).write_text(first)
+    for d in names[1::2]:
+        for j, second in enumerate(names):
+            path = root / d / second
+            path.mkdir() if j % 3 == 0 else path.write_text(second)
+            if j % 3 == 0:
+                (path / "a.py").write_text("x")
+                (path / "b").write_text("x")
+
+
+@pytest.mark.skipif(RSYNC is None, reason="rsync not installed")
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(chosen=st.lists(patterns(), min_size=1, max_size=3))
+def test_random_patterns_same_as_rsync(
+    tmp_path_factory: pytest.TempPathFactory, chosen: list[str]
+) -> None:
+    base = tmp_path_factory.mktemp("rand")
+    src = base / "src"
+    src.mkdir()
+    random_tree(src)
+    dst = base / "dst"
+    args = [RSYNC or "rsync", "-a", *(f"--exclude={p}" for p in chosen)]
+    subprocess.run([*args, f"{src}/", f"{dst}/"], check=True, capture_output=True)
+    got = ours(src, Excludes.from_options(chosen, []))
+    expected = walk(dst)
+    assert got == expected, (chosen, sorted(got - expected), sorted(expected - got))

@@ -1,0 +1,378 @@
+"""Incremental pulls end to end (issue 8): every kind of change between two pulls gives an
+exact DEST, an unchanged workspace changes nothing, over local: and a real sshd."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_exact, make_tree, options
+from wsync.engine.api import PullOptions, PullResult
+from wsync.engine.pull import pull
+from wsync.testing.sshd import SshdServer
+from wsync.transports.base import Transport
+from wsync.transports.local import LocalTransport
+from wsync.transports.ssh import SshTransport
+from wsync.uri import parse
+
+Make = Callable[[Path], tuple[Transport, str]]
+
+
+def _local(ws: Path) -> tuple[Transport, str]:
+    return LocalTransport(), str(ws)
+
+
+@pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.ssh)])
+def make(request: pytest.FixtureRequest) -> Make:
+    if request.param == "local":
+        return _local
+    server: SshdServer = request.getfixturevalue("sshd")
+
+    def ssh(ws: Path) -> tuple[Transport, str]:
+        uri = parse(server.uri(str(ws)))
+        return SshTransport.from_uri(uri, server.transport_options()), str(ws)
+
+    return ssh
+
+
+def go(make: Make, ws: Path, dest: Path, opts: PullOptions) -> PullResult:
+    async def run() -> PullResult:
+        transport, path = make(ws)
+        try:
+            return await pull(transport, path, dest, opts)
+        finally:
+            await transport.aclose()
+
+    return asyncio.run(run())
+
+
+def change_everything(ws: Path) -> None:
+    """One of each kind of change the issue lists."""
+    small = sorted((ws / "src").glob("f*.txt"))
+    # append
+    with small[0].open("ab") as f:
+        f.write(b"appended\n")
+    # same-size rewrite, mtime put back
+    victim = small[1]
+    st = victim.stat()
+    data = victim.read_bytes()
+    victim.write_bytes(bytes(b ^ 0xFF for b in data[:16]) + data[16:])
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # delete a file, a directory
+    small[2].unlink()
+    (ws / "gone-dir" / "sub").mkdir(parents=True, exist_ok=True)
+    # new files and directories, one with a non-UTF-8 name
+    (ws / "new-dir" / "deeper").mkdir(parents=True)
+    (ws / "new-dir" / "deeper" / "n.txt").write_bytes(b"new\n")
+    (Path(os.fsdecode(bytes(ws) + b"/caf\xe9-\xff.bin"))).write_bytes(b"latin-1 name\n")
+    # rename a file and a directory
+    small[3].rename(small[3].with_name(small[3].name + ".renamed"))
+    (ws / "tree-a").rename(ws / "tree-a-renamed")
+    # file -> directory, directory -> file
+    (ws / "f2d").unlink()
+    (ws / "f2d").mkdir()
+    (ws / "f2d" / "inside").write_bytes(b"was a file\n")
+    shutil.rmtree(ws / "d2f")
+    (ws / "d2f").write_bytes(b"was a directory\n")
+    # symlink retargeted, file -> symlink, symlink -> file
+    (ws / "link").unlink()
+    (ws / "link").symlink_to("f2d/inside")
+    (ws / "f2l").unlink()
+    (ws / "f2l").symlink_to("d2f")
+    (ws / "l2f").unlink()
+    (ws / "l2f").write_bytes(b"was a link\n")
+    # chmod +x / -x
+    (ws / "exe").chmod(0o755)
+    (ws / "noexe").chmod(0o644)
+    # empty dirs added and removed
+    (ws / "empty-new").mkdir()
+    (ws / "empty-old").rmdir()
+    shutil.rmtree(ws / "gone-dir")
+
+
+def prepare(ws: Path) -> None:
+    make_tree(ws, big=256 * 1024, small=30)
+    (ws / "tree-a" / "x").mkdir(parents=True)
+    (ws / "tree-a" / "x" / "y.txt").write_bytes(b"y\n")
+    (ws / "f2d").write_bytes(b"file\n")
+    (ws / "d2f").mkdir()
+    (ws / "d2f" / "z").write_bytes(b"z\n")
+    (ws / "link").symlink_to("f2d")
+    (ws / "f2l").write_bytes(b"file\n")
+    (ws / "l2f").symlink_to("f2l")
+    (ws / "exe").write_bytes(b"#!/bin/sh\n")
+    (ws / "exe").chmod(0o644)
+    (ws / "noexe").write_bytes(b"#!/bin/sh\n")
+    (ws / "noexe").chmod(0o755)
+    (ws / "empty-old").mkdir()
+    (ws / "gone-dir").mkdir()
+    (ws / "gone-dir" / "g").write_bytes(b"g\n")
+
+
+def test_every_kind_of_change_is_exact(tmp_path: Path, make: Make) -> None:
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path, chunk_size=256 * 1024)
+    first = go(make, ws, dest, opts)
+    assert first.mode == "full"
+    assert_exact(ws, dest)
+
+    change_everything(ws)
+    second = go(make, ws, dest, opts)
+    assert_exact(ws, dest)
+    assert second.mode == "incremental"
+    assert second.changed_files > 0 and second.deleted_files > 0
+    assert second.transferred_bytes < first.transferred_bytes
+
+    # unchanged: nothing fetched, DEST not written at all
+    before = os.stat(dest)
+    third = go(make, ws, dest, opts)
+    assert third.mode == "incremental" and third.changed_files == 0
+    assert third.deleted_files == 0 and third.chunks == 0
+    after = os.stat(dest)
+    assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
+    assert_exact(ws, dest)
+
+
+def test_full_forces_a_full_pull(tmp_path: Path) -> None:
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path)
+    go(_local, ws, dest, opts)
+    (ws / "exe").write_bytes(b"changed\n")
+    result = go(_local, ws, dest, options(tmp_path, full=True))
+    assert result.mode == "full"
+    assert_exact(ws, dest)
+    # and the full pull left a baseline: the next one is incremental again
+    assert go(_local, ws, dest, opts).mode == "incremental"
+    assert_exact(ws, dest)
+
+
+def test_hardlinked_files_are_fetched_together(tmp_path: Path) -> None:
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    (ws / "h1").write_bytes(b"one inode\n")
+    os.link(ws / "h1", ws / "h2")
+    opts = options(tmp_path)
+    go(_local, ws, dest, opts)
+    with (ws / "h1").open("ab") as f:
+        f.write(b"more\n")
+    result = go(_local, ws, dest, opts)
+    assert result.mode == "incremental"
+    assert_exact(ws, dest)
+    assert os.stat(dest / "h1").st_ino == os.stat(dest / "h2").st_ino
+
+
+def test_a_kept_file_shares_no_write_with_the_old_tree(tmp_path: Path) -> None:
+    """Replace mode: a changed file is a new inode; the old tree's inode keeps its bytes
+    (a reader holding the old DEST open sees the old content, never a mix)."""
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path)
+    go(_local, ws, dest, opts)
+    target = sorted(p for p in dest.rglob("*.bin") if p.is_file())[0]
+    rel = target.relative_to(dest)
+    old_bytes = target.read_bytes()
+    with target.open("rb") as held:
+        (ws / rel).write_bytes(b"rewritten\n")
+        go(_local, ws, dest, opts)
+        assert held.read() == old_bytes
+    assert (dest / rel).read_bytes() == b"rewritten\n"
+
+
+def test_every_kind_of_change_over_sprites_with_every_fault_on(tmp_path: Path) -> None:
+    from wsync.emulators.sprites import EmulatorThread, SpritesFaults
+    from wsync.engine.pull import pull_uri
+
+    with EmulatorThread(tmp_path / "emu") as emu:
+        ws = emu.create_sprite("incr") / "work"
+        prepare(ws)
+        dest = tmp_path / "out"
+        opts = options(tmp_path, chunk_size=128 * 1024)
+        uri = f"sprites://incr{ws}"
+
+        def sprite_pull() -> PullResult:
+            return asyncio.run(pull_uri(uri, dest, opts, emu.transport_options()))
+
+        emu.set_faults(SpritesFaults.all_on(seed=21))
+        assert sprite_pull().mode == "full"
+        assert_exact(ws, dest)
+        change_everything(ws)
+        result = sprite_pull()
+        assert result.mode == "incremental" and result.retries > 0
+        assert_exact(ws, dest)
+        assert sprite_pull().changed_files == 0
+        assert_exact(ws, dest)
+
+
+@pytest.mark.parametrize("backend", ["daytona", "cloudflare"])
+def test_no_stdin_backends_take_the_list_in_argv_parts(
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest
+) -> None:
+    """Cloudflare and Daytona have no stdin: the list travels base64 in argv parts."""
+    from wsync.engine.pull import pull_uri
+
+    emu = request.getfixturevalue(f"{backend}_emulator")
+    ws = tmp_path / "ws"
+    prepare(ws)
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    # the emulators serve the host's files: the workspace path is the host path
+    name = "conformance"
+    uri = f"{backend}://{name}{ws}"
+
+    def once() -> PullResult:
+        return asyncio.run(pull_uri(uri, dest, opts, emu.transport_options()))
+
+    once()
+    change_everything(ws)
+    for i in range(300):  # a list longer than one argv part
+        (ws / "src" / f"added-{i:04d}-{'n' * 40}").write_bytes(b"%d\n" % i)
+    result = once()
+    assert result.mode == "incremental"
+    assert_exact(ws, dest)
+
+
+def test_busybox_only_guest_pulls_incrementally(tmp_path: Path) -> None:
+    """busybox find has no -printf: the manifest goes through stat -c, whole seconds."""
+    from helpers import busybox_bin, tool_dir
+
+    path = busybox_bin(tmp_path / "bb")
+    busybox = shutil.which("busybox")
+    tool_dir(path, ("stat", "readlink"), target=busybox)
+    env = {"PATH": str(path), "HOME": str(tmp_path)}
+
+    def bb(ws: Path) -> tuple[Transport, str]:
+        return LocalTransport(env=env), str(ws)
+
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path, chunk_size=256 * 1024)
+    assert go(bb, ws, dest, opts).mode == "full"
+    assert_exact(ws, dest)
+    change_everything(ws)
+    result = go(bb, ws, dest, opts)
+    assert result.mode == "incremental"
+    assert_exact(ws, dest)
+    again = go(bb, ws, dest, opts)
+    assert again.mode == "incremental" and again.changed_files == 0
+
+
+def test_only_a_directory_changed_is_an_empty_select_run(tmp_path: Path) -> None:
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path)
+    go(_local, ws, dest, opts)
+    (ws / "src").chmod(0o700)
+    os.utime(ws / "empty", ns=(0, 1_500_000_000_123_456_789))
+    result = go(_local, ws, dest, opts)
+    assert result.mode == "incremental" and result.changed_files == 2
+    assert_exact(ws, dest)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "wsync", "pull", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_excludes_and_dry_run_from_the_command_line(tmp_path: Path) -> None:
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    (ws / "node_modules" / "pkg").mkdir(parents=True)
+    (ws / "node_modules" / "pkg" / "big.js").write_bytes(os.urandom(2 * 1024 * 1024))
+    (ws / "src" / "x.pyc").write_bytes(b"bytecode")
+    common = ["--state-dir", str(tmp_path / "state"), "--staging-dir", str(tmp_path / "st")]
+    # the first pull takes everything
+    first = cli(f"local:{ws}", str(dest), "--json", *common)
+    assert first.returncode == 0, first.stderr
+    assert (dest / "node_modules" / "pkg" / "big.js").exists()
+    # a dry run lists what excluding would delete, and writes nothing
+    excl = ["--exclude", "node_modules/", "--exclude-from", str(tmp_path / "ex")]
+    (tmp_path / "ex").write_text("# comment\n*.pyc\n")
+    before = sorted(str(p) for p in dest.rglob("*"))
+    dry = cli(f"local:{ws}", str(dest), "--dry-run", *excl, *common)
+    assert dry.returncode == 0, dry.stderr
+    assert "*deleting   node_modules/pkg/big.js" in dry.stdout
+    assert "*deleting   src/x.pyc" in dry.stdout
+    assert sorted(str(p) for p in dest.rglob("*")) == before
+    # the real pull deletes the excluded entries, and their bytes never cross
+    real = cli(f"local:{ws}", str(dest), "--json", *excl, *common)
+    assert real.returncode == 0, real.stderr
+    result = json.loads(real.stdout)
+    assert result["mode"] == "incremental" and result["deleted_files"] >= 3
+    assert not (dest / "node_modules").exists() and not (dest / "src" / "x.pyc").exists()
+    times = {d: os.stat(d).st_mtime_ns for d in (ws, ws / "src")}
+    shutil.rmtree(ws / "node_modules")
+    (ws / "src" / "x.pyc").unlink()
+    for d, t in times.items():
+        os.utime(d, ns=(t, t))
+    assert_exact(ws, dest)
+    # a first pull with excludes never reads the excluded bytes
+    (ws / "node_modules" / "pkg").mkdir(parents=True)
+    (ws / "node_modules" / "pkg" / "big.js").write_bytes(os.urandom(2 * 1024 * 1024))
+    other = tmp_path / "other"
+    fresh = cli(f"local:{ws}", str(other), "--json", *excl, *common)
+    assert fresh.returncode == 0, fresh.stderr
+    assert json.loads(fresh.stdout)["transferred_bytes"] < 1024 * 1024
+    assert not (other / "node_modules").exists()
+
+
+def test_a_missing_exclude_file_is_exit_2(tmp_path: Path) -> None:
+    proc = cli("local:/tmp", str(tmp_path / "o"), "--exclude-from", str(tmp_path / "nope"))
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("stdin", [True, False])
+def test_every_kind_of_change_through_chaos_all(tmp_path: Path, stdin: bool) -> None:
+    """--chaos all on every call, the list upload included (on stdin, or in argv parts)."""
+    from wsync.chaos import ChaosTransport, FaultPlan
+    from wsync.transports.base import Capabilities
+
+    def chaotic(ws: Path) -> tuple[Transport, str]:
+        # without stdin nothing gates the output: the pre-attach ring eats reads above
+        # it, so it must be larger than the smallest read (64 KiB on binary channels)
+        ring = "" if stdin else ",ring=98304"
+        plan = FaultPlan.parse("all=0.05,seed=7,hang=0.2" + ring)
+        transport = ChaosTransport(LocalTransport(), plan)
+        if not stdin:
+            transport.capabilities = Capabilities(stdin=False)  # type: ignore[misc]
+        return transport, str(ws)
+
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path, chunk_size=128 * 1024)
+    go(chaotic, ws, dest, opts)
+    assert_exact(ws, dest)
+    change_everything(ws)
+    result = go(chaotic, ws, dest, opts)
+    assert result.mode == "incremental" and result.retries > 0
+    assert_exact(ws, dest)
+
+
+def test_excludes_on_a_guest_that_cannot_list_fail_clearly(tmp_path: Path) -> None:
+    """Without find -printf or stat, a full tar would carry the excluded bytes: refused."""
+    from helpers import busybox_bin
+    from wsync.engine.excludes import Excludes
+    from wsync.errors import GuestToolsMissing
+
+    path = busybox_bin(tmp_path / "bb")  # busybox find, but no stat or readlink
+    env = {"PATH": str(path), "HOME": str(tmp_path)}
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path, excludes=Excludes.from_options(["*.bin"], []))
+    with pytest.raises(GuestToolsMissing):
+        go(lambda w: (LocalTransport(env=env), str(w)), ws, dest, opts)
+    assert not dest.exists()

@@ -1,0 +1,153 @@
+"""DEST changed on the host between pulls is repaired by the next (incremental) pull, and
+excludes end to end give what ``rsync -a --exclude`` gives (issue 8, "done means")."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_exact, make_tree, options
+from wsync.engine.api import PullOptions, PullResult
+from wsync.engine.excludes import Excludes
+from wsync.engine.pull import pull
+from wsync.transports.local import LocalTransport
+
+
+def go(ws: Path, dest: Path, opts: PullOptions) -> PullResult:
+    async def run() -> PullResult:
+        transport = LocalTransport()
+        try:
+            return await pull(transport, str(ws), dest, opts)
+        finally:
+            await transport.aclose()
+
+    result = asyncio.run(run())
+    assert result.ok, result.error
+    return result
+
+
+@pytest.fixture
+def pulled(tmp_path: Path) -> tuple[Path, Path, PullOptions]:
+    ws = make_tree(tmp_path / "ws", big=256 * 1024, small=20)
+    dest = tmp_path / "dest"
+    opts = options(tmp_path)
+    first = go(ws, dest, opts)
+    assert first.mode == "full"
+    assert_exact(ws, dest)
+    again = go(ws, dest, opts)
+    assert again.mode == "incremental" and again.changed_files == again.deleted_files == 0
+    return ws, dest, opts
+
+
+def test_host_edits_deletes_chmods_and_additions_are_repaired(
+    pulled: tuple[Path, Path, PullOptions],
+) -> None:
+    ws, dest, opts = pulled
+    # edited in place with size and mtime put back: only the ctime tells
+    victim = dest / "src" / "f3.txt"
+    st = os.stat(victim)
+    data = victim.read_bytes()
+    with open(victim, "r+b") as f:
+        f.write(bytes(b ^ 0x20 for b in data[:4]))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    (dest / "src" / "f4.txt").unlink()  # deleted
+    shutil.rmtree(dest / "src" / "deep")  # a whole directory deleted
+    (dest / "tool.sh").chmod(0o777)  # chmod
+    (dest / "blob.bin").write_bytes(b"truncated")  # rewritten
+    (dest / "extra").write_text("host only\n")  # added
+    (dest / "empty" / "made-on-host").mkdir()  # added directory
+    (dest / "zeros.bin").unlink()
+    (dest / "zeros.bin").symlink_to("/etc/passwd")  # a file swapped for a symlink
+    result = go(ws, dest, opts)
+    assert_exact(ws, dest)
+    assert result.mode == "incremental"
+    assert result.changed_files >= 8
+    assert result.deleted_files == 2  # extra and made-on-host, nothing else
+    assert go(ws, dest, opts).changed_files == 0
+
+
+def test_an_identical_copy_on_the_host_is_rehashed_not_fetched(
+    pulled: tuple[Path, Path, PullOptions],
+) -> None:
+    """A file replaced by an identical one (new inode, mtime put back): re-hash keeps it."""
+    ws, dest, opts = pulled
+    target = dest / "src" / "f5.txt"
+    st = os.stat(target)
+    parent = os.stat(dest / "src")
+    copy = dest / "src" / "copy.tmp"
+    shutil.copyfile(target, copy)
+    os.chmod(copy, st.st_mode & 0o7777)
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(copy, target)
+    os.utime(dest / "src", ns=(parent.st_atime_ns, parent.st_mtime_ns))
+    ino = os.stat(target).st_ino
+    (ws / "src" / "f6.txt").write_text("changed in the guest\n")  # so the tree is rebuilt
+    result = go(ws, dest, opts)
+    assert_exact(ws, dest)
+    assert os.stat(dest / "src" / "f5.txt").st_ino == ino  # linked into the new tree, not fetched
+    assert result.changed_files <= 2  # f6.txt and the src directory's new mtime
+
+
+def test_state_lost_between_swap_and_commit_costs_a_rehash(
+    pulled: tuple[Path, Path, PullOptions],
+) -> None:
+    """A kill -9 after the swap but before the commit leaves the old state beside the new
+    tree: every kept file then differs in ctime only (it was linked and unlinked), so the
+    next pull re-hashes and keeps it; only what changed is fetched."""
+    ws, dest, opts = pulled
+    state_dir = opts.state_dir / "incremental"
+    saved = {p.name: p.read_bytes() for p in state_dir.iterdir()}
+    (ws / "src" / "f1.txt").write_text("changed in the guest\n")
+    go(ws, dest, opts)
+    for name, data in saved.items():  # as if the commit never happened
+        (state_dir / name).write_bytes(data)
+    result = go(ws, dest, opts)
+    assert_exact(ws, dest)
+    # f1.txt is fetched again (its guest record moved on); nothing else crosses (the
+    # directories are re-made: the full pull's tar gave them whole-second mtimes)
+    assert result.files == 1, result
+    assert go(ws, dest, opts).changed_files == 0
+
+
+RSYNC = shutil.which("rsync")
+
+
+@pytest.mark.skipif(RSYNC is None, reason="rsync not installed")
+@pytest.mark.parametrize(
+    "patterns",
+    [["*.txt"], ["/src/deep/", "blob.bin"], ["src/**", "*-dash"], ["latin1-*"], ["empty/"]],
+    ids=lambda p: " ".join(p),
+)
+def test_excludes_end_to_end_equal_rsync(tmp_path: Path, patterns: list[str]) -> None:
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=10)
+    dest, expected = tmp_path / "dest", tmp_path / "rsync"
+    subprocess.run(
+        [RSYNC or "rsync", "-a", *(f"--exclude={p}" for p in patterns), f"{ws}/", f"{expected}/"],
+        check=True,
+        capture_output=True,
+    )
+    opts = options(tmp_path, excludes=Excludes.from_options(patterns, []))
+    go(ws, dest, opts)
+    assert_exact(expected, dest)
+    (ws / "src" / "f1.txt").write_text("changed\n")
+    (ws / "new.bin").write_text("new\n")  # something not excluded, so a select runs
+    subprocess.run([RSYNC or "rsync", "-a", "--delete", *(f"--exclude={p}" for p in patterns),
+                    f"{ws}/", f"{expected}/"], check=True, capture_output=True)  # fmt: skip
+    assert go(ws, dest, opts).mode == "incremental"
+    assert_exact(expected, dest)
+
+
+def test_adding_excludes_removes_what_an_earlier_pull_left(tmp_path: Path) -> None:
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=10)
+    dest = tmp_path / "dest"
+    go(ws, dest, options(tmp_path))
+    opts = options(tmp_path, excludes=Excludes.from_options(["*.txt", "/src/deep/"], []))
+    result = go(ws, dest, opts)
+    assert result.mode == "incremental" and result.deleted_files > 0
+    assert not list(dest.rglob("*.txt")) and not (dest / "src" / "deep").exists()
+    assert (dest / "blob.bin").exists()

@@ -1,0 +1,94 @@
+"""The manifest parser: fed whole, byte at a time, with trailing bytes, and fuzzed."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from wsync.errors import ProtocolError
+from wsync.protocol.manifest import Entry, ManifestParser, parse_time
+
+SAMPLE = (
+    b"d 755 4096 1796108389.0447479200 1796108389.0447479200 2173675\0.\0\0"
+    b"l 777 1 1796108389.0447479200 1796108389.0447479200 2173678\0./l\0a\nb\0"
+    b"f 4644 3 -1.5 0 0 00ff00ff00ff00ff\0./d/\xff\nx\0\0"
+)
+EXPECTED = [
+    Entry(b".", "d", 0o755, 4096, 1796108389044747920, 1796108389044747920, 2173675, b""),
+    Entry(b"l", "l", 0o777, 1, 1796108389044747920, 1796108389044747920, 2173678, b"a\nb"),
+    Entry(b"d/\xff\nx", "f", 0o4644, 3, -1_500_000_000, 0, 0, b"", "00ff00ff00ff00ff"),
+]
+
+
+def parse(chunks: list[bytes]) -> list[Entry]:
+    parser = ManifestParser()
+    out: list[Entry] = []
+    for chunk in chunks:
+        parser.receive_data(chunk)
+        out += parser.entries()
+    parser.receive_eof()
+    return out + parser.entries()
+
+
+def test_whole() -> None:
+    assert parse([SAMPLE]) == EXPECTED
+
+
+def test_byte_at_a_time() -> None:
+    assert parse([SAMPLE[i : i + 1] for i in range(len(SAMPLE))]) == EXPECTED
+
+
+def test_trailing_bytes_are_refused() -> None:
+    with pytest.raises(ProtocolError):
+        parse([SAMPLE + b"f 644 1 1 1 1\0./x"])
+    parser = ManifestParser()
+    parser.receive_data(SAMPLE)
+    parser.receive_eof()
+    with pytest.raises(ProtocolError):
+        parser.receive_data(b"x")
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        b"x 644 1 1 1 1\0./a\0\0",  # unknown kind
+        b"f 648 1 1 1 1\0./a\0\0",  # not octal
+        b"f 644 1 1 1\0./a\0\0",  # a field short
+        b"f 644 1 1 1 1\0a\0\0",  # not under "."
+        b"f 644 1 1 1 1\0./\0\0",  # empty name
+        b"l 777 1 1 1 1\0./a\0\0",  # a link without a target
+        b"f 644 1 1 1 1\0./a\0t\0",  # a target on a file
+        b"f 644 1 1 1 1 " + b"9" * 600 + b"\0./a\0\0",  # header too long
+    ],
+)
+def test_malformed(record: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        parse([record])
+
+
+def test_times() -> None:
+    assert parse_time(b"12") == 12_000_000_000
+    assert parse_time(b"12.5") == 12_500_000_000
+    assert parse_time(b"12.") == 12_000_000_000
+    assert parse_time(b"-0.25") == -250_000_000
+
+
+@given(st.binary(max_size=400), st.integers(min_value=1, max_value=50))
+def test_fuzz_parses_or_raises_protocol_error(data: bytes, step: int) -> None:
+    with contextlib.suppress(ProtocolError):
+        parse([data[i : i + step] for i in range(0, len(data), step)])
+
+
+@given(st.lists(st.tuples(st.sampled_from("fdl"), st.binary(min_size=1, max_size=20))))
+def test_fuzz_round_trip(items: list[tuple[str, bytes]]) -> None:
+    data = b""
+    want = []
+    for kind, name in items:
+        name = name.replace(b"\0", b"_")
+        target = b"t" if kind == "l" else b""
+        data += kind.encode() + b" 644 7 3.25 4 9\0./" + name + b"\0" + target + b"\0"
+        want.append(Entry(name, kind, 0o644, 7, 3_250_000_000, 4_000_000_000, 9, target))
+    assert parse([data]) == want
