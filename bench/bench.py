@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark wsync against rsync and a plain tar|zstd stream, measured in one run.
 
-    python3 bench/bench.py [--workdir DIR] [--quick] [--runs N]
+    python3 bench/bench.py [--workdir DIR] [--quick] [--runs N] [--median]
+        [--emulators-only] [--backend NAME]... [--blob-mib N]
 
 Workspace: a copy of this Python's standard library directory (about 1 GB,
 ~60k files, site-packages included) plus a few large random files.  Every tool
@@ -10,7 +11,10 @@ the numbers measure the tools, not a network).  Reported per row: wall time
 (best of N runs), peak RSS of the host-side command tree, and the ratio to
 rsync and to the plain stream.  Extra rows: wsync through the fault injector
 (all field-report faults on) and through the Sprites emulator, clean and with
-all faults, with the faulty/clean throughput ratio.
+all faults, with the faulty/clean throughput ratio.  ``--quick --blob-mib 16
+--emulators-only --runs 5 --median`` measures just the emulator rows on a ~50 MB tree,
+each faulty run with its own fault seed (``bench/faultcost.py`` then says where a
+faulty run lost its time).
 
 Incremental rows (issue 8), over the same sshd, rounds interleaved, into DESTs that
 a first (untimed) run of each tool filled: an unchanged re-pull beside ``rsync -a``'s
@@ -27,6 +31,7 @@ This is a script, not a test: nothing here asserts a speed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -46,8 +51,12 @@ from wsync.testing.sshd import SshdServer
 from wsync.treediff import diff
 
 
-def make_workspace(root: Path, quick: bool) -> Path:
-    ws = root / ("ws-quick" if quick else "ws")
+def make_workspace(root: Path, quick: bool, blob_mib: int | None = None) -> Path:
+    """The stdlib (only its ``json`` package when ``quick``) plus three random blobs of
+    ``blob_mib`` MiB each (default 4 when quick, else 64)."""
+    name = "ws-quick" if quick else "ws"
+    ws = root / (f"{name}-{blob_mib}" if blob_mib else name)
+    blob_mib = blob_mib or (4 if quick else 64)
     if ws.exists():
         return ws
     tmp = root / "ws.partial"
@@ -58,7 +67,7 @@ def make_workspace(root: Path, quick: bool) -> Path:
     shutil.copytree(src, tmp / "lib", symlinks=True, ignore_dangling_symlinks=True)
     rng = random.Random(1)
     for i in range(3):
-        size = (4 if quick else 64) * 1024 * 1024
+        size = blob_mib * 1024 * 1024
         (tmp / f"blob{i}.bin").write_bytes(rng.randbytes(size))
     tmp.rename(ws)
     return ws
@@ -141,6 +150,21 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "wsync-bench")
     parser.add_argument("--quick", action="store_true", help="small workspace (smoke run)")
     parser.add_argument("--runs", type=int, default=1, help="runs per row; the best is kept")
+    parser.add_argument(
+        "--median",
+        action="store_true",
+        help="keep each row's median run, and give each run of a faulty emulator row "
+        "its own fault seed (3, 4, ...): a best-of-N would keep the luckiest schedule",
+    )
+    parser.add_argument(
+        "--emulators-only", action="store_true", help="skip the ssh, rsync and plain rows"
+    )
+    parser.add_argument(
+        "--backend", action="append", help="only this emulator (repeatable; default: all)"
+    )
+    parser.add_argument(
+        "--blob-mib", type=int, help="size of each of the three random blobs (default 4/64)"
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
     parser.add_argument(
         "--incremental-only",
@@ -156,7 +180,7 @@ def main() -> int:
     args = parser.parse_args()
     root = args.workdir.resolve()
     root.mkdir(parents=True, exist_ok=True)
-    ws = make_workspace(root, args.quick)
+    ws = make_workspace(root, args.quick, args.blob_mib)
     subprocess.run(["tar", "-cf", "/dev/null", "-C", str(ws), "."], check=True)  # warm cache
     files = sum(len(d) + len(f) for _, d, f in os.walk(ws))
     size = sum(p.stat().st_size for p in ws.rglob("*") if p.is_file() and not p.is_symlink())
@@ -210,14 +234,15 @@ def main() -> int:
             deleted, so measuring one tool's runs back to back favours whoever
             goes first; interleaving spreads that drift over every row.
             """
-            best: dict[str, dict[str, object]] = {}
+            runs: dict[str, list[dict[str, object]]] = {}
             for _ in range(args.runs):
                 for name, build, before in specs:
                     before()
-                    row = measure_once(name, build)
-                    if name not in best or float(row["wall_s"]) < float(best[name]["wall_s"]):  # type: ignore[arg-type]
-                        best[name] = row
-            out = [best[name] for name, _, _ in specs]
+                    runs.setdefault(name, []).append(measure_once(name, build))
+            out = []
+            for name, _, _ in specs:
+                ordered = sorted(runs[name], key=lambda row: float(row["wall_s"]))  # type: ignore[arg-type]
+                out.append(ordered[len(ordered) // 2] if args.median else ordered[0])
             rows.extend(out)
             return out
 
@@ -258,16 +283,23 @@ def main() -> int:
                 nothing,
             ),
         ]
-        full_rows = [] if args.incremental_only else rounds(full_specs)
+        full_rows = [] if args.incremental_only or args.emulators_only else rounds(full_specs)
 
-        incremental = incremental_rows(
-            args.runs, root, ws, ssh, target, py, sshd.uri(str(ws)), wsync_common
+        incremental = (
+            {}
+            if args.emulators_only
+            else incremental_rows(
+                args.runs, root, ws, ssh, target, py, sshd.uri(str(ws)), wsync_common
+            )
         )
         for pair in incremental.values():
             rows.extend(pair)
 
     emulated: dict[str, tuple[dict[str, object], dict[str, object]]] = {}
     for name, thread, faults in [] if args.incremental_only else _emulators():
+        if args.backend and name not in args.backend:
+            continue
+        seeds = itertools.count(3)  # each backend's faulty runs: seeds 3, 4, ... (--median)
         with thread(root / name) as emu:
             create = getattr(emu, "create_sandbox", None) or emu.create_sprite
             create("bench")
@@ -294,7 +326,8 @@ def main() -> int:
                         (f"wsync pull {name} emulator, clean", pull_cmd,
                          lambda emu=emu, f=faults: emu.set_faults(f.off())),
                         (f"wsync pull {name} emulator, all faults", pull_cmd,
-                         lambda emu=emu, f=faults: emu.set_faults(f.all_on(seed=3))),
+                         lambda emu=emu, f=faults, seeds=seeds: emu.set_faults(
+                             f.all_on(seed=next(seeds) if args.median else 3))),
                     ]
                 )
             )  # fmt: skip

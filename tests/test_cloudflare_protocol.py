@@ -188,3 +188,73 @@ def test_a_deeply_nested_exit_event_is_a_protocol_error() -> None:
 
     with pytest.raises(ProtocolError):
         _json_object(Event(name="exit", data="[" * 100_000))
+
+
+def _collect(raw: bytes, steps: list[int], runs: bool, max_output: int) -> object:
+    """The result (or the error) of one stream fed in pieces of ``steps`` bytes."""
+    parser, collector = SSEParser(max_event=4096), ExecCollector(max_output)
+    feed = parser.feed_runs if runs else parser.feed
+    pos, i = 0, 0
+    try:
+        while pos < len(raw):
+            step = steps[i % len(steps)]
+            for event in feed(raw[pos : pos + step]):
+                collector.feed(event)
+            pos, i = pos + step, i + 1
+        collector.ended(mid_event=parser.pending)
+    except ProtocolError as err:
+        return type(err)
+    return collector.result()
+
+
+_PIECES = st.one_of(
+    st.tuples(st.sampled_from(["stdout", "stderr"]), st.text(max_size=80)).map(
+        lambda p: encode_output(*p)
+    ),
+    st.integers(-5, 300).map(encode_exit),
+    st.sampled_from(
+        [
+            b"event: stdout\ndata: QQ=\n\n",  # bad padding
+            b"event: stdout\ndata: QQ==\ndata: Qg==\n\n",  # two data lines
+            b"event: stdout\r\ndata: QQ==\r\n\r\n",
+            b": comment\n",
+            b"event: stderr\ndata: " + b"A" * 5000 + b"\n\n",  # over max_event
+            b"event: weird\ndata: QQ==\n\n",
+            b"event: stdout\n\n",
+            b"data: QQ==\n\n",
+        ]
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(_PIECES, max_size=30),
+    st.lists(st.integers(1, 400), min_size=1, max_size=10),
+    st.sampled_from([1 << 20, 50]),
+)
+def test_runs_decode_exactly_as_single_events(
+    pieces: list[bytes], steps: list[int], max_output: int
+) -> None:
+    """``feed_runs`` (session-mode output as one object per run) changes speed, not
+    results: same bytes, same exit, same notes, same errors, however the stream is cut."""
+    raw = b"".join(pieces)
+    assert _collect(raw, steps, True, max_output) == _collect(raw, steps, False, max_output)
+
+
+def test_line_events_come_as_one_run_per_name() -> None:
+    raw = b"".join(encode_output("stdout", f"line {i}\n") for i in range(1000))
+    raw += encode_output("stderr", "warn\n") + encode_exit(0)
+    items = SSEParser().feed_runs(raw)
+    assert [type(item).__name__ for item in items] == ["OutputRun", "OutputRun", "Event"]
+    collector = ExecCollector(1 << 20)
+    for item in items:
+        collector.feed(item)
+    assert collector.result().stdout == "".join(f"line {i}\n" for i in range(1000)).encode()
+
+
+@given(st.sampled_from(["stdout", "stderr"]), st.lists(st.text(max_size=100), max_size=20))
+def test_batch_encoding_is_byte_for_byte_the_single_one(name: str, texts: list[str]) -> None:
+    from wsync.transports.cloudflare_protocol import encode_outputs
+
+    assert encode_outputs(name, texts) == b"".join(encode_output(name, t) for t in texts)

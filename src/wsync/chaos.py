@@ -33,6 +33,9 @@ flipped per N bytes on average, so large reads almost always fail and small ones
 ``text=1`` makes the channel a lossy text one, as SSE and JSON exec APIs are: stdout is
 decoded as UTF-8 with replacement characters, NULs vanish and every line ends in CRLF;
 the transport then declares itself not binary-safe, so wsync sends base64 lines.
+``slow=S,slow_from=N`` is no fault but a backend that got slower: from call N on, every
+exec answers honestly S seconds late (or times out if its deadline comes first), which
+a client that learns its deadlines must follow instead of failing.
 
 This lives in the package, not in the tests, so ``wsync demo`` and the test
 suite exercise the same faults.
@@ -89,6 +92,9 @@ class FaultPlan:
     close: float = 0.0
     #: every call's stdout cut after this many bytes (0: off)
     cap: int = 0
+    #: execs from call number ``slow_from`` (0-based) on answer this many seconds late
+    slow: float = 0.0
+    slow_from: int = 0
 
     def __post_init__(self) -> None:
         bad = set(self.failure_map) - set(FAULT_CODES + CLEAN)
@@ -100,7 +106,7 @@ class FaultPlan:
 
     @classmethod
     def parse(cls, spec: str) -> FaultPlan:
-        """Parse ``all``, ``none`` or ``K=V,...`` (codes, map, seed, ring, hang, close)."""
+        """Parse ``all``, ``none`` or ``K=V,...`` (codes, map, seed, ring, hang, close, slow...)."""
         plan: dict[str, object] = {"rates": {}}
         rates: dict[str, float] = {}
         for item in filter(None, (p.strip() for p in spec.split(","))):
@@ -113,9 +119,9 @@ class FaultPlan:
                     continue
                 elif key == "map":
                     plan["failure_map"] = value
-                elif key in ("seed", "ring", "flip", "cap"):
+                elif key in ("seed", "ring", "flip", "cap", "slow_from"):
                     plan[key] = int(value)
-                elif key in ("hang", "close"):
+                elif key in ("hang", "close", "slow"):
                     plan[key] = float(value)
                 elif key == "text":
                     plan[key] = value not in ("", "0")
@@ -127,6 +133,11 @@ class FaultPlan:
                 raise UsageError(f"bad fault spec item {item!r} in {spec!r}") from None
         plan["rates"] = rates
         return cls(**plan)  # type: ignore[arg-type]
+
+    @property
+    def calls(self) -> int:
+        """How many calls have drawn their fault so far."""
+        return self._calls
 
     def next_fault(self) -> str:
         index = self._calls
@@ -190,6 +201,10 @@ class ChaosTransport(Transport):
             raise TransportTimeout(min(timeout, plan.hang))
         if fault == "D" and plan.cut(2) == 0:
             raise TransportError("connection dropped before the command ran (injected)")
+        if plan.slow and plan.calls > plan.slow_from:  # this call is number calls - 1
+            await asyncio.sleep(min(timeout, plan.slow))
+            if plan.slow >= timeout:
+                raise TransportTimeout(timeout)
         result = await self.inner.exec(argv, stdin=stdin, timeout=timeout, max_output=max_output)
         out = result.stdout
         if plan.ring and stdin is None and len(out) > plan.ring:

@@ -26,6 +26,7 @@ from wsync.transports.cloudflare_protocol import (
     encode_error,
     encode_exit,
     encode_output,
+    encode_outputs,
 )
 
 if TYPE_CHECKING:
@@ -263,7 +264,7 @@ class ExecStream:
         size = sum(len(text.encode()) for text in texts)
         fault = self.next_fault()
         if fault is None or fault[0] >= self.sent + size:
-            await self.write(b"".join(encode_output(name, text) for text in texts))
+            await self.write(encode_outputs(name, texts))
             self.sent += size
             return None
         for text in texts:

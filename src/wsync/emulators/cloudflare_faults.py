@@ -79,9 +79,9 @@ class CloudflareFaults:
         """Every fault, each firing several times in a pull of a few MB.
 
         The destructive ones (a made-up exit, a severed or failed stream, a lost tail)
-        together hit about one exec in five; hangs are rarer because each costs one
-        whole call timeout, whatever the client does (the real stream has no heartbeat,
-        so silence cannot be told from a quiet command).
+        together hit about one exec in five; hangs are rarer because the real stream
+        has no heartbeat: silence cannot be told from a quiet command, so a client
+        abandons a hang only at a deadline (wsync's learnt one: seconds).
         """
         return cls(
             seed=seed,

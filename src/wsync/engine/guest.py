@@ -35,7 +35,7 @@ from wsync.errors import (
 from wsync.protocol import records, scripts
 from wsync.protocol.envelope import Envelope, EnvelopeParser, wire_length
 from wsync.protocol.hashing import ALGORITHMS, PROBE_ALGORITHM, PROBE_INPUT, Algorithm
-from wsync.protocol.policy import SIZE_FAULTS, ReadSizer, backoff
+from wsync.protocol.policy import SIZE_FAULTS, CallDeadlines, ReadSizer, backoff
 from wsync.transports.base import Transport
 
 log = structlog.get_logger("wsync.guest")
@@ -81,6 +81,8 @@ class GuestSession:
         #: identifies this run to the guest (admission retries are not adoptions)
         self.run_id = secrets.token_hex(8)
         self._rng = random.Random()  # noqa: S311 - backoff jitter, not a secret
+        #: per-kind deadlines learnt from this backend's answers: a hang costs seconds
+        self.deadlines = CallDeadlines(options.call_timeout)
 
     def _wire(self, nonce: str) -> scripts.Wire:
         """The arguments every guest call after the probe shares."""
@@ -113,22 +115,33 @@ class GuestSession:
         ``asked`` tells the size the last attempt asked for, for the logs: every
         retry is logged at info level (``-v``) with its fault kind and that size,
         every exec at debug level (``--debug``) with its nonce, byte counts and
-        duration, never the script text or its arguments.
+        duration, never the script text or its arguments.  Each attempt runs under
+        :class:`CallDeadlines`; one that stalls (ran out of a learnt deadline shorter
+        than ``--call-timeout``) is retried with double the patience and does not count
+        as an attempt.
         """
         last = "none"
         received = 0
-        for attempt in range(1, self.options.max_attempts + 1):
+        # reads and status polls answer at once from staged files: one pool to learn from
+        # (a pull whose chunks go through a file API makes few exec reads of its own)
+        kind = "staged" if what.startswith(("read ", "status")) else what.split(" ", 1)[0]
+        mode = "b64" if self.b64 else "raw"
+        attempt = stalls = 0
+        while attempt < self.options.max_attempts:
+            attempt += 1
             nonce = secrets.token_hex(8)
             argv = build(nonce)
             #: the read size of this attempt, for the logs (reads only)
             size = {"asked": asked()} if asked is not None else {}
-            bound = wire_length(max_length, "b64" if self.b64 else "raw") + 64 * 1024
+            bound = wire_length(max_length, mode) + 64 * 1024
+            expect = wire_length(asked(), mode) if asked is not None else 0
+            deadline = self.deadlines.deadline(kind, expect, stalls)
             started = time.monotonic()
             try:
                 result = await self.transport.exec(
                     argv,
                     stdin=_GATE + stdin if self.gate else None,
-                    timeout=self.options.call_timeout,
+                    timeout=deadline,
                     max_output=bound,
                 )
                 self.stats.transferred += len(result.stdout)
@@ -157,12 +170,15 @@ class GuestSession:
                     self.stats.faults["extra-bytes"] += 1
                 if observe is not None:
                     observe(None, received)
+                self.deadlines.observe(kind, received, time.monotonic() - started)
                 return envelope
             except ProtocolError as exc:
                 last = exc.fault
                 detail = str(exc)
             except TransportTimeout as exc:
                 last, detail, received = "timeout", str(exc), 0
+                if self.deadlines.stalled(deadline):
+                    last = "stall"
             except TransportError as exc:
                 last, detail, received = "transport", str(exc), 0
             self.stats.retries += 1
@@ -179,6 +195,8 @@ class GuestSession:
                 seconds=round(time.monotonic() - started, 3),
                 detail=detail[:200],
             )
+            if last == "stall":  # not an attempt: the same one again, twice as patient
+                attempt, stalls = attempt - 1, stalls + 1
             if attempt < self.options.max_attempts:
                 await asyncio.sleep(backoff(attempt, rng=self._rng))
         raise IntegrityFailed(
@@ -455,9 +473,10 @@ class GuestSession:
         if not self.direct or self.algorithm is None:
             return None
         path = scripts.snapshot_dir(self.staging_root, self.snapshot) + "/data"
+        started = time.monotonic()
         try:
             data = await self.transport.read_file(
-                path, offset, length, timeout=self.options.call_timeout
+                path, offset, length, timeout=self.deadlines.deadline("file", length)
             )
         except (WsyncError, NotImplementedError) as exc:
             # a fast path never ends a pull, whatever the file API says (even 401:
@@ -475,6 +494,7 @@ class GuestSession:
             self.stats.faults["file-api-mismatch"] += 1
             return None
         self._direct_failures = 0
+        self.deadlines.observe("file", length, time.monotonic() - started)
         return data
 
     async def cleanup(self) -> None:

@@ -1,15 +1,17 @@
-"""Decisions without I/O: how big the next read is, how long to back off.
+"""Decisions without I/O: how big the next read is, how long to back off, how long to wait.
 
 Backends that lose bytes tend to lose them above some size (a 64 KiB
 pre-attach ring, a frame limit) and more under load.  So the read size grows
 while reads succeed and halves on every detected loss, within [a minimum (one
 64 KiB block; 16 KiB on text channels), chunk size]; retries wait with capped
 exponential backoff and full jitter so that parallel readers do not retry in
-lock-step.
+lock-step.  A call that stops answering is abandoned after a deadline learnt from
+the backend's own recent answers (:class:`CallDeadlines`), not the full call deadline.
 """
 
 from __future__ import annotations
 
+import collections
 import random
 
 from wsync.protocol.scripts import BLOCK
@@ -103,3 +105,77 @@ def backoff(attempt: int, *, base: float = 0.05, cap: float = 2.0, rng: random.R
     """Seconds to wait before retry number ``attempt`` (1-based): full jitter."""
     ceiling = min(cap, base * (2 ** min(attempt, 16)))
     return rng.uniform(0, ceiling)
+
+
+#: an adaptive deadline is never shorter than this, seconds: a busy host's scheduling,
+#: a GC pause or a reconnect must not pass for a hang (and a hang costs this much)
+STALL_FLOOR = 2.0
+#: an answer smaller than this counts as if this big when its time is scaled up to a
+#: bigger call's size: a tiny answer's time is latency, it says little about throughput
+#: (a 200-byte status poll taking 0.9 s on a busy host does not mean 4 MiB takes 5 min)
+_SCALE_GRAIN = 1024 * 1024
+
+
+class CallDeadlines:
+    """How long one guest call may run before it is abandoned as stalled.
+
+    A backend stream can stop without ending: Cloudflare's SSE has no heartbeat
+    (cloudflare/sandbox-sdk#101, #320), so silence looks like a quiet command, and
+    waiting out the whole call deadline (60 s) for each such hang made a faulty pull
+    several times slower than a clean one.  But wsync's calls of one kind (reads of
+    staged bytes, status polls) take a predictable time on one backend.  So once
+    ``warmup`` calls of a kind have succeeded, the next gets ``factor`` times the
+    slowest of its kind's last ``window`` successes, scaled up (never down) to the
+    bytes it expects, and at least ``floor``; before that, and for kinds run once
+    (probe, admit, cleanup, which may legitimately take long), it gets ``ceiling``,
+    the full call deadline.
+
+    Never failing a pull that a patient client would finish: every success is
+    observed, so a slow backend raises the deadlines at once (the maximum, not a
+    mean, of recent calls), and a call that stalled is retried with its deadline
+    doubled per stall (``stalls``) until it reaches ``ceiling``: a stall below the
+    ceiling is not one of the call's attempts (the engine's part), so the attempts
+    that end a pull are the same full-deadline ones as without this.
+    """
+
+    def __init__(
+        self,
+        ceiling: float,
+        *,
+        floor: float = STALL_FLOOR,
+        factor: float = 4.0,
+        warmup: int = 3,
+        window: int = 32,
+    ) -> None:
+        if ceiling <= 0 or floor <= 0 or factor < 1 or warmup < 1 or window < 1:
+            raise ValueError("bad deadline policy")
+        self.ceiling = ceiling
+        self.floor = min(floor, ceiling)
+        self.factor = factor
+        self.warmup = warmup
+        self.window = window
+        self._recent: dict[str, collections.deque[tuple[int, float]]] = {}
+
+    def deadline(self, kind: str, size: int = 0, stalls: int = 0) -> float:
+        """Seconds the next call of ``kind`` may take; it expects ``size`` bytes back
+        and its earlier attempts stalled ``stalls`` times."""
+        recent = self._recent.get(kind)
+        if recent is None or len(recent) < self.warmup:
+            return self.ceiling
+        predicted = max(
+            seconds * max(1.0, size / max(done, _SCALE_GRAIN)) for done, seconds in recent
+        )
+        patience: float = max(self.floor, self.factor * predicted) * 2.0 ** min(stalls, 32)
+        return min(self.ceiling, patience)
+
+    def stalled(self, deadline: float) -> bool:
+        """A call that ran out of ``deadline`` stalled (retry with more patience) rather
+        than timed out (a real attempt used up)."""
+        return deadline < self.ceiling
+
+    def observe(self, kind: str, size: int, seconds: float) -> None:
+        """A call of ``kind`` succeeded with ``size`` bytes in ``seconds``."""
+        recent = self._recent.get(kind)
+        if recent is None:
+            recent = self._recent[kind] = collections.deque(maxlen=self.window)
+        recent.append((max(size, 0), max(seconds, 0.0)))

@@ -287,7 +287,7 @@ class CloudflareTransport(Transport):
                     f"{'after' if collector.exited else 'before'} the exit event"
                 ) from None
             try:
-                for event in parser.feed(chunk):
+                for event in parser.feed_runs(chunk):
                     collector.feed(event)
             except ProtocolError as err:
                 raise TransportError(f"{self.description}: {err}") from None
