@@ -147,9 +147,7 @@ class _Pull(StreamRunner):
         if run == "select":
             await self.session.upload_list(snapshot, listing)
         journaled = await self.admit_phase(plan, journal, snapshot, run)
-        tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
-        tmp_fd, leftovers = self.target.make_tmp(tmp)
-        self.warnings.extend(leftovers)
+        tmp, tmp_fd = self.make_tmp()
         replace = run == "select"
         hook = None
         if inc is not None:
@@ -175,16 +173,7 @@ class _Pull(StreamRunner):
             if inc is not None and replace:
                 self.emit("apply")
                 await in_thread(lambda: inc.locked(lambda: inc.dir_meta(tmp_fd)))
-            self.emit("swap")
-            with host_io(f"flushing {self.dest.parent / tmp}"):
-                syncfs(tmp_fd)
-            if self.options.fence is not None:
-                self.options.fence()  # last word of a daemon fleet's lease before the swap
-            # recorded before the swap: a kill right after it must not make
-            # the next run refuse a DEST that wsync itself just wrote
-            DestRegistry(self.options.state_dir).record(self.dest)
-            old = self.target.swap(tmp)
-            self.swapped = True
+            old = self.swap_in(tmp, tmp_fd)
         except BaseException:
             await self.remove_tmp(tmp)
             raise
@@ -193,15 +182,34 @@ class _Pull(StreamRunner):
             self.io.shutdown(wait=False)
         return stats, chunks, length, old
 
+    def make_tmp(self) -> tuple[str, int]:
+        """The tree beside DEST that becomes DEST (stale ones of earlier runs go)."""
+        tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
+        tmp_fd, leftovers = self.target.make_tmp(tmp)
+        self.warnings.extend(leftovers)
+        return tmp, tmp_fd
+
+    def swap_in(self, tmp: str, tmp_fd: int) -> str | None:
+        """Flush the finished tree, then make it DEST; returns the old tree's name."""
+        self.emit("swap")
+        with host_io(f"flushing {self.dest.parent / tmp}"):
+            syncfs(tmp_fd)
+        if self.options.fence is not None:
+            self.options.fence()  # last word of a daemon fleet's lease before the swap
+        # recorded before the swap: a kill right after it must not make
+        # the next run refuse a DEST that wsync itself just wrote
+        DestRegistry(self.options.state_dir).record(self.dest)
+        old = self.target.swap(tmp)
+        self.swapped = True
+        return old
+
     async def apply_only(
         self, inc: Incremental | None
     ) -> tuple[ExtractStats, int, int, str | None]:
         """Changes without an entry to fetch (deletions, directory modes or mtimes, a
         host-side chmod of a directory): the new tree is the farm alone, no producer run."""
         assert inc is not None
-        tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
-        tmp_fd, leftovers = self.target.make_tmp(tmp)
-        self.warnings.extend(leftovers)
+        tmp, tmp_fd = self.make_tmp()
         inc.hashes.start()
         inc.hashes.close()
         stop = threading.Event()
@@ -214,14 +222,7 @@ class _Pull(StreamRunner):
             self.emit("apply")
             await in_thread(lambda: inc.locked(lambda: inc.farm(tmp_fd, check)))
             await in_thread(lambda: inc.locked(lambda: inc.dir_meta(tmp_fd)))
-            self.emit("swap")
-            with host_io(f"flushing {self.dest.parent / tmp}"):
-                syncfs(tmp_fd)
-            if self.options.fence is not None:
-                self.options.fence()  # last word of a daemon fleet's lease before the swap
-            DestRegistry(self.options.state_dir).record(self.dest)
-            old = self.target.swap(tmp)
-            self.swapped = True
+            old = self.swap_in(tmp, tmp_fd)
         except BaseException:
             stop.set()
             await self.remove_tmp(tmp)
