@@ -17,6 +17,7 @@ import pytest
 from helpers import assert_exact, make_tree, options
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.pull import pull
+from wsync.errors import Fenced
 from wsync.testing.sshd import SshdServer
 from wsync.transports.base import Transport
 from wsync.transports.local import LocalTransport
@@ -275,6 +276,27 @@ def test_only_a_directory_changed_is_an_empty_select_run(tmp_path: Path) -> None
     os.utime(ws / "empty", ns=(0, 1_500_000_000_123_456_789))
     result = go(_local, ws, dest, opts)
     assert result.mode == "incremental" and result.changed_files == 2
+    assert_exact(ws, dest)
+
+
+def test_a_lapsed_lease_stops_the_swap_of_an_apply_run(tmp_path: Path) -> None:
+    """The fleet's fence is the last word before every swap, the farm-only apply run's too
+    (a deletion has nothing to fetch): a daemon whose lease ran out leaves DEST as it was."""
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    go(_local, ws, dest, options(tmp_path))
+    before = sorted(p.relative_to(dest) for p in dest.rglob("*"))
+    victim = sorted((ws / "src").glob("f*.txt"))[0]
+    victim.unlink()
+
+    def lapsed() -> None:
+        raise Fenced("lease lost")
+
+    with pytest.raises(Fenced):
+        go(_local, ws, dest, options(tmp_path, fence=lapsed))
+    assert sorted(p.relative_to(dest) for p in dest.rglob("*")) == before
+    result = go(_local, ws, dest, options(tmp_path))
+    assert result.mode == "incremental" and result.deleted_files == 1
     assert_exact(ws, dest)
 
 
