@@ -72,6 +72,32 @@ def test_bytes_streams_exit_codes_and_stdin(tmp_path: Path) -> None:
     with_envd(tmp_path, body)
 
 
+def test_a_command_abandoned_before_its_start_event_is_killed_by_its_tag(
+    tmp_path: Path,
+) -> None:
+    """Cancelled while the edge still holds the ``start`` frame: the client has no pid,
+    yet envd keeps the process; the tag from the StartRequest names it for SendSignal."""
+
+    async def body(emu: E2BEmulator, t: E2BTransport) -> None:
+        task = asyncio.create_task(t.exec(["sleep", "3600"], timeout=60))
+        for _ in range(1500):  # 30 s
+            if emu.procs:
+                break
+            await asyncio.sleep(0.02)
+        assert emu.procs, "the command never started"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(600):
+            if not emu.procs:
+                break
+            await asyncio.sleep(0.05)
+        assert emu.procs == {}
+        assert emu.stats["signals"] == 1
+
+    with_envd(tmp_path, body, E2BFaults(start_delay=30.0))
+
+
 def test_a_clean_cut_without_end_stream_is_none_never_zero(tmp_path: Path) -> None:
     async def body(emu: E2BEmulator, t: E2BTransport) -> None:
         for _ in range(4):

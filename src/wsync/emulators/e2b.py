@@ -87,9 +87,12 @@ class _Cut(Exception):
 class _Proc:
     """A running command: pumps its pipes into the (single) subscriber's queue."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, stdin_open: bool) -> None:
+    def __init__(
+        self, proc: asyncio.subprocess.Process, stdin_open: bool, tag: str | None = None
+    ) -> None:
         self.proc = proc
         self.pid = proc.pid
+        self.tag = tag
         self.stdin_open = stdin_open
         self.queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue(maxsize=64)
         self.subscribed = True
@@ -266,7 +269,7 @@ class E2BEmulator:
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
         )
-        entry = _Proc(proc, stdin_open)
+        entry = _Proc(proc, stdin_open, req.tag)
         self.procs[entry.pid] = entry
         task = asyncio.create_task(self._supervise(entry))
         self._tasks.add(task)
@@ -358,6 +361,8 @@ class E2BEmulator:
             await ex.write(blob)
             sent += len(blob)
 
+        if self.faults.start_delay > 0:
+            await asyncio.sleep(self.faults.start_delay)
         await ex.start(200, {"Content-Type": CONNECT_JSON})
         await send(encode_event(Start(entry.pid)))
         if plan.silence:
@@ -409,13 +414,16 @@ class E2BEmulator:
             await ex.reply_json(CONNECT_HTTP.get(code, 500), {"code": code, "message": message})
 
         try:
-            pid, obj = parse_unary(ex.body)
+            selector, obj = parse_unary(ex.body)
         except ProtocolError as err:
             await error("invalid_argument", str(err))
             return
-        entry = self.procs.get(pid)
+        if isinstance(selector, int):
+            entry = self.procs.get(selector)
+        else:  # envd's ProcessSelector: a tag names the process as well as its pid
+            entry = next((p for p in self.procs.values() if p.tag == selector), None)
         if entry is None or entry.proc.returncode is not None:
-            await error("not_found", f"process with pid {pid} not found")
+            await error("not_found", f"process {selector!r:.60} not found")
             return
         if ex.path == SEND_SIGNAL_PATH:
             name = obj.get("signal")

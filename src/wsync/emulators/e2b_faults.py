@@ -52,6 +52,9 @@ class E2BFaults:
     file_short: float = 0.0
     file_cut: float = 0.0
     file_ignore_range: float = 0.0
+    #: seconds between the process starting and the response's first frame (a busy
+    #: edge): a client that gives up in between has no pid, only its start tag
+    start_delay: float = 0.0
 
     @classmethod
     def off(cls) -> E2BFaults:

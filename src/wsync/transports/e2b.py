@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import re
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -78,6 +79,7 @@ from wsync.transports.e2b_protocol import (
     range_header,
     send_input_body,
     start_request,
+    tag_body,
 )
 from wsync.uri import SandboxURI
 
@@ -274,15 +276,26 @@ class E2BTransport(Transport):
         ) as response:
             return response.status_code, await _head(response)
 
-    async def _kill(self, pid: int) -> None:
-        """Best effort: envd keeps a process whose stream ended, so kill what we abandon."""
+    async def _kill(self, pid: int | None, tag: str) -> None:
+        """Best effort: envd keeps a process whose stream ended, so kill what we abandon.
+
+        Without a pid (abandoned before the ``start`` event arrived) the process is named
+        by the tag its StartRequest carried; it may not have started yet, so a
+        ``not_found`` is asked again a few times before giving up."""
+        body = (
+            pid_body(pid, signal="SIGNAL_SIGKILL")
+            if pid is not None
+            else tag_body(tag, signal="SIGNAL_SIGKILL")
+        )
         try:
             async with asyncio.timeout(5.0):
-                await self._unary(
-                    SEND_SIGNAL_PATH, pid_body(pid, signal="SIGNAL_SIGKILL"), timeout=5.0
-                )
+                for delay in (0.0, 0.25, 0.5, 1.0) if pid is None else (0.0,):
+                    await asyncio.sleep(delay)
+                    status, _ = await self._unary(SEND_SIGNAL_PATH, body, timeout=5.0)
+                    if status != 404:
+                        return
         except (TimeoutError, httpx.HTTPError, TransportError) as err:
-            log.debug("e2b %s: kill of pid %d failed: %r", self.sandbox_id, pid, err)
+            log.debug("e2b %s: kill of %s failed: %r", self.sandbox_id, pid or tag, err)
 
     # ---------------------------------------------------------------------- exec
 
@@ -313,8 +326,13 @@ class E2BTransport(Transport):
             raise UsageError("max_output must be >= 0")
         if not argv:
             raise UsageError("exec needs a non-empty argv")
+        tag = f"wsync-{secrets.token_hex(8)}"
         body = start_request(
-            [*EXEC_WRAPPER, *argv], stdin=stdin is not None, cwd=self.workdir, envs=self.env
+            [*EXEC_WRAPPER, *argv],
+            stdin=stdin is not None,
+            cwd=self.workdir,
+            envs=self.env,
+            tag=tag,
         )
         headers = {
             "Content-Type": CONNECT_JSON,
@@ -326,7 +344,7 @@ class E2BTransport(Transport):
         sender: asyncio.Task[None] | None = None
         stdin_error: list[str] = []
         deadline = asyncio.get_running_loop().time() + timeout
-        ended_well = False
+        ended_well = refused = False
         try:
             async with asyncio.timeout_at(deadline):
                 async with self._http().stream(
@@ -337,6 +355,7 @@ class E2BTransport(Transport):
                     timeout=self._timeout(timeout),
                 ) as response:
                     if response.status_code != 200:
+                        refused = True  # no process was started
                         raise self._refused(response.status_code, await _head(response), "exec")
                     ctype = response.headers.get("content-type", "")
                     if not ctype.startswith(CONNECT_JSON):
@@ -372,8 +391,8 @@ class E2BTransport(Transport):
                 sender.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await sender
-            if collector.pid is not None and (not ended_well or collector.end is None):
-                self._spawn(self._kill(collector.pid))
+            if not refused and (not ended_well or collector.end is None):
+                self._spawn(self._kill(collector.pid, tag))
         self._ok_once = True
         return self._finish(collector, timeout, deadline, stdin_error)
 
@@ -429,7 +448,7 @@ class E2BTransport(Transport):
             errors.append(f"HTTP {status}: {_error_text(body)}")
         except httpx.HTTPError as err:
             errors.append(f"{type(err).__name__}: {err}")
-        await self._kill(pid)
+        await self._kill(pid, "")
 
     # ----------------------------------------------------------------- read_file
 

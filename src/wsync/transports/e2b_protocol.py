@@ -281,9 +281,12 @@ def start_request(
     stdin: bool,
     cwd: str | None = None,
     envs: Mapping[str, str] | None = None,
+    tag: str | None = None,
 ) -> bytes:
     """The enveloped ``StartRequest``.  ``stdin`` is always explicit: an absent field
-    makes envd keep a stdin pipe open (a ``cat`` would hang until its deadline)."""
+    makes envd keep a stdin pipe open (a ``cat`` would hang until its deadline).  A
+    ``tag`` names the process before its ``start`` event (and so its pid) has arrived:
+    a caller that gives up earlier can still signal it by tag."""
     if not argv:
         raise ValueError("exec needs a non-empty argv")
     process: dict[str, Any] = {"cmd": argv[0], "args": list(argv[1:])}
@@ -291,7 +294,10 @@ def start_request(
         process["envs"] = dict(envs)
     if cwd:
         process["cwd"] = cwd
-    return encode_envelope(_json({"process": process, "stdin": stdin}))
+    request: dict[str, Any] = {"process": process, "stdin": stdin}
+    if tag is not None:
+        request["tag"] = tag
+    return encode_envelope(_json(request))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -302,6 +308,7 @@ class StartRequest:
     cwd: str | None
     #: None: the field was absent (envd then opens a stdin pipe)
     stdin: bool | None
+    tag: str | None = None
 
 
 def parse_start_request(message: bytes) -> StartRequest:
@@ -320,12 +327,14 @@ def parse_start_request(message: bytes) -> StartRequest:
     stdin = obj.get("stdin")
     if stdin is not None and not isinstance(stdin, bool):
         raise ProtocolError("bad stdin")
+    tag = obj.get("tag")
     return StartRequest(
         cmd=cmd,
         args=tuple(args),
         envs=tuple(sorted(envs.items())),
         cwd=None if cwd is None else _str(cwd, "cwd"),
         stdin=stdin,
+        tag=None if tag is None else _str(tag, "tag"),
     )
 
 
@@ -337,12 +346,19 @@ def pid_body(pid: int, **extra: str) -> bytes:
     return _json({"process": {"pid": pid}, **extra})
 
 
-def parse_unary(message: bytes) -> tuple[int, dict[str, Any]]:
-    """A unary request body → (pid, the whole object)."""
+def tag_body(tag: str, **extra: str) -> bytes:
+    """A unary body whose ``ProcessSelector`` names the process by its start tag."""
+    return _json({"process": {"tag": tag}, **extra})
+
+
+def parse_unary(message: bytes) -> tuple[int | str, dict[str, Any]]:
+    """A unary request body → (the selector: a pid or a tag, the whole object)."""
     obj = _json_object(message, "request")
     process = obj.get("process")
     if not isinstance(process, dict):
         raise ProtocolError("request without process")
+    if "tag" in process and "pid" not in process:
+        return _str(process.get("tag"), "tag"), obj
     return _int(process.get("pid"), "pid", 0, 2**32 - 1), obj
 
 
