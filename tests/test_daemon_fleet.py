@@ -50,12 +50,20 @@ def pg_dsn() -> Iterator[str]:
 
 
 def fleet_config(
-    tmp: Path, root: Path, dsn: str, sandboxes: str, *, lease: float = 3.0, **limits: int
+    tmp: Path,
+    root: Path,
+    dsn: str,
+    sandboxes: str,
+    *,
+    lease: float = 3.0,
+    roots: tuple[str, ...] = ("roots",),
+    **limits: int,
 ) -> str:
     lim = "\n".join(f"{k} = {v}" for k, v in limits.items())
+    dest_roots = ", ".join(f'"{tmp}/{r}"' for r in roots)
     return f"""
 state_dir = "{root}/state"
-dest_roots = ["{tmp}/roots"]
+dest_roots = [{dest_roots}]
 engine_dir = "{tmp}/engine"
 store = "{dsn}"
 lease_seconds = {lease}
@@ -78,13 +86,18 @@ class Fleet:
     def __init__(self, tmp: Path, dsn: str, sandboxes: str, **kw: Any) -> None:
         self.tmp, self.dsn, self.sandboxes, self.kw = tmp, dsn, sandboxes, kw
         self.daemons: list[DaemonProcess] = []
-        (tmp / "roots").mkdir(exist_ok=True)
+        for name in kw.get("roots", ("roots",)):
+            (tmp / name).mkdir(exist_ok=True)
 
-    def add(self, start: bool = True) -> DaemonProcess:
+    def add(self, start: bool = True, **kw: Any) -> DaemonProcess:
+        """One more daemon; ``kw`` overrides the fleet's config options (``roots``, limits)."""
         root = self.tmp / f"d{len(self.daemons)}"
         root.mkdir()
+        options = {**self.kw, **kw}
+        for name in options.get("roots", ()):
+            (self.tmp / name).mkdir(exist_ok=True)
         daemon = DaemonProcess(
-            root, fleet_config(self.tmp, root, self.dsn, self.sandboxes, **self.kw)
+            root, fleet_config(self.tmp, root, self.dsn, self.sandboxes, **options)
         )
         self.daemons.append(daemon)
         return daemon.start() if start else daemon
@@ -117,13 +130,23 @@ class Fleet:
 
     def attempts(self, job_id: str | None = None) -> list[dict[str, Any]]:
         rows = self.sql(
-            "SELECT job_id, fence, owner, sandbox, takeover, "
+            "SELECT job_id, fence, owner, sandbox, dest, takeover, "
             "extract(epoch FROM started_at)::float8, extract(epoch FROM ended_at)::float8, outcome "
             "FROM wsync_attempts WHERE %s::text IS NULL OR job_id = %s ORDER BY started_at",
             job_id,
             job_id,
         )
-        keys = ("job_id", "fence", "owner", "sandbox", "takeover", "start", "end", "outcome")
+        keys = (
+            "job_id",
+            "fence",
+            "owner",
+            "sandbox",
+            "dest",
+            "takeover",
+            "start",
+            "end",
+            "outcome",
+        )
         return [dict(zip(keys, row, strict=True)) for row in rows]
 
 
@@ -136,12 +159,14 @@ def fleet(tmp: Path, dsn: str, sandboxes: str, **kw: Any) -> Iterator[Fleet]:
         group.close()
 
 
-def metric(daemon: DaemonProcess, name: str) -> float:
+def metric(daemon: DaemonProcess, name: str, labels: str = "") -> float:
+    """Sum of ``name`` over its label sets (only those containing ``labels``, if given)."""
     status, text = daemon.request("GET", "/metrics", token=None)
     assert status == 200
     total = 0.0
     for line in str(text).splitlines():
-        if re.match(rf"{name}(\{{.*\}})? ", line):
+        found = re.match(rf"{name}(\{{.*\}})? ", line)
+        if found and labels in (found.group(1) or ""):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -330,6 +355,89 @@ def test_frozen_owner_is_fenced_and_the_new_owner_lands_dest(tmp_path: Path, pg_
     assert done["state"] == "succeeded" and done["result"]["ok"]
 
 
+def test_placement_runs_each_job_only_on_a_daemon_whose_root_holds_its_dest(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """d0 serves only ``ra/``, d1 only ``rb/`` (per-host disks).  ``dest_roots`` both confines
+    requests and places jobs, so each daemon accepts only its own roots' DESTs; the test
+    makes the wrong daemon idle while the right one cannot claim (it is full: one slot and
+    a slow ``hold`` pull), which is when a placement bug would show: the idle daemon
+    claims.  Then d0 stops, and its root's jobs wait for it rather than run elsewhere."""
+    # every exec of ``hold`` answers 2 s late: a pull that keeps its daemon busy for a while
+    boxes = (
+        f'[sandboxes.hold]\nuri = "local:{tmp_path}/hold"\nchaos = "slow=2"\nmax_concurrent = 2\n'
+    )
+    boxes += "".join(f'[sandboxes.s{i}]\nuri = "local:{tmp_path}/ws{i}"\n' for i in range(3))
+    make_tree(tmp_path / "hold", seed=40, big=2 * 1024 * 1024)
+    for i in range(3):
+        make_tree(tmp_path / f"ws{i}", seed=41 + i)
+    renewals = "wsync_fleet_lease_renewals_total"
+    with fleet(tmp_path, pg_dsn, boxes, lease=3.0, max_concurrent=1) as group:
+        d0, d1 = group.add(roots=("ra",)), group.add(roots=("rb",))
+        pid0 = d0.proc.pid if d0.proc else 0
+
+        def dests(root: str) -> list[str]:
+            return [f"{tmp_path}/{root}/s{i}" for i in range(3)]
+
+        # d1 busy, rb jobs queued, d0 idle: d0 must leave them
+        hold_b = d1.pull("hold", f"{tmp_path}/rb/hold")["id"]
+        d1.wait_until(lambda: d1.job(hold_b)["state"] == "running", what="hold-b running")
+        b_ids = [d1.pull(f"s{i}", dest)["id"] for i, dest in enumerate(dests("rb"))]
+        stays_queued(group, b_ids, seconds=3.0)
+        # d0 busy, ra jobs queued; d1 freed (hold-b cancelled) runs rb's and then idles
+        hold_a = d0.pull("hold", f"{tmp_path}/ra/hold")["id"]
+        d0.wait_until(lambda: d0.job(hold_a)["state"] == "running", what="hold-a running")
+        a_ids = [d0.pull(f"s{i}", dest)["id"] for i, dest in enumerate(dests("ra"))]
+        assert d1.request("DELETE", f"/v1/pulls/{hold_b}")[0] == 202
+        wait_all(d1, b_ids, timeout=120)
+        stays_queued(group, a_ids, seconds=3.0)
+        # a pull that outlived several renewal intervals (lease 3 s: one each 0.75 s)
+        assert metric(d0, renewals, 'outcome="ok"') > 0
+        assert d0.job(hold_a)["state"] == "running", "hold-a ended too soon for this test"
+        # no live daemon serves ra: its jobs wait, d1 stays idle
+        d0.signal(signal.SIGTERM)
+        assert d0.wait_exit(timeout=40) == 0, d0.log()
+        stays_queued(group, [hold_a, *a_ids], seconds=3.0, claimed_before=frozenset([hold_a]))
+        # d0 is back (a new owner id): it runs ra's jobs (hold-a, slow, is dropped first)
+        assert d1.request("DELETE", f"/v1/pulls/{hold_a}")[0] == 202
+        d0.start()
+        pid0_again = d0.proc.pid if d0.proc else 0
+        jobs = wait_all(d0, a_ids, timeout=120)
+        attempts = group.attempts()
+        d1_claims = metric(d1, "wsync_fleet_claims_total")
+    assert [j["state"] for j in jobs] == ["succeeded"] * 3, jobs
+    for i in range(3):
+        assert_same_tree(tmp_path / f"ws{i}", tmp_path / "ra" / f"s{i}")
+        assert_same_tree(tmp_path / f"ws{i}", tmp_path / "rb" / f"s{i}")
+    assert not (tmp_path / "rb" / "hold").exists() and not (tmp_path / "ra" / "hold").exists()
+    pid1 = d1.proc.pid if d1.proc else 0
+    by_root = {"ra": {pid0, pid0_again}, "rb": {pid1}}
+    for a in attempts:
+        root = Path(a["dest"]).parent.name
+        assert int(a["owner"].split(":")[1]) in by_root[root], (a, by_root)
+    assert sorted(a["job_id"] for a in attempts if a["dest"].startswith(f"{tmp_path}/rb/")) == (
+        sorted([hold_b, *b_ids])
+    )
+    assert d1_claims == 4  # hold-b and the three rb jobs, nothing of ra's
+
+
+def stays_queued(
+    group: Fleet, ids: list[str], seconds: float, claimed_before: frozenset[str] = frozenset()
+) -> None:
+    """For ``seconds`` (several claim polls), every job in ``ids`` is queued and gains no
+    claim (jobs in ``claimed_before`` keep the claims they had)."""
+    before = {a["job_id"]: a for a in group.attempts() if a["job_id"] in claimed_before}
+    deadline = time.monotonic() + seconds
+    while True:
+        states = dict(group.sql("SELECT id, state FROM wsync_jobs WHERE id = ANY(%s)", ids))
+        assert states == dict.fromkeys(ids, "queued"), states
+        claims = [a for a in group.attempts() if a["job_id"] in ids]
+        assert len(claims) == len(before), claims
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.3)
+
+
 def test_store_outage_mid_run_every_job_ends_exactly_once(tmp_path: Path, pg_dsn: str) -> None:
     boxes = []
     for i in range(4):
@@ -381,27 +489,42 @@ def test_store_outage_mid_run_every_job_ends_exactly_once(tmp_path: Path, pg_dsn
 def test_periodic_sandbox_fires_once_per_interval_across_three_daemons(
     tmp_path: Path, pg_dsn: str
 ) -> None:
+    """Fires are counted where they happen (each daemon's ``schedule_fires`` metric counts
+    the runs it won, reconciled ones too), not by the job rows they leave: a fire while the
+    previous pull still runs reconciles into it and adds no row, so rows alone would not
+    show three daemons that each fired on their own."""
     make_tree(tmp_path / "ws", seed=3)
+    interval = 2.0
     box = f"""
 [sandboxes.tick]
 uri = "local:{tmp_path}/ws"
 dest = "{tmp_path}/roots/tick"
-interval = 2
+interval = {interval}
 jitter = 0
 """
     query = "SELECT created_at FROM wsync_jobs WHERE trigger = 'schedule' ORDER BY created_at"
+    fires = "wsync_fleet_schedule_fires_total"
     with fleet(tmp_path, pg_dsn, box) as group:
-        group.add_many(3)
+        daemons = group.add_many(3)
         all_up = time.time()
-        # fires are reconciled while a pull still runs, so count fires, not seconds
         group.daemons[0].wait_until(
             lambda: len([r for r in group.sql(query) if float(r[0]) >= all_up]) >= 3,
             timeout=90,
             what="three scheduled pulls with three daemons up",
         )
+        time.sleep(2 * interval)  # a few more intervals with everyone firing, if they would
+        fired = [metric(d, fires) for d in daemons]
+        until = time.time()
         times = [float(r[0]) for r in group.sql(query)]
+        (schedules,) = group.sql("SELECT count(*) FROM wsync_schedule")[0]
     gaps = [b - a for a, b in itertools.pairwise(times)]
-    # three daemons that each fired would make three jobs per interval, gaps near 0;
+    # the first fire made the first row; each later one needs next_at, which the winner set
+    # a full interval ahead, to come round again, so this bound holds however slow the
+    # machine is (a slow machine only fires less); three daemons firing alone make ~3x
+    most = int((until - times[0]) / interval) + 1
+    print(f"schedule fires per daemon {fired}, at most {most} allowed, job gaps {gaps}")
+    assert 3 <= sum(fired) <= most, (fired, most)
+    assert schedules == 1
     # half an interval leaves room for a loaded machine's scheduling delays
     assert all(gap >= 1.0 for gap in gaps), gaps
 

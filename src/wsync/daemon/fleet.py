@@ -386,6 +386,10 @@ class FleetManager:
         first = random.uniform(0, box.interval * box.jitter)  # noqa: S311 - spreading load
         nxt = box.interval * (1 + random.uniform(-box.jitter, box.jitter))  # noqa: S311
         fired = await self._store(self.store.schedule_due(name, first, nxt, job))
+        if fired is not None:
+            # counted even when reconciled: a fire that left no new job is still a fire,
+            # and the sum over the fleet is how "once per interval" is checked
+            self.metrics.schedule_fires.labels("reconciled" if fired[1] else "queued").inc()
         if fired is not None and not fired[1]:
             log.info("schedule.fired", sandbox=name, job_id=job.id)
             self._notify("job", job.id)

@@ -144,6 +144,13 @@ class Metrics:
             "Writes of a job refused because another daemon holds a newer fencing token",
             registry=r,
         )
+        self.schedule_fires = Counter(
+            "wsync_fleet_schedule_fires",
+            "Periodic runs this daemon won from the shared schedule, by outcome: queued, or "
+            "reconciled (the sandbox's previous pull was still active)",
+            ["outcome"],
+            registry=r,
+        )
         self.store_errors = Counter(
             "wsync_fleet_store_errors",
             "Statements the shared store failed (unreachable, restarted); retried with backoff",
