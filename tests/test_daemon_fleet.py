@@ -31,7 +31,7 @@ import psycopg
 import pytest
 
 from test_daemon_harness import TOKEN, DaemonProcess, assert_same_tree, make_tree
-from wsync.testing.pg import PgUnavailable, scratch_database, with_address
+from wsync.testing.pg import PgUnavailable, scratch_database, throwaway_cluster, with_address
 from wsync.testing.sshd import SshdServer
 from wsync.testing.tcpproxy import TcpProxy
 
@@ -438,7 +438,15 @@ def stays_queued(
         time.sleep(0.3)
 
 
-def test_store_outage_mid_run_every_job_ends_exactly_once(tmp_path: Path, pg_dsn: str) -> None:
+@pytest.mark.parametrize("outage", ["proxy-cut", "server-restart"])
+def test_store_outage_mid_run_every_job_ends_exactly_once(
+    tmp_path: Path, outage: str, request: pytest.FixtureRequest
+) -> None:
+    """PostgreSQL goes away mid-run and comes back.  ``proxy-cut``: every connection through
+    a TCP proxy in front of the shared server is cut and refused for a while (the server
+    itself, shared by other tests, keeps running).  ``server-restart``: a cluster this test
+    initdb'd and owns is really stopped (fast shutdown: every session terminated, the
+    LISTEN too) and started again; skipped where no PostgreSQL server binaries are."""
     boxes = []
     for i in range(4):
         make_tree(tmp_path / f"ws{i}", seed=200 + i, big=2 * 1024 * 1024)
@@ -446,16 +454,29 @@ def test_store_outage_mid_run_every_job_ends_exactly_once(tmp_path: Path, pg_dsn
             f'[sandboxes.o{i}]\nuri = "local:{tmp_path}/ws{i}"\ndest = "{tmp_path}/roots/o{i}"\n'
             "parallel = 1\n"
         )
-    server = urllib.parse.urlsplit(pg_dsn)
-    with TcpProxy(server.hostname or "127.0.0.1", server.port or 5432) as proxy:
-        through = with_address(pg_dsn, "127.0.0.1", proxy.port)
+    with contextlib.ExitStack() as stack:
+        if outage == "proxy-cut":
+            dsn = request.getfixturevalue("pg_dsn")
+            server = urllib.parse.urlsplit(dsn)
+            proxy = stack.enter_context(
+                TcpProxy(server.hostname or "127.0.0.1", server.port or 5432)
+            )
+            through = with_address(dsn, "127.0.0.1", proxy.port)
+            cut, restore = proxy.cut, proxy.restore
+        else:
+            try:
+                cluster = stack.enter_context(throwaway_cluster())
+            except PgUnavailable as err:
+                pytest.skip(f"no PostgreSQL cluster of our own to restart: {err}")
+            dsn = through = stack.enter_context(scratch_database(cluster.dsn))
+            cut, restore = cluster.stop, cluster.start
         with fleet(tmp_path, through, "\n".join(boxes), lease=10.0, max_concurrent=2) as group:
             daemons = group.add_many(2)
             ids = [daemons[i % 2].pull(f"o{i}")["id"] for i in range(4)]
             daemons[0].wait_until(
                 lambda: daemons[0].job(ids[0])["state"] == "running", what="a running pull"
             )
-            proxy.cut()
+            cut()
             for daemon in daemons:
                 daemon.wait_until(
                     lambda d=daemon: d.request("GET", "/readyz", token=None)[0] == 503,
@@ -463,7 +484,7 @@ def test_store_outage_mid_run_every_job_ends_exactly_once(tmp_path: Path, pg_dsn
                     what="/readyz 503 during the outage",
                 )
             time.sleep(1)
-            proxy.restore()
+            restore()
             jobs = wait_all(daemons[1], ids, timeout=120)
             for daemon in daemons:
                 daemon.wait_until(
@@ -472,7 +493,7 @@ def test_store_outage_mid_run_every_job_ends_exactly_once(tmp_path: Path, pg_dsn
                     what="/readyz 200 after the outage",
                 )
             errors = sum(metric(d, "wsync_fleet_store_errors_total") for d in daemons)
-        attempts = Fleet(tmp_path, pg_dsn, "").attempts()
+        attempts = Fleet(tmp_path, dsn, "").attempts()
     assert [j["state"] for j in jobs] == ["succeeded"] * 4, jobs
     for i in range(4):
         assert_same_tree(tmp_path / f"ws{i}", tmp_path / "roots" / f"o{i}")

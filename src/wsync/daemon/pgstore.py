@@ -5,7 +5,11 @@ are wsync's own (one active job per sandbox and DEST, per-sandbox and fleet
 limits, placement by ``dest_roots``, a fencing token checked on every write of
 a running job), and each of them is one ``WHERE`` clause in a claim or an
 update.  A queue library would own the job table and its states, and these
-rules would have to be rebuilt around it.
+rules would have to be rebuilt around it.  procrastinate, the PostgreSQL task
+queue for Python we weighed, has locks and queueing locks (one running / one
+waiting job per key) that match the dedupe rule, but no per-sandbox or fleet-wide
+concurrency counts, placement by path prefix or a fencing token checked on a
+running job's writes: those would be SQL of our own beside its tables anyway.
 
 How the rules hold with several daemons writing at once:
 

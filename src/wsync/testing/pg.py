@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
 import urllib.parse
 from collections.abc import Iterator
+from pathlib import Path
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -66,3 +72,101 @@ def _shown(dsn: str) -> str:
     parts = urllib.parse.urlsplit(dsn)
     host = parts.netloc.rpartition("@")[2]
     return urllib.parse.urlunsplit(parts._replace(netloc=host))
+
+
+class Cluster:
+    """A PostgreSQL server this process started (``initdb`` into a temporary directory), so a
+    test may stop and start it: a real server restart, which a shared server never allows."""
+
+    def __init__(self, datadir: Path, port: int, as_postgres: list[str]) -> None:
+        self.datadir, self.port, self._as = datadir, port, as_postgres
+        self.dsn = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+
+    def _ctl(self, *args: str) -> None:
+        options = f"-p {self.port} -k {self.datadir} -c listen_addresses=127.0.0.1"
+        subprocess.run(
+            [*self._as, _tool("pg_ctl"), "-D", str(self.datadir), "-o", options, "-w", *args],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=60,
+        )
+
+    def start(self) -> None:
+        self._ctl("-l", str(self.datadir / "server.log"), "start")
+
+    def stop(self) -> None:
+        """A fast shutdown: every client connection is terminated, as in a real restart."""
+        self._ctl("-m", "fast", "stop")
+
+
+@contextlib.contextmanager
+def throwaway_cluster() -> Iterator[Cluster]:
+    """``initdb`` and start a cluster on a free loopback port (trust auth); remove it after.
+
+    As root the server runs as the ``postgres`` user (PostgreSQL refuses root).  Raises
+    :class:`PgUnavailable` where the server binaries or that user are missing.
+    """
+    try:
+        initdb = _tool("initdb")
+    except FileNotFoundError as err:
+        raise PgUnavailable(str(err)) from None
+    as_postgres: list[str] = []
+    owner: tuple[int, int] | None = None
+    if os.geteuid() == 0:
+        try:
+            pw = pwd.getpwnam("postgres")
+        except KeyError:
+            raise PgUnavailable("running as root and no postgres user to run a server") from None
+        as_postgres, owner = ["runuser", "-u", "postgres", "--"], (pw.pw_uid, pw.pw_gid)
+    # not under pytest's tmp_path: its parents are private to root
+    top = Path(tempfile.mkdtemp(prefix="wsync-pg-"))
+    datadir = top / "data"
+    try:
+        datadir.mkdir(mode=0o700)
+        if owner is not None:
+            os.chown(top, *owner)
+            os.chown(datadir, *owner)
+        subprocess.run(
+            [
+                *as_postgres,
+                initdb,
+                "-D",
+                str(datadir),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "-E",
+                "UTF8",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        cluster = Cluster(datadir, port, as_postgres)
+        cluster.start()
+    except (OSError, subprocess.SubprocessError) as err:
+        shutil.rmtree(top, ignore_errors=True)
+        raise PgUnavailable(f"cannot start a throwaway cluster: {err}") from None
+    try:
+        yield cluster
+    finally:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            cluster._ctl("-m", "immediate", "stop")
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _tool(name: str) -> str:
+    """A PostgreSQL server tool: on PATH, or in Debian's versioned directory."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for bindir in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
+        if (bindir / name).exists():
+            return str(bindir / name)
+    raise FileNotFoundError(f"no {name} (install the postgresql server package)")
