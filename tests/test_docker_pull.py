@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 from helpers import assert_exact, make_tree, options
 from test_daemon_harness import TOKEN, base_config, running
 from wsync.emulators.docker import DockerFaults, EmulatorThread
-from wsync.engine.api import PullOptions, PullResult
+from wsync.engine.api import Progress, ProgressCallback, PullOptions, PullResult
 from wsync.engine.pull import pull_uri
-from wsync.errors import WsyncError
+from wsync.errors import IntegrityFailed, WsyncError
 from wsync.transports import docker_http
 from wsync.transports.docker_protocol import (
     START_BODY,
@@ -57,9 +57,15 @@ def workspace(emu: EmulatorThread, container: str) -> Path:
 
 
 def pull_docker(
-    emu: EmulatorThread, container: str, ws: Path, dest: Path, opts: PullOptions
+    emu: EmulatorThread,
+    container: str,
+    ws: Path,
+    dest: Path,
+    opts: PullOptions,
+    on_progress: ProgressCallback | None = None,
 ) -> PullResult:
-    return asyncio.run(pull_uri(f"docker://{container}{ws}", dest, opts, emu.transport_options()))
+    uri = f"docker://{container}{ws}"
+    return asyncio.run(pull_uri(uri, dest, opts, emu.transport_options(), on_progress=on_progress))
 
 
 def fired(emu: EmulatorThread) -> int:
@@ -168,6 +174,79 @@ def test_naive_client_takes_a_lost_final_frame_for_success_but_wsync_pull_is_exa
     dest = tmp_path / "out"
     pull_docker(dockerd, "report", ws, dest, options(tmp_path, chunk_size=256 * KiB))
     assert (dest / "f1024").read_bytes() == data
+
+
+# ------------------------------------------------------- failure leaves DEST alone
+
+
+def dest_state(dest: Path) -> tuple[dict[str, tuple[object, ...]], dict[str, tuple[int, ...]]]:
+    """Content and metadata of DEST and all beneath it: the tree snapshot (kind, mode,
+    size, digest, mtime) plus each entry's raw ``lstat`` (inode, mode, size, links,
+    mtime_ns), DEST's own included, so a swap, a rewrite in place or a touch all show."""
+    raw: dict[str, tuple[int, ...]] = {}
+    for entry in [dest, *sorted(dest.rglob("*"))]:
+        st = entry.lstat()
+        rel = str(entry.relative_to(dest))
+        raw[rel] = (st.st_ino, st.st_mode, st.st_size, st.st_nlink, st.st_mtime_ns)
+    return snapshot(dest), raw
+
+
+def old_dest(tmp_path: Path) -> Path:
+    """A DEST holding a tree wsync did not write (hence ``force=True`` below)."""
+    dest = tmp_path / "out"
+    (dest / "sub").mkdir(parents=True)
+    (dest / "previous").write_text("the old tree\n")
+    (dest / "sub" / "keep.bin").write_bytes(os.urandom(4 * KiB))
+    os.utime(dest / "previous", ns=(1_000_000_123, 1_000_000_123))
+    return dest
+
+
+def test_a_daemon_that_always_drops_the_final_frame_fails_clearly_and_leaves_dest(
+    dockerd: EmulatorThread, tmp_path: Path
+) -> None:
+    """Every stream loses its last frame, so no call ever verifies: integrity failure
+    (exit 6) after the attempt budget, and DEST exactly as it was."""
+    ws = make_tree(workspace(dockerd, "lossy") / "t", big=10 * KiB, small=2)
+    dockerd.set_faults(DockerFaults(seed=3, drop_final=1.0))
+    before_drops = dockerd.stats["dropped_final"]
+    dest = old_dest(tmp_path)
+    before = dest_state(dest)
+    opts = options(tmp_path, max_attempts=3, force=True, call_timeout=10)
+    with pytest.raises(IntegrityFailed) as failed:
+        pull_docker(dockerd, "lossy", ws, dest, opts)
+    assert failed.value.exit_code == 6
+    assert dockerd.stats["dropped_final"] >= before_drops + 3  # every attempt hit the fault
+    assert dest_state(dest) == before
+
+
+def test_a_daemon_that_turns_lossy_mid_pull_fails_clearly_and_leaves_dest(
+    dockerd: EmulatorThread, tmp_path: Path
+) -> None:
+    """The fault switched on once chunks have landed in host staging: the failure comes
+    with a half-extracted tree on the host, and DEST is still untouched."""
+    ws = workspace(dockerd, "turns")
+    (ws / "a.bin").write_bytes(os.urandom(1 * MiB))
+    make_tree(ws / "t", big=64 * KiB, small=4)
+    dockerd.set_faults(DockerFaults.off())
+    dest = old_dest(tmp_path)
+    before = dest_state(dest)
+    switched_at: list[int] = []
+    staged: list[Path] = []
+
+    def on_progress(p: Progress) -> None:
+        if p.chunks_done >= 1 and not switched_at:
+            switched_at.append(p.chunks_done)
+            staged.extend(tmp_path.glob(".out.wsync-tmp-*"))  # the tree that would be DEST
+            dockerd.set_faults(DockerFaults(seed=4, drop_final=1.0))
+
+    opts = options(tmp_path, chunk_size=64 * KiB, max_attempts=3, force=True, call_timeout=10)
+    with pytest.raises(IntegrityFailed) as failed:
+        pull_docker(dockerd, "turns", ws, dest, opts, on_progress)
+    assert failed.value.exit_code == 6
+    assert switched_at, "the pull never got a chunk through before the fault"
+    assert staged, "no tree was being extracted beside DEST when the fault came"
+    assert dest_state(dest) == before
+    assert not any(p.exists() for p in staged)  # and the half tree is gone
 
 
 # ------------------------------------------------------------------------ property
