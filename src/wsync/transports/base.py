@@ -35,6 +35,27 @@ from typing import Any, ClassVar
 from wsync.errors import UsageError
 
 DEFAULT_MAX_OUTPUT = 64 * 1024 * 1024
+#: a per-exec kill marker in the guest is ``KILL_MARK + token``.  Where a kill can land
+#: before the command it is for has started (the backend took the request, the process
+#: comes later), the killer creates this directory before it looks for the command, and
+#: the command's wrapper checks for it before it runs anything: whichever comes second
+#: sees the other.  An empty directory, removed by whoever knows it is no longer needed
+KILL_MARK = "/tmp/wsync-kill-"
+
+
+def refuse_if_killed(marker: str) -> str:
+    """A guest shell statement for a command's wrapper: when the kill marker ``marker``
+    (a shell word naming ``KILL_MARK + token``) is there, remove it and exit 137 without
+    running anything.
+
+    /tmp is shared and other guest users are hostile: only a real directory (not a
+    symlink) owned by this user counts, so no one else can stop a command this way.  The
+    token is secret until the command runs, so no one else can make the marker early.
+    """
+    return (
+        f"if [ -d {marker} ] && [ ! -h {marker} ] && [ -O {marker} ]; then "
+        f"rmdir {marker} 2>/dev/null; exit 137; fi; "
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
