@@ -29,7 +29,7 @@ from helpers import busybox_bin
 from wsync.emulators.docker import DockerFaults, EmulatorThread
 from wsync.errors import AuthFailed, SandboxUnreachable, TransportTimeout, UsageError
 from wsync.transports import docker_http
-from wsync.transports.base import KILL_MARK, ExecResult
+from wsync.transports.base import KILL_MARK, KILL_MARK_TTL, ExecResult
 from wsync.transports.docker import (
     EXEC_WRAPPER,
     KILL_SCRIPT,
@@ -337,6 +337,35 @@ def test_a_kill_marker_stops_a_command_that_starts_after_the_kill(
     finally:
         with contextlib.suppress(OSError):
             marker.rmdir()
+
+
+@pytest.mark.parametrize("shell", ["dash", "busybox"])
+def test_a_killer_sweeps_this_users_stale_kill_markers(shell: str, tmp_path: Path) -> None:
+    """A kill whose command had already ended leaves its marker; a later kill removes the
+    markers older than the TTL, and only real directories of this user."""
+    env = dict(os.environ)
+    if shell == "busybox":
+        env["PATH"] = str(busybox_bin(tmp_path / "bin"))
+    sh = [shutil.which("busybox") or "busybox", "sh"] if shell == "busybox" else ["dash"]
+    stale, fresh, linked = (Path(KILL_MARK + secrets.token_hex(16)) for _ in range(3))
+    old = time.time() - (KILL_MARK_TTL + 5) * 60
+    stale.mkdir()
+    fresh.mkdir()
+    (tmp_path / "target").mkdir()
+    linked.symlink_to(tmp_path / "target")
+    os.utime(stale, (old, old))
+    os.utime(linked, (old, old), follow_symlinks=False)
+    try:
+        kill = [*sh, "-c", KILL_SCRIPT, "sh", secrets.token_hex(16)]
+        assert subprocess.run(kill, env=env, timeout=60).returncode == 0
+        assert not stale.exists()
+        assert fresh.is_dir()
+        assert linked.is_symlink()
+    finally:
+        for path in (stale, fresh):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        linked.unlink(missing_ok=True)
 
 
 def test_emulator_start_failure_in_the_stream_and_a_second_start(daemon: EmulatorThread) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
+import shlex
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -55,6 +56,27 @@ def refuse_if_killed(marker: str) -> str:
     return (
         f"if [ -d {marker} ] && [ ! -h {marker} ] && [ -O {marker} ]; then "
         f"rmdir {marker} 2>/dev/null; exit 137; fi; "
+    )
+
+
+#: minutes after which a kill marker is stale: no backend starts a command that late
+KILL_MARK_TTL = 60
+
+
+def sweep_stale_kill_marks() -> str:
+    """A guest shell snippet for a killer: remove this user's kill markers older than
+    :data:`KILL_MARK_TTL` minutes.
+
+    A kill whose command had already ended, or never reached the guest, cannot tell
+    that it needs no marker, and leaves one; the next kill (they are rare) takes it
+    away.  Only a real directory owned by this user is touched, and ``rmdir`` removes
+    nothing that is not empty.  Needs globbing on (``set +f``)."""
+    return (
+        f"for x in {shlex.quote(KILL_MARK)}*; do\n"
+        '  [ -d "$x" ] && [ ! -h "$x" ] && [ -O "$x" ] || continue\n'
+        f'  [ -n "$(find "$x" -maxdepth 0 -mmin +{KILL_MARK_TTL} 2>/dev/null)" ] || continue\n'
+        '  rmdir "$x" 2>/dev/null\n'
+        "done\n"
     )
 
 

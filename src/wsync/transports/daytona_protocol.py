@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from wsync.errors import ProtocolError
-from wsync.transports.base import KILL_MARK, refuse_if_killed
+from wsync.transports.base import KILL_MARK, refuse_if_killed, sweep_stale_kill_marks
 
 #: the argv word that marks one exec's process (``wsync-exec-<hex>``)
 MARKER_PREFIX = "wsync-exec-"
@@ -88,8 +88,10 @@ for f in "$@"; do
 done
 # a marked process existed and is killed: its wrapper is past the marker check
 if [ -n "$hit" ]; then rmdir "$k" 2>/dev/null; fi
-exit 0
+set +f
 """
+    + sweep_stale_kill_marks()
+    + "exit 0\n"
 )
 
 

@@ -68,6 +68,7 @@ from wsync.transports.base import (
     Transport,
     float_options,
     refuse_if_killed,
+    sweep_stale_kill_marks,
 )
 from wsync.transports.docker_protocol import (
     START_BODY,
@@ -137,7 +138,7 @@ for pass in 1 2; do
   done
 done
 if [ -n "$hit" ]; then rmdir "$m" 2>/dev/null; fi
-exit 0
+{sweep_stale_kill_marks()}exit 0
 """
 #: bytes per write of stdin into the hijacked connection
 STDIN_CHUNK = 256 * 1024
