@@ -40,7 +40,8 @@ DEFAULT_MAX_OUTPUT = 64 * 1024 * 1024
 #: before the command it is for has started (the backend took the request, the process
 #: comes later), the killer creates this directory before it looks for the command, and
 #: the command's wrapper checks for it before it runs anything: whichever comes second
-#: sees the other.  An empty directory, removed by whoever knows it is no longer needed
+#: sees the other.  An empty directory, removed by whoever knows it is no longer needed,
+#: else by a later kill once it is :data:`KILL_MARK_TTL` minutes old
 KILL_MARK = "/tmp/wsync-kill-"
 
 
