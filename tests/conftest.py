@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
 import random
 import signal
@@ -30,7 +31,7 @@ from wsync.emulators.docker import EmulatorThread as DockerEmulatorThread
 from wsync.emulators.k8s import K8sEmulatorThread
 from wsync.emulators.sprites import EmulatorThread
 from wsync.testing.sshd import SshdServer, SshdUnavailable
-from wsync.transports.base import Transport
+from wsync.transports.base import KILL_MARK, Transport
 from wsync.transports.cloudflare import CloudflareTransport
 from wsync.transports.daytona import DaytonaTransport
 from wsync.transports.docker import DockerTransport
@@ -286,3 +287,18 @@ def procs() -> Iterator[ProcessWatch]:
         yield watch
     finally:
         watch.kill_all()
+
+
+# -- guest kill markers ------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kill_markers_swept() -> Iterator[None]:
+    """The emulators' guests are this machine, so the kill markers that docker and
+    daytona kills must sometimes leave (``KILL_MARK``) land in its /tmp: the ones this
+    session made are removed at its end (a guest's own sweep waits an hour)."""
+    before = set(glob.glob(KILL_MARK + "*"))
+    yield
+    for path in set(glob.glob(KILL_MARK + "*")) - before:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)

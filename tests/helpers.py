@@ -64,6 +64,7 @@ BUSYBOX_APPLETS = (
     "sh", "tar", "gzip", "sha256sum", "md5sum", "dd", "wc", "find", "mkdir", "rm", "mv",
     "cat", "printf", "sleep", "head", "tr", "sed", "cut", "kill", "touch", "id", "df",
     "awk", "setsid", "nohup", "base64", "echo", "test", "[", "ls", "chmod", "xargs", "du",
+    "rmdir",
 )  # fmt: skip
 
 

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
+import secrets
 import shlex
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import ProcessWatch
 from wsync.errors import ProtocolError
+from wsync.transports.base import KILL_MARK, KILL_MARK_TTL
 from wsync.transports.daytona_protocol import (
     MARKER_PREFIX,
     ExecBody,
@@ -80,6 +86,43 @@ def test_the_kill_script_never_names_the_whole_marker() -> None:
     assert argv[-1] == "0123abcd"
     with pytest.raises(ValueError):
         kill_argv(MARKER_PREFIX + "x; rm -rf /")
+
+
+@pytest.mark.parametrize("shell", ["sh", "bash", "busybox sh"])
+def test_a_kill_that_ran_first_stops_the_command_when_it_starts(
+    shell: str, procs: ProcessWatch
+) -> None:
+    """The kill came before the daemon's shell started the command: its marker makes the
+    command run nothing (exit 137) and goes; a kill of a running command removes it too,
+    and every kill sweeps markers older than the TTL."""
+    marker = MARKER_PREFIX + secrets.token_hex(12)
+    mark = Path(KILL_MARK + marker.removeprefix(MARKER_PREFIX))
+    stale = Path(KILL_MARK + secrets.token_hex(12))
+    stale.mkdir()
+    old = time.time() - (KILL_MARK_TTL + 5) * 60
+    os.utime(stale, (old, old))
+    arg = procs.sleep_arg()
+    kill = [*shlex.split(shell), *kill_argv(marker)[1:]]
+    text = command_text(["sleep", arg], marker).encode()
+    try:
+        assert subprocess.run(kill, timeout=60).returncode == 0
+        assert mark.is_dir()
+        assert not stale.exists()
+        late = subprocess.run(shlex.split(shell), input=text, timeout=60)
+        assert late.returncode == 137
+        assert not mark.exists()
+        victim = subprocess.Popen(shlex.split(shell), stdin=subprocess.PIPE, start_new_session=True)
+        assert victim.stdin is not None
+        victim.stdin.write(text)
+        victim.stdin.close()
+        assert procs.wait_present(arg)
+        assert subprocess.run(kill, timeout=60).returncode == 0
+        assert victim.wait(timeout=30) == -9
+        assert not mark.exists()
+    finally:
+        for path in (mark, stale):
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 def test_request_body_and_timeout_in_whole_seconds() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -296,6 +297,37 @@ def test_a_cancelled_exec_is_killed_but_a_detached_producer_survives(
     run(emu, body)  # aclose waits for the kill
     assert procs.wait_gone(attached) == []
     assert procs.pids(detached), "the detached process must survive"
+
+
+def test_a_command_cancelled_before_its_shell_started_never_runs(
+    tmp_path: Path, procs: ProcessWatch
+) -> None:
+    """The daemon holds the execute a few seconds before starting its shell; the cancel
+    lands in between, so the kill runs first and finds no marked process.  The command
+    must still not run: the daemon would keep it until its own timeout."""
+    arg = procs.sleep_arg(600)
+    with DaytonaEmulatorThread(tmp_path, faults=DaytonaFaults(start_delay=3.0)) as emu:
+        emu.create_sandbox("sb")
+
+        async def body(t: DaytonaTransport) -> None:
+            task = asyncio.create_task(t.exec(["sleep", arg], timeout=600))
+            for _ in range(1500):  # 30 s
+                if emu.stats["execs"]:
+                    break
+                await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        run(emu, body)  # aclose waits for the kill
+        # both executes answered (the kill, then the late command): the command is over
+        deadline = time.monotonic() + 20
+        while emu.stats["http_200"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert emu.stats["slow_starts"] == 1, "the delayed start never came"
+        left = procs.wait_gone(arg)
+        procs.kill_all()  # a failure must not leave the emulator a live process to stop
+    assert left == []
 
 
 def test_aclose_does_not_wait_long_for_a_kill_that_hangs(

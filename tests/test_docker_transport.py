@@ -11,7 +11,9 @@ abandons (and nothing detached), and map a missing container or daemon to exit 3
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -27,7 +29,7 @@ from helpers import busybox_bin
 from wsync.emulators.docker import DockerFaults, EmulatorThread
 from wsync.errors import AuthFailed, SandboxUnreachable, TransportTimeout, UsageError
 from wsync.transports import docker_http
-from wsync.transports.base import ExecResult
+from wsync.transports.base import KILL_MARK, KILL_MARK_TTL, ExecResult
 from wsync.transports.docker import (
     EXEC_WRAPPER,
     KILL_SCRIPT,
@@ -145,6 +147,39 @@ def test_deadline_kills_the_session_but_not_a_detached_child(
         run("docker://box/w", ["sh", "-c", script], daemon.transport_options(), timeout=2.0)
     assert procs.wait_gone(attached) == []
     assert procs.wait_present(detached)
+
+
+def test_a_command_cancelled_before_its_process_started_never_runs(
+    tmp_path: Path, procs: ProcessWatch
+) -> None:
+    """The daemon answered the start but spawns the process seconds later; the cancel
+    lands in between, so the kill exec runs first and finds nothing to signal.  The
+    command must still not run (it would hold the sandbox until someone kills it)."""
+    arg = procs.sleep_arg()
+    with EmulatorThread(tmp_path, faults=DockerFaults(start_delay=3.0)) as emu:
+        emu.create_container("box")
+        options = emu.transport_options()
+
+        async def main() -> None:
+            _, transport = open_transport("docker://box/w", options)
+            task = asyncio.create_task(transport.exec(["sleep", arg], timeout=60))
+            for _ in range(1500):  # 30 s
+                if any(entry.started for entry in emu.emulator.execs.values()):
+                    break
+                await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await transport.aclose()  # waits for the kill exec
+
+        asyncio.run(main())
+        deadline = time.monotonic() + 30
+        while emu.stats["slow_starts"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert emu.stats["slow_starts"] == 1, "the delayed start never came"
+        left = procs.wait_gone(arg)
+        procs.kill_all()  # a failure must not leave the emulator a live process to stop
+    assert left == []
 
 
 def test_missing_stopped_and_unreachable_are_exit_3(daemon: EmulatorThread, tmp_path: Path) -> None:
@@ -265,6 +300,72 @@ def test_the_kill_script_runs_under_dash_and_busybox(
         bystander.kill()
         victim.wait()
         bystander.wait()
+
+
+@pytest.mark.parametrize("shell", ["dash", "busybox"])
+def test_a_kill_marker_stops_a_command_that_starts_after_the_kill(
+    shell: str, tmp_path: Path, procs: ProcessWatch
+) -> None:
+    """The killer ran first (``mark``): the wrapper that starts afterwards runs nothing and
+    removes the marker; a killer that does kill something removes it too."""
+    env = dict(os.environ)
+    if shell == "busybox":
+        env["PATH"] = str(busybox_bin(tmp_path / "bin"))
+    sh = [shutil.which("busybox") or "busybox", "sh"] if shell == "busybox" else ["dash"]
+    token = secrets.token_hex(16)
+    marker = Path(KILL_MARK + token)
+    arg = procs.sleep_arg()
+    try:
+        kill = [*sh, "-c", KILL_SCRIPT, "sh", token, "mark"]
+        assert subprocess.run(kill, env=env, timeout=60).returncode == 0
+        assert marker.is_dir()
+        late = subprocess.run(
+            [*sh, *EXEC_WRAPPER[1:], "sleep", arg], env={**env, TOKEN_VAR: token}, timeout=60
+        )
+        assert late.returncode == 137
+        assert not marker.exists()
+        # killed while running: the marker made by the killer goes with the command
+        victim = subprocess.Popen(
+            [*sh, *EXEC_WRAPPER[1:], "sleep", arg],
+            env={**env, TOKEN_VAR: token},
+            start_new_session=True,
+        )
+        assert procs.wait_present(arg)
+        assert subprocess.run(kill, env=env, timeout=60).returncode == 0
+        assert victim.wait(timeout=30) == -9
+        assert not marker.exists()
+    finally:
+        with contextlib.suppress(OSError):
+            marker.rmdir()
+
+
+@pytest.mark.parametrize("shell", ["dash", "busybox"])
+def test_a_killer_sweeps_this_users_stale_kill_markers(shell: str, tmp_path: Path) -> None:
+    """A kill whose command had already ended leaves its marker; a later kill removes the
+    markers older than the TTL, and only real directories of this user."""
+    env = dict(os.environ)
+    if shell == "busybox":
+        env["PATH"] = str(busybox_bin(tmp_path / "bin"))
+    sh = [shutil.which("busybox") or "busybox", "sh"] if shell == "busybox" else ["dash"]
+    stale, fresh, linked = (Path(KILL_MARK + secrets.token_hex(16)) for _ in range(3))
+    old = time.time() - (KILL_MARK_TTL + 5) * 60
+    stale.mkdir()
+    fresh.mkdir()
+    (tmp_path / "target").mkdir()
+    linked.symlink_to(tmp_path / "target")
+    os.utime(stale, (old, old))
+    os.utime(linked, (old, old), follow_symlinks=False)
+    try:
+        kill = [*sh, "-c", KILL_SCRIPT, "sh", secrets.token_hex(16)]
+        assert subprocess.run(kill, env=env, timeout=60).returncode == 0
+        assert not stale.exists()
+        assert fresh.is_dir()
+        assert linked.is_symlink()
+    finally:
+        for path in (stale, fresh):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        linked.unlink(missing_ok=True)
 
 
 def test_emulator_start_failure_in_the_stream_and_a_second_start(daemon: EmulatorThread) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from wsync.emulators.k8s import EMULATOR_TOKEN, K8sEmulatorThread
+from conftest import ProcessWatch
+from wsync.emulators.k8s import EMULATOR_TOKEN, K8sEmulatorThread, K8sFaults
 from wsync.emulators.k8s_pki import ThrowawayCA
 from wsync.errors import (
     AuthFailed,
@@ -168,6 +170,40 @@ def test_a_server_without_websocket_exec_protocols_is_unreachable(tmp_path: Path
         emu.create_pod("p")
         with pytest.raises(SandboxUnreachable, match="protocol"):
             run("k8s://default/p/w", emu.transport_options(), ["true"])
+
+
+def test_an_exec_cancelled_before_its_process_started_leaves_nothing(
+    tmp_path: Path, procs: ProcessWatch
+) -> None:
+    """The race docker and daytona had (a kill that beats the process's start) has no
+    counterpart here: the exec's own WebSocket is its only handle, and a cancel closes it
+    (or aborts it mid-handshake), so a process the runtime starts afterwards meets a
+    closed stream, which this API server ends it for."""
+    arg = procs.sleep_arg()
+    # exec 1 learns the subprotocol, exec 2 is the command: both start 3 s late
+    with K8sEmulatorThread(tmp_path, faults=K8sFaults(start_delay=3.0, slow_starts=2)) as emu:
+        emu.create_pod("web")
+
+        async def main() -> None:
+            _, transport = open_transport("k8s://default/web/w", emu.transport_options())
+            async with transport:
+                task = asyncio.create_task(transport.exec(["sleep", arg], timeout=60))
+                for _ in range(1500):  # 30 s
+                    if emu.stats["execs"] >= 2:
+                        break
+                    await asyncio.sleep(0.02)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+
+        asyncio.run(main())
+        deadline = time.monotonic() + 30
+        while emu.stats["slow_starts"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert emu.stats["slow_starts"] == 2, "the delayed start never came"
+        left = procs.wait_gone(arg)
+        procs.kill_all()
+    assert left == []
 
 
 def test_the_token_never_shows(cluster: K8sEmulatorThread) -> None:

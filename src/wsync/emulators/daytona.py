@@ -170,6 +170,7 @@ class DaytonaEmulator:
         self.stats: collections.Counter[str] = collections.Counter()
         self._server: asyncio.Server | None = None
         self._requests = 0
+        self._executes = 0
         self._pids: set[int] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
@@ -293,7 +294,10 @@ class DaytonaEmulator:
         plan = self.faults.plan(rng)
         if route == "process/execute" and request.method == "POST":
             self.stats["execs"] += 1
-            return await self._execute(request, writer, self.root / sandbox_id, plan)
+            self._executes += 1
+            faults = self.faults
+            delay = faults.start_delay if self._executes <= faults.slow_starts else 0.0
+            return await self._execute(request, writer, self.root / sandbox_id, plan, delay)
         if route == "files/download" and request.method == "GET":
             self.stats["downloads"] += 1
             return await self._download(request, writer, plan)
@@ -303,7 +307,12 @@ class DaytonaEmulator:
     # -- process/execute ---------------------------------------------------------------
 
     async def _execute(
-        self, request: _Request, writer: asyncio.StreamWriter, home: Path, plan: RequestPlan
+        self,
+        request: _Request,
+        writer: asyncio.StreamWriter,
+        home: Path,
+        plan: RequestPlan,
+        delay: float = 0.0,
     ) -> bool:
         try:
             obj = json.loads(request.body)
@@ -319,7 +328,7 @@ class DaytonaEmulator:
             self.stats["bad_gateway"] += 1
             await self._respond(writer, 502, b"Bad Gateway\n", "text/plain; charset=utf-8")
             return True
-        outcome = await self._run(command, cwd, timeout, plan)
+        outcome = await self._run(command, cwd, timeout, plan, delay)
         if outcome is None:
             body = error_body(
                 408, "command execution timeout", "REQUEST_TIMEOUT", "/process/execute", "POST"
@@ -354,9 +363,12 @@ class DaytonaEmulator:
         return output, code
 
     async def _run(
-        self, command: str, cwd: str, timeout: int, plan: RequestPlan
+        self, command: str, cwd: str, timeout: int, plan: RequestPlan, delay: float = 0.0
     ) -> tuple[int, bytes] | None:
-        """Run ``command`` in the shell; (exit code, merged output), or None on timeout."""
+        """Run ``command`` in the shell; (exit code, merged output), or None on timeout.
+        ``delay``: the shell starts that much later (the ``start_delay`` fault)."""
+        if delay > 0:
+            await asyncio.sleep(delay)
         try:
             argv = split_command(command) if self.split_command else [self.shell]
             proc = await asyncio.create_subprocess_exec(
@@ -370,6 +382,8 @@ class DaytonaEmulator:
         except OSError as err:
             return -1, str(err).encode()
         self._pids.add(proc.pid)
+        if delay > 0:
+            self.stats["slow_starts"] += 1  # counted once the shell exists
         assert proc.stdin is not None and proc.stdout is not None
         loop = asyncio.get_running_loop()
         limit_at = loop.time() + timeout if timeout > 0 else None

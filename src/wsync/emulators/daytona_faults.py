@@ -20,7 +20,11 @@ schedule replays.  The faults are those of ``docs/backends/daytona.md`` ("Faults
   the declared ``Content-Length`` (``cut``), or the headers declare the short length
   (``short``), so only a ``Content-Range`` check can tell;
 * ``range_support`` — False: the file API ignores ``Range`` and sends the whole file
-  (the other reading of an inferred fact).
+  (the other reading of an inferred fact);
+* ``start_delay`` — the first ``slow_starts`` executes (counted from the emulator's
+  start; not drawn) start their shell that many seconds after the request arrived (a
+  busy daemon): a kill sent meanwhile runs first and finds nothing, and the command
+  starts after it.
 
 Lossy UTF-8 and merged stderr are not faults: the daemon always does that.
 """
@@ -48,6 +52,8 @@ class DaytonaFaults:
     late_delay: float = 0.5
     short_download: float = 0.0
     range_support: bool = True
+    start_delay: float = 0.0
+    slow_starts: int = 1
 
     @classmethod
     def off(cls) -> DaytonaFaults:

@@ -21,7 +21,8 @@ until the process ends or something kills it.
 
 Faults (:mod:`wsync.emulators.docker_faults`), drawn per start from a seeded RNG:
 ``ExitCode: null`` for a while after EOF, a dropped final frame, the EOF withheld after
-the exit, frames written in pieces (split headers), and ``200 OK`` instead of ``101``.
+the exit, frames written in pieces (split headers), ``200 OK`` instead of ``101``, and
+a process that starts seconds after its start was answered.
 """
 
 from __future__ import annotations
@@ -296,6 +297,7 @@ class DockerEmulator:
             return
         entry.started = True
         plan = self._plan()
+        slow = self.faults.start_delay > 0 and self._calls <= self.faults.slow_starts
         upgrade = "upgrade" in headers.get("connection", "").lower() and not plan.answer_200
         if upgrade:
             head = (
@@ -307,6 +309,9 @@ class DockerEmulator:
             head = f"HTTP/1.1 200 OK\r\nContent-Type: {RAW_STREAM}\r\n\r\n"
         await conn.send(head.encode())
         early, _ = conn.h11.trailing_data  # stdin bytes sent right behind the request
+        if slow:
+            # moby answers the upgrade, then asks containerd to start the process
+            await asyncio.sleep(self.faults.start_delay)
         home = self._container_dir(entry.container) or self.root
         config = entry.config
         env = dict(os.environ)
@@ -328,6 +333,8 @@ class DockerEmulator:
             await conn.send(encode_frame(STDOUT, f"{text}\r\n".encode()))
             return
         entry.proc = proc
+        if slow:
+            self.stats["slow_starts"] += 1  # counted once the process exists
         if plan.exit_null_for is not None:
             entry.null_until = float("inf")  # until EOF + the drawn delay
         feeder = asyncio.create_task(self._feed_stdin(conn, proc, bytes(early)))

@@ -32,6 +32,12 @@ class DockerFaults:
     #: the start is answered ``200 OK`` with a raw-stream content type instead of
     #: ``101 UPGRADED`` (a daemon that ignores the upgrade request)
     answer_200: float = 0.0
+    #: the first ``slow_starts`` starts (counted from the emulator's start; not drawn)
+    #: spawn their process ``start_delay`` seconds after the upgrade was answered (a
+    #: daemon busy for a moment): a kill exec sent meanwhile runs first and finds
+    #: nothing yet, and the command starts after it
+    start_delay: float = 0.0
+    slow_starts: int = 1
 
     @classmethod
     def off(cls) -> DockerFaults:

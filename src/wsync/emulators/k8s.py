@@ -99,9 +99,16 @@ class _Session:
     """One exec: a process, its output, one WebSocket, and this exec's faults."""
 
     def __init__(
-        self, emu: K8sEmulator, ws: ServerConnection, req: kp.ExecRequest, pod: Pod, plan: ExecPlan
+        self,
+        emu: K8sEmulator,
+        ws: ServerConnection,
+        req: kp.ExecRequest,
+        pod: Pod,
+        plan: ExecPlan,
+        start_delay: float = 0.0,
     ) -> None:
         self.emu, self.ws, self.req, self.pod, self.plan = emu, ws, req, pod, plan
+        self.start_delay = start_delay
         self.protocol = ws.subprotocol
         self.proc: asyncio.subprocess.Process | None = None
         self.queue: asyncio.Queue[tuple[int, bytes] | None] = asyncio.Queue(maxsize=64)
@@ -267,7 +274,12 @@ class _Session:
         return json.dumps(doc).encode()
 
     async def run(self) -> None:
+        if self.start_delay > 0:
+            # the upgrade is answered; the runtime starts the process later
+            await asyncio.sleep(self.start_delay)
         await self.spawn()
+        if self.start_delay > 0:
+            self.emu.stats["slow_starts"] += 1  # counted once the process exists
         tasks = [
             asyncio.create_task(self.run_process()),
             asyncio.create_task(self.forward_stdin()),
@@ -508,8 +520,10 @@ class K8sEmulator:
         plan = self.faults.plan(random.Random(f"{self.faults.seed}/{self._execs}"))  # noqa: S311
         self.stats["execs"] += 1
         self.stats[f"protocol {ws.subprotocol}"] += 1
+        faults = self.faults
+        delay = faults.start_delay if self._execs <= faults.slow_starts else 0.0
         try:
-            await _Session(self, ws, req, pod, plan).run()
+            await _Session(self, ws, req, pod, plan, delay).run()
         except (ConnectionClosed, ConnectionAbortedError, OSError) as err:
             log.debug("k8s emulator: session ended: %r", err)
 

@@ -15,7 +15,9 @@ exec's faults from an RNG the server seeds with ``"{seed}/{exec number}"`` (repl
 * ``internal_error`` — ``InternalError`` for a command that succeeded;
 * ``no_status`` — the socket closes normally with no Status at all;
 * ``sever`` — the TCP connection is aborted part-way;
-* ``split_frames`` — output is cut into small messages at random points.
+* ``split_frames`` — output is cut into small messages at random points;
+* ``start_delay`` — the first ``slow_starts`` execs (counted from the emulator's start;
+  not drawn) start their process that many seconds after the upgrade was answered.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class K8sFaults:
     sever: float = 0.0
     sever_max_bytes: int = 256 * KiB
     split_frames: float = 0.0
+    start_delay: float = 0.0
+    slow_starts: int = 1
 
     @classmethod
     def off(cls) -> K8sFaults:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
+import shlex
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -35,6 +36,49 @@ from typing import Any, ClassVar
 from wsync.errors import UsageError
 
 DEFAULT_MAX_OUTPUT = 64 * 1024 * 1024
+#: a per-exec kill marker in the guest is ``KILL_MARK + token``.  Where a kill can land
+#: before the command it is for has started (the backend took the request, the process
+#: comes later), the killer creates this directory before it looks for the command, and
+#: the command's wrapper checks for it before it runs anything: whichever comes second
+#: sees the other.  An empty directory, removed by whoever knows it is no longer needed,
+#: else by a later kill once it is :data:`KILL_MARK_TTL` minutes old
+KILL_MARK = "/tmp/wsync-kill-"
+
+
+def refuse_if_killed(marker: str) -> str:
+    """A guest shell statement for a command's wrapper: when the kill marker ``marker``
+    (a shell word naming ``KILL_MARK + token``) is there, remove it and exit 137 without
+    running anything.
+
+    /tmp is shared and other guest users are hostile: only a real directory (not a
+    symlink) owned by this user counts, so no one else can stop a command this way.  The
+    token is secret until the command runs, so no one else can make the marker early.
+    """
+    return (
+        f"if [ -d {marker} ] && [ ! -h {marker} ] && [ -O {marker} ]; then "
+        f"rmdir {marker} 2>/dev/null; exit 137; fi; "
+    )
+
+
+#: minutes after which a kill marker is stale: no backend starts a command that late
+KILL_MARK_TTL = 60
+
+
+def sweep_stale_kill_marks() -> str:
+    """A guest shell snippet for a killer: remove this user's kill markers older than
+    :data:`KILL_MARK_TTL` minutes.
+
+    A kill whose command had already ended, or never reached the guest, cannot tell
+    that it needs no marker, and leaves one; the next kill (they are rare) takes it
+    away.  Only a real directory owned by this user is touched, and ``rmdir`` removes
+    nothing that is not empty.  Needs globbing on (``set +f``)."""
+    return (
+        f"for x in {shlex.quote(KILL_MARK)}*; do\n"
+        '  [ -d "$x" ] && [ ! -h "$x" ] && [ -O "$x" ] || continue\n'
+        f'  [ -n "$(find "$x" -maxdepth 0 -mmin +{KILL_MARK_TTL} 2>/dev/null)" ] || continue\n'
+        '  rmdir "$x" 2>/dev/null\n'
+        "done\n"
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -18,7 +18,10 @@ the capabilities:
 * the daemon keeps running a command whose client went away.  So an exec that is
   cancelled, times out on the client side or loses its connection sends a second,
   short exec that kills the process group carrying that call's marker (a detached
-  producer, in its own session, is not in it).
+  producer, in its own session, is not in it).  That kill may run before the daemon
+  has started the command at all (the call names no process, and the kill comes on
+  another connection): it first leaves a kill marker directory
+  (``/tmp/wsync-kill-<hex>``), and the command runs nothing when it finds it.
 
 ``read_file`` uses ``GET {toolbox}/{id}/files/download?path=`` with a ``Range`` header
 (the daemon serves files with Go's ``http.ServeFile``, which honours it).  A server that

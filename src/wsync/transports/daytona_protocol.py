@@ -17,6 +17,9 @@ What lives here, and why it is pure:
   found and killed: the daemon deliberately keeps running a command whose client went
   away (it uses a background context), until its own timeout.
 * :func:`kill_argv` — the guest script that kills the process group carrying a marker.
+  The execute call names no process, and the daemon may start the shell after the kill
+  ran (a busy daemon; the kill travels on another connection), so the killer first
+  makes that call's kill marker directory, which the command obeys when it starts.
 * :class:`ExecBody` — reads a response body into bounded memory and decodes it.  A
   complete body is parsed with :func:`json.loads`; a body past the bound is decoded as a
   *prefix* (``exitCode`` comes before ``result`` in Go's field order), so a huge output
@@ -37,18 +40,29 @@ from collections.abc import Sequence
 from typing import Any
 
 from wsync.errors import ProtocolError
+from wsync.transports.base import KILL_MARK, refuse_if_killed, sweep_stale_kill_marks
 
 #: the argv word that marks one exec's process (``wsync-exec-<hex>``)
 MARKER_PREFIX = "wsync-exec-"
-#: wraps the argv so the marker sits in a long-lived process of the exec's group
-_WRAP = 'shift; "$@"; exit $?'
+#: the exec's kill marker in the guest: KILL_MARK + the marker's hex
+_KILL_MARK = f'{shlex.quote(KILL_MARK)}"${{1#{shlex.quote(MARKER_PREFIX)}}}"'
+#: wraps the argv so the marker sits in a long-lived process of the exec's group; a kill
+#: that ran before this shell started (the daemon took the request, the shell came
+#: later) left the kill marker: then nothing runs, and the marker goes
+_WRAP = refuse_if_killed(_KILL_MARK) + 'shift; "$@"; exit $?'
 #: JSON escapes are at most 6 characters for one byte of output (``\u0000``)
 _ESCAPE_RATIO = 6
 #: room for the object around ``result``
 _ENVELOPE_SLACK = 4096
 
-_KILL = r"""m="wsync-exec-$1"
-# grep reads every cmdline in one process (its own pid is not in the list: the shell
+_KILL = (
+    f"""m={shlex.quote(MARKER_PREFIX)}"$1"
+k={shlex.quote(KILL_MARK)}"$1"
+# first the kill marker: a command whose shell starts after the scan below runs nothing
+mkdir "$k" 2>/dev/null
+hit=
+"""
+    + r"""# grep reads every cmdline in one process (its own pid is not in the list: the shell
 # expanded the glob before starting it); then each candidate is checked word-exactly
 if command -v grep >/dev/null 2>&1; then
   set -- $(grep -lF -e "$m" /proc/[0-9]*/cmdline 2>/dev/null)
@@ -70,10 +84,15 @@ for f in "$@"; do
   set -- $s
   g=$3
   [ -n "$g" ] && [ "$g" -gt 1 ] 2>/dev/null || continue
-  kill -9 "-$g" 2>/dev/null || kill -9 "$p" 2>/dev/null
+  if kill -9 "-$g" 2>/dev/null || kill -9 "$p" 2>/dev/null; then hit=1; fi
 done
-exit 0
+# a marked process existed and is killed: its wrapper is past the marker check
+if [ -n "$hit" ]; then rmdir "$k" 2>/dev/null; fi
+set +f
 """
+    + sweep_stale_kill_marks()
+    + "exit 0\n"
+)
 
 
 def command_text(argv: Sequence[str], marker: str) -> str:
@@ -82,7 +101,9 @@ def command_text(argv: Sequence[str], marker: str) -> str:
     ``sh -c 'shift; "$@"; exit $?' sh wsync-exec-<hex> ARGV...`` runs ARGV with its exit
     status, and the ``sh`` stays alive as long as ARGV does, carrying the marker in its
     argv (``; exit $?`` keeps shells from exec-ing the last command away; ``shift``
-    drops the marker before ARGV runs).
+    drops the marker before ARGV runs).  First it checks for the kill marker
+    ``/tmp/wsync-kill-<hex>``: a kill that ran before this shell did left it, and then
+    nothing runs (exit 137).
     """
     if not argv:
         raise ValueError("empty argv")
@@ -96,7 +117,10 @@ def kill_argv(marker: str) -> list[str]:
 
     The marker travels as a positional argument, without its prefix, so the killer's own
     argv never matches.  Only the group of the marked process is killed: a producer that
-    detached with ``setsid`` lives in its own group and survives.
+    detached with ``setsid`` lives in its own group and survives.  Before it looks, the
+    killer makes the kill marker directory, so a command whose shell starts after the
+    look runs nothing; once it killed a marked process (whose wrapper is then past its
+    check) it removes the directory again.
     """
     token = marker.removeprefix(MARKER_PREFIX)
     if not token.isalnum():

@@ -23,8 +23,12 @@ What this client does about the field faults (it reports, the engine's envelopes
   client abandons (deadline, cut, cancel) is killed by a second exec that signals the
   processes carrying that token in the command's session (a child that started its own
   session, like the guest producer under ``setsid``, is left alone);
-* argv runs as ``/bin/sh -c '... exec "$@"' sh ARGV...`` (records the session for the
-  killer, then execs): exact argv, and a missing command is exit 127;
+* moby answers the start before the process exists, so a kill can run first and find
+  nothing: a killer sent before the stream ended first creates the token's kill marker
+  (``/tmp/wsync-kill-TOKEN``), and the wrapper runs nothing when it finds it;
+* argv runs as ``/bin/sh -c '... exec "$@"' sh ARGV...`` (checks for the kill marker,
+  records the session for the killer, then execs): exact argv, and a missing command
+  is exit 127;
 * a missing container (404) is :class:`SandboxUnreachable` (exit 3), so is a daemon that
   does not answer before any exec worked, or a container that is not running (409);
   a socket without permission is :class:`AuthFailed` (exit 3).
@@ -41,6 +45,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shlex
 import socket
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -57,10 +62,13 @@ from wsync.errors import (
 from wsync.transports import docker_http
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
+    KILL_MARK,
     Capabilities,
     ExecResult,
     Transport,
     float_options,
+    refuse_if_killed,
+    sweep_stale_kill_marks,
 )
 from wsync.transports.docker_protocol import (
     START_BODY,
@@ -82,18 +90,29 @@ log = logging.getLogger(__name__)
 TOKEN_VAR = "WSYNC_EXEC"  # noqa: S105 - a variable name, not a secret
 #: the command's session id, recorded by the wrapper before it execs the command
 SID_VAR = "WSYNC_EXEC_SID"
+#: the token's kill marker in the guest (see :data:`~wsync.transports.base.KILL_MARK`)
+_MARK = f'{shlex.quote(KILL_MARK)}"${TOKEN_VAR}"'
 EXEC_WRAPPER = (
     "/bin/sh",
     "-c",
-    f'read -r _ _ _ _ _ {SID_VAR} _ 2>/dev/null </proc/$$/stat; export {SID_VAR}; exec "$@"',
+    # a kill that came before this process (the start was answered, the process came
+    # later) left the marker: run nothing
+    refuse_if_killed(_MARK)
+    + f'read -r _ _ _ _ _ {SID_VAR} _ 2>/dev/null </proc/$$/stat; export {SID_VAR}; exec "$@"',
     "sh",
 )
 #: kills the processes of the exec whose token is $1 and that are still in its session
 #: (two passes: a shell may fork while the first runs; where grep reads past NUL bytes,
 #: GNU's does and busybox's does not, one grep finds the candidates, so a busy process
 #: table costs no fork per process); the token is a positional parameter, never spliced
-#: into the script
+#: into the script.  With ``$2`` = ``mark`` (the command may not have started yet) the
+#: kill marker is made first, so a command whose process did not exist yet when the
+#: process table was read refuses to run when it does start; once a process of the exec
+#: was killed, its wrapper is known to be past that check (or dead), and the marker goes
 KILL_SCRIPT = f"""t=$1
+m={shlex.quote(KILL_MARK)}"$t"
+if [ "$2" = mark ]; then mkdir "$m" 2>/dev/null; fi
+hit=
 nl='
 '
 for pass in 1 2; do
@@ -115,10 +134,11 @@ for pass in 1 2; do
     read -r st 2>/dev/null <"$d/stat" || continue
     st=${{st##*) }}
     set -- $st
-    if [ -z "$want" ] || [ "$4" = "$want" ]; then kill -9 "$p" 2>/dev/null; fi
+    if [ -z "$want" ] || [ "$4" = "$want" ]; then kill -9 "$p" 2>/dev/null && hit=1; fi
   done
 done
-exit 0
+if [ -n "$hit" ]; then rmdir "$m" 2>/dev/null; fi
+{sweep_stale_kill_marks()}exit 0
 """
 #: bytes per write of stdin into the hijacked connection
 STDIN_CHUNK = 256 * 1024
@@ -234,13 +254,16 @@ class DockerTransport(Transport):
             raise TransportError(f"{self.description}: exec inspect refused ({_error(answer)})")
         return parse_inspect(answer.body)
 
-    async def _kill(self, token: str) -> None:
-        """Best effort: the daemon keeps an exec running after its connection went."""
+    async def _kill(self, token: str, *, mark: bool) -> None:
+        """Best effort: the daemon keeps an exec running after its connection went.
+
+        ``mark``: the exec was abandoned before its stream ended, so its process may not
+        exist yet (moby answers the start, then starts the process): the killer leaves
+        the token's kill marker, which the wrapper obeys whenever it starts."""
+        argv = ["/bin/sh", "-c", KILL_SCRIPT, "sh", token, *(["mark"] if mark else [])]
         try:
             async with asyncio.timeout(10.0) as scope:
-                body = exec_create_body(
-                    ["/bin/sh", "-c", KILL_SCRIPT, "sh", token], stdin=False, user=self.user
-                )
+                body = exec_create_body(argv, stdin=False, user=self.user)
                 exec_id = await self._create(body)
                 deadline = scope.when() or asyncio.get_running_loop().time() + 10.0
                 await self._run(exec_id, None, 4096, deadline)
@@ -273,12 +296,13 @@ class DockerTransport(Transport):
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        started = finished = False
+        started = finished = ended = False
         try:
             async with asyncio.timeout_at(deadline):
                 exec_id = await self._create(body)
                 started = True
                 result, finished = await self._run(exec_id, stdin, max_output, deadline)
+                ended = True  # the stream ended: the process ran (or never can)
         except TimeoutError:
             raise TransportTimeout(timeout) from None
         except ProtocolError as err:
@@ -287,7 +311,7 @@ class DockerTransport(Transport):
             raise self._wire_error(err) from None
         finally:
             if started and not finished:
-                self._spawn(self._kill(token))
+                self._spawn(self._kill(token, mark=not ended))
         self._ok_once = True
         if result.notes:
             log.debug("docker %s exec notes: %s", self.container, "; ".join(result.notes))
