@@ -63,4 +63,6 @@ ruff format --check src tests bench
 mypy --strict src
 
 # pytest exits 5 when it collected no tests: under `set -e` that fails this script too.
-python -m pytest -q -p no:cacheprovider "$@"
+# Two workers (pytest-xdist; WSYNC_TEST_WORKERS=0 runs in one process): worksteal
+# rebalances the few long property tests instead of leaving one worker with them.
+python -m pytest -q -p no:cacheprovider -n "${WSYNC_TEST_WORKERS:-2}" --dist worksteal "$@"
