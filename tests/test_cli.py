@@ -191,7 +191,8 @@ def test_sigterm_exits_130_and_the_next_run_resumes(tmp_path: Path) -> None:
     assert_exact(ws, dest)
 
 
-@pytest.mark.parametrize("backend", ["local", "sprites", "k8s", "docker"])
+# docker and e2b have their own demo tests (test_docker_pull.py, test_e2b_pull.py)
+@pytest.mark.parametrize("backend", ["local", "sprites", "k8s", "daytona", "cloudflare"])
 def test_demo_shows_naive_corruption_and_an_exact_pull(tmp_path: Path, backend: str) -> None:
     proc = wsync("demo", "--backend", backend, "--dir", str(tmp_path / "demo"), "--json")
     assert proc.returncode == 0, proc.stderr

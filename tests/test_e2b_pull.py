@@ -115,6 +115,23 @@ def test_a_50_mb_workspace_is_exact_with_every_fault_on(
     assert_exact(ws, dest)
 
 
+def test_cut_and_short_file_reads_are_continued_and_the_file_api_stays_on(
+    envd: EmulatorThread, tmp_path: Path
+) -> None:
+    """A /files body cut part-way (or answered short) is not a failure of the file API:
+    the bytes before the cut are kept and the rest asked for, so exec reads (slower:
+    a process per read) never take over the pull."""
+    ws = make_tree(workspace(envd, "cuts") / "t", big=1 * MiB, small=4)
+    envd.set_faults(E2BFaults(seed=15, file_cut=0.5, file_short=0.3))
+    before = envd.stats["file_reads"]
+    dest = tmp_path / "out"
+    result = pull_e2b(envd, "cuts", ws, dest, options(tmp_path, chunk_size=128 * KiB))
+    assert_exact(ws, dest)
+    assert result.faults.get("file-api-failed", 0) == 0, result.faults
+    assert result.faults["file-api-short"] > 0  # the faults fired and were continued
+    assert envd.stats["file_reads"] - before > result.chunks  # the API served to the end
+
+
 def test_a_backend_that_goes_silent_fails_clearly_and_leaves_dest(
     envd: EmulatorThread, tmp_path: Path
 ) -> None:
