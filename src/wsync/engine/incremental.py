@@ -15,6 +15,13 @@ Then :meth:`Incremental.decide` picks the content run:
 - a baseline: the diff's changed entries are uploaded as a list and a ``select`` run
   archives exactly those; nothing changed and DEST intact: no run, no write.
 
+DEST is scanned while the guest writes the manifest (:meth:`Incremental.scan`).  When the
+last pull found nothing to do, the state remembers the digest of that manifest and of that
+scan; a pull that sees both again is a no-op without parsing the manifest or diffing (the
+diff is a function of the two and of the state, which only a commit changes).  DEST is
+still scanned every time, so any change made to it on the host changes the scan's digest
+and takes the full diff, which repairs it.
+
 The new tree is built in the usual tmp dir beside DEST: a hardlink farm of DEST's
 unchanged entries (:func:`~wsync.engine.farm.build_farm`), the archive applied in the
 extractor's replace mode (no inode of the live DEST is ever written), gone entries
@@ -25,6 +32,8 @@ After the old tree is removed the state is committed with the extractor's file h
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import struct
 import threading
@@ -44,6 +53,7 @@ from wsync.errors import (
     GuestToolsMissing,
     HostileArchive,
     HostIOError,
+    Interrupted,
     LimitExceeded,
     ProtocolError,
 )
@@ -146,6 +156,10 @@ class Incremental:
         self.excludes: Excludes = options.excludes
         self.target = target
         self.state = PullState.open(options.state_dir, target.path, sandbox_key)
+        #: what the state held when opened: a baseline of this sandbox, and a no-op record
+        #: (read once here: the loop thread must not wait for a worker using the state)
+        self.recorded = self.state.has_baseline()
+        self.noop_recorded = self.recorded and self.state.has_noop_record()
         self.hashes = hashes
         #: "full" or "incremental"
         self.mode = "full"
@@ -158,6 +172,13 @@ class Incremental:
         self.entries = 0
         #: held while a worker thread uses the state's connection
         self.busy = threading.Lock()
+        #: the digests the no-op shortcut compares (see the module docstring): DEST's scan
+        #: made during the manifest run, and the verified manifest stream
+        self.host_digest = ""
+        self.manifest_digest = ""
+        #: the manifest was loaded into the state (it is not while the shortcut may apply)
+        self.loaded = False
+        self._stop = threading.Event()
 
     def close(self) -> None:
         """Close the state, unless a worker thread still uses its connection (a pull
@@ -183,6 +204,46 @@ class Incremental:
             self.entries = read_manifest(
                 stream, self.state, self.excludes, self.options.limits.max_files
             )
+            self.loaded = True
+
+    def options_key(self) -> str:
+        """What else, beside the manifest and DEST, decides the diff: the excludes and the
+        entry limit (the state's schema and sandbox are checked by ``has_baseline``)."""
+        what = [list(self.excludes.patterns), self.options.limits.max_files]
+        return hashlib.sha256(json.dumps(what).encode()).hexdigest()
+
+    def baseline(self, plan: GuestPlan, *, stdin: bool) -> bool:
+        """This pull diffs against what the last pull into DEST recorded."""
+        return self.recorded and not self.options.full and can_select(plan, stdin=stdin)
+
+    def scan(self) -> None:
+        """Scan DEST into the state (worker thread, during the manifest run)."""
+        with self.busy:
+            dest_fd = open_dest(self.target)
+            if dest_fd is None:
+                return
+            try:
+                self.host_digest = self.state.scan(dest_fd, self._check_stop)
+            finally:
+                os.close(dest_fd)
+
+    def stop(self) -> None:
+        """Make a running :meth:`scan` stop at its next batch (the pull is failing)."""
+        self._stop.set()
+
+    def _check_stop(self) -> None:
+        if self._stop.is_set():
+            raise Interrupted("pull stopped")
+
+    def nothing_changed(self) -> bool:
+        """The no-op shortcut (see the module docstring): True sets the outcome."""
+        key = self.options_key()
+        with self.busy:
+            if not self.state.noop_matches(key, self.manifest_digest, self.host_digest):
+                return False
+        self.mode, self.run = "incremental", ""
+        self.changed = self.deleted = 0
+        return True
 
     def decide(self, plan: GuestPlan, *, stdin: bool, tmp_fd: int | None = None) -> None:
         """Diff and choose the content run (see the module docstring).  Runs in a thread.
@@ -190,7 +251,7 @@ class Incremental:
         ``tmp_fd`` is an empty directory to diff against when there is no baseline.
         """
         selectable = can_select(plan, stdin=stdin)
-        baseline = not self.options.full and self.state.has_baseline() and selectable
+        baseline = self.baseline(plan, stdin=stdin)
         dest_fd = open_dest(self.target) if baseline else None
         if dest_fd is None:
             self.mode = "full"
@@ -213,6 +274,9 @@ class Incremental:
         self.changed, self.deleted = self.diff.changed, self.diff.deleted
         if self.diff.nothing_to_do:
             self.run = ""
+            # the scan the diff used was made this run (by scan() or by diff() itself)
+            host = self.state.host_digest
+            self.state.record_noop(self.options_key(), self.manifest_digest, host)
         else:
             self.run = "select" if self.diff.fetch else "apply"
 

@@ -38,23 +38,20 @@ from typing import Any, TypeVar
 
 import structlog
 
-from wsync.engine import incremental
 from wsync.engine.api import ProgressCallback, PullOptions, PullResult
 from wsync.engine.destdir import DestDir
 from wsync.engine.extract import ExtractStats
-from wsync.engine.feed import ChunkFeed, consume_feed, extract_feed
+from wsync.engine.feed import ChunkFeed, extract_feed
 from wsync.engine.fsutil import host_io, syncfs
-from wsync.engine.guest import GuestPlan
+from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
 from wsync.engine.journal import DestRegistry, Journal
-from wsync.engine.phases import StreamRunner
 from wsync.engine.settle import apply_lists
 from wsync.engine.winddown import (
     in_thread,
     raise_if_cancelled,
 )
 from wsync.errors import (
-    GuestToolsMissing,
     HostileArchive,
     HostIOError,
     IntegrityFailed,
@@ -113,22 +110,25 @@ def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOp
     return target
 
 
-class _Pull(StreamRunner):
+class _Pull(IncrementalRunner):
     """One pull: the phases in order, the swap, and what follows it."""
 
     async def run(self) -> tuple[ExtractStats, int, int, str | None] | None:
         """Everything up to and including the swap.  Returns what ``finish`` needs, or
         None when DEST stays as it is (nothing changed, or a dry run)."""
         self.emit("probe")
-        plan = await self.session.probe(self.workspace)
-        self.plan = plan
-        inc = self.inc = self.open_incremental(plan)
+        self.start_early()
+        try:
+            plan = await self.session.probe(self.workspace)
+            self.plan = plan
+            inc = await self.open_incremental(plan)
+            if inc is not None:
+                await self.manifest_and_diff(plan, inc)
+        except BaseException:
+            await self.stop_scan()
+            raise
         run = "tar"
         if inc is not None:
-            await self.manifest_phase(plan, inc)
-            self.emit("diff")
-            empty = self.journal.dir / "empty"
-            await in_thread(lambda: inc.locked(lambda: self.decide(inc, plan, empty)))
             if self.options.dry_run and inc.diff is not None:
                 diff = inc.diff
                 self.changes = await in_thread(lambda: inc.locked(lambda: list(diff.itemize())))
@@ -228,55 +228,6 @@ class _Pull(StreamRunner):
             await self.remove_tmp(tmp)
             raise
         return ExtractStats(), 0, 0, old
-
-    def open_incremental(self, plan: GuestPlan) -> Incremental | None:
-        """The incremental state of DEST, when this guest can list its workspace."""
-        if not incremental.can_list(plan):
-            if self.options.excludes or self.options.dry_run:
-                # a full tar would carry the excluded bytes and list nothing
-                what = "--exclude" if self.options.excludes else "--dry-run"
-                raise GuestToolsMissing(
-                    f"find with -printf, or find, stat, readlink and xargs (for {what})"
-                )
-            return None
-        key = f"{self.transport.description}\n{self.workspace}"
-        hashes = incremental.HashLog(self.journal.dir / "hashes")
-        return Incremental(self.options, self.target, key, hashes)
-
-    def decide(self, inc: Incremental, plan: GuestPlan, empty: Path) -> None:
-        """Diff (in a thread); a full pull with excludes or a dry run without a baseline
-        diffs against an empty directory of the journal."""
-        with contextlib.suppress(FileExistsError):
-            empty.mkdir(mode=0o700)
-        fd = os.open(empty, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            inc.decide(plan, stdin=self.session.gate, tmp_fd=fd)
-            if self.options.dry_run and inc.diff is None:
-                inc.diff = inc.state.diff(fd)
-        finally:
-            os.close(fd)
-
-    async def manifest_phase(self, plan: GuestPlan, inc: Incremental) -> None:
-        """The manifest run, streamed into the state (see :mod:`wsync.engine.incremental`)."""
-        self.emit("manifest")
-        journal = self.manifest_journal = self.journal.phase("manifest")
-        prune = inc.prune()
-        snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
-        journaled = await self.admit_phase(plan, journal, snapshot, "manifest", prune)
-
-        def load(feed: ChunkFeed) -> None:
-            consume_feed(feed, plan.compressor, inc.load)
-
-        await self.stream(plan, journal, journaled, load)
-        # verified and loaded: its staging goes now (even with keep_staging, which keeps
-        # the content run's).  A kill -9 later takes a fresh manifest, whose diff (same
-        # guest, same DEST) names the same list, so the select run's journal resumes
-        self.snapshots.remove(snapshot)
-        try:
-            async with asyncio.timeout(self.options.call_timeout * 2):
-                await self.session.cleanup()
-        except (WsyncError, TimeoutError) as exc:
-            self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
 
     async def finish(self, old: str | None) -> None:
         """After the swap DEST is final: nothing here may fail the pull.
