@@ -41,7 +41,7 @@ from pathlib import Path
 import structlog
 
 from wsync.engine import fsutil
-from wsync.engine.fsutil import host_io, remove_tree_at, swap_at
+from wsync.engine.fsutil import host_io, remove_tree_at, strip_tree_at, swap_at
 from wsync.errors import Busy, HostIOError, UsageError, WsyncError
 
 log = structlog.get_logger("wsync.destdir")
@@ -151,6 +151,8 @@ class DestDir:
         self._rel = rel
         self._lock_fd: int | None = None
         self._tmp_fd: int | None = None
+        #: the last make_tmp() took the kept directories of an earlier tree (see skeleton)
+        self.tmp_reused = False
 
     # -- opening ----------------------------------------------------------------------
 
@@ -291,12 +293,20 @@ class DestDir:
 
     # -- the writes of a pull -------------------------------------------------------------
 
-    def make_tmp(self, name: str) -> tuple[int, list[str]]:
+    @property
+    def skeleton_name(self) -> str:
+        return f".{self.name}.wsync-skel"
+
+    def make_tmp(self, name: str, *, skeleton: bool = False) -> tuple[int, list[str]]:
         """Create the empty tmp tree ``name`` beside DEST; return its fd and warnings.
 
         Left-overs of earlier runs are removed first: ``name`` itself (or the
         pull fails), and, as the DEST lock says no other pull is writing here,
         every other ``.NAME.wsync-tmp-*`` and ``.NAME.wsync-old`` (best effort).
+
+        With ``skeleton`` the directories an earlier pull kept (:meth:`keeper`) become the
+        tmp tree when there are some (:attr:`tmp_reused`): the caller must then remove what
+        does not belong (:meth:`wsync.engine.incremental.Incremental.farm` does).
         """
         self.verify()
         warnings: list[str] = []
@@ -311,11 +321,40 @@ class DestDir:
                 warnings.append(f"a left-over of an earlier pull was not removed: {exc}")
         self.remove(name)
         self.close_tmp()
+        self.tmp_reused = skeleton and self._take_skeleton(name)
+        if self.tmp_reused:
+            assert self._tmp_fd is not None
+            return self._tmp_fd, warnings
         shown = self.path.parent / name
         with host_io(f"creating {shown}"):
             os.mkdir(name, 0o700, dir_fd=self.parent_fd)
             self._tmp_fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
         return self._tmp_fd, warnings
+
+    def _take_skeleton(self, name: str) -> bool:
+        """Rename the kept directories to ``name`` and open them (0700, as a fresh tmp
+        tree); False when there are none, or they are not a directory (then removed)."""
+        try:
+            parent = self.parent_fd
+            os.rename(self.skeleton_name, name, src_dir_fd=parent, dst_dir_fd=parent)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            log.warning("kept directories not reused", error=str(exc))
+            return False
+        try:
+            fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
+        except OSError:
+            self.remove(name)  # a file or a symlink took the name: not ours to reuse
+            return False
+        try:
+            os.fchmod(fd, 0o700)
+        except OSError:
+            os.close(fd)
+            self.remove(name)
+            return False
+        self._tmp_fd = fd
+        return True
 
     def close_tmp(self) -> None:
         if self._tmp_fd is not None:
@@ -341,6 +380,26 @@ class DestDir:
         def run() -> None:
             try:
                 remove_tree_at(fd, name, shown=shown)
+            finally:
+                os.close(fd)
+
+        return run
+
+    def keeper(self, name: str) -> Callable[[], None]:
+        """For a worker thread after the swap: keep the old tree ``name``'s directories as
+        the skeleton of the next pull's tree (:meth:`make_tmp` with ``skeleton``) and
+        remove everything else in it.  Renamed first, then stripped: a kill -9 meanwhile
+        leaves a skeleton with files in it, which the next pull prunes like any other."""
+        fd = os.dup(self.parent_fd)
+        skeleton = self.skeleton_name
+        shown = str(self.path.parent / skeleton)
+
+        def run() -> None:
+            try:
+                remove_tree_at(fd, skeleton, shown=shown)  # one a full pull did not use
+                with host_io(f"renaming the previous tree to {shown}"):
+                    os.rename(name, skeleton, src_dir_fd=fd, dst_dir_fd=fd)
+                strip_tree_at(fd, skeleton, shown=shown)
             finally:
                 os.close(fd)
 

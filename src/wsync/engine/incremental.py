@@ -44,10 +44,12 @@ from typing import BinaryIO, TypeVar
 import structlog
 
 from wsync.engine.api import PullOptions
-from wsync.engine.destdir import DestDir
+from wsync.engine.destdir import DestDir, open_beneath
 from wsync.engine.excludes import Excludes
 from wsync.engine.farm import build_farm, set_dir_meta
+from wsync.engine.fsutil import remove_tree_at
 from wsync.engine.guest import GuestPlan
+from wsync.engine.hostscan import parts_of
 from wsync.engine.incstate import Diff, PullState
 from wsync.errors import (
     GuestToolsMissing,
@@ -217,15 +219,15 @@ class Incremental:
         return self.recorded and not self.options.full and can_select(plan, stdin=stdin)
 
     def scan(self) -> None:
-        """Scan DEST into the state (worker thread, during the manifest run)."""
-        with self.busy:
-            dest_fd = open_dest(self.target)
-            if dest_fd is None:
-                return
-            try:
-                self.host_digest = self.state.scan(dest_fd, self._check_stop)
-            finally:
-                os.close(dest_fd)
+        """Scan DEST for the diff (worker thread, during the probe and the manifest run,
+        beside the manifest's loader: the state's connection is taken only to spill)."""
+        dest_fd = open_dest(self.target)
+        if dest_fd is None:
+            return
+        try:
+            self.host_digest = self.state.scan(dest_fd, self._check_stop, self.busy)
+        finally:
+            os.close(dest_fd)
 
     def stop(self) -> None:
         """Make a running :meth:`scan` stop at its next batch (the pull is failing)."""
@@ -285,16 +287,49 @@ class Incremental:
         assert self.diff is not None
         return b"".join(b"./" + path + b"\0" for path in self.diff.fetch_paths())
 
-    def farm(self, tmp_fd: int, check_cancel: object) -> int:
-        """Link DEST's unchanged entries and create every directory in the tmp tree."""
+    def farm(self, tmp_fd: int, check_cancel: object, *, reused: bool = False) -> int:
+        """Link DEST's unchanged entries and create every directory in the tmp tree.
+
+        ``reused``: the tmp tree is the directories an earlier pull kept
+        (:meth:`wsync.engine.destdir.DestDir.keeper`); what the new tree does not have
+        goes first."""
         assert self.diff is not None
+        if reused:
+            reused = self._prune(tmp_fd)
         dest_fd = open_dest(self.target) if self.mode == "incremental" else None
         source = dest_fd if dest_fd is not None else tmp_fd
         try:
-            return build_farm(source, tmp_fd, self.diff.keep(), check_cancel)  # type: ignore[arg-type]
+            return build_farm(
+                source,
+                tmp_fd,
+                self.diff.keep(),
+                check_cancel,  # type: ignore[arg-type]
+                dirs_exist=reused,
+            )
         finally:
             if dest_fd is not None:
                 os.close(dest_fd)
+
+    def _prune(self, tmp_fd: int) -> bool:
+        """Remove from the kept directories at ``tmp_fd`` all the new tree does not have;
+        if they cannot be read as expected, empty the tree (False: start from nothing)."""
+        try:
+            doomed = self.state.skeleton_leftovers(tmp_fd)
+            for path in doomed:
+                parent, _, leaf = path.rpartition(b"/")
+                fd = open_beneath(tmp_fd, parts_of(parent or b"."))
+                try:
+                    remove_tree_at(fd, os.fsdecode(leaf))
+                finally:
+                    os.close(fd)
+            return True
+        except (OSError, HostIOError) as exc:
+            log.warning("kept directories not reusable, starting afresh", error=str(exc))
+        with os.scandir(tmp_fd) as entries:
+            names = [entry.name for entry in entries]
+        for name in names:
+            remove_tree_at(tmp_fd, name)
+        return False
 
     def dir_meta(self, tmp_fd: int) -> None:
         assert self.diff is not None

@@ -107,6 +107,7 @@ def scratch(db: sqlite3.Connection) -> None:
         "CREATE TABLE s.plan (path BLOB PRIMARY KEY, kind TEXT, ino INT, act TEXT, hash TEXT) "
         "WITHOUT ROWID"
     )
+    db.execute("CREATE TABLE s.skel (path BLOB PRIMARY KEY, kind TEXT) WITHOUT ROWID")
     db.execute("CREATE TABLE s.verdict (path BLOB PRIMARY KEY, ok INT) WITHOUT ROWID")
     db.execute("CREATE TABLE s.hashes (path BLOB PRIMARY KEY, hash TEXT) WITHOUT ROWID")
     db.execute(f"CREATE TABLE s.nostate ({STATE_COLUMNS}) WITHOUT ROWID")

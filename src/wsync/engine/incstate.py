@@ -45,6 +45,7 @@ import os
 import sqlite3
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
@@ -69,6 +70,7 @@ SCHEMA_VERSION = "1"
 _ROW = struct.Struct("<Ic4xQqqqQ")
 #: the meta keys of the no-op record (see :meth:`PullState.noop_matches`)
 _NOOP_KEYS = ("noop_key", "noop_manifest", "noop_host")
+_NO_LOCK: AbstractContextManager[object] = contextlib.nullcontext()
 
 
 class ManifestEntry(Protocol):
@@ -134,8 +136,9 @@ class PullState:
         #: (device, inode) that :meth:`scan` scanned for the next diff, if any
         self.host_digest = ""
         self._scanned: tuple[int, int] | None = None
-        #: rows of that scan not yet in ``s.host`` (at most HOLD)
+        #: rows of that scan not yet in ``s.host`` (at most HOLD), and whether some are
         self._held: list[hostscan.HostRow] = []
+        self._spilled = False
         self._hash_batch: list[tuple[bytes, str]] = []
 
     # -- opening ------------------------------------------------------------------------
@@ -247,14 +250,20 @@ class PullState:
 
     # -- the diff -----------------------------------------------------------------------
 
-    def scan(self, dest_fd: int, check_cancel: Callable[[], None] | None = None) -> str:
-        """Scan DEST (open at ``dest_fd``) into the scratch table for the next :meth:`diff`,
-        and return the scan's digest.  A pull runs this while the guest writes its
-        manifest: the two are independent, and the walk is most of a host's diff time."""
+    def scan(
+        self,
+        dest_fd: int,
+        check_cancel: Callable[[], None] | None = None,
+        db_lock: AbstractContextManager[object] | None = None,
+    ) -> str:
+        """Scan DEST (open at ``dest_fd``) for the next :meth:`diff`, and return the scan's
+        digest.  A pull runs this while the guest writes its manifest: the two are
+        independent, and the walk is most of a host's diff time.  The rows stay in memory
+        (up to HOLD) until the diff, so the walk uses the database only for what exceeds
+        that, each time under ``db_lock``: the manifest can be loaded meanwhile."""
         with self._errors():
             self._scanned = None
-            digest = self._scan_host(dest_fd, check_cancel, hold=True)
-            self.db.commit()
+            digest = self._scan_host(dest_fd, check_cancel, hold=True, db_lock=db_lock or _NO_LOCK)
         st = os.fstat(dest_fd)
         self._scanned = (st.st_dev, st.st_ino)
         return digest
@@ -269,6 +278,8 @@ class PullState:
         with self._errors():
             if self._scanned != (st.st_dev, st.st_ino):
                 self._scan_host(dest_fd)
+            elif not self._spilled:
+                self.db.execute("DELETE FROM s.host")
             self._scanned = None
             self.db.executemany(incsql.INSERT_HOST, self._held)
             self._held = []
@@ -309,15 +320,22 @@ class PullState:
         return Diff(self, int(changed), int(deleted), int(fetch))
 
     def _scan_host(
-        self, dest_fd: int, check_cancel: Callable[[], None] | None = None, *, hold: bool = False
+        self,
+        dest_fd: int,
+        check_cancel: Callable[[], None] | None = None,
+        *,
+        hold: bool = False,
+        db_lock: AbstractContextManager[object] = _NO_LOCK,
     ) -> str:
         """Fill ``s.host`` with DEST's entries; return a digest of every field of every row
         in walk order (the same tree, untouched, gives the same digest: see
-        :meth:`noop_matches`).  With ``hold`` the first HOLD rows stay in memory until a
-        diff needs them."""
+        :meth:`noop_matches`).  With ``hold`` the rows stay in memory (the diff writes
+        them) unless there are more than HOLD: then all go to ``s.host`` as they come."""
         db = self.db
-        db.execute("DELETE FROM s.host")
         self._held = []
+        self._spilled = not hold
+        if not hold:
+            db.execute("DELETE FROM s.host")
         batch: list[hostscan.HostRow] = []
         digest = xxhash.xxh3_128()
         pack = _ROW.pack
@@ -332,7 +350,12 @@ class PullState:
                     if check_cancel is not None:
                         check_cancel()
                     if len(batch) >= limit:
-                        db.executemany(incsql.INSERT_HOST, batch)
+                        with db_lock:
+                            if not self._spilled:
+                                db.execute("DELETE FROM s.host")
+                                self._spilled = True
+                            db.executemany(incsql.INSERT_HOST, batch)
+                            db.commit()
                         batch.clear()
                         limit = BATCH
         if hold:
@@ -403,6 +426,36 @@ class PullState:
             "WHEN 1 THEN 'keep' ELSE 'tampered' END WHERE act = 'check'"
         )
         return int(verified)
+
+    def skeleton_leftovers(self, tmp_fd: int) -> list[bytes]:
+        """What the kept directories now at ``tmp_fd`` hold that the new tree must not:
+        anything not a directory of the loaded manifest, top-most first (a removed
+        directory takes its entries with it)."""
+        with self._errors():
+            db = self.db
+            db.execute("DELETE FROM s.skel")
+            batch: list[tuple[bytes, str]] = []
+            with host_io("reading the kept directories"):
+                for row in hostscan.scan(tmp_fd):
+                    batch.append((row[0], row[1]))
+                    if len(batch) >= BATCH:
+                        db.executemany("INSERT OR REPLACE INTO s.skel VALUES (?, ?)", batch)
+                        batch.clear()
+            db.executemany("INSERT OR REPLACE INTO s.skel VALUES (?, ?)", batch)
+            rows = db.execute(
+                "SELECT path FROM s.skel k WHERE path != x'2e' AND NOT (kind = 'd' AND EXISTS "
+                "(SELECT 1 FROM s.man m WHERE m.path = k.path AND m.kind = 'd')) ORDER BY path"
+            )
+            doomed: list[bytes] = []
+            tops: set[bytes] = set()
+            for (found,) in rows:
+                path = bytes(found)
+                parts = path.split(b"/")
+                if not any(b"/".join(parts[:i]) in tops for i in range(1, len(parts))):
+                    doomed.append(path)
+                    tops.add(path)
+            db.commit()
+        return doomed
 
     # -- after the pull -----------------------------------------------------------------
 

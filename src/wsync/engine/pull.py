@@ -147,8 +147,9 @@ class _Pull(IncrementalRunner):
         if run == "select":
             await self.session.upload_list(snapshot, listing)
         journaled = await self.admit_phase(plan, journal, snapshot, run)
-        tmp, tmp_fd = self.make_tmp()
         replace = run == "select"
+        tmp, tmp_fd = self.make_tmp(skeleton=inc is not None and replace)
+        reused = self.target.tmp_reused
         hook = None
         if inc is not None:
             inc.hashes.start()
@@ -156,7 +157,7 @@ class _Pull(IncrementalRunner):
 
         def extract(feed: ChunkFeed) -> ExtractStats:
             if inc is not None and replace:
-                inc.locked(lambda: inc.farm(tmp_fd, feed.check_cancel))
+                inc.locked(lambda: inc.farm(tmp_fd, feed.check_cancel, reused=reused))
             limits = self.options.limits
             return extract_feed(
                 feed, plan.compressor, tmp_fd, limits, self.extracted, replace=replace, on_file=hook
@@ -182,10 +183,11 @@ class _Pull(IncrementalRunner):
             self.io.shutdown(wait=False)
         return stats, chunks, length, old
 
-    def make_tmp(self) -> tuple[str, int]:
-        """The tree beside DEST that becomes DEST (stale ones of earlier runs go)."""
+    def make_tmp(self, *, skeleton: bool = False) -> tuple[str, int]:
+        """The tree beside DEST that becomes DEST (stale ones of earlier runs go); with
+        ``skeleton``, the directories the last pull kept when there are some."""
         tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
-        tmp_fd, leftovers = self.target.make_tmp(tmp)
+        tmp_fd, leftovers = self.target.make_tmp(tmp, skeleton=skeleton)
         self.warnings.extend(leftovers)
         return tmp, tmp_fd
 
@@ -209,7 +211,8 @@ class _Pull(IncrementalRunner):
         """Changes without an entry to fetch (deletions, directory modes or mtimes, a
         host-side chmod of a directory): the new tree is the farm alone, no producer run."""
         assert inc is not None
-        tmp, tmp_fd = self.make_tmp()
+        tmp, tmp_fd = self.make_tmp(skeleton=True)
+        reused = self.target.tmp_reused
         inc.hashes.start()
         inc.hashes.close()
         stop = threading.Event()
@@ -220,7 +223,7 @@ class _Pull(IncrementalRunner):
 
         try:
             self.emit("apply")
-            await in_thread(lambda: inc.locked(lambda: inc.farm(tmp_fd, check)))
+            await in_thread(lambda: inc.locked(lambda: inc.farm(tmp_fd, check, reused=reused)))
             await in_thread(lambda: inc.locked(lambda: inc.dir_meta(tmp_fd)))
             old = self.swap_in(tmp, tmp_fd)
         except BaseException:
@@ -232,13 +235,15 @@ class _Pull(IncrementalRunner):
     async def finish(self, old: str | None) -> None:
         """After the swap DEST is final: nothing here may fail the pull.
 
-        The old tree is removed, the guest staging cleaned up and the journal
-        forgotten; problems become warnings.
+        The old tree is removed (an incremental pull keeps its directories for the next
+        one: :meth:`~wsync.engine.destdir.DestDir.keeper`), the guest staging cleaned up
+        and the journal forgotten; problems become warnings.
         """
         self.emit("cleanup")
         if old is not None:
+            remove = self.target.keeper(old) if self.inc is not None else self.target.removal(old)
             try:
-                await in_thread(self.target.removal(old))
+                await in_thread(remove)
             except (HostIOError, OSError) as exc:
                 self.warnings.append(f"the previous tree was not fully removed: {exc}")
         inc = self.inc
