@@ -92,14 +92,17 @@ def build_farm(
     keep: Iterable[tuple[bytes, str]],
     check_cancel: Callable[[], None],
     *,
-    dirs_exist: bool = False,
+    spare: bool = False,
+    linked: list[bytes] | None = None,
 ) -> int:
     """Fill the empty tree at ``tmp_fd`` from DEST at ``dest_fd``; return the entries made.
 
     ``keep`` is ``(path, kind)`` with every directory before its entries (the diff's order):
     directories are created 0o700 (their modes come last, from :func:`set_dir_meta`), all
-    else is hard-linked from the same path in DEST.  With ``dirs_exist`` the tree holds
-    kept directories (and nothing else): a directory already there is used as it is.
+    else is hard-linked from the same path in DEST.  With ``spare`` the tree is a spare
+    tree already pruned to the new tree's directories and DEST's own inodes of kept entries
+    (:meth:`wsync.engine.incstate.PullState.spare_leftovers`): what is there already stays.
+    ``linked`` collects the paths of the entries this call linked.
     """
     dest = _Parents(dest_fd)
     tmp = _Parents(tmp_fd)
@@ -117,16 +120,22 @@ def build_farm(
                     try:
                         os.mkdir(leaf, 0o700, dir_fd=tparent)
                     except FileExistsError:
-                        if not dirs_exist:
+                        if not spare:
                             raise
                         st = os.stat(leaf, dir_fd=tparent, follow_symlinks=False)
                         if not stat.S_ISDIR(st.st_mode):
                             raise
                 else:
                     dparent = dest.get(parent)
-                    os.link(
-                        leaf, leaf, src_dir_fd=dparent, dst_dir_fd=tparent, follow_symlinks=False
-                    )
+                    try:
+                        os.link(leaf, leaf, src_dir_fd=dparent, dst_dir_fd=tparent,
+                                follow_symlinks=False)  # fmt: skip
+                    except FileExistsError:
+                        if not spare:
+                            raise
+                        continue  # the spare's own link of DEST's inode (checked by the prune)
+                    if linked is not None:
+                        linked.append(path)
             except OSError as exc:
                 raise _farm_error(path, exc) from exc
             made += 1

@@ -161,10 +161,8 @@ class _Frame:
 class _Remover:
     """The state of one :func:`remove_tree_at`: the path stack and the first failure."""
 
-    def __init__(self, shown: str, *, keep_dirs: bool = False) -> None:
+    def __init__(self, shown: str) -> None:
         self.shown = shown
-        #: strip the tree (every non-directory goes) instead of removing it
-        self.keep_dirs = keep_dirs
         self.stack: list[_Frame] = []
         self.failure: tuple[str, OSError] | None = None
         self.failures = 0
@@ -280,27 +278,6 @@ def _make_searchable(parent_fd: int, name: str) -> bool:
         os.close(fd)
 
 
-def strip_tree_at(parent_fd: int, name: str, *, shown: str | None = None) -> None:
-    """Remove every non-directory of the tree ``name`` in ``parent_fd``, keep its
-    directories (made owner rwx where they were not); HostIOError as
-    :func:`remove_tree_at`.  On a filesystem where making and removing a directory costs
-    tens of times what linking a file does, a pull that keeps the last tree's directories
-    for the next one saves most of its farm's and removal's time."""
-    shown = shown or name
-    run = _Remover(shown, keep_dirs=True)
-    try:
-        run.enter(parent_fd, name)
-        _walk(run, parent_fd)
-    except OSError as exc:
-        run.fail("", exc)
-    finally:
-        run.close()
-    if run.failure is not None:
-        where, error = run.failure
-        more = f" (and {run.failures - 1} more)" if run.failures > 1 else ""
-        raise HostIOError(f"cannot strip {where}: {error.strerror or error}{more}")
-
-
 def remove_tree_at(parent_fd: int, name: str, *, shown: str | None = None) -> None:
     """Remove entry ``name`` of the open directory ``parent_fd``, a whole tree if it is one.
 
@@ -348,8 +325,6 @@ def _walk(run: _Remover, top_parent: int) -> None:
         parent = run.parent_fd(top_parent)
         stack.pop()
         os.close(frame.fd)
-        if run.keep_dirs:
-            continue
         try:
             os.rmdir(frame.name, dir_fd=parent)
         except FileNotFoundError:

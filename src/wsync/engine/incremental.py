@@ -44,12 +44,11 @@ from typing import BinaryIO, TypeVar
 import structlog
 
 from wsync.engine.api import PullOptions
-from wsync.engine.destdir import DestDir, open_beneath
+from wsync.engine.destdir import DestDir, remove_paths
 from wsync.engine.excludes import Excludes
 from wsync.engine.farm import build_farm, set_dir_meta
 from wsync.engine.fsutil import remove_tree_at
 from wsync.engine.guest import GuestPlan
-from wsync.engine.hostscan import parts_of
 from wsync.engine.incstate import Diff, PullState
 from wsync.errors import (
     GuestToolsMissing,
@@ -181,6 +180,8 @@ class Incremental:
         #: the manifest was loaded into the state (it is not while the shortcut may apply)
         self.loaded = False
         self._stop = threading.Event()
+        #: the kept entries the farm linked (None: no farm, or too many to read one by one)
+        self.linked: list[bytes] | None = None
 
     def close(self) -> None:
         """Close the state, unless a worker thread still uses its connection (a pull
@@ -290,58 +291,60 @@ class Incremental:
     def farm(self, tmp_fd: int, check_cancel: object, *, reused: bool = False) -> int:
         """Link DEST's unchanged entries and create every directory in the tmp tree.
 
-        ``reused``: the tmp tree is the directories an earlier pull kept
-        (:meth:`wsync.engine.destdir.DestDir.keeper`); what the new tree does not have
-        goes first."""
+        ``reused``: the tmp tree is the spare tree the last pull kept
+        (:meth:`wsync.engine.destdir.DestDir.spare`); what the new tree must not have
+        goes first, and what it has already stays (not linked again)."""
         assert self.diff is not None
         if reused:
             reused = self._prune(tmp_fd)
         dest_fd = open_dest(self.target) if self.mode == "incremental" else None
         source = dest_fd if dest_fd is not None else tmp_fd
+        self.linked = []
         try:
             return build_farm(
                 source,
                 tmp_fd,
-                self.diff.keep(),
+                self.diff.keep(spare=reused),
                 check_cancel,  # type: ignore[arg-type]
-                dirs_exist=reused,
+                spare=reused,
+                linked=self.linked,
             )
         finally:
             if dest_fd is not None:
                 os.close(dest_fd)
 
     def _prune(self, tmp_fd: int) -> bool:
-        """Remove from the kept directories at ``tmp_fd`` all the new tree does not have;
-        if they cannot be read as expected, empty the tree (False: start from nothing)."""
+        """Remove from the spare tree at ``tmp_fd`` all the new tree must not have; if it
+        cannot be read as expected, empty the tree (False: start from nothing)."""
         try:
-            doomed = self.state.skeleton_leftovers(tmp_fd)
-            for path in doomed:
-                parent, _, leaf = path.rpartition(b"/")
-                fd = open_beneath(tmp_fd, parts_of(parent or b"."))
-                try:
-                    remove_tree_at(fd, os.fsdecode(leaf))
-                finally:
-                    os.close(fd)
+            remove_paths(tmp_fd, self.state.spare_leftovers(tmp_fd), "the spare tree")
             return True
         except (OSError, HostIOError) as exc:
-            log.warning("kept directories not reusable, starting afresh", error=str(exc))
+            log.warning("the spare tree is not reusable, starting afresh", error=str(exc))
         with os.scandir(tmp_fd) as entries:
             names = [entry.name for entry in entries]
         for name in names:
             remove_tree_at(tmp_fd, name)
         return False
 
+    def spare_doomed(self) -> list[bytes]:
+        """The old tree's entries the new tree does not share (see DestDir.spare)."""
+        return self.state.old_leftovers()
+
     def dir_meta(self, tmp_fd: int) -> None:
         assert self.diff is not None
         set_dir_meta(tmp_fd, self.diff.dirs())
 
     def commit(self) -> None:
-        """Record DEST as this sandbox's baseline (after the old tree was removed)."""
+        """Record DEST as this sandbox's baseline (after the old tree was removed, or made
+        the spare tree).  When the farm linked few entries (the others were in the spare
+        tree: their inodes were not touched) only what the pull touched is read again."""
         dest_fd = open_dest(self.target)
         if dest_fd is None:
             return
+        linked = self.linked if self.mode == "incremental" else None
         try:
-            self.state.commit(dest_fd, iter(self.hashes))
+            self.state.commit(dest_fd, iter(self.hashes), linked)
         finally:
             os.close(dest_fd)
 

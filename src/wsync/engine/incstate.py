@@ -427,40 +427,40 @@ class PullState:
         )
         return int(verified)
 
-    def skeleton_leftovers(self, tmp_fd: int) -> list[bytes]:
-        """What the kept directories now at ``tmp_fd`` hold that the new tree must not:
-        anything not a directory of the loaded manifest, top-most first (a removed
-        directory takes its entries with it)."""
+    def spare_leftovers(self, tmp_fd: int) -> list[bytes]:
+        """What the spare tree now at ``tmp_fd`` (the tree before last, see
+        :meth:`wsync.engine.destdir.DestDir.spare`) holds that the new tree must not:
+        anything but the manifest's directories and the kept entries that are DEST's very
+        inodes, top-most first (a removed directory takes its entries with it)."""
         with self._errors():
             db = self.db
-            db.execute("DELETE FROM s.skel")
-            batch: list[tuple[bytes, str]] = []
-            with host_io("reading the kept directories"):
+            db.execute("DELETE FROM s.spare")
+            batch: list[tuple[bytes, str, int]] = []
+            insert = "INSERT OR REPLACE INTO s.spare VALUES (?, ?, ?)"
+            with host_io("reading the spare tree"):
                 for row in hostscan.scan(tmp_fd):
-                    batch.append((row[0], row[1]))
+                    batch.append((row[0], row[1], row[6]))
                     if len(batch) >= BATCH:
-                        db.executemany("INSERT OR REPLACE INTO s.skel VALUES (?, ?)", batch)
+                        db.executemany(insert, batch)
                         batch.clear()
-            db.executemany("INSERT OR REPLACE INTO s.skel VALUES (?, ?)", batch)
-            rows = db.execute(
-                "SELECT path FROM s.skel k WHERE path != x'2e' AND NOT (kind = 'd' AND EXISTS "
-                "(SELECT 1 FROM s.man m WHERE m.path = k.path AND m.kind = 'd')) ORDER BY path"
-            )
-            doomed: list[bytes] = []
-            tops: set[bytes] = set()
-            for (found,) in rows:
-                path = bytes(found)
-                parts = path.split(b"/")
-                if not any(b"/".join(parts[:i]) in tops for i in range(1, len(parts))):
-                    doomed.append(path)
-                    tops.add(path)
+            db.executemany(insert, batch)
+            doomed = _tops(db.execute(incsql.SPARE_LEFTOVERS))
             db.commit()
         return doomed
+
+    def old_leftovers(self) -> list[bytes]:
+        """Entries of the old tree (DEST as the diff scanned it) that the new tree does not
+        share, top-most first: removed, the rest of the old tree is the next pull's spare."""
+        with self._errors():
+            return _tops(self.db.execute(incsql.OLD_LEFTOVERS))
 
     # -- after the pull -----------------------------------------------------------------
 
     def commit(
-        self, dest_fd: int, file_hashes: Mapping[bytes, str] | Iterable[tuple[bytes, str]]
+        self,
+        dest_fd: int,
+        file_hashes: Mapping[bytes, str] | Iterable[tuple[bytes, str]],
+        linked: Iterable[bytes] | None = None,
     ) -> None:
         """Record the tree now in DEST (open at ``dest_fd``) as this sandbox's baseline.
 
@@ -469,13 +469,23 @@ class PullState:
         :meth:`add_hash` since :meth:`load_manifest`); kept files carry their recorded hash.
         An entry is recorded only where DEST holds it with the manifest's kind, so anything
         the pull did not leave (vanished in the guest, refused) is fetched next time.
+
+        ``linked``: the kept entries the farm linked this pull (the others were in the spare
+        tree already, so nothing touched their inodes since the diff's scan).  Given, only
+        the entries the pull touched (those, directories, fetched ones) are read again;
+        else DEST is scanned whole.  A signature recorded too early can only cost a re-hash
+        next time (a ctime that moved is re-checked), never a wrong tree.
         """
         if not self._loaded:
             raise RuntimeError("load_manifest() first")
         pairs = file_hashes.items() if isinstance(file_hashes, Mapping) else file_hashes
         with self._errors():
             db = self.db
-            self._scan_host(dest_fd)
+            statement = incsql.COMMIT
+            if linked is not None and self._diffed and self._stat_touched(dest_fd, linked):
+                statement = incsql.COMMIT_TARGETED
+            else:
+                self._scan_host(dest_fd)
             for path, digest in pairs:
                 self.add_hash(path, digest)
             self._flush_hashes()
@@ -486,7 +496,7 @@ class PullState:
             try:
                 db.execute("DELETE FROM main.state")
                 db.executemany("DELETE FROM main.meta WHERE k = ?", [(k,) for k in _NOOP_KEYS])
-                db.execute(incsql.COMMIT)
+                db.execute(statement)
                 db.executemany(
                     "INSERT OR REPLACE INTO main.meta VALUES (?, ?)",
                     [("sandbox", self.sandbox_key), ("version", SCHEMA_VERSION)],
@@ -495,6 +505,26 @@ class PullState:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
+
+    def _stat_touched(self, dest_fd: int, linked: Iterable[bytes]) -> bool:
+        """``s.after``: the signature of every entry of DEST the pull touched; False (and
+        nothing done) when that is more than half the tree: one scan is cheaper then."""
+        db = self.db
+        db.execute("DELETE FROM s.after")
+        paths = [bytes(row[0]) for row in db.execute(incsql.TOUCHED)]
+        paths.extend(linked)
+        total = db.execute("SELECT count(*) FROM s.man").fetchone()[0]
+        if len(paths) > total // 2:
+            return False
+        batch: list[hostscan.HostRow] = []
+        with host_io("reading DEST"):
+            for row in hostscan.stat_paths(dest_fd, sorted(paths)):
+                batch.append(row)
+                if len(batch) >= BATCH:
+                    db.executemany(incsql.INSERT_AFTER, batch)
+                    batch.clear()
+        db.executemany(incsql.INSERT_AFTER, batch)
+        return True
 
     def add_hash(self, path: bytes, digest: str) -> None:
         """Note the xxh3_128 of a file the extractor wrote (``on_file`` can be this method):
@@ -547,13 +577,13 @@ class Diff:
         for (path,) in rows:
             yield bytes(path)
 
-    def keep(self) -> Iterator[tuple[bytes, str]]:
+    def keep(self, *, spare: bool = False) -> Iterator[tuple[bytes, str]]:
         """(path, kind) for the farm: every directory but the root, and the unchanged
-        entries to link, sorted by path bytes, so a directory comes before its entries."""
-        rows = self.state.db.execute(
-            "SELECT path, kind FROM s.plan WHERE (kind = 'd' AND path != x'2e') "
-            "OR (kind != 'd' AND act = 'keep') ORDER BY path"
-        )
+        entries to link, sorted by path bytes, so a directory comes before its entries.
+        With ``spare``, not those the pruned spare tree has already (see
+        :meth:`PullState.spare_leftovers`)."""
+        sql = incsql.KEEP_SPARE if spare else incsql.KEEP
+        rows = self.state.db.execute(sql)
         for path, kind in rows:
             yield bytes(path), str(kind)
 
@@ -589,3 +619,16 @@ class Diff:
             code = changed_flags(str(act), new, old)
             target = bytes(new[6] or b"") if new[0] == "l" else b""
             yield itemize_line(code, bytes(path), new[0] == "d", target)
+
+
+def _tops(rows: Iterable[tuple[bytes]]) -> list[bytes]:
+    """The paths of ``rows`` (sorted) that are not below another one of them."""
+    doomed: list[bytes] = []
+    tops: set[bytes] = set()
+    for (found,) in rows:
+        path = bytes(found)
+        parts = path.split(b"/")
+        if not any(b"/".join(parts[:i]) in tops for i in range(1, len(parts))):
+            doomed.append(path)
+            tops.add(path)
+    return doomed

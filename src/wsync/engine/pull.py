@@ -53,7 +53,6 @@ from wsync.engine.winddown import (
 )
 from wsync.errors import (
     HostileArchive,
-    HostIOError,
     IntegrityFailed,
     Interrupted,
     LimitExceeded,
@@ -148,7 +147,7 @@ class _Pull(IncrementalRunner):
             await self.session.upload_list(snapshot, listing)
         journaled = await self.admit_phase(plan, journal, snapshot, run)
         replace = run == "select"
-        tmp, tmp_fd = self.make_tmp(skeleton=inc is not None and replace)
+        tmp, tmp_fd = self.make_tmp(spare=inc is not None and replace)
         reused = self.target.tmp_reused
         hook = None
         if inc is not None:
@@ -183,11 +182,12 @@ class _Pull(IncrementalRunner):
             self.io.shutdown(wait=False)
         return stats, chunks, length, old
 
-    def make_tmp(self, *, skeleton: bool = False) -> tuple[str, int]:
+    def make_tmp(self, *, spare: bool = False) -> tuple[str, int]:
         """The tree beside DEST that becomes DEST (stale ones of earlier runs go); with
-        ``skeleton``, the directories the last pull kept when there are some."""
+        ``spare``, the spare tree the last pull kept when there is one."""
         tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
-        tmp_fd, leftovers = self.target.make_tmp(tmp, skeleton=skeleton)
+        self.farmed = spare
+        tmp_fd, leftovers = self.target.make_tmp(tmp, spare=spare)
         self.warnings.extend(leftovers)
         return tmp, tmp_fd
 
@@ -211,7 +211,7 @@ class _Pull(IncrementalRunner):
         """Changes without an entry to fetch (deletions, directory modes or mtimes, a
         host-side chmod of a directory): the new tree is the farm alone, no producer run."""
         assert inc is not None
-        tmp, tmp_fd = self.make_tmp(skeleton=True)
+        tmp, tmp_fd = self.make_tmp(spare=True)
         reused = self.target.tmp_reused
         inc.hashes.start()
         inc.hashes.close()
@@ -235,18 +235,22 @@ class _Pull(IncrementalRunner):
     async def finish(self, old: str | None) -> None:
         """After the swap DEST is final: nothing here may fail the pull.
 
-        The old tree is removed (an incremental pull keeps its directories for the next
-        one: :meth:`~wsync.engine.destdir.DestDir.keeper`), the guest staging cleaned up
-        and the journal forgotten; problems become warnings.
+        The old tree is removed (after a farm it becomes the spare tree the next pull builds
+        on: :meth:`~wsync.engine.destdir.DestDir.spare`), the guest staging cleaned up and
+        the journal forgotten; problems become warnings.
         """
         self.emit("cleanup")
-        if old is not None:
-            remove = self.target.keeper(old) if self.inc is not None else self.target.removal(old)
-            try:
-                await in_thread(remove)
-            except (HostIOError, OSError) as exc:
-                self.warnings.append(f"the previous tree was not fully removed: {exc}")
         inc = self.inc
+        if old is not None:
+            try:
+                if inc is not None and self.farmed:
+                    doomed = await in_thread(lambda: inc.locked(inc.spare_doomed))
+                    await in_thread(self.target.spare(old, doomed))
+                else:
+                    await in_thread(self.target.removal(old))
+                    await in_thread(self.target.drop_spare())
+            except (WsyncError, OSError) as exc:
+                self.warnings.append(f"the previous tree was not fully removed: {exc}")
         if inc is not None and self.swapped:
             # after the old tree is gone: unlinking it changed the ctimes of kept files
             try:

@@ -1,7 +1,8 @@
-"""The kept directories (``.NAME.wsync-skel``): an incremental pull strips the old tree of
-everything but its directories and the next farm starts from them (on the development
-VM's disk a mkdir or rmdir costs about 20 times a link).  Whatever is found there, the
-new tree is exactly the guest's, and nothing is followed out of it."""
+"""The spare tree (``.NAME.wsync-spare``): after a farm-built pull the old tree, minus what
+the new tree does not share, is kept beside DEST (directories, and hard links of DEST's own
+inodes), and the next farm starts from it: only what changed is linked, unlinked or made
+(on the development VM's disk a mkdir or rmdir costs about 20 links).  Whatever is found
+there, the new tree is exactly the guest's, and nothing is followed out of it."""
 
 from __future__ import annotations
 
@@ -31,39 +32,54 @@ def go(ws: Path, dest: Path, opts: PullOptions) -> PullResult:
     return result
 
 
-def skeleton(dest: Path) -> Path:
-    return dest.parent / f".{dest.name}.wsync-skel"
+def spare(dest: Path) -> Path:
+    return dest.parent / f".{dest.name}.wsync-spare"
 
 
-def only_dirs(root: Path) -> bool:
-    return all(p.is_dir() and not p.is_symlink() for p in root.rglob("*"))
+def shares_dest(root: Path, dest: Path) -> bool:
+    """Every entry of the spare tree is a directory of DEST or DEST's very inode."""
+    for p in root.rglob("*"):
+        twin = dest / p.relative_to(root)
+        if p.is_dir() and not p.is_symlink():
+            if not (twin.is_dir() and not twin.is_symlink()):
+                return False
+        elif not os.path.lexists(twin) or os.lstat(p).st_ino != os.lstat(twin).st_ino:
+            return False
+    return True
 
 
 @pytest.fixture
 def kept(tmp_path: Path) -> tuple[Path, Path, PullOptions]:
-    """A DEST whose last (incremental, changing) pull left its directories beside it."""
+    """A DEST whose last (incremental, changing) pull left a spare tree beside it."""
     ws = make_tree(tmp_path / "ws", big=64 * 1024, small=20)
     dest = tmp_path / "dest"
     opts = options(tmp_path)
     go(ws, dest, opts)
     (ws / "src" / "f1.txt").write_text("changed\n")
     assert go(ws, dest, opts).mode == "incremental"
-    assert skeleton(dest).is_dir() and only_dirs(skeleton(dest))
-    assert (skeleton(dest) / "src" / "deep" / "er" / "est").is_dir()
+    assert spare(dest).is_dir() and shares_dest(spare(dest), dest)
+    assert (spare(dest) / "src" / "deep" / "er" / "est").is_dir()
+    assert not (spare(dest) / "src" / "f1.txt").exists()  # the old version is gone
+    assert (spare(dest) / "src" / "f2.txt").exists()
     return ws, dest, opts
 
 
-def test_the_kept_directories_are_reused_and_kept_again(
+def test_the_spare_tree_is_reused_and_kept_again(
     kept: tuple[Path, Path, PullOptions],
 ) -> None:
     ws, dest, opts = kept
-    reused = os.stat(skeleton(dest) / "src" / "deep").st_ino
+    reused = os.stat(spare(dest) / "src" / "deep").st_ino
+    kept_file = os.stat(dest / "src" / "f3.txt")
     (ws / "src" / "f2.txt").write_text("changed again\n")
     (ws / "src" / "deep" / "new").mkdir()
+    (ws / "src" / "f4.txt").unlink()
     go(ws, dest, opts)
     assert_exact(ws, dest)
     assert os.stat(dest / "src" / "deep").st_ino == reused  # the same directory, not a new one
-    assert only_dirs(skeleton(dest))
+    again = os.stat(dest / "src" / "f3.txt")  # kept: neither linked nor unlinked this time
+    assert (again.st_ino, again.st_ctime_ns) == (kept_file.st_ino, kept_file.st_ctime_ns)
+    assert shares_dest(spare(dest), dest)
+    assert go(ws, dest, opts).changed_files == 0
     assert go(ws, dest, opts).changed_files == 0
 
 
@@ -71,16 +87,24 @@ def test_whatever_the_kept_directories_hold_the_tree_is_exact(
     kept: tuple[Path, Path, PullOptions], tmp_path: Path
 ) -> None:
     ws, dest, opts = kept
-    skel = skeleton(dest)
+    skel = spare(dest)
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "precious").write_text("keep me\n")
     (skel / "src" / "stray.txt").write_text("not the guest's\n")  # a file
     (skel / "not-in-guest" / "sub").mkdir(parents=True)  # directories the guest lacks
+    (skel / "blob.bin").unlink()
     (skel / "blob.bin").mkdir()  # a directory where the guest has a file
     (skel / "src" / "deep" / "escape").symlink_to(outside)  # a way out
     (skel / "empty").chmod(0o500)  # read-only
     os.setxattr(skel / "src", "user.host-only", b"1")
+    (skel / "src" / "f5.txt").unlink()  # another file under a kept name
+    (skel / "src" / "f5.txt").write_text("not the guest's either\n")
+    victim = skel / "src" / "f6.txt"  # DEST's own inode, edited in place, mtime put back
+    st = victim.stat()
+    with open(victim, "r+b") as f:
+        f.write(b"XX")
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
     (ws / "src" / "f2.txt").write_text("changed again\n")
     go(ws, dest, opts)
     assert_exact(ws, dest)
@@ -95,7 +119,7 @@ def test_kept_directories_that_are_not_a_directory_are_not_used(
     kept: tuple[Path, Path, PullOptions], tmp_path: Path, what: str
 ) -> None:
     ws, dest, opts = kept
-    skel = skeleton(dest)
+    skel = spare(dest)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "x").write_text("not ours\n")
@@ -108,7 +132,7 @@ def test_kept_directories_that_are_not_a_directory_are_not_used(
     go(ws, dest, opts)
     assert_exact(ws, dest)
     assert (elsewhere / "x").read_text() == "not ours\n"
-    assert skel.is_dir() and not skel.is_symlink() and only_dirs(skel)
+    assert skel.is_dir() and not skel.is_symlink() and shares_dest(skel, dest)
 
 
 def test_a_scan_larger_than_what_it_holds_spills_to_the_database(
