@@ -21,8 +21,10 @@ is opened once.
 The same object holds the DEST lock: ``flock`` on ``.NAME.wsync-lock`` beside
 DEST, for the whole pull, so two pulls of different sandboxes into one DEST
 cannot both succeed (item 13); holding it also makes every left-over
-``.NAME.wsync-tmp-*`` stale, so those are removed.  DEST on a mount point is
-refused at the start: the swap renames, and a mount point cannot be renamed.
+``.NAME.wsync-tmp-*`` stale, so those are removed.  ``.NAME.wsync-spare`` is the tree
+before DEST that an incremental pull keeps for the next one (:meth:`DestDir.spare`).
+DEST on a mount point is refused at the start: the swap renames, and a mount point
+cannot be renamed.
 """
 
 from __future__ import annotations

@@ -26,7 +26,10 @@ The new tree is built in the usual tmp dir beside DEST: a hardlink farm of DEST'
 unchanged entries (:func:`~wsync.engine.farm.build_farm`), the archive applied in the
 extractor's replace mode (no inode of the live DEST is ever written), gone entries
 removed, directory modes and mtimes set from the manifest, then the usual flush and swap.
-After the old tree is removed the state is committed with the extractor's file hashes.
+After the swap the old tree, less what the new one does not share, becomes the spare tree
+the next pull's farm starts from (:meth:`~wsync.engine.destdir.DestDir.spare`), and the
+state is committed with the extractor's file hashes: the entries the pull touched are read
+again, the kept ones keep the signature the diff's scan saw (nothing touched their inodes).
 """
 
 from __future__ import annotations

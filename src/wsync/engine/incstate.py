@@ -3,8 +3,10 @@
 One SQLite file per DEST, ``STATE/incremental/<sha256 of DEST's real path>.sqlite``, holds
 the sandbox key of the last successful pull into DEST and, per entry of the tree it left:
 the guest's manifest record, the xxh3_128 of the file's bytes as written on the host, and
-the host ``lstat`` signature (kind, mode, size, mtime, ctime, inode) taken after that pull
-finished (after the old tree was removed: linking and unlinking change ctimes).
+the host ``lstat`` signature (kind, mode, size, mtime, ctime, inode) as that pull left it:
+read again after the old tree was dealt with (linking and unlinking change ctimes) for the
+entries the pull touched, or for all of DEST when it touched many; a kept entry that was
+already in the spare tree keeps the signature the diff's scan saw.
 
 Why SQLite: a workspace may hold a million entries, and wsync's memory must stay bounded
 (issue 8: peak RSS <= 200 MB for a 1M-entry manifest).  The manifest and a scan of DEST are
@@ -464,7 +466,8 @@ class PullState:
     ) -> None:
         """Record the tree now in DEST (open at ``dest_fd``) as this sandbox's baseline.
 
-        Call it after the swap and after the old tree was removed.  ``file_hashes`` are the
+        Call it after the swap and after the old tree was removed or made the spare tree.
+        ``file_hashes`` are the
         extractor's xxh3_128 of every file it wrote (on top of those given to
         :meth:`add_hash` since :meth:`load_manifest`); kept files carry their recorded hash.
         An entry is recorded only where DEST holds it with the manifest's kind, so anything
