@@ -332,8 +332,30 @@ def main() -> int:
                 )
             )  # fmt: skip
 
-    if not args.incremental_only and (not args.backend or "k8s" in args.backend):
-        emulated["k8s"] = _k8s_rows(root, ws, state, py, rounds)
+    # k8s: the cluster is reached through the kubeconfig the emulator writes (CA, token)
+    from wsync.emulators.k8s import K8sEmulatorThread, K8sFaults
+
+    with K8sEmulatorThread(root / "k8s") as cluster:
+        cluster.create_pod("bench")
+        k8s_uri = shlex.quote(f"k8s://default/bench{ws}")
+        k8s_common = (
+            f"--json --state-dir {shlex.quote(str(state))} "
+            f"--kubeconfig {shlex.quote(str(cluster.kubeconfig))}"
+        )
+
+        def k8s_pull(d: Path) -> str:
+            return f"{py} -m wsync pull {k8s_uri} {shlex.quote(str(d))} {k8s_common}"
+
+        emulated["k8s"] = tuple(  # type: ignore[assignment]
+            rounds(
+                [
+                    ("wsync pull k8s emulator, clean", k8s_pull,
+                     lambda: cluster.set_faults(K8sFaults.off())),
+                    ("wsync pull k8s emulator, all faults", k8s_pull,
+                     lambda: cluster.set_faults(K8sFaults.all_on(seed=3))),
+                ]
+            )
+        )  # fmt: skip
 
     def ratio(a: dict[str, object], b: dict[str, object]) -> float:
         return round(float(a["wall_s"]) / float(b["wall_s"]), 2)  # type: ignore[arg-type]
@@ -388,38 +410,6 @@ def main() -> int:
     if args.json:
         print(json.dumps({"rows": rows, "ratios": summary, "files": files, "bytes": size}))
     return 0
-
-
-def _k8s_rows(
-    root: Path,
-    ws: Path,
-    state: Path,
-    py: str,
-    rounds: Callable[[list[Any]], list[dict[str, object]]],
-) -> tuple[dict[str, object], dict[str, object]]:
-    """The k8s emulator rows: the cluster is reached through the kubeconfig it writes."""
-    from wsync.emulators.k8s import K8sEmulatorThread, K8sFaults
-
-    with K8sEmulatorThread(root / "k8s") as cluster:
-        cluster.create_pod("bench")
-        k8s_uri = shlex.quote(f"k8s://default/bench{ws}")
-        k8s_common = (
-            f"--json --state-dir {shlex.quote(str(state))} "
-            f"--kubeconfig {shlex.quote(str(cluster.kubeconfig))}"
-        )
-
-        def k8s_pull(d: Path) -> str:
-            return f"{py} -m wsync pull {k8s_uri} {shlex.quote(str(d))} {k8s_common}"
-
-        clean, faulty = rounds(
-            [
-                ("wsync pull k8s emulator, clean", k8s_pull,
-                 lambda: cluster.set_faults(K8sFaults.off())),
-                ("wsync pull k8s emulator, all faults", k8s_pull,
-                 lambda: cluster.set_faults(K8sFaults.all_on(seed=3))),
-            ]
-        )  # fmt: skip
-    return clean, faulty
 
 
 def _rsync_received(out: bytes) -> int:
