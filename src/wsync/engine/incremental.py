@@ -15,16 +15,28 @@ Then :meth:`Incremental.decide` picks the content run:
 - a baseline: the diff's changed entries are uploaded as a list and a ``select`` run
   archives exactly those; nothing changed and DEST intact: no run, no write.
 
+DEST is scanned while the guest writes the manifest (:meth:`Incremental.scan`).  When the
+last pull found nothing to do, the state remembers the digest of that manifest and of that
+scan; a pull that sees both again is a no-op without parsing the manifest or diffing (the
+diff is a function of the two and of the state, which only a commit changes).  DEST is
+still scanned every time, so any change made to it on the host changes the scan's digest
+and takes the full diff, which repairs it.
+
 The new tree is built in the usual tmp dir beside DEST: a hardlink farm of DEST's
 unchanged entries (:func:`~wsync.engine.farm.build_farm`), the archive applied in the
 extractor's replace mode (no inode of the live DEST is ever written), gone entries
 removed, directory modes and mtimes set from the manifest, then the usual flush and swap.
-After the old tree is removed the state is committed with the extractor's file hashes.
+After the swap the old tree, less what the new one does not share, becomes the spare tree
+the next pull's farm starts from (:meth:`~wsync.engine.destdir.DestDir.spare`), and the
+state is committed with the extractor's file hashes: the entries the pull touched are read
+again, the kept ones keep the signature the diff's scan saw (nothing touched their inodes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import struct
 import threading
@@ -35,15 +47,17 @@ from typing import BinaryIO, TypeVar
 import structlog
 
 from wsync.engine.api import PullOptions
-from wsync.engine.destdir import DestDir
+from wsync.engine.destdir import DestDir, remove_paths
 from wsync.engine.excludes import Excludes
 from wsync.engine.farm import build_farm, set_dir_meta
+from wsync.engine.fsutil import remove_tree_at
 from wsync.engine.guest import GuestPlan
 from wsync.engine.incstate import Diff, PullState
 from wsync.errors import (
     GuestToolsMissing,
     HostileArchive,
     HostIOError,
+    Interrupted,
     LimitExceeded,
     ProtocolError,
 )
@@ -146,6 +160,10 @@ class Incremental:
         self.excludes: Excludes = options.excludes
         self.target = target
         self.state = PullState.open(options.state_dir, target.path, sandbox_key)
+        #: what the state held when opened: a baseline of this sandbox, and a no-op record
+        #: (read once here: the loop thread must not wait for a worker using the state)
+        self.recorded = self.state.has_baseline()
+        self.noop_recorded = self.recorded and self.state.has_noop_record()
         self.hashes = hashes
         #: "full" or "incremental"
         self.mode = "full"
@@ -158,6 +176,15 @@ class Incremental:
         self.entries = 0
         #: held while a worker thread uses the state's connection
         self.busy = threading.Lock()
+        #: the digests the no-op shortcut compares (see the module docstring): DEST's scan
+        #: made during the manifest run, and the verified manifest stream
+        self.host_digest = ""
+        self.manifest_digest = ""
+        #: the manifest was loaded into the state (it is not while the shortcut may apply)
+        self.loaded = False
+        self._stop = threading.Event()
+        #: the kept entries the farm linked (None: no farm, or too many to read one by one)
+        self.linked: list[bytes] | None = None
 
     def close(self) -> None:
         """Close the state, unless a worker thread still uses its connection (a pull
@@ -183,6 +210,46 @@ class Incremental:
             self.entries = read_manifest(
                 stream, self.state, self.excludes, self.options.limits.max_files
             )
+            self.loaded = True
+
+    def options_key(self) -> str:
+        """What else, beside the manifest and DEST, decides the diff: the excludes and the
+        entry limit (the state's schema and sandbox are checked by ``has_baseline``)."""
+        what = [list(self.excludes.patterns), self.options.limits.max_files]
+        return hashlib.sha256(json.dumps(what).encode()).hexdigest()
+
+    def baseline(self, plan: GuestPlan, *, stdin: bool) -> bool:
+        """This pull diffs against what the last pull into DEST recorded."""
+        return self.recorded and not self.options.full and can_select(plan, stdin=stdin)
+
+    def scan(self) -> None:
+        """Scan DEST for the diff (worker thread, during the probe and the manifest run,
+        beside the manifest's loader: the state's connection is taken only to spill)."""
+        dest_fd = open_dest(self.target)
+        if dest_fd is None:
+            return
+        try:
+            self.host_digest = self.state.scan(dest_fd, self._check_stop, self.busy)
+        finally:
+            os.close(dest_fd)
+
+    def stop(self) -> None:
+        """Make a running :meth:`scan` stop at its next batch (the pull is failing)."""
+        self._stop.set()
+
+    def _check_stop(self) -> None:
+        if self._stop.is_set():
+            raise Interrupted("pull stopped")
+
+    def nothing_changed(self) -> bool:
+        """The no-op shortcut (see the module docstring): True sets the outcome."""
+        key = self.options_key()
+        with self.busy:
+            if not self.state.noop_matches(key, self.manifest_digest, self.host_digest):
+                return False
+        self.mode, self.run = "incremental", ""
+        self.changed = self.deleted = 0
+        return True
 
     def decide(self, plan: GuestPlan, *, stdin: bool, tmp_fd: int | None = None) -> None:
         """Diff and choose the content run (see the module docstring).  Runs in a thread.
@@ -190,7 +257,7 @@ class Incremental:
         ``tmp_fd`` is an empty directory to diff against when there is no baseline.
         """
         selectable = can_select(plan, stdin=stdin)
-        baseline = not self.options.full and self.state.has_baseline() and selectable
+        baseline = self.baseline(plan, stdin=stdin)
         dest_fd = open_dest(self.target) if baseline else None
         if dest_fd is None:
             self.mode = "full"
@@ -213,6 +280,9 @@ class Incremental:
         self.changed, self.deleted = self.diff.changed, self.diff.deleted
         if self.diff.nothing_to_do:
             self.run = ""
+            # the scan the diff used was made this run (by scan() or by diff() itself)
+            host = self.state.host_digest
+            self.state.record_noop(self.options_key(), self.manifest_digest, host)
         else:
             self.run = "select" if self.diff.fetch else "apply"
 
@@ -221,28 +291,63 @@ class Incremental:
         assert self.diff is not None
         return b"".join(b"./" + path + b"\0" for path in self.diff.fetch_paths())
 
-    def farm(self, tmp_fd: int, check_cancel: object) -> int:
-        """Link DEST's unchanged entries and create every directory in the tmp tree."""
+    def farm(self, tmp_fd: int, check_cancel: object, *, reused: bool = False) -> int:
+        """Link DEST's unchanged entries and create every directory in the tmp tree.
+
+        ``reused``: the tmp tree is the spare tree the last pull kept
+        (:meth:`wsync.engine.destdir.DestDir.spare`); what the new tree must not have
+        goes first, and what it has already stays (not linked again)."""
         assert self.diff is not None
+        if reused:
+            reused = self._prune(tmp_fd)
         dest_fd = open_dest(self.target) if self.mode == "incremental" else None
         source = dest_fd if dest_fd is not None else tmp_fd
+        self.linked = []
         try:
-            return build_farm(source, tmp_fd, self.diff.keep(), check_cancel)  # type: ignore[arg-type]
+            return build_farm(
+                source,
+                tmp_fd,
+                self.diff.keep(spare=reused),
+                check_cancel,  # type: ignore[arg-type]
+                spare=reused,
+                linked=self.linked,
+            )
         finally:
             if dest_fd is not None:
                 os.close(dest_fd)
+
+    def _prune(self, tmp_fd: int) -> bool:
+        """Remove from the spare tree at ``tmp_fd`` all the new tree must not have; if it
+        cannot be read as expected, empty the tree (False: start from nothing)."""
+        try:
+            remove_paths(tmp_fd, self.state.spare_leftovers(tmp_fd), "the spare tree")
+            return True
+        except (OSError, HostIOError) as exc:
+            log.warning("the spare tree is not reusable, starting afresh", error=str(exc))
+        with os.scandir(tmp_fd) as entries:
+            names = [entry.name for entry in entries]
+        for name in names:
+            remove_tree_at(tmp_fd, name)
+        return False
+
+    def spare_doomed(self) -> list[bytes]:
+        """The old tree's entries the new tree does not share (see DestDir.spare)."""
+        return self.state.old_leftovers()
 
     def dir_meta(self, tmp_fd: int) -> None:
         assert self.diff is not None
         set_dir_meta(tmp_fd, self.diff.dirs())
 
     def commit(self) -> None:
-        """Record DEST as this sandbox's baseline (after the old tree was removed)."""
+        """Record DEST as this sandbox's baseline (after the old tree was removed, or made
+        the spare tree).  When the farm linked few entries (the others were in the spare
+        tree: their inodes were not touched) only what the pull touched is read again."""
         dest_fd = open_dest(self.target)
         if dest_fd is None:
             return
+        linked = self.linked if self.mode == "incremental" else None
         try:
-            self.state.commit(dest_fd, iter(self.hashes))
+            self.state.commit(dest_fd, iter(self.hashes), linked)
         finally:
             os.close(dest_fd)
 

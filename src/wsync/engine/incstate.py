@@ -3,8 +3,10 @@
 One SQLite file per DEST, ``STATE/incremental/<sha256 of DEST's real path>.sqlite``, holds
 the sandbox key of the last successful pull into DEST and, per entry of the tree it left:
 the guest's manifest record, the xxh3_128 of the file's bytes as written on the host, and
-the host ``lstat`` signature (kind, mode, size, mtime, ctime, inode) taken after that pull
-finished (after the old tree was removed: linking and unlinking change ctimes).
+the host ``lstat`` signature (kind, mode, size, mtime, ctime, inode) as that pull left it:
+read again after the old tree was dealt with (linking and unlinking change ctimes) for the
+entries the pull touched, or for all of DEST when it touched many; a kept entry that was
+already in the spare tree keeps the signature the diff's scan saw.
 
 Why SQLite: a workspace may hold a million entries, and wsync's memory must stay bounded
 (issue 8: peak RSS <= 200 MB for a 1M-entry manifest).  The manifest and a scan of DEST are
@@ -43,13 +45,16 @@ import dataclasses
 import hashlib
 import os
 import sqlite3
-from collections.abc import Iterable, Iterator, Mapping
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
 import structlog
+import xxhash
 
-from wsync.engine import hostscan
+from wsync.engine import hostscan, incsql
 from wsync.engine.excludes import Excludes
 from wsync.engine.fsutil import host_io
 from wsync.engine.itemize import changed_flags, itemize_line
@@ -59,15 +64,15 @@ log = structlog.get_logger("wsync.incstate")
 
 #: rows per executemany while streaming
 BATCH = 4096
-#: SQLite page cache per database, KiB (negative pragma value): bounds memory whatever the size
-CACHE_KIB = 16 * 1024
+#: DEST rows a scan for the next diff holds in memory before it writes them to the scratch
+#: table (about 25 MB): a no-op pull (see :meth:`PullState.noop_matches`) never writes them
+HOLD = 100_000
 SCHEMA_VERSION = "1"
-
-_STATE_COLUMNS = """
-    path BLOB PRIMARY KEY, kind TEXT NOT NULL, mode INT, size INT, mtime INT, ctime INT,
-    ino INT, target BLOB, digest TEXT, hash TEXT,
-    hkind TEXT, hmode INT, hsize INT, hmtime INT, hctime INT, hino INT
-"""
+#: one DEST entry as the scan digest sees it (path length, kind, mode, size, times, inode)
+_ROW = struct.Struct("<Ic4xQqqqQ")
+#: the meta keys of the no-op record (see :meth:`PullState.noop_matches`)
+_NOOP_KEYS = ("noop_key", "noop_manifest", "noop_host")
+_NO_LOCK: AbstractContextManager[object] = contextlib.nullcontext()
 
 
 class ManifestEntry(Protocol):
@@ -129,6 +134,13 @@ class PullState:
         self.sandbox_key = sandbox_key
         self._loaded = False
         self._diffed = False
+        #: the digest of the last scan of DEST into the scratch table, and the directory
+        #: (device, inode) that :meth:`scan` scanned for the next diff, if any
+        self.host_digest = ""
+        self._scanned: tuple[int, int] | None = None
+        #: rows of that scan not yet in ``s.host`` (at most HOLD), and whether some are
+        self._held: list[hostscan.HostRow] = []
+        self._spilled = False
         self._hash_batch: list[tuple[bytes, str]] = []
 
     # -- opening ------------------------------------------------------------------------
@@ -140,14 +152,14 @@ class PullState:
         with host_io(f"creating {path.parent}"):
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
-            db = _connect(path)
+            db = incsql.connect(path)
         except sqlite3.OperationalError as exc:  # locked, unreadable: not ours to delete
             raise HostIOError(f"incremental state {path}: {exc}") from exc
         except sqlite3.DatabaseError as exc:  # not a database, or damaged
             log.warning("incremental state unreadable, starting afresh", path=str(path), error=exc)
-            _remove_db(path)
+            incsql.remove_db(path)
             try:
-                db = _connect(path)
+                db = incsql.connect(path)
             except sqlite3.Error as again:
                 raise HostIOError(f"incremental state {path}: {again}") from again
         return cls(path, db, sandbox_key)
@@ -240,12 +252,39 @@ class PullState:
 
     # -- the diff -----------------------------------------------------------------------
 
+    def scan(
+        self,
+        dest_fd: int,
+        check_cancel: Callable[[], None] | None = None,
+        db_lock: AbstractContextManager[object] | None = None,
+    ) -> str:
+        """Scan DEST (open at ``dest_fd``) for the next :meth:`diff`, and return the scan's
+        digest.  A pull runs this while the guest writes its manifest: the two are
+        independent, and the walk is most of a host's diff time.  The rows stay in memory
+        (up to HOLD) until the diff, so the walk uses the database only for what exceeds
+        that, each time under ``db_lock``: the manifest can be loaded meanwhile."""
+        with self._errors():
+            self._scanned = None
+            digest = self._scan_host(dest_fd, check_cancel, hold=True, db_lock=db_lock or _NO_LOCK)
+        st = os.fstat(dest_fd)
+        self._scanned = (st.st_dev, st.st_ino)
+        return digest
+
     def diff(self, dest_fd: int) -> Diff:
-        """Compare the loaded manifest and DEST (open at ``dest_fd``) with the state."""
+        """Compare the loaded manifest and DEST (open at ``dest_fd``) with the state.
+
+        DEST is scanned here unless :meth:`scan` scanned this directory since the last diff."""
         if not self._loaded:
             raise RuntimeError("load_manifest() first")
+        st = os.fstat(dest_fd)
         with self._errors():
-            self._scan_host(dest_fd)
+            if self._scanned != (st.st_dev, st.st_ino):
+                self._scan_host(dest_fd)
+            elif not self._spilled:
+                self.db.execute("DELETE FROM s.host")
+            self._scanned = None
+            self.db.executemany(incsql.INSERT_HOST, self._held)
+            self._held = []
             db = self.db
             # "base" is the recorded state, or an empty one when it is not this sandbox's
             db.execute("DROP VIEW IF EXISTS temp.base")
@@ -254,7 +293,7 @@ class PullState:
             else:
                 db.execute("CREATE TEMP VIEW base AS SELECT * FROM s.nostate")
             db.execute("DELETE FROM s.plan")
-            db.execute(_PLAN)
+            db.execute(incsql.PLAN)
             if self._recheck(dest_fd) and self.has_baseline():
                 # verified by their bytes: record where they are now, so the next pull
                 # does not hash them again (the hash recorded stays the same)
@@ -282,18 +321,83 @@ class PullState:
         self._diffed = True
         return Diff(self, int(changed), int(deleted), int(fetch))
 
-    def _scan_host(self, dest_fd: int) -> None:
+    def _scan_host(
+        self,
+        dest_fd: int,
+        check_cancel: Callable[[], None] | None = None,
+        *,
+        hold: bool = False,
+        db_lock: AbstractContextManager[object] = _NO_LOCK,
+    ) -> str:
+        """Fill ``s.host`` with DEST's entries; return a digest of every field of every row
+        in walk order (the same tree, untouched, gives the same digest: see
+        :meth:`noop_matches`).  With ``hold`` the rows stay in memory (the diff writes
+        them) unless there are more than HOLD: then all go to ``s.host`` as they come."""
         db = self.db
-        db.execute("DELETE FROM s.host")
+        self._held = []
+        self._spilled = not hold
+        if not hold:
+            db.execute("DELETE FROM s.host")
         batch: list[hostscan.HostRow] = []
-        insert = "INSERT OR REPLACE INTO s.host VALUES (?,?,?,?,?,?,?)"
+        digest = xxhash.xxh3_128()
+        pack = _ROW.pack
+        limit = HOLD if hold else BATCH
         with host_io("reading DEST"):
             for item in hostscan.scan(dest_fd):
+                path, kind, mode, size, mtime, ctime, ino = item
+                digest.update(pack(len(path), kind.encode(), mode, size, mtime, ctime, ino))
+                digest.update(path)
                 batch.append(item)
-                if len(batch) >= BATCH:
-                    db.executemany(insert, batch)
-                    batch.clear()
-        db.executemany(insert, batch)
+                if len(batch) % BATCH == 0:
+                    if check_cancel is not None:
+                        check_cancel()
+                    if len(batch) >= limit:
+                        with db_lock:
+                            if not self._spilled:
+                                db.execute("DELETE FROM s.host")
+                                self._spilled = True
+                            db.executemany(incsql.INSERT_HOST, batch)
+                            db.commit()
+                        batch.clear()
+                        limit = BATCH
+        if hold:
+            self._held = batch
+        else:
+            db.executemany(incsql.INSERT_HOST, batch)
+        self.host_digest = digest.hexdigest()
+        return self.host_digest
+
+    # -- the no-op shortcut -------------------------------------------------------------
+
+    def noop_matches(self, key: str, manifest: str, host: str) -> bool:
+        """True when the last pull that found nothing to do saw this very manifest (its
+        verified stream digest) and this very DEST (the digest of a scan: path, kind, mode,
+        size, mtime, ctime and inode of every entry), under the same options ``key``, and
+        no commit came since.  Then the diff is known to find nothing again: it is a
+        function of the manifest, DEST's scan and the state, and all three are the same.
+        Any change on the host (an edit with the mtime put back moves the ctime, a chmod,
+        a deletion, an addition) changes the scan digest, so the full diff runs."""
+        if not (manifest and host) or not self.has_baseline():
+            return False
+        with self._errors():
+            return all(
+                self._meta(k) == v for k, v in zip(_NOOP_KEYS, (key, manifest, host), strict=True)
+            )
+
+    def has_noop_record(self) -> bool:
+        with self._errors():
+            return self._meta(_NOOP_KEYS[1]) is not None
+
+    def record_noop(self, key: str, manifest: str, host: str) -> None:
+        """Remember a diff that found nothing to do (see :meth:`noop_matches`)."""
+        if not (manifest and host):
+            return
+        with self._errors():
+            self.db.executemany(
+                "INSERT OR REPLACE INTO main.meta VALUES (?, ?)",
+                list(zip(_NOOP_KEYS, (key, manifest, host), strict=True)),
+            )
+            self.db.commit()
 
     def _recheck(self, dest_fd: int) -> int:
         """Entries whose host inode or ctime moved: re-hash (re-read the link) and compare.
@@ -325,25 +429,66 @@ class PullState:
         )
         return int(verified)
 
+    def spare_leftovers(self, tmp_fd: int) -> list[bytes]:
+        """What the spare tree now at ``tmp_fd`` (the tree before last, see
+        :meth:`wsync.engine.destdir.DestDir.spare`) holds that the new tree must not:
+        anything but the manifest's directories and the kept entries that are DEST's very
+        inodes, top-most first (a removed directory takes its entries with it)."""
+        with self._errors():
+            db = self.db
+            db.execute("DELETE FROM s.spare")
+            batch: list[tuple[bytes, str, int]] = []
+            insert = "INSERT OR REPLACE INTO s.spare VALUES (?, ?, ?)"
+            with host_io("reading the spare tree"):
+                for row in hostscan.scan(tmp_fd):
+                    batch.append((row[0], row[1], row[6]))
+                    if len(batch) >= BATCH:
+                        db.executemany(insert, batch)
+                        batch.clear()
+            db.executemany(insert, batch)
+            doomed = _tops(db.execute(incsql.SPARE_LEFTOVERS))
+            db.commit()
+        return doomed
+
+    def old_leftovers(self) -> list[bytes]:
+        """Entries of the old tree (DEST as the diff scanned it) that the new tree does not
+        share, top-most first: removed, the rest of the old tree is the next pull's spare."""
+        with self._errors():
+            return _tops(self.db.execute(incsql.OLD_LEFTOVERS))
+
     # -- after the pull -----------------------------------------------------------------
 
     def commit(
-        self, dest_fd: int, file_hashes: Mapping[bytes, str] | Iterable[tuple[bytes, str]]
+        self,
+        dest_fd: int,
+        file_hashes: Mapping[bytes, str] | Iterable[tuple[bytes, str]],
+        linked: Iterable[bytes] | None = None,
     ) -> None:
         """Record the tree now in DEST (open at ``dest_fd``) as this sandbox's baseline.
 
-        Call it after the swap and after the old tree was removed.  ``file_hashes`` are the
+        Call it after the swap and after the old tree was removed or made the spare tree.
+        ``file_hashes`` are the
         extractor's xxh3_128 of every file it wrote (on top of those given to
         :meth:`add_hash` since :meth:`load_manifest`); kept files carry their recorded hash.
         An entry is recorded only where DEST holds it with the manifest's kind, so anything
         the pull did not leave (vanished in the guest, refused) is fetched next time.
+
+        ``linked``: the kept entries the farm linked this pull (the others were in the spare
+        tree already, so nothing touched their inodes since the diff's scan).  Given, only
+        the entries the pull touched (those, directories, fetched ones) are read again;
+        else DEST is scanned whole.  A signature recorded too early can only cost a re-hash
+        next time (a ctime that moved is re-checked), never a wrong tree.
         """
         if not self._loaded:
             raise RuntimeError("load_manifest() first")
         pairs = file_hashes.items() if isinstance(file_hashes, Mapping) else file_hashes
         with self._errors():
             db = self.db
-            self._scan_host(dest_fd)
+            statement = incsql.COMMIT
+            if linked is not None and self._diffed and self._stat_touched(dest_fd, linked):
+                statement = incsql.COMMIT_TARGETED
+            else:
+                self._scan_host(dest_fd)
             for path, digest in pairs:
                 self.add_hash(path, digest)
             self._flush_hashes()
@@ -353,7 +498,8 @@ class PullState:
             db.execute("BEGIN IMMEDIATE")
             try:
                 db.execute("DELETE FROM main.state")
-                db.execute(_COMMIT)
+                db.executemany("DELETE FROM main.meta WHERE k = ?", [(k,) for k in _NOOP_KEYS])
+                db.execute(statement)
                 db.executemany(
                     "INSERT OR REPLACE INTO main.meta VALUES (?, ?)",
                     [("sandbox", self.sandbox_key), ("version", SCHEMA_VERSION)],
@@ -362,6 +508,26 @@ class PullState:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
+
+    def _stat_touched(self, dest_fd: int, linked: Iterable[bytes]) -> bool:
+        """``s.after``: the signature of every entry of DEST the pull touched; False (and
+        nothing done) when that is more than half the tree: one scan is cheaper then."""
+        db = self.db
+        db.execute("DELETE FROM s.after")
+        paths = [bytes(row[0]) for row in db.execute(incsql.TOUCHED)]
+        paths.extend(linked)
+        total = db.execute("SELECT count(*) FROM s.man").fetchone()[0]
+        if len(paths) > total // 2:
+            return False
+        batch: list[hostscan.HostRow] = []
+        with host_io("reading DEST"):
+            for row in hostscan.stat_paths(dest_fd, sorted(paths)):
+                batch.append(row)
+                if len(batch) >= BATCH:
+                    db.executemany(incsql.INSERT_AFTER, batch)
+                    batch.clear()
+        db.executemany(incsql.INSERT_AFTER, batch)
+        return True
 
     def add_hash(self, path: bytes, digest: str) -> None:
         """Note the xxh3_128 of a file the extractor wrote (``on_file`` can be this method):
@@ -386,7 +552,7 @@ class PullState:
     def forget(self) -> None:
         """Drop the baseline: the next pull into DEST is a full one."""
         self.close()
-        _remove_db(self.path)
+        incsql.remove_db(self.path)
 
 
 @dataclasses.dataclass
@@ -414,13 +580,13 @@ class Diff:
         for (path,) in rows:
             yield bytes(path)
 
-    def keep(self) -> Iterator[tuple[bytes, str]]:
+    def keep(self, *, spare: bool = False) -> Iterator[tuple[bytes, str]]:
         """(path, kind) for the farm: every directory but the root, and the unchanged
-        entries to link, sorted by path bytes, so a directory comes before its entries."""
-        rows = self.state.db.execute(
-            "SELECT path, kind FROM s.plan WHERE (kind = 'd' AND path != x'2e') "
-            "OR (kind != 'd' AND act = 'keep') ORDER BY path"
-        )
+        entries to link, sorted by path bytes, so a directory comes before its entries.
+        With ``spare``, not those the pruned spare tree has already (see
+        :meth:`PullState.spare_leftovers`)."""
+        sql = incsql.KEEP_SPARE if spare else incsql.KEEP
+        rows = self.state.db.execute(sql)
         for path, kind in rows:
             yield bytes(path), str(kind)
 
@@ -458,96 +624,14 @@ class Diff:
             yield itemize_line(code, bytes(path), new[0] == "d", target)
 
 
-# -- SQL ----------------------------------------------------------------------------------
-
-_PLAN = """
-INSERT INTO s.plan (path, kind, ino, act, hash)
-SELECT m.path, m.kind, m.ino,
-  CASE
-    WHEN m.kind = 'd' THEN CASE
-      WHEN h.path IS NULL OR h.kind IS NOT 'd' THEN 'new'
-      WHEN o.path IS NULL THEN 'new'
-      WHEN o.kind IS NOT 'd' OR o.mode IS NOT m.mode OR o.mtime IS NOT m.mtime THEN 'changed'
-      WHEN h.mode IS NOT o.hmode OR h.mtime IS NOT o.hmtime THEN 'tampered'
-      ELSE 'keep' END
-    WHEN o.path IS NULL THEN 'new'
-    WHEN o.kind IS NOT m.kind OR o.mode IS NOT m.mode OR o.size IS NOT m.size
-      OR o.mtime IS NOT m.mtime OR o.ctime IS NOT m.ctime OR o.ino IS NOT m.ino
-      OR o.target IS NOT m.target OR o.digest IS NOT m.digest THEN 'changed'
-    WHEN h.path IS NULL THEN 'missing'
-    WHEN h.kind IS NOT o.hkind OR h.kind IS NOT m.kind OR h.mode IS NOT o.hmode
-      OR h.size IS NOT o.hsize OR h.mtime IS NOT o.hmtime THEN 'tampered'
-    WHEN h.ino IS NOT o.hino OR h.ctime IS NOT o.hctime THEN 'check'
-    ELSE 'keep'
-  END,
-  CASE WHEN m.kind = 'f' THEN o.hash END
-FROM s.man m
-LEFT JOIN base o ON o.path = m.path
-LEFT JOIN s.host h ON h.path = m.path
-"""
-
-_COMMIT = """
-INSERT INTO main.state
-SELECT m.path, m.kind, m.mode, m.size, m.mtime, m.ctime, m.ino, m.target, m.digest,
-  CASE WHEN m.kind = 'f' THEN coalesce(fh.hash, CASE WHEN p.act = 'keep' THEN p.hash END) END,
-  h.kind, h.mode, h.size, h.mtime, h.ctime, h.ino
-FROM s.man m
-JOIN s.host h ON h.path = m.path AND h.kind = m.kind
-LEFT JOIN s.hashes fh ON fh.path = m.path
-LEFT JOIN s.plan p ON p.path = m.path
-"""
-
-
-def _connect(path: Path) -> sqlite3.Connection:
-    """Open the state file; sqlite3.DatabaseError (not OperationalError) when it is damaged."""
-    db = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
-    try:
-        db.execute(f"PRAGMA cache_size = -{CACHE_KIB}")
-        db.execute("PRAGMA synchronous = FULL")
-        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
-        if not {"meta", "state"} <= tables:  # a write lock only the first time
-            db.execute("BEGIN IMMEDIATE")
-            db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
-            db.execute(f"CREATE TABLE IF NOT EXISTS state ({_STATE_COLUMNS}) WITHOUT ROWID")
-            db.execute("COMMIT")
-        # a torn or edited file must cost a full pull, never a wrong diff
-        verdict = db.execute("PRAGMA quick_check(1)").fetchone()
-        if verdict is None or verdict[0] != "ok":
-            raise sqlite3.DatabaseError(f"quick_check: {verdict[0] if verdict else 'no answer'}")
-        _scratch(db)
-    except BaseException:
-        db.close()
-        raise
-    # the scratch tables take many statements: one implicit transaction each is slow
-    db.isolation_level = "DEFERRED"
-    return db
-
-
-def _scratch(db: sqlite3.Connection) -> None:
-    """The per-run tables, in a private temporary database (gone when the connection is)."""
-    db.execute("ATTACH DATABASE '' AS s")
-    db.execute(f"PRAGMA s.cache_size = -{CACHE_KIB}")
-    db.execute("PRAGMA s.journal_mode = OFF")
-    db.execute("PRAGMA s.synchronous = OFF")
-    db.execute(
-        "CREATE TABLE s.man (path BLOB PRIMARY KEY, parent BLOB, kind TEXT, mode INT, size INT, "
-        "mtime INT, ctime INT, ino INT, target BLOB, digest TEXT) WITHOUT ROWID"
-    )
-    db.execute(
-        "CREATE TABLE s.host (path BLOB PRIMARY KEY, kind TEXT, mode INT, size INT, mtime INT, "
-        "ctime INT, ino INT) WITHOUT ROWID"
-    )
-    db.execute(
-        "CREATE TABLE s.plan (path BLOB PRIMARY KEY, kind TEXT, ino INT, act TEXT, hash TEXT) "
-        "WITHOUT ROWID"
-    )
-    db.execute("CREATE TABLE s.verdict (path BLOB PRIMARY KEY, ok INT) WITHOUT ROWID")
-    db.execute("CREATE TABLE s.hashes (path BLOB PRIMARY KEY, hash TEXT) WITHOUT ROWID")
-    db.execute(f"CREATE TABLE s.nostate ({_STATE_COLUMNS}) WITHOUT ROWID")
-
-
-def _remove_db(path: Path) -> None:
-    with host_io(f"removing {path}"):
-        for suffix in ("", "-journal", "-wal", "-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{path}{suffix}")
+def _tops(rows: Iterable[tuple[bytes]]) -> list[bytes]:
+    """The paths of ``rows`` (sorted) that are not below another one of them."""
+    doomed: list[bytes] = []
+    tops: set[bytes] = set()
+    for (found,) in rows:
+        path = bytes(found)
+        parts = path.split(b"/")
+        if not any(b"/".join(parts[:i]) in tops for i in range(1, len(parts))):
+            doomed.append(path)
+            tops.add(path)
+    return doomed

@@ -38,25 +38,21 @@ from typing import Any, TypeVar
 
 import structlog
 
-from wsync.engine import incremental
 from wsync.engine.api import ProgressCallback, PullOptions, PullResult
 from wsync.engine.destdir import DestDir
 from wsync.engine.extract import ExtractStats
-from wsync.engine.feed import ChunkFeed, consume_feed, extract_feed
+from wsync.engine.feed import ChunkFeed, extract_feed
 from wsync.engine.fsutil import host_io, syncfs
-from wsync.engine.guest import GuestPlan
+from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
 from wsync.engine.journal import DestRegistry, Journal
-from wsync.engine.phases import StreamRunner
 from wsync.engine.settle import apply_lists
 from wsync.engine.winddown import (
     in_thread,
     raise_if_cancelled,
 )
 from wsync.errors import (
-    GuestToolsMissing,
     HostileArchive,
-    HostIOError,
     IntegrityFailed,
     Interrupted,
     LimitExceeded,
@@ -113,22 +109,25 @@ def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOp
     return target
 
 
-class _Pull(StreamRunner):
+class _Pull(IncrementalRunner):
     """One pull: the phases in order, the swap, and what follows it."""
 
     async def run(self) -> tuple[ExtractStats, int, int, str | None] | None:
         """Everything up to and including the swap.  Returns what ``finish`` needs, or
         None when DEST stays as it is (nothing changed, or a dry run)."""
         self.emit("probe")
-        plan = await self.session.probe(self.workspace)
-        self.plan = plan
-        inc = self.inc = self.open_incremental(plan)
+        self.start_early()
+        try:
+            plan = await self.session.probe(self.workspace)
+            self.plan = plan
+            inc = await self.open_incremental(plan)
+            if inc is not None:
+                await self.manifest_and_diff(plan, inc)
+        except BaseException:
+            await self.stop_scan()
+            raise
         run = "tar"
         if inc is not None:
-            await self.manifest_phase(plan, inc)
-            self.emit("diff")
-            empty = self.journal.dir / "empty"
-            await in_thread(lambda: inc.locked(lambda: self.decide(inc, plan, empty)))
             if self.options.dry_run and inc.diff is not None:
                 diff = inc.diff
                 self.changes = await in_thread(lambda: inc.locked(lambda: list(diff.itemize())))
@@ -147,8 +146,9 @@ class _Pull(StreamRunner):
         if run == "select":
             await self.session.upload_list(snapshot, listing)
         journaled = await self.admit_phase(plan, journal, snapshot, run)
-        tmp, tmp_fd = self.make_tmp()
         replace = run == "select"
+        tmp, tmp_fd = self.make_tmp(spare=inc is not None and replace)
+        reused = self.target.tmp_reused
         hook = None
         if inc is not None:
             inc.hashes.start()
@@ -156,7 +156,7 @@ class _Pull(StreamRunner):
 
         def extract(feed: ChunkFeed) -> ExtractStats:
             if inc is not None and replace:
-                inc.locked(lambda: inc.farm(tmp_fd, feed.check_cancel))
+                inc.locked(lambda: inc.farm(tmp_fd, feed.check_cancel, reused=reused))
             limits = self.options.limits
             return extract_feed(
                 feed, plan.compressor, tmp_fd, limits, self.extracted, replace=replace, on_file=hook
@@ -182,10 +182,12 @@ class _Pull(StreamRunner):
             self.io.shutdown(wait=False)
         return stats, chunks, length, old
 
-    def make_tmp(self) -> tuple[str, int]:
-        """The tree beside DEST that becomes DEST (stale ones of earlier runs go)."""
+    def make_tmp(self, *, spare: bool = False) -> tuple[str, int]:
+        """The tree beside DEST that becomes DEST (stale ones of earlier runs go); with
+        ``spare``, the spare tree the last pull kept when there is one."""
         tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
-        tmp_fd, leftovers = self.target.make_tmp(tmp)
+        self.farmed = spare
+        tmp_fd, leftovers = self.target.make_tmp(tmp, spare=spare)
         self.warnings.extend(leftovers)
         return tmp, tmp_fd
 
@@ -209,7 +211,8 @@ class _Pull(StreamRunner):
         """Changes without an entry to fetch (deletions, directory modes or mtimes, a
         host-side chmod of a directory): the new tree is the farm alone, no producer run."""
         assert inc is not None
-        tmp, tmp_fd = self.make_tmp()
+        tmp, tmp_fd = self.make_tmp(spare=True)
+        reused = self.target.tmp_reused
         inc.hashes.start()
         inc.hashes.close()
         stop = threading.Event()
@@ -220,7 +223,7 @@ class _Pull(StreamRunner):
 
         try:
             self.emit("apply")
-            await in_thread(lambda: inc.locked(lambda: inc.farm(tmp_fd, check)))
+            await in_thread(lambda: inc.locked(lambda: inc.farm(tmp_fd, check, reused=reused)))
             await in_thread(lambda: inc.locked(lambda: inc.dir_meta(tmp_fd)))
             old = self.swap_in(tmp, tmp_fd)
         except BaseException:
@@ -229,68 +232,25 @@ class _Pull(StreamRunner):
             raise
         return ExtractStats(), 0, 0, old
 
-    def open_incremental(self, plan: GuestPlan) -> Incremental | None:
-        """The incremental state of DEST, when this guest can list its workspace."""
-        if not incremental.can_list(plan):
-            if self.options.excludes or self.options.dry_run:
-                # a full tar would carry the excluded bytes and list nothing
-                what = "--exclude" if self.options.excludes else "--dry-run"
-                raise GuestToolsMissing(
-                    f"find with -printf, or find, stat, readlink and xargs (for {what})"
-                )
-            return None
-        key = f"{self.transport.description}\n{self.workspace}"
-        hashes = incremental.HashLog(self.journal.dir / "hashes")
-        return Incremental(self.options, self.target, key, hashes)
-
-    def decide(self, inc: Incremental, plan: GuestPlan, empty: Path) -> None:
-        """Diff (in a thread); a full pull with excludes or a dry run without a baseline
-        diffs against an empty directory of the journal."""
-        with contextlib.suppress(FileExistsError):
-            empty.mkdir(mode=0o700)
-        fd = os.open(empty, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            inc.decide(plan, stdin=self.session.gate, tmp_fd=fd)
-            if self.options.dry_run and inc.diff is None:
-                inc.diff = inc.state.diff(fd)
-        finally:
-            os.close(fd)
-
-    async def manifest_phase(self, plan: GuestPlan, inc: Incremental) -> None:
-        """The manifest run, streamed into the state (see :mod:`wsync.engine.incremental`)."""
-        self.emit("manifest")
-        journal = self.manifest_journal = self.journal.phase("manifest")
-        prune = inc.prune()
-        snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
-        journaled = await self.admit_phase(plan, journal, snapshot, "manifest", prune)
-
-        def load(feed: ChunkFeed) -> None:
-            consume_feed(feed, plan.compressor, inc.load)
-
-        await self.stream(plan, journal, journaled, load)
-        # verified and loaded: its staging goes now (even with keep_staging, which keeps
-        # the content run's).  A kill -9 later takes a fresh manifest, whose diff (same
-        # guest, same DEST) names the same list, so the select run's journal resumes
-        self.snapshots.remove(snapshot)
-        try:
-            async with asyncio.timeout(self.options.call_timeout * 2):
-                await self.session.cleanup()
-        except (WsyncError, TimeoutError) as exc:
-            self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
-
     async def finish(self, old: str | None) -> None:
         """After the swap DEST is final: nothing here may fail the pull.
 
-        The old tree is removed, the guest staging cleaned up and the journal
-        forgotten; problems become warnings.
+        The old tree is removed (after a farm it becomes the spare tree the next pull builds
+        on: :meth:`~wsync.engine.destdir.DestDir.spare`), the guest staging cleaned up and
+        the journal forgotten; problems become warnings.
         """
         self.emit("cleanup")
+        inc = self.inc
         if old is not None:
             try:
-                await in_thread(self.target.removal(old))
-            except (HostIOError, OSError) as exc:
+                if inc is not None and self.farmed:
+                    doomed = await in_thread(lambda: inc.locked(inc.spare_doomed))
+                    await in_thread(self.target.spare(old, doomed))
+                else:
+                    await in_thread(self.target.removal(old))
+                    await in_thread(self.target.drop_spare())
+            except (WsyncError, OSError) as exc:
                 self.warnings.append(f"the previous tree was not fully removed: {exc}")
-        inc = self.inc
         if inc is not None and self.swapped:
             # after the old tree is gone: unlinking it changed the ctimes of kept files
             try:

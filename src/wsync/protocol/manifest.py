@@ -24,7 +24,8 @@ Path *meaning* (``..``, empty components) is judged by the host state
 
 from __future__ import annotations
 
-import dataclasses
+import re
+from typing import NamedTuple
 
 from wsync.errors import ProtocolError
 
@@ -35,12 +36,22 @@ KINDS = frozenset("fdlpcbs")
 
 _KINDS = {k.encode(): k for k in KINDS}
 _NS = 1_000_000_000
-_DIGEST_CHARS = frozenset(b"0123456789abcdef")
+#: a whole header, every field bounded (numbers up to 20 digits, a mode up to 6); one C-level
+#: match validates and splits it (the parser's cost per record is mostly this and the
+#: int() calls: a workspace of a million entries is a million records)
+_HEADER = re.compile(
+    rb"([fdlpcbs]) ([0-7]{1,6}) ([0-9]{1,20})"
+    rb" (-?[0-9]{1,20})(?:\.([0-9]{0,20}))? (-?[0-9]{1,20})(?:\.([0-9]{0,20}))?"
+    rb" ([0-9]{1,20})(?: ([0-9a-f]{0,128}))?"
+)
+_PAD = b"000000000"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Entry:
-    """One workspace entry as the guest saw it (paths relative, ``b"."`` is the root)."""
+class Entry(NamedTuple):
+    """One workspace entry as the guest saw it (paths relative, ``b"."`` is the root).
+
+    A NamedTuple, not a frozen dataclass: it is made once per record, and a frozen
+    dataclass's ``__init__`` costs more than the rest of the record's parse."""
 
     path: bytes
     kind: str
@@ -62,23 +73,6 @@ def parse_time(text: bytes) -> int:
         raise ProtocolError(f"malformed manifest time: {text[:40]!r}")
     ns = int(whole) * _NS + (int(frac[:9].ljust(9, b"0")) if frac else 0)
     return -ns if negative else ns
-
-
-def _number(text: bytes, base: int = 10) -> int:
-    if not text.isdigit() or len(text) > 20:
-        raise ProtocolError(f"malformed manifest number: {text[:40]!r}")
-    try:
-        return int(text, base)
-    except ValueError:
-        raise ProtocolError(f"malformed manifest number: {text[:40]!r}") from None
-
-
-def _path(raw: bytes) -> bytes:
-    if raw == b".":
-        return raw
-    if not raw.startswith(b"./") or len(raw) == 2:
-        raise ProtocolError(f"manifest path not under '.': {raw[:80]!r}")
-    return raw[2:]
 
 
 class ManifestParser:
@@ -106,39 +100,50 @@ class ManifestParser:
         if self._fields:
             fields = self._fields + fields
         whole = len(fields) - len(fields) % 3
-        record = self._record
-        self._ready.extend(
-            [record(fields[i], fields[i + 1], fields[i + 2]) for i in range(0, whole, 3)]
-        )
         self._fields = fields[whole:]
+        self._records(fields, whole)
 
-    def _record(self, header: bytes, raw_path: bytes, target: bytes) -> Entry:
-        parts = header.split(b" ")
-        kind = _KINDS.get(parts[0])
-        if len(header) > MAX_HEADER or kind is None or len(parts) not in (6, 7):
-            raise ProtocolError(f"malformed manifest record: {header[:80]!r}")
-        if len(raw_path) > MAX_NAME or len(target) > MAX_NAME:
-            raise ProtocolError("manifest field too long")
-        if (kind == "l") != bool(target):
-            raise ProtocolError(f"manifest link target mismatch: {header[:80]!r}")
-        digest = parts[6] if len(parts) == 7 else b""
-        if digest and (len(digest) > 128 or not _DIGEST_CHARS.issuperset(digest)):
-            raise ProtocolError(f"malformed manifest digest: {header[:80]!r}")
-        mode = parts[1]
-        if len(mode) > 6:
-            raise ProtocolError(f"malformed manifest mode: {header[:80]!r}")
-        self.count += 1
-        return Entry(
-            _path(raw_path),
-            kind,
-            _number(mode, 8) & 0o7777,
-            _number(parts[2]),
-            parse_time(parts[3]),
-            parse_time(parts[4]),
-            _number(parts[5]),
-            target,
-            digest.decode(),
-        )
+    def _records(self, fields: list[bytes], whole: int) -> None:
+        """Parse the records of ``fields[:whole]`` (header, path, target each) into
+        :attr:`_ready`.  Written as one loop with the work inlined: this is the hot path."""
+        ready = self._ready
+        match = _HEADER.fullmatch
+        kinds = _KINDS
+        pad = _PAD
+        new = tuple.__new__  # Entry's own __new__ adds a Python call per record
+        triples = iter(fields)  # zip stops before a partial triple (kept in _fields)
+        for header, raw, target in zip(triples, triples, triples, strict=False):
+            m = match(header) if len(header) <= MAX_HEADER else None
+            if m is None:
+                raise ProtocolError(f"malformed manifest record: {header[:80]!r}")
+            kind, mode, size, mt, mf, ct, cf, ino, digest = m.groups()
+            if (kind == b"l") != bool(target):
+                raise ProtocolError(f"manifest link target mismatch: {header[:80]!r}")
+            if len(raw) > MAX_NAME or len(target) > MAX_NAME:
+                raise ProtocolError("manifest field too long")
+            if raw[:2] == b"./" and len(raw) > 2:
+                path = raw[2:]
+            elif raw == b".":
+                path = raw
+            else:
+                raise ProtocolError(f"manifest path not under '.': {raw[:80]!r}")
+            ready.append(
+                new(
+                    Entry,
+                    (
+                        path,
+                        kinds[kind],
+                        int(mode, 8) & 0o7777,
+                        int(size),
+                        int(mt + mf[:9] + pad[len(mf) :] if mf else mt + pad),
+                        int(ct + cf[:9] + pad[len(cf) :] if cf else ct + pad),
+                        int(ino),
+                        target,
+                        digest.decode() if digest else "",
+                    ),
+                )
+            )
+        self.count += whole // 3
 
     def entries(self) -> list[Entry]:
         """The complete records parsed so far (each returned once)."""

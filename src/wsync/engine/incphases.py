@@ -1,0 +1,159 @@
+"""The incremental phases of a pull (issue 8): DEST's scan, the manifest run, the diff.
+
+:class:`IncrementalRunner` is the part of a pull (:mod:`wsync.engine.pull`) that runs before
+the content run: it opens DEST's state, scans DEST in a worker thread while the guest
+lists its workspace (the scan starts before the probe when the state says a baseline
+exists, so the host's walk overlaps the probe, the admission and the guest's ``find``),
+fetches the manifest with the verified chunk reads every run uses, and decides what the
+content run must be (:meth:`wsync.engine.incremental.Incremental.decide`).
+
+When the last pull found nothing to do, the manifest stream is only verified and
+journaled, not parsed: if its digest and the scan's are the recorded ones the pull is a
+no-op (:meth:`~wsync.engine.incremental.Incremental.nothing_changed`); otherwise it is
+parsed from the journal (:meth:`IncrementalRunner.replay_manifest`) and diffed as always.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from pathlib import Path
+
+from wsync.engine import incremental
+from wsync.engine.feed import ChunkFeed, consume_feed
+from wsync.engine.guest import GuestPlan
+from wsync.engine.incremental import Incremental
+from wsync.engine.incstate import state_path
+from wsync.engine.phases import StreamRunner
+from wsync.engine.winddown import in_thread
+from wsync.errors import GuestToolsMissing, HostIOError, WsyncError
+
+
+class IncrementalRunner(StreamRunner):
+    """The incremental phases of one pull (see the module docstring)."""
+
+    scan_task: asyncio.Task[None] | None = None
+
+    def new_incremental(self) -> Incremental:
+        key = f"{self.transport.description}\n{self.workspace}"
+        hashes = incremental.HashLog(self.journal.dir / "hashes")
+        return Incremental(self.options, self.target, key, hashes)
+
+    def start_early(self) -> None:
+        """Before the probe: open DEST's state when it exists and may hold a baseline, and
+        start scanning DEST (:meth:`open_incremental` keeps or drops both)."""
+        if self.options.full or not state_path(self.options.state_dir, self.dest).exists():
+            return
+        inc = self.inc = self.new_incremental()
+        if inc.recorded:
+            self.scan_task = asyncio.create_task(in_thread(inc.scan))
+
+    async def stop_scan(self) -> None:
+        """Stop a DEST scan still running (the pull failed or does not need it)."""
+        task, self.scan_task = self.scan_task, None
+        if task is not None:
+            if self.inc is not None:
+                self.inc.stop()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def open_incremental(self, plan: GuestPlan) -> Incremental | None:
+        """The incremental state of DEST, when this guest can list its workspace."""
+        if not incremental.can_list(plan):
+            await self.stop_scan()
+            if self.inc is not None:
+                self.inc.close()
+                self.inc = None
+            if self.options.excludes or self.options.dry_run:
+                # a full tar would carry the excluded bytes and list nothing
+                what = "--exclude" if self.options.excludes else "--dry-run"
+                raise GuestToolsMissing(
+                    f"find with -printf, or find, stat, readlink and xargs (for {what})"
+                )
+            return None
+        if self.inc is None:
+            self.inc = self.new_incremental()
+        if not self.inc.baseline(plan, stdin=self.session.gate):
+            await self.stop_scan()  # nothing to diff DEST against
+        return self.inc
+
+    async def manifest_and_diff(self, plan: GuestPlan, inc: Incremental) -> None:
+        """The manifest run (DEST's scan finishing meanwhile), then the diff."""
+        skip = self.scan_task is not None and inc.noop_recorded
+        await self.manifest_phase(plan, inc, skip=skip)
+        if self.scan_task is not None:
+            await self.scan_task
+            self.scan_task = None
+        self.emit("diff")
+        if inc.nothing_changed():
+            return
+        if not inc.loaded:
+            await in_thread(lambda: self.replay_manifest(plan, inc))
+        empty = self.journal.dir / "empty"
+        await in_thread(lambda: inc.locked(lambda: self.decide(inc, plan, empty)))
+
+    def decide(self, inc: Incremental, plan: GuestPlan, empty: Path) -> None:
+        """Diff (in a thread); a full pull with excludes or a dry run without a baseline
+        diffs against an empty directory of the journal."""
+        with contextlib.suppress(FileExistsError):
+            empty.mkdir(mode=0o700)
+        fd = os.open(empty, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            inc.decide(plan, stdin=self.session.gate, tmp_fd=fd)
+            if self.options.dry_run and inc.diff is None:
+                inc.diff = inc.state.diff(fd)
+        finally:
+            os.close(fd)
+
+    async def manifest_phase(self, plan: GuestPlan, inc: Incremental, *, skip: bool) -> None:
+        """The manifest run, streamed into the state (see :mod:`wsync.engine.incremental`).
+
+        With ``skip`` (the no-op shortcut may apply) the stream is only verified and
+        journaled, not parsed: :meth:`replay_manifest` parses it from the journal if it must.
+        """
+        self.emit("manifest")
+        journal = self.manifest_journal = self.journal.phase("manifest")
+        prune = inc.prune()
+        snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
+        journaled = await self.admit_phase(plan, journal, snapshot, "manifest", prune)
+
+        def load(feed: ChunkFeed) -> None:
+            if skip:
+                while feed.read(1 << 20):
+                    pass
+            else:
+                consume_feed(feed, plan.compressor, inc.load)
+
+        await self.stream(plan, journal, journaled, load)
+        assert self.done is not None
+        inc.manifest_digest = (
+            f"{plan.algorithm.name}:{plan.compressor}:{self.done.length}:{self.done.digest}"
+        )
+        # verified and loaded: its staging goes now (even with keep_staging, which keeps
+        # the content run's).  A kill -9 later takes a fresh manifest, whose diff (same
+        # guest, same DEST) names the same list, so the select run's journal resumes
+        self.snapshots.remove(snapshot)
+        try:
+            async with asyncio.timeout(self.options.call_timeout * 2):
+                await self.session.cleanup()
+        except (WsyncError, TimeoutError) as exc:
+            self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
+
+    def replay_manifest(self, plan: GuestPlan, inc: Incremental) -> None:
+        """Parse the verified manifest from its journaled chunks (worker thread): the
+        stream was only verified because the no-op shortcut might have applied."""
+        assert self.manifest_journal is not None and self.done is not None
+        chunks = self.manifest_journal.chunks()
+        feed = ChunkFeed(plan.algorithm)
+        for seq in range(self.done.chunks):
+            if seq not in chunks:
+                raise HostIOError(f"the manifest's chunk {seq} left the journal during the pull")
+            feed.publish(seq, chunks[seq][1])
+        feed.finish(self.done.chunks)
+        try:
+            consume_feed(feed, plan.compressor, inc.load)
+        finally:
+            feed.close()
+        if feed.length != self.done.length or feed.digest != self.done.digest:
+            raise HostIOError("the journaled manifest changed on disk during the pull")

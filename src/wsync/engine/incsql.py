@@ -1,0 +1,189 @@
+"""The SQL of the incremental state (:mod:`wsync.engine.incstate`): the state file's
+schema, the per-run scratch tables, and the statements of the diff and the commit.
+
+The state file holds one row per entry of the tree the last pull left in DEST; the scratch
+tables (a private temporary database, ``ATTACH ''``) hold this run's manifest, DEST's scan,
+the plan and the extractor's hashes, behind a bounded page cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from pathlib import Path
+
+from wsync.engine.fsutil import host_io
+
+#: SQLite page cache per database, KiB (negative pragma value): bounds memory whatever the size
+CACHE_KIB = 16 * 1024
+
+STATE_COLUMNS = """
+    path BLOB PRIMARY KEY, kind TEXT NOT NULL, mode INT, size INT, mtime INT, ctime INT,
+    ino INT, target BLOB, digest TEXT, hash TEXT,
+    hkind TEXT, hmode INT, hsize INT, hmtime INT, hctime INT, hino INT
+"""
+
+INSERT_HOST = "INSERT OR REPLACE INTO s.host VALUES (?,?,?,?,?,?,?)"
+INSERT_AFTER = "INSERT OR REPLACE INTO s.after VALUES (?,?,?,?,?,?,?)"
+
+#: (a kept entry, below: ``p.act = 'keep' AND p.kind != 'd'``, linked into the new tree and
+#: never written)
+
+#: entries of the spare tree (s.spare) the new tree must not have: all but the manifest's
+#: directories and the kept entries that are DEST's very inode (as DEST's scan saw it)
+SPARE_LEFTOVERS = """
+SELECT k.path FROM s.spare k WHERE k.path != x'2e' AND NOT (
+  (k.kind = 'd' AND EXISTS (SELECT 1 FROM s.man m WHERE m.path = k.path AND m.kind = 'd'))
+  OR EXISTS (SELECT 1 FROM s.plan p JOIN s.host h USING (path)
+    WHERE p.path = k.path AND p.act = 'keep' AND p.kind != 'd'
+      AND p.kind = k.kind AND h.kind = k.kind AND h.ino = k.ino)
+) ORDER BY k.path
+"""
+
+#: what the farm makes: every directory but the root, and the kept entries to link
+KEEP = """
+SELECT path, kind FROM s.plan WHERE (kind = 'd' AND path != x'2e')
+OR (kind != 'd' AND act = 'keep') ORDER BY path
+"""
+
+#: the same, less what the pruned spare tree holds already (the complement, in the
+#: farm's entries, of SPARE_LEFTOVERS)
+KEEP_SPARE = """
+SELECT p.path, p.kind FROM s.plan p
+WHERE ((p.kind = 'd' AND p.path != x'2e') OR (p.kind != 'd' AND p.act = 'keep'))
+AND NOT EXISTS (SELECT 1 FROM s.spare k WHERE k.path = p.path AND k.kind = p.kind AND (
+  k.kind = 'd' OR EXISTS (SELECT 1 FROM s.host h
+    WHERE h.path = k.path AND h.kind = k.kind AND h.ino = k.ino)))
+ORDER BY p.path
+"""
+
+#: entries of the old tree (DEST before the swap, as scanned for the diff) that the new
+#: tree does not share: what must go before the old tree can be the next pull's spare
+OLD_LEFTOVERS = """
+SELECT h.path FROM s.host h WHERE h.path != x'2e' AND NOT (
+  (h.kind = 'd' AND EXISTS (SELECT 1 FROM s.man m WHERE m.path = h.path AND m.kind = 'd'))
+  OR EXISTS (SELECT 1 FROM s.plan p
+    WHERE p.path = h.path AND p.act = 'keep' AND p.kind != 'd' AND p.kind = h.kind)
+) ORDER BY h.path
+"""
+
+#: the entries whose host signature the commit must read again (targeted commit): all the
+#: new tree has but the kept entries, which the pull never touched
+TOUCHED = """
+SELECT m.path FROM s.man m LEFT JOIN s.plan p USING (path)
+WHERE NOT coalesce(p.act = 'keep' AND p.kind != 'd', 0) ORDER BY m.path
+"""
+
+PLAN = """
+INSERT INTO s.plan (path, kind, ino, act, hash)
+SELECT m.path, m.kind, m.ino,
+  CASE
+    WHEN m.kind = 'd' THEN CASE
+      WHEN h.path IS NULL OR h.kind IS NOT 'd' THEN 'new'
+      WHEN o.path IS NULL THEN 'new'
+      WHEN o.kind IS NOT 'd' OR o.mode IS NOT m.mode OR o.mtime IS NOT m.mtime THEN 'changed'
+      WHEN h.mode IS NOT o.hmode OR h.mtime IS NOT o.hmtime THEN 'tampered'
+      ELSE 'keep' END
+    WHEN o.path IS NULL THEN 'new'
+    WHEN o.kind IS NOT m.kind OR o.mode IS NOT m.mode OR o.size IS NOT m.size
+      OR o.mtime IS NOT m.mtime OR o.ctime IS NOT m.ctime OR o.ino IS NOT m.ino
+      OR o.target IS NOT m.target OR o.digest IS NOT m.digest THEN 'changed'
+    WHEN h.path IS NULL THEN 'missing'
+    WHEN h.kind IS NOT o.hkind OR h.kind IS NOT m.kind OR h.mode IS NOT o.hmode
+      OR h.size IS NOT o.hsize OR h.mtime IS NOT o.hmtime THEN 'tampered'
+    WHEN h.ino IS NOT o.hino OR h.ctime IS NOT o.hctime THEN 'check'
+    ELSE 'keep'
+  END,
+  CASE WHEN m.kind = 'f' THEN o.hash END
+FROM s.man m
+LEFT JOIN base o ON o.path = m.path
+LEFT JOIN s.host h ON h.path = m.path
+"""
+
+#: the commit when DEST was not scanned again: the kept entries keep the signature the
+#: diff's scan saw (nothing touched their inodes since), the rest were read again (s.after)
+COMMIT_TARGETED = """
+INSERT INTO main.state
+SELECT m.path, m.kind, m.mode, m.size, m.mtime, m.ctime, m.ino, m.target, m.digest,
+  CASE WHEN m.kind = 'f' THEN coalesce(fh.hash, CASE WHEN p.act = 'keep' THEN p.hash END) END,
+  coalesce(a.kind, h.kind), coalesce(a.mode, h.mode), coalesce(a.size, h.size),
+  coalesce(a.mtime, h.mtime), coalesce(a.ctime, h.ctime), coalesce(a.ino, h.ino)
+FROM s.man m
+LEFT JOIN s.plan p ON p.path = m.path
+LEFT JOIN s.after a ON a.path = m.path
+LEFT JOIN s.host h ON h.path = m.path AND a.path IS NULL AND p.act = 'keep' AND p.kind != 'd'
+LEFT JOIN s.hashes fh ON fh.path = m.path
+WHERE coalesce(a.kind, h.kind) = m.kind
+"""
+
+COMMIT = """
+INSERT INTO main.state
+SELECT m.path, m.kind, m.mode, m.size, m.mtime, m.ctime, m.ino, m.target, m.digest,
+  CASE WHEN m.kind = 'f' THEN coalesce(fh.hash, CASE WHEN p.act = 'keep' THEN p.hash END) END,
+  h.kind, h.mode, h.size, h.mtime, h.ctime, h.ino
+FROM s.man m
+JOIN s.host h ON h.path = m.path AND h.kind = m.kind
+LEFT JOIN s.hashes fh ON fh.path = m.path
+LEFT JOIN s.plan p ON p.path = m.path
+"""
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    """Open the state file; sqlite3.DatabaseError (not OperationalError) when it is damaged."""
+    db = sqlite3.connect(path, timeout=60.0, isolation_level=None, check_same_thread=False)
+    try:
+        db.execute(f"PRAGMA cache_size = -{CACHE_KIB}")
+        db.execute("PRAGMA synchronous = FULL")
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
+        if not {"meta", "state"} <= tables:  # a write lock only the first time
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
+            db.execute(f"CREATE TABLE IF NOT EXISTS state ({STATE_COLUMNS}) WITHOUT ROWID")
+            db.execute("COMMIT")
+        # a torn or edited file must cost a full pull, never a wrong diff
+        verdict = db.execute("PRAGMA quick_check(1)").fetchone()
+        if verdict is None or verdict[0] != "ok":
+            raise sqlite3.DatabaseError(f"quick_check: {verdict[0] if verdict else 'no answer'}")
+        scratch(db)
+    except BaseException:
+        db.close()
+        raise
+    # the scratch tables take many statements: one implicit transaction each is slow
+    db.isolation_level = "DEFERRED"
+    return db
+
+
+def scratch(db: sqlite3.Connection) -> None:
+    """The per-run tables, in a private temporary database (gone when the connection is)."""
+    db.execute("ATTACH DATABASE '' AS s")
+    db.execute(f"PRAGMA s.cache_size = -{CACHE_KIB}")
+    db.execute("PRAGMA s.journal_mode = OFF")
+    db.execute("PRAGMA s.synchronous = OFF")
+    db.execute(
+        "CREATE TABLE s.man (path BLOB PRIMARY KEY, parent BLOB, kind TEXT, mode INT, size INT, "
+        "mtime INT, ctime INT, ino INT, target BLOB, digest TEXT) WITHOUT ROWID"
+    )
+    db.execute(
+        "CREATE TABLE s.host (path BLOB PRIMARY KEY, kind TEXT, mode INT, size INT, mtime INT, "
+        "ctime INT, ino INT) WITHOUT ROWID"
+    )
+    db.execute(
+        "CREATE TABLE s.plan (path BLOB PRIMARY KEY, kind TEXT, ino INT, act TEXT, hash TEXT) "
+        "WITHOUT ROWID"
+    )
+    db.execute("CREATE TABLE s.spare (path BLOB PRIMARY KEY, kind TEXT, ino INT) WITHOUT ROWID")
+    db.execute(
+        "CREATE TABLE s.after (path BLOB PRIMARY KEY, kind TEXT, mode INT, size INT, mtime INT, "
+        "ctime INT, ino INT) WITHOUT ROWID"
+    )
+    db.execute("CREATE TABLE s.verdict (path BLOB PRIMARY KEY, ok INT) WITHOUT ROWID")
+    db.execute("CREATE TABLE s.hashes (path BLOB PRIMARY KEY, hash TEXT) WITHOUT ROWID")
+    db.execute(f"CREATE TABLE s.nostate ({STATE_COLUMNS}) WITHOUT ROWID")
+
+
+def remove_db(path: Path) -> None:
+    with host_io(f"removing {path}"):
+        for suffix in ("", "-journal", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{path}{suffix}")

@@ -1,0 +1,153 @@
+"""The no-op shortcut of an unchanged re-pull (issue 8's 1.5x goal): once a pull found
+nothing to do, the next one that sees the same manifest and the same DEST scan skips the
+parse and the diff; DEST is still scanned, so nothing done to DEST on the host and nothing
+changed in the guest slips past it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_exact, make_tree, options
+from wsync.engine.api import PullOptions, PullResult
+from wsync.engine.excludes import Excludes
+from wsync.engine.incstate import PullState
+from wsync.engine.pull import pull
+from wsync.transports.local import LocalTransport
+
+
+def go(ws: Path, dest: Path, opts: PullOptions) -> PullResult:
+    async def run() -> PullResult:
+        transport = LocalTransport()
+        try:
+            return await pull(transport, str(ws), dest, opts)
+        finally:
+            await transport.aclose()
+
+    result = asyncio.run(run())
+    assert result.ok, result.error
+    return result
+
+
+class Loads:
+    """Counts the manifests parsed into the state (the shortcut parses none)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        real = PullState.load_manifest
+
+        def counted(state: PullState, *args: object, **kwargs: object) -> None:
+            self.count += 1
+            real(state, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(PullState, "load_manifest", counted)
+
+
+def snapshot(dest: Path) -> dict[str, tuple[int, int, int, int]]:
+    """Every entry of DEST: inode, mode, mtime, ctime (a no-op writes nothing)."""
+    found = {}
+    for root, dirs, files in os.walk(dest):
+        for name in [".", *dirs, *files]:
+            st = os.lstat(os.path.join(root, name))
+            found[os.path.join(root, name)] = (
+                st.st_ino,
+                st.st_mode,
+                st.st_mtime_ns,
+                st.st_ctime_ns,
+            )
+    return found
+
+
+@pytest.fixture
+def shortcut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Path, Path, PullOptions, Loads]]:
+    """A DEST whose last pull found nothing to do: the next unchanged pull is a shortcut."""
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=20)
+    dest = tmp_path / "dest"
+    opts = options(tmp_path)
+    assert go(ws, dest, opts).mode == "full"
+    second = go(ws, dest, opts)  # finds nothing: records the no-op
+    assert second.mode == "incremental" and second.changed_files == 0
+    loads = Loads(monkeypatch)
+    yield ws, dest, opts, loads
+
+
+def test_an_unchanged_repull_changes_nothing_and_parses_nothing(
+    shortcut: tuple[Path, Path, PullOptions, Loads],
+) -> None:
+    ws, dest, opts, loads = shortcut
+    before = snapshot(dest)
+    for _ in range(2):
+        result = go(ws, dest, opts)
+        assert result.mode == "incremental"
+        assert result.changed_files == result.deleted_files == result.files == 0
+    assert loads.count == 0  # the shortcut: no parse, no diff
+    assert snapshot(dest) == before
+    assert_exact(ws, dest)
+
+
+def test_host_tampering_after_an_unchanged_pull_is_repaired(
+    shortcut: tuple[Path, Path, PullOptions, Loads],
+) -> None:
+    """Same size, mtime put back: only the scan's ctime tells, and the shortcut must
+    not hide it; a deletion and a chmod likewise."""
+    ws, dest, opts, loads = shortcut
+    victim = dest / "src" / "f3.txt"
+    st = os.stat(victim)
+    data = victim.read_bytes()
+    with open(victim, "r+b") as f:
+        f.write(bytes(b ^ 0x20 for b in data[:4]))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    (dest / "src" / "f4.txt").unlink()
+    (dest / "tool.sh").chmod(0o777)
+    result = go(ws, dest, opts)
+    assert loads.count == 1  # the full diff ran
+    assert result.mode == "incremental" and result.changed_files >= 3
+    assert_exact(ws, dest)
+    # repaired, then unchanged twice: the second of those is a shortcut again
+    assert go(ws, dest, opts).changed_files == 0
+    assert go(ws, dest, opts).changed_files == 0
+    assert loads.count == 2
+    assert_exact(ws, dest)
+
+
+@pytest.mark.parametrize("change", ["append", "touch-r", "delete", "chmod", "new-dir"])
+def test_a_guest_change_after_an_unchanged_pull_is_picked_up(
+    shortcut: tuple[Path, Path, PullOptions, Loads], change: str
+) -> None:
+    ws, dest, opts, _ = shortcut
+    f = ws / "src" / "f5.txt"
+    if change == "append":
+        with f.open("ab") as out:
+            out.write(b"more\n")
+    elif change == "touch-r":  # same size, mtime put back: the manifest's ctime differs
+        st = f.stat()
+        data = f.read_bytes()
+        f.write_bytes(bytes(b ^ 0x01 for b in data[:8]) + data[8:])
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    elif change == "delete":
+        shutil.rmtree(ws / "src" / "deep")
+    elif change == "chmod":
+        f.chmod(0o600)
+    else:
+        (ws / "new" / "dir").mkdir(parents=True)
+    result = go(ws, dest, opts)
+    assert result.mode == "incremental" and result.changed_files + result.deleted_files > 0
+    assert_exact(ws, dest)
+
+
+def test_other_excludes_are_not_the_recorded_noop(
+    shortcut: tuple[Path, Path, PullOptions, Loads], tmp_path: Path
+) -> None:
+    """The no-op record holds for the options it was made under: new excludes diff."""
+    ws, dest, _, loads = shortcut
+    opts = options(tmp_path, excludes=Excludes.from_options(["*.txt"], []))
+    result = go(ws, dest, opts)
+    assert loads.count == 1
+    assert result.deleted_files > 0 and not list(dest.rglob("*.txt"))
