@@ -21,10 +21,8 @@ is opened once.
 The same object holds the DEST lock: ``flock`` on ``.NAME.wsync-lock`` beside
 DEST, for the whole pull, so two pulls of different sandboxes into one DEST
 cannot both succeed (item 13); holding it also makes every left-over
-``.NAME.wsync-tmp-*`` stale, so those are removed.  ``.NAME.wsync-spare`` is the tree
-before DEST that an incremental pull keeps for the next one (:meth:`DestDir.spare`).
-DEST on a mount point is refused at the start: the swap renames, and a mount point
-cannot be renamed.
+``.NAME.wsync-tmp-*`` stale, so those are removed.  DEST on a mount point is
+refused at the start: the swap renames, and a mount point cannot be renamed.
 """
 
 from __future__ import annotations
@@ -153,8 +151,6 @@ class DestDir:
         self._rel = rel
         self._lock_fd: int | None = None
         self._tmp_fd: int | None = None
-        #: the last make_tmp() took the spare tree (see :meth:`spare`)
-        self.tmp_reused = False
 
     # -- opening ----------------------------------------------------------------------
 
@@ -295,20 +291,12 @@ class DestDir:
 
     # -- the writes of a pull -------------------------------------------------------------
 
-    @property
-    def spare_name(self) -> str:
-        return f".{self.name}.wsync-spare"
-
-    def make_tmp(self, name: str, *, spare: bool = False) -> tuple[int, list[str]]:
+    def make_tmp(self, name: str) -> tuple[int, list[str]]:
         """Create the empty tmp tree ``name`` beside DEST; return its fd and warnings.
 
         Left-overs of earlier runs are removed first: ``name`` itself (or the
         pull fails), and, as the DEST lock says no other pull is writing here,
         every other ``.NAME.wsync-tmp-*`` and ``.NAME.wsync-old`` (best effort).
-
-        With ``spare`` the tree the last pull kept (:meth:`spare`) becomes the tmp tree when
-        there is one (:attr:`tmp_reused`): the caller must then remove what does not belong
-        (:meth:`wsync.engine.incremental.Incremental.farm` does).
         """
         self.verify()
         warnings: list[str] = []
@@ -323,40 +311,11 @@ class DestDir:
                 warnings.append(f"a left-over of an earlier pull was not removed: {exc}")
         self.remove(name)
         self.close_tmp()
-        self.tmp_reused = spare and self._take_spare(name)
-        if self.tmp_reused:
-            assert self._tmp_fd is not None
-            return self._tmp_fd, warnings
         shown = self.path.parent / name
         with host_io(f"creating {shown}"):
             os.mkdir(name, 0o700, dir_fd=self.parent_fd)
             self._tmp_fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
         return self._tmp_fd, warnings
-
-    def _take_spare(self, name: str) -> bool:
-        """Rename the spare tree to ``name`` and open it (0700, as a fresh tmp tree); False
-        when there is none, or it is not a directory (then removed)."""
-        try:
-            parent = self.parent_fd
-            os.rename(self.spare_name, name, src_dir_fd=parent, dst_dir_fd=parent)
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            log.warning("the spare tree not reused", error=str(exc))
-            return False
-        try:
-            fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
-        except OSError:
-            self.remove(name)  # a file or a symlink took the name: not ours to reuse
-            return False
-        try:
-            os.fchmod(fd, 0o700)
-        except OSError:
-            os.close(fd)
-            self.remove(name)
-            return False
-        self._tmp_fd = fd
-        return True
 
     def close_tmp(self) -> None:
         if self._tmp_fd is not None:
@@ -382,47 +341,6 @@ class DestDir:
         def run() -> None:
             try:
                 remove_tree_at(fd, name, shown=shown)
-            finally:
-                os.close(fd)
-
-        return run
-
-    def spare(self, name: str, doomed: list[bytes]) -> Callable[[], None]:
-        """For a worker thread after the swap of a farm-built tree: the old tree ``name``
-        becomes the spare tree the next pull builds on (:meth:`make_tmp` with ``spare``),
-        once ``doomed`` (its entries the new tree does not share, workspace-relative) are
-        removed.  Everything else in it is a hard link of an entry of the new DEST, so it
-        costs no space, and the next pull links and unlinks only what changed: the new
-        tree's kept inodes are never touched (their ctimes stay as the diff saw them).
-
-        On the development VM's disk a mkdir or rmdir costs about 20 links; a farm made
-        afresh and an old tree removed whole cost seconds for 60k entries.  Renamed
-        first: a kill -9 meanwhile leaves a spare tree with more in it, which the next
-        pull prunes like any other (it trusts nothing there it has not checked)."""
-        fd = os.dup(self.parent_fd)
-        spare = self.spare_name
-        shown = str(self.path.parent / spare)
-
-        def run() -> None:
-            try:
-                remove_tree_at(fd, spare, shown=shown)  # one an unfarmed pull left
-                with host_io(f"renaming the previous tree to {shown}"):
-                    os.rename(name, spare, src_dir_fd=fd, dst_dir_fd=fd)
-                remove_below(fd, spare, doomed, shown)
-            finally:
-                os.close(fd)
-
-        return run
-
-    def drop_spare(self) -> Callable[[], None]:
-        """For a worker thread: remove the spare tree (a pull that did not build on it)."""
-        fd = os.dup(self.parent_fd)
-        spare = self.spare_name
-        shown = str(self.path.parent / spare)
-
-        def run() -> None:
-            try:
-                remove_tree_at(fd, spare, shown=shown)
             finally:
                 os.close(fd)
 
@@ -480,39 +398,3 @@ def _refusing(dest: Path, root: Path | None, where: Path) -> Iterator[None]:
         if exc.errno == errno.EXDEV:
             raise UsageError(f"DEST {dest} is not beneath the dest root {root}") from None
         raise HostIOError(f"opening {where}: {exc.strerror or exc}") from exc
-
-
-def remove_below(parent_fd: int, name: str, paths: list[bytes], shown: str) -> None:
-    """Remove ``paths`` (workspace-relative, none below another) from the tree ``name``
-    in ``parent_fd``, each reached without following a symlink; missing ones are fine."""
-    if not paths:
-        return
-    with host_io(f"opening {shown}"):
-        root = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
-    try:
-        remove_paths(root, paths, shown)
-    finally:
-        os.close(root)
-
-
-def remove_paths(root_fd: int, paths: list[bytes], shown: str) -> None:
-    """Remove ``paths`` (workspace-relative, none below another, sorted) under ``root_fd``."""
-    held: tuple[bytes, int] | None = None
-    try:
-        for path in paths:
-            parent, _, leaf = path.rpartition(b"/")
-            if held is None or held[0] != parent:
-                if held is not None:
-                    os.close(held[1])
-                    held = None
-                parts = tuple(os.fsdecode(p) for p in parent.split(b"/")) if parent else ()
-                try:
-                    held = (parent, open_beneath(root_fd, parts))
-                except OSError as exc:
-                    if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-                        continue  # gone with its parent, or the parent is not one: fine
-                    raise HostIOError(f"{shown}: {exc.strerror or exc}") from exc
-            remove_tree_at(held[1], os.fsdecode(leaf), shown=f"{shown}/{os.fsdecode(path)}")
-    finally:
-        if held is not None:
-            os.close(held[1])

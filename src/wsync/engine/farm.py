@@ -23,10 +23,8 @@ by path, where siblings come together but a subtree sits between a directory's o
 from __future__ import annotations
 
 import collections
-import contextlib
 import errno
 import os
-import stat
 import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -91,18 +89,12 @@ def build_farm(
     tmp_fd: int,
     keep: Iterable[tuple[bytes, str]],
     check_cancel: Callable[[], None],
-    *,
-    spare: bool = False,
-    linked: list[bytes] | None = None,
 ) -> int:
     """Fill the empty tree at ``tmp_fd`` from DEST at ``dest_fd``; return the entries made.
 
     ``keep`` is ``(path, kind)`` with every directory before its entries (the diff's order):
     directories are created 0o700 (their modes come last, from :func:`set_dir_meta`), all
-    else is hard-linked from the same path in DEST.  With ``spare`` the tree is a spare
-    tree already pruned to the new tree's directories and DEST's own inodes of kept entries
-    (:meth:`wsync.engine.incstate.PullState.spare_leftovers`): what is there already stays.
-    ``linked`` collects the paths of the entries this call linked.
+    else is hard-linked from the same path in DEST.
     """
     dest = _Parents(dest_fd)
     tmp = _Parents(tmp_fd)
@@ -117,25 +109,12 @@ def build_farm(
             try:
                 tparent = tmp.get(parent)
                 if kind == "d":
-                    try:
-                        os.mkdir(leaf, 0o700, dir_fd=tparent)
-                    except FileExistsError:
-                        if not spare:
-                            raise
-                        st = os.stat(leaf, dir_fd=tparent, follow_symlinks=False)
-                        if not stat.S_ISDIR(st.st_mode):
-                            raise
+                    os.mkdir(leaf, 0o700, dir_fd=tparent)
                 else:
                     dparent = dest.get(parent)
-                    try:
-                        os.link(leaf, leaf, src_dir_fd=dparent, dst_dir_fd=tparent,
-                                follow_symlinks=False)  # fmt: skip
-                    except FileExistsError:
-                        if not spare:
-                            raise
-                        continue  # the spare's own link of DEST's inode (checked by the prune)
-                    if linked is not None:
-                        linked.append(path)
+                    os.link(
+                        leaf, leaf, src_dir_fd=dparent, dst_dir_fd=tparent, follow_symlinks=False
+                    )
             except OSError as exc:
                 raise _farm_error(path, exc) from exc
             made += 1
@@ -158,20 +137,6 @@ def _farm_error(path: bytes, exc: OSError) -> HostIOError:
     return HostIOError(f"building the new tree, {shown}: {exc.strerror or exc}")
 
 
-def _clear_xattrs(fd: int) -> None:
-    """Drop the user extended attributes and ACLs a directory may carry: a directory kept
-    from an earlier tree (:func:`wsync.engine.fsutil.strip_tree_at`) must end up as one
-    made afresh, and wsync drops xattrs and ACLs (docs/fidelity.md)."""
-    try:
-        names = os.listxattr(fd)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(("user.", "system.posix_acl_")):
-            with contextlib.suppress(OSError):
-                os.removexattr(fd, name)
-
-
 def set_dir_meta(tmp_fd: int, dirs: Iterable[DirLike]) -> None:
     """Give the new tree's directories their modes and mtimes, in the order given.
 
@@ -191,7 +156,6 @@ def set_dir_meta(tmp_fd: int, dirs: Iterable[DirLike]) -> None:
             try:
                 if path == b".":
                     tmp.close()
-                    _clear_xattrs(tmp_fd)
                     os.fchmod(tmp_fd, mode)
                     _utime(tmp_fd, atime_ns, mtime_ns)
                     continue
@@ -202,7 +166,6 @@ def set_dir_meta(tmp_fd: int, dirs: Iterable[DirLike]) -> None:
                     dir_fd=tmp.get(parent),
                 )
                 try:
-                    _clear_xattrs(fd)
                     os.fchmod(fd, mode)
                     _utime(fd, atime_ns, mtime_ns)
                 finally:

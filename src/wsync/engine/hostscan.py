@@ -17,7 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import xxhash
 
@@ -147,38 +147,6 @@ def scan(root_fd: int) -> Iterator[HostRow]:
                 os.close(fd)
     finally:
         fds.close()
-
-
-def stat_paths(root_fd: int, paths: Iterable[bytes]) -> Iterator[HostRow]:
-    """``lstat`` of each of ``paths`` (sorted, so siblings share a parent fd) under
-    ``root_fd``, each parent reached without following a symlink; missing ones are left out."""
-    parents = _DirFds(root_fd)
-    held: tuple[bytes, int] | None = None
-    try:
-        for path in paths:
-            parent, _, leaf = path.rpartition(b"/")
-            if path == b".":
-                yield row(path, os.fstat(root_fd))
-                continue
-            if held is None or held[0] != parent:
-                if held is not None:
-                    os.close(held[1])
-                    held = None
-                try:
-                    held = (parent, parents.open(parent or b"."))
-                except OSError as exc:
-                    if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-                        continue
-                    raise
-            try:
-                st = os.stat(leaf, dir_fd=held[1], follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            yield row(path, st)
-    finally:
-        if held is not None:
-            os.close(held[1])
-        parents.close()
 
 
 def file_hash(root_fd: int, path: bytes, ino: int) -> str | None:

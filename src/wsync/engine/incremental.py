@@ -26,10 +26,7 @@ The new tree is built in the usual tmp dir beside DEST: a hardlink farm of DEST'
 unchanged entries (:func:`~wsync.engine.farm.build_farm`), the archive applied in the
 extractor's replace mode (no inode of the live DEST is ever written), gone entries
 removed, directory modes and mtimes set from the manifest, then the usual flush and swap.
-After the swap the old tree, less what the new one does not share, becomes the spare tree
-the next pull's farm starts from (:meth:`~wsync.engine.destdir.DestDir.spare`), and the
-state is committed with the extractor's file hashes: the entries the pull touched are read
-again, the kept ones keep the signature the diff's scan saw (nothing touched their inodes).
+After the old tree is removed the state is committed with the extractor's file hashes.
 """
 
 from __future__ import annotations
@@ -47,10 +44,9 @@ from typing import BinaryIO, TypeVar
 import structlog
 
 from wsync.engine.api import PullOptions
-from wsync.engine.destdir import DestDir, remove_paths
+from wsync.engine.destdir import DestDir
 from wsync.engine.excludes import Excludes
 from wsync.engine.farm import build_farm, set_dir_meta
-from wsync.engine.fsutil import remove_tree_at
 from wsync.engine.guest import GuestPlan
 from wsync.engine.incstate import Diff, PullState
 from wsync.errors import (
@@ -183,8 +179,6 @@ class Incremental:
         #: the manifest was loaded into the state (it is not while the shortcut may apply)
         self.loaded = False
         self._stop = threading.Event()
-        #: the kept entries the farm linked (None: no farm, or too many to read one by one)
-        self.linked: list[bytes] | None = None
 
     def close(self) -> None:
         """Close the state, unless a worker thread still uses its connection (a pull
@@ -223,15 +217,15 @@ class Incremental:
         return self.recorded and not self.options.full and can_select(plan, stdin=stdin)
 
     def scan(self) -> None:
-        """Scan DEST for the diff (worker thread, during the probe and the manifest run,
-        beside the manifest's loader: the state's connection is taken only to spill)."""
-        dest_fd = open_dest(self.target)
-        if dest_fd is None:
-            return
-        try:
-            self.host_digest = self.state.scan(dest_fd, self._check_stop, self.busy)
-        finally:
-            os.close(dest_fd)
+        """Scan DEST into the state (worker thread, during the manifest run)."""
+        with self.busy:
+            dest_fd = open_dest(self.target)
+            if dest_fd is None:
+                return
+            try:
+                self.host_digest = self.state.scan(dest_fd, self._check_stop)
+            finally:
+                os.close(dest_fd)
 
     def stop(self) -> None:
         """Make a running :meth:`scan` stop at its next batch (the pull is failing)."""
@@ -291,63 +285,28 @@ class Incremental:
         assert self.diff is not None
         return b"".join(b"./" + path + b"\0" for path in self.diff.fetch_paths())
 
-    def farm(self, tmp_fd: int, check_cancel: object, *, reused: bool = False) -> int:
-        """Link DEST's unchanged entries and create every directory in the tmp tree.
-
-        ``reused``: the tmp tree is the spare tree the last pull kept
-        (:meth:`wsync.engine.destdir.DestDir.spare`); what the new tree must not have
-        goes first, and what it has already stays (not linked again)."""
+    def farm(self, tmp_fd: int, check_cancel: object) -> int:
+        """Link DEST's unchanged entries and create every directory in the tmp tree."""
         assert self.diff is not None
-        if reused:
-            reused = self._prune(tmp_fd)
         dest_fd = open_dest(self.target) if self.mode == "incremental" else None
         source = dest_fd if dest_fd is not None else tmp_fd
-        self.linked = []
         try:
-            return build_farm(
-                source,
-                tmp_fd,
-                self.diff.keep(spare=reused),
-                check_cancel,  # type: ignore[arg-type]
-                spare=reused,
-                linked=self.linked,
-            )
+            return build_farm(source, tmp_fd, self.diff.keep(), check_cancel)  # type: ignore[arg-type]
         finally:
             if dest_fd is not None:
                 os.close(dest_fd)
-
-    def _prune(self, tmp_fd: int) -> bool:
-        """Remove from the spare tree at ``tmp_fd`` all the new tree must not have; if it
-        cannot be read as expected, empty the tree (False: start from nothing)."""
-        try:
-            remove_paths(tmp_fd, self.state.spare_leftovers(tmp_fd), "the spare tree")
-            return True
-        except (OSError, HostIOError) as exc:
-            log.warning("the spare tree is not reusable, starting afresh", error=str(exc))
-        with os.scandir(tmp_fd) as entries:
-            names = [entry.name for entry in entries]
-        for name in names:
-            remove_tree_at(tmp_fd, name)
-        return False
-
-    def spare_doomed(self) -> list[bytes]:
-        """The old tree's entries the new tree does not share (see DestDir.spare)."""
-        return self.state.old_leftovers()
 
     def dir_meta(self, tmp_fd: int) -> None:
         assert self.diff is not None
         set_dir_meta(tmp_fd, self.diff.dirs())
 
     def commit(self) -> None:
-        """Record DEST as this sandbox's baseline (after the old tree was removed, or made
-        the spare tree).  When the farm linked few entries (the others were in the spare
-        tree: their inodes were not touched) only what the pull touched is read again."""
+        """Record DEST as this sandbox's baseline (after the old tree was removed)."""
         dest_fd = open_dest(self.target)
         if dest_fd is None:
             return
-        linked = self.linked if self.mode == "incremental" else None
         try:
-            self.state.commit(dest_fd, iter(self.hashes), linked)
+            self.state.commit(dest_fd, iter(self.hashes))
         finally:
             os.close(dest_fd)
 

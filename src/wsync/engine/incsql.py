@@ -25,55 +25,6 @@ STATE_COLUMNS = """
 """
 
 INSERT_HOST = "INSERT OR REPLACE INTO s.host VALUES (?,?,?,?,?,?,?)"
-INSERT_AFTER = "INSERT OR REPLACE INTO s.after VALUES (?,?,?,?,?,?,?)"
-
-#: (a kept entry, below: ``p.act = 'keep' AND p.kind != 'd'``, linked into the new tree and
-#: never written)
-
-#: entries of the spare tree (s.spare) the new tree must not have: all but the manifest's
-#: directories and the kept entries that are DEST's very inode (as DEST's scan saw it)
-SPARE_LEFTOVERS = """
-SELECT k.path FROM s.spare k WHERE k.path != x'2e' AND NOT (
-  (k.kind = 'd' AND EXISTS (SELECT 1 FROM s.man m WHERE m.path = k.path AND m.kind = 'd'))
-  OR EXISTS (SELECT 1 FROM s.plan p JOIN s.host h USING (path)
-    WHERE p.path = k.path AND p.act = 'keep' AND p.kind != 'd'
-      AND p.kind = k.kind AND h.kind = k.kind AND h.ino = k.ino)
-) ORDER BY k.path
-"""
-
-#: what the farm makes: every directory but the root, and the kept entries to link
-KEEP = """
-SELECT path, kind FROM s.plan WHERE (kind = 'd' AND path != x'2e')
-OR (kind != 'd' AND act = 'keep') ORDER BY path
-"""
-
-#: the same, less what the pruned spare tree holds already (the complement, in the
-#: farm's entries, of SPARE_LEFTOVERS)
-KEEP_SPARE = """
-SELECT p.path, p.kind FROM s.plan p
-WHERE ((p.kind = 'd' AND p.path != x'2e') OR (p.kind != 'd' AND p.act = 'keep'))
-AND NOT EXISTS (SELECT 1 FROM s.spare k WHERE k.path = p.path AND k.kind = p.kind AND (
-  k.kind = 'd' OR EXISTS (SELECT 1 FROM s.host h
-    WHERE h.path = k.path AND h.kind = k.kind AND h.ino = k.ino)))
-ORDER BY p.path
-"""
-
-#: entries of the old tree (DEST before the swap, as scanned for the diff) that the new
-#: tree does not share: what must go before the old tree can be the next pull's spare
-OLD_LEFTOVERS = """
-SELECT h.path FROM s.host h WHERE h.path != x'2e' AND NOT (
-  (h.kind = 'd' AND EXISTS (SELECT 1 FROM s.man m WHERE m.path = h.path AND m.kind = 'd'))
-  OR EXISTS (SELECT 1 FROM s.plan p
-    WHERE p.path = h.path AND p.act = 'keep' AND p.kind != 'd' AND p.kind = h.kind)
-) ORDER BY h.path
-"""
-
-#: the entries whose host signature the commit must read again (targeted commit): all the
-#: new tree has but the kept entries, which the pull never touched
-TOUCHED = """
-SELECT m.path FROM s.man m LEFT JOIN s.plan p USING (path)
-WHERE NOT coalesce(p.act = 'keep' AND p.kind != 'd', 0) ORDER BY m.path
-"""
 
 PLAN = """
 INSERT INTO s.plan (path, kind, ino, act, hash)
@@ -99,22 +50,6 @@ SELECT m.path, m.kind, m.ino,
 FROM s.man m
 LEFT JOIN base o ON o.path = m.path
 LEFT JOIN s.host h ON h.path = m.path
-"""
-
-#: the commit when DEST was not scanned again: the kept entries keep the signature the
-#: diff's scan saw (nothing touched their inodes since), the rest were read again (s.after)
-COMMIT_TARGETED = """
-INSERT INTO main.state
-SELECT m.path, m.kind, m.mode, m.size, m.mtime, m.ctime, m.ino, m.target, m.digest,
-  CASE WHEN m.kind = 'f' THEN coalesce(fh.hash, CASE WHEN p.act = 'keep' THEN p.hash END) END,
-  coalesce(a.kind, h.kind), coalesce(a.mode, h.mode), coalesce(a.size, h.size),
-  coalesce(a.mtime, h.mtime), coalesce(a.ctime, h.ctime), coalesce(a.ino, h.ino)
-FROM s.man m
-LEFT JOIN s.plan p ON p.path = m.path
-LEFT JOIN s.after a ON a.path = m.path
-LEFT JOIN s.host h ON h.path = m.path AND a.path IS NULL AND p.act = 'keep' AND p.kind != 'd'
-LEFT JOIN s.hashes fh ON fh.path = m.path
-WHERE coalesce(a.kind, h.kind) = m.kind
 """
 
 COMMIT = """
@@ -171,11 +106,6 @@ def scratch(db: sqlite3.Connection) -> None:
     db.execute(
         "CREATE TABLE s.plan (path BLOB PRIMARY KEY, kind TEXT, ino INT, act TEXT, hash TEXT) "
         "WITHOUT ROWID"
-    )
-    db.execute("CREATE TABLE s.spare (path BLOB PRIMARY KEY, kind TEXT, ino INT) WITHOUT ROWID")
-    db.execute(
-        "CREATE TABLE s.after (path BLOB PRIMARY KEY, kind TEXT, mode INT, size INT, mtime INT, "
-        "ctime INT, ino INT) WITHOUT ROWID"
     )
     db.execute("CREATE TABLE s.verdict (path BLOB PRIMARY KEY, ok INT) WITHOUT ROWID")
     db.execute("CREATE TABLE s.hashes (path BLOB PRIMARY KEY, hash TEXT) WITHOUT ROWID")

@@ -3,10 +3,8 @@
 One SQLite file per DEST, ``STATE/incremental/<sha256 of DEST's real path>.sqlite``, holds
 the sandbox key of the last successful pull into DEST and, per entry of the tree it left:
 the guest's manifest record, the xxh3_128 of the file's bytes as written on the host, and
-the host ``lstat`` signature (kind, mode, size, mtime, ctime, inode) as that pull left it:
-read again after the old tree was dealt with (linking and unlinking change ctimes) for the
-entries the pull touched, or for all of DEST when it touched many; a kept entry that was
-already in the spare tree keeps the signature the diff's scan saw.
+the host ``lstat`` signature (kind, mode, size, mtime, ctime, inode) taken after that pull
+finished (after the old tree was removed: linking and unlinking change ctimes).
 
 Why SQLite: a workspace may hold a million entries, and wsync's memory must stay bounded
 (issue 8: peak RSS <= 200 MB for a 1M-entry manifest).  The manifest and a scan of DEST are
@@ -47,7 +45,6 @@ import os
 import sqlite3
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
@@ -72,7 +69,6 @@ SCHEMA_VERSION = "1"
 _ROW = struct.Struct("<Ic4xQqqqQ")
 #: the meta keys of the no-op record (see :meth:`PullState.noop_matches`)
 _NOOP_KEYS = ("noop_key", "noop_manifest", "noop_host")
-_NO_LOCK: AbstractContextManager[object] = contextlib.nullcontext()
 
 
 class ManifestEntry(Protocol):
@@ -138,9 +134,8 @@ class PullState:
         #: (device, inode) that :meth:`scan` scanned for the next diff, if any
         self.host_digest = ""
         self._scanned: tuple[int, int] | None = None
-        #: rows of that scan not yet in ``s.host`` (at most HOLD), and whether some are
+        #: rows of that scan not yet in ``s.host`` (at most HOLD)
         self._held: list[hostscan.HostRow] = []
-        self._spilled = False
         self._hash_batch: list[tuple[bytes, str]] = []
 
     # -- opening ------------------------------------------------------------------------
@@ -252,20 +247,14 @@ class PullState:
 
     # -- the diff -----------------------------------------------------------------------
 
-    def scan(
-        self,
-        dest_fd: int,
-        check_cancel: Callable[[], None] | None = None,
-        db_lock: AbstractContextManager[object] | None = None,
-    ) -> str:
-        """Scan DEST (open at ``dest_fd``) for the next :meth:`diff`, and return the scan's
-        digest.  A pull runs this while the guest writes its manifest: the two are
-        independent, and the walk is most of a host's diff time.  The rows stay in memory
-        (up to HOLD) until the diff, so the walk uses the database only for what exceeds
-        that, each time under ``db_lock``: the manifest can be loaded meanwhile."""
+    def scan(self, dest_fd: int, check_cancel: Callable[[], None] | None = None) -> str:
+        """Scan DEST (open at ``dest_fd``) into the scratch table for the next :meth:`diff`,
+        and return the scan's digest.  A pull runs this while the guest writes its
+        manifest: the two are independent, and the walk is most of a host's diff time."""
         with self._errors():
             self._scanned = None
-            digest = self._scan_host(dest_fd, check_cancel, hold=True, db_lock=db_lock or _NO_LOCK)
+            digest = self._scan_host(dest_fd, check_cancel, hold=True)
+            self.db.commit()
         st = os.fstat(dest_fd)
         self._scanned = (st.st_dev, st.st_ino)
         return digest
@@ -280,8 +269,6 @@ class PullState:
         with self._errors():
             if self._scanned != (st.st_dev, st.st_ino):
                 self._scan_host(dest_fd)
-            elif not self._spilled:
-                self.db.execute("DELETE FROM s.host")
             self._scanned = None
             self.db.executemany(incsql.INSERT_HOST, self._held)
             self._held = []
@@ -322,22 +309,15 @@ class PullState:
         return Diff(self, int(changed), int(deleted), int(fetch))
 
     def _scan_host(
-        self,
-        dest_fd: int,
-        check_cancel: Callable[[], None] | None = None,
-        *,
-        hold: bool = False,
-        db_lock: AbstractContextManager[object] = _NO_LOCK,
+        self, dest_fd: int, check_cancel: Callable[[], None] | None = None, *, hold: bool = False
     ) -> str:
         """Fill ``s.host`` with DEST's entries; return a digest of every field of every row
         in walk order (the same tree, untouched, gives the same digest: see
-        :meth:`noop_matches`).  With ``hold`` the rows stay in memory (the diff writes
-        them) unless there are more than HOLD: then all go to ``s.host`` as they come."""
+        :meth:`noop_matches`).  With ``hold`` the first HOLD rows stay in memory until a
+        diff needs them."""
         db = self.db
+        db.execute("DELETE FROM s.host")
         self._held = []
-        self._spilled = not hold
-        if not hold:
-            db.execute("DELETE FROM s.host")
         batch: list[hostscan.HostRow] = []
         digest = xxhash.xxh3_128()
         pack = _ROW.pack
@@ -352,12 +332,7 @@ class PullState:
                     if check_cancel is not None:
                         check_cancel()
                     if len(batch) >= limit:
-                        with db_lock:
-                            if not self._spilled:
-                                db.execute("DELETE FROM s.host")
-                                self._spilled = True
-                            db.executemany(incsql.INSERT_HOST, batch)
-                            db.commit()
+                        db.executemany(incsql.INSERT_HOST, batch)
                         batch.clear()
                         limit = BATCH
         if hold:
@@ -429,66 +404,25 @@ class PullState:
         )
         return int(verified)
 
-    def spare_leftovers(self, tmp_fd: int) -> list[bytes]:
-        """What the spare tree now at ``tmp_fd`` (the tree before last, see
-        :meth:`wsync.engine.destdir.DestDir.spare`) holds that the new tree must not:
-        anything but the manifest's directories and the kept entries that are DEST's very
-        inodes, top-most first (a removed directory takes its entries with it)."""
-        with self._errors():
-            db = self.db
-            db.execute("DELETE FROM s.spare")
-            batch: list[tuple[bytes, str, int]] = []
-            insert = "INSERT OR REPLACE INTO s.spare VALUES (?, ?, ?)"
-            with host_io("reading the spare tree"):
-                for row in hostscan.scan(tmp_fd):
-                    batch.append((row[0], row[1], row[6]))
-                    if len(batch) >= BATCH:
-                        db.executemany(insert, batch)
-                        batch.clear()
-            db.executemany(insert, batch)
-            doomed = _tops(db.execute(incsql.SPARE_LEFTOVERS))
-            db.commit()
-        return doomed
-
-    def old_leftovers(self) -> list[bytes]:
-        """Entries of the old tree (DEST as the diff scanned it) that the new tree does not
-        share, top-most first: removed, the rest of the old tree is the next pull's spare."""
-        with self._errors():
-            return _tops(self.db.execute(incsql.OLD_LEFTOVERS))
-
     # -- after the pull -----------------------------------------------------------------
 
     def commit(
-        self,
-        dest_fd: int,
-        file_hashes: Mapping[bytes, str] | Iterable[tuple[bytes, str]],
-        linked: Iterable[bytes] | None = None,
+        self, dest_fd: int, file_hashes: Mapping[bytes, str] | Iterable[tuple[bytes, str]]
     ) -> None:
         """Record the tree now in DEST (open at ``dest_fd``) as this sandbox's baseline.
 
-        Call it after the swap and after the old tree was removed or made the spare tree.
-        ``file_hashes`` are the
+        Call it after the swap and after the old tree was removed.  ``file_hashes`` are the
         extractor's xxh3_128 of every file it wrote (on top of those given to
         :meth:`add_hash` since :meth:`load_manifest`); kept files carry their recorded hash.
         An entry is recorded only where DEST holds it with the manifest's kind, so anything
         the pull did not leave (vanished in the guest, refused) is fetched next time.
-
-        ``linked``: the kept entries the farm linked this pull (the others were in the spare
-        tree already, so nothing touched their inodes since the diff's scan).  Given, only
-        the entries the pull touched (those, directories, fetched ones) are read again;
-        else DEST is scanned whole.  A signature recorded too early can only cost a re-hash
-        next time (a ctime that moved is re-checked), never a wrong tree.
         """
         if not self._loaded:
             raise RuntimeError("load_manifest() first")
         pairs = file_hashes.items() if isinstance(file_hashes, Mapping) else file_hashes
         with self._errors():
             db = self.db
-            statement = incsql.COMMIT
-            if linked is not None and self._diffed and self._stat_touched(dest_fd, linked):
-                statement = incsql.COMMIT_TARGETED
-            else:
-                self._scan_host(dest_fd)
+            self._scan_host(dest_fd)
             for path, digest in pairs:
                 self.add_hash(path, digest)
             self._flush_hashes()
@@ -499,7 +433,7 @@ class PullState:
             try:
                 db.execute("DELETE FROM main.state")
                 db.executemany("DELETE FROM main.meta WHERE k = ?", [(k,) for k in _NOOP_KEYS])
-                db.execute(statement)
+                db.execute(incsql.COMMIT)
                 db.executemany(
                     "INSERT OR REPLACE INTO main.meta VALUES (?, ?)",
                     [("sandbox", self.sandbox_key), ("version", SCHEMA_VERSION)],
@@ -508,26 +442,6 @@ class PullState:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-
-    def _stat_touched(self, dest_fd: int, linked: Iterable[bytes]) -> bool:
-        """``s.after``: the signature of every entry of DEST the pull touched; False (and
-        nothing done) when that is more than half the tree: one scan is cheaper then."""
-        db = self.db
-        db.execute("DELETE FROM s.after")
-        paths = [bytes(row[0]) for row in db.execute(incsql.TOUCHED)]
-        paths.extend(linked)
-        total = db.execute("SELECT count(*) FROM s.man").fetchone()[0]
-        if len(paths) > total // 2:
-            return False
-        batch: list[hostscan.HostRow] = []
-        with host_io("reading DEST"):
-            for row in hostscan.stat_paths(dest_fd, sorted(paths)):
-                batch.append(row)
-                if len(batch) >= BATCH:
-                    db.executemany(incsql.INSERT_AFTER, batch)
-                    batch.clear()
-        db.executemany(incsql.INSERT_AFTER, batch)
-        return True
 
     def add_hash(self, path: bytes, digest: str) -> None:
         """Note the xxh3_128 of a file the extractor wrote (``on_file`` can be this method):
@@ -580,13 +494,13 @@ class Diff:
         for (path,) in rows:
             yield bytes(path)
 
-    def keep(self, *, spare: bool = False) -> Iterator[tuple[bytes, str]]:
+    def keep(self) -> Iterator[tuple[bytes, str]]:
         """(path, kind) for the farm: every directory but the root, and the unchanged
-        entries to link, sorted by path bytes, so a directory comes before its entries.
-        With ``spare``, not those the pruned spare tree has already (see
-        :meth:`PullState.spare_leftovers`)."""
-        sql = incsql.KEEP_SPARE if spare else incsql.KEEP
-        rows = self.state.db.execute(sql)
+        entries to link, sorted by path bytes, so a directory comes before its entries."""
+        rows = self.state.db.execute(
+            "SELECT path, kind FROM s.plan WHERE (kind = 'd' AND path != x'2e') "
+            "OR (kind != 'd' AND act = 'keep') ORDER BY path"
+        )
         for path, kind in rows:
             yield bytes(path), str(kind)
 
@@ -622,16 +536,3 @@ class Diff:
             code = changed_flags(str(act), new, old)
             target = bytes(new[6] or b"") if new[0] == "l" else b""
             yield itemize_line(code, bytes(path), new[0] == "d", target)
-
-
-def _tops(rows: Iterable[tuple[bytes]]) -> list[bytes]:
-    """The paths of ``rows`` (sorted) that are not below another one of them."""
-    doomed: list[bytes] = []
-    tops: set[bytes] = set()
-    for (found,) in rows:
-        path = bytes(found)
-        parts = path.split(b"/")
-        if not any(b"/".join(parts[:i]) in tops for i in range(1, len(parts))):
-            doomed.append(path)
-            tops.add(path)
-    return doomed

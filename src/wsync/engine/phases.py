@@ -113,8 +113,6 @@ class StreamRunner:
         self.snapshots: list[str] = []
         self.inc: Incremental | None = None
         self.swapped = False
-        #: the new tree was built on a farm (it may start from the spare tree)
-        self.farmed = False
         #: the consumer thread outlived the wind-down: its tmp tree is left to the next run
         self.stuck = False
         self.tree_bytes = 0

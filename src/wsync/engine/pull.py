@@ -53,6 +53,7 @@ from wsync.engine.winddown import (
 )
 from wsync.errors import (
     HostileArchive,
+    HostIOError,
     IntegrityFailed,
     Interrupted,
     LimitExceeded,
@@ -146,9 +147,8 @@ class _Pull(IncrementalRunner):
         if run == "select":
             await self.session.upload_list(snapshot, listing)
         journaled = await self.admit_phase(plan, journal, snapshot, run)
+        tmp, tmp_fd = self.make_tmp()
         replace = run == "select"
-        tmp, tmp_fd = self.make_tmp(spare=inc is not None and replace)
-        reused = self.target.tmp_reused
         hook = None
         if inc is not None:
             inc.hashes.start()
@@ -156,7 +156,7 @@ class _Pull(IncrementalRunner):
 
         def extract(feed: ChunkFeed) -> ExtractStats:
             if inc is not None and replace:
-                inc.locked(lambda: inc.farm(tmp_fd, feed.check_cancel, reused=reused))
+                inc.locked(lambda: inc.farm(tmp_fd, feed.check_cancel))
             limits = self.options.limits
             return extract_feed(
                 feed, plan.compressor, tmp_fd, limits, self.extracted, replace=replace, on_file=hook
@@ -182,12 +182,10 @@ class _Pull(IncrementalRunner):
             self.io.shutdown(wait=False)
         return stats, chunks, length, old
 
-    def make_tmp(self, *, spare: bool = False) -> tuple[str, int]:
-        """The tree beside DEST that becomes DEST (stale ones of earlier runs go); with
-        ``spare``, the spare tree the last pull kept when there is one."""
+    def make_tmp(self) -> tuple[str, int]:
+        """The tree beside DEST that becomes DEST (stale ones of earlier runs go)."""
         tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
-        self.farmed = spare
-        tmp_fd, leftovers = self.target.make_tmp(tmp, spare=spare)
+        tmp_fd, leftovers = self.target.make_tmp(tmp)
         self.warnings.extend(leftovers)
         return tmp, tmp_fd
 
@@ -211,8 +209,7 @@ class _Pull(IncrementalRunner):
         """Changes without an entry to fetch (deletions, directory modes or mtimes, a
         host-side chmod of a directory): the new tree is the farm alone, no producer run."""
         assert inc is not None
-        tmp, tmp_fd = self.make_tmp(spare=True)
-        reused = self.target.tmp_reused
+        tmp, tmp_fd = self.make_tmp()
         inc.hashes.start()
         inc.hashes.close()
         stop = threading.Event()
@@ -223,7 +220,7 @@ class _Pull(IncrementalRunner):
 
         try:
             self.emit("apply")
-            await in_thread(lambda: inc.locked(lambda: inc.farm(tmp_fd, check, reused=reused)))
+            await in_thread(lambda: inc.locked(lambda: inc.farm(tmp_fd, check)))
             await in_thread(lambda: inc.locked(lambda: inc.dir_meta(tmp_fd)))
             old = self.swap_in(tmp, tmp_fd)
         except BaseException:
@@ -235,22 +232,16 @@ class _Pull(IncrementalRunner):
     async def finish(self, old: str | None) -> None:
         """After the swap DEST is final: nothing here may fail the pull.
 
-        The old tree is removed (after a farm it becomes the spare tree the next pull builds
-        on: :meth:`~wsync.engine.destdir.DestDir.spare`), the guest staging cleaned up and
-        the journal forgotten; problems become warnings.
+        The old tree is removed, the guest staging cleaned up and the journal
+        forgotten; problems become warnings.
         """
         self.emit("cleanup")
-        inc = self.inc
         if old is not None:
             try:
-                if inc is not None and self.farmed:
-                    doomed = await in_thread(lambda: inc.locked(inc.spare_doomed))
-                    await in_thread(self.target.spare(old, doomed))
-                else:
-                    await in_thread(self.target.removal(old))
-                    await in_thread(self.target.drop_spare())
-            except (WsyncError, OSError) as exc:
+                await in_thread(self.target.removal(old))
+            except (HostIOError, OSError) as exc:
                 self.warnings.append(f"the previous tree was not fully removed: {exc}")
+        inc = self.inc
         if inc is not None and self.swapped:
             # after the old tree is gone: unlinking it changed the ctimes of kept files
             try:
