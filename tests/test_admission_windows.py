@@ -156,6 +156,32 @@ def test_a_detached_producer_survives_the_admissions_kill(
     assert sorted(p.name for p in snap.glob("lock.*")) == ["lock.1"]
 
 
+#: the producer's install removes its parts after the join: killed after the first rm
+_RM = """#!/bin/sh
+{real} "$@"
+case $* in
+  *.part*)
+    if [ ! -e {mark} ]; then
+      : > {mark}
+      {kill}
+    fi ;;
+esac
+"""
+
+
+def test_an_install_killed_while_removing_its_parts_is_retried(
+    tmp_path: Path, workspace: Path, guest_path: str
+) -> None:
+    """The install's last call joins the parts, moves the producer into place and
+    removes the parts; killed between two removals, its retry must not try to join
+    again from what is left (it answered "cannot write the producer script")."""
+    env = shimmed_env(tmp_path, guest_path, "rm", _RM)
+    dest = tmp_path / "out"
+    run_pull(LocalTransport(env=env), workspace, dest, options(tmp_path))
+    assert (tmp_path / "killed").exists()
+    assert_exact(workspace, dest)
+
+
 def test_a_daytona_admission_killed_before_the_producer_detached_is_relaunched(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -290,7 +290,8 @@ mkdir -p "$root" || { emit err "cannot create the staging root"; exit 0; }
 t=$root/$name.$run.part
 printf '%s' "$text" > "$t$i" || { emit err "cannot write the producer script"; exit 0; }
 [ "$i" = $((n - 1)) ] || { emit ok "part $i"; exit 0; }
-# part 0 goes last, so a retry after the join finds none and just answers the hash
+# part 0 marks a join to do: it goes first, so a retry after the join (killed or not
+# while removing the parts) finds none, removes what is left and answers the hash
 if [ -f "${t}0" ]; then
   j=0
   : > "$t" || { emit err "cannot write the producer script"; exit 0; }
@@ -299,9 +300,9 @@ if [ -f "${t}0" ]; then
     j=$((j + 1))
   done
   mv -f "$t" "$root/$name" || { emit err "cannot write the producer script"; exit 0; }
-  rm -f "$t"[1-9]*
   rm -f "${t}0"
 fi
+rm -f "$t"[1-9]*
 dg=$(h < "$root/$name")
 emit ok "${dg%% *}"
 """
