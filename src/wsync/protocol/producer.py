@@ -33,6 +33,43 @@ alive() {
   fi
   return 0
 }
+busy() {
+  case $1 in ''|0*|1|*[!0-9]*|??????????*) return 1 ;; esac
+  alive "$1" || return 1
+  [ -r "/proc/$1/cmdline" ] || return 0
+  case $(tr '\000' ' ' < "/proc/$1/cmdline") in *.producer-*) return 0 ;; esac
+  return 1
+}
+# one producer per snapshot, however many launches (a retried admission launches
+# again when it finds nothing running): each run claims the next generation, lock.N,
+# and only while the previous generation's producer is provably gone without a
+# result.  A claim is a directory renamed into place with the pid already inside,
+# so it is never half made; of two renames to one name only one lands there (the
+# other moves into it, or fails), and the pid inside says who won
+g=1
+while [ -d "lock.$g" ]; do g=$((g + 1)); done
+o=
+if [ $g -gt 1 ]; then
+  o=$(cat "lock.$((g - 1))/pid")
+  busy "$o" && exit 0
+  [ -f done ] || [ -f failed ] && exit 0
+fi
+rm -rf "claim.$$"
+mkdir "claim.$$" && echo $$ > "claim.$$/pid" || exit 1
+mv "claim.$$" "lock.$g" 2>/dev/null
+[ "$(cat "lock.$g/pid")" = $$ ] || exit 0
+if [ $g -gt 1 ]; then
+  # what the dead generation left must not mix into the new stream: its pipeline
+  # (if only its shell died: its group, never ours; only once its leader is gone,
+  # as the id of a live group is never reused), and its files
+  case $o in ''|0*|1|*[!0-9]*|??????????*) ;; *)
+    if ! alive "$o" && [ "$o" != "$(sed 's/.*) //' /proc/$$/stat | cut -d ' ' -f 3)" ]; then
+      kill -KILL "-$o" 2>/dev/null
+    fi ;;
+  esac
+  rm -f data index tar.err tar.rc comp.rc comp.err unstable gone chg live m prev tick.t \
+    sel0 sel1 done.tmp pid.tmp
+fi
 fail() {
   # a failed write on a full disk says so: the host names the figures
   f=$(df -Pk . | awk 'NR == 2 { print $4 + 0 }')

@@ -23,7 +23,11 @@ Layout in the guest (``ROOT`` is the staging root, outside the workspace)::
     ROOT/SNAPSHOT/launch/   admission token: whoever creates it starts the producer;
                             ``launch/size`` holds the workspace size and the free
                             space measured at admission (KiB), for a full disk's message
-    ROOT/SNAPSHOT/pid       the detached producer's pid
+    ROOT/SNAPSHOT/pid.launch  the pid of the latest launch (the producer, once detached)
+    ROOT/SNAPSHOT/lock.N/pid  generation N's claim: the one producer that writes the
+                            snapshot (see the producer); a launched snapshot with no
+                            live producer and no result is launched again (generation N+1)
+    ROOT/SNAPSHOT/pid       the pid of the producer holding the latest claim
     ROOT/SNAPSHOT/data      the compressed tar stream, append-only
     ROOT/SNAPSHOT/index     one line per chunk, appended only after the chunk
                             is in ``data`` and hashed: ``C seq offset length hash``
@@ -93,6 +97,15 @@ alive() {
     case $(sed 's/.*) //' "/proc/$1/stat" | cut -d ' ' -f 1) in Z) return 1 ;; esac
   fi
   return 0
+}
+# a pid read from staging that may still be a producer (or its launch): alive and,
+# where /proc tells, running wsync's producer; without /proc any live process counts
+busy() {
+  case $1 in ''|0*|1|*[!0-9]*|??????????*) return 1 ;; esac
+  alive "$1" || return 1
+  [ -r "/proc/$1/cmdline" ] || return 0
+  case $(tr '\000' ' ' < "/proc/$1/cmdline") in *.producer-*) return 0 ;; esac
+  return 1
 }
 """
 
@@ -173,14 +186,17 @@ me=$(id -u)
 # a pid read from staging is killed only when it is a process of this user
 # running wsync's producer; without /proc nothing is killed
 mine() {
-  case $1 in ''|0*|1|*[!0-9]*|??????????*) return 1 ;; esac
-  [ -r "/proc/$1/cmdline" ] || return 1
+  busy "$1" && [ -r "/proc/$1/cmdline" ] || return 1
   lsn "/proc/$1"
   [ "$u" = "$me" ] || return 1
   case $(tr '\000' ' ' < "/proc/$1/cmdline") in *"$pn"*) return 0 ;; esac
   return 1
 }
-stop() { pid=$(cat "$1/pid") && mine "$pid" && { kill -TERM "-$pid" || kill "$pid"; }; }
+stop() {
+  for k in pid pid.launch; do
+    s=$(cat "$1/$k") && mine "$s" && { kill -TERM "-$s" || kill "$s"; }
+  done
+}
 """
 
 _ADMIT = r"""
@@ -218,29 +234,52 @@ if [ ! -d "$d/launch" ] && [ "$mode" = tar ]; then
   [ -n "$n" ] && [ -n "$f" ] && [ $((f * 4)) -lt $((n + 256)) ] && { emit err "disk-full $f $n"; exit 0; }
 fi
 mkdir -p "$d" || { emit err "cannot create the staging directory"; exit 0; }
+# nothing runs for a launched snapshot and nothing came of it: the admission that
+# launched was killed before its producer detached, or the producer died.  A launch
+# that may still be starting counts as running (and the producer's claim keeps a
+# second one from running anyway: see the producer)
+idle() {
+  [ -f "$d/done" ] || [ -f "$d/failed" ] && return 1
+  g=1
+  while [ -d "$d/lock.$g" ]; do g=$((g + 1)); done
+  for k in pid.launch pid "lock.$((g - 1))/pid"; do busy "$(cat "$d/$k")" && return 1; done
+  return 0
+}
+a=reconciled go=1
 if mkdir "$d/launch"; then
-  # who launched: a retry of this very run (its answer was lost) is not an adoption
-  printf '%s' "$run" > "$d/launch/by" || { emit err "cannot write the admission token"; exit 0; }
   printf '%s %s' "$n" "$f" > "$d/launch/size"
-  if command -v setsid >/dev/null 2>&1; then
-    setsid sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" "$mode" "$@" </dev/null >/dev/null 2>&1 &
-  else
-    nohup sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" "$mode" "$@" </dev/null >/dev/null 2>&1 &
-  fi
-  # record the pid before answering, so "alive" is known from the first status
-  echo $! > "$d/pid.launch" && mv -f "$d/pid.launch" "$d/pid" || {
-    kill $! 2>/dev/null
+elif [ ! -d "$d/launch" ]; then
+  emit err "cannot create the admission token"
+  exit 0
+elif ! idle; then
+  go=
+  [ "$(cat "$d/launch/by")" = "$run" ] && a=admitted
+fi
+if [ "$go" ]; then
+  # launched, or launched again (a new stream: "admitted" even if another run began
+  # it); who launched: a retry of this very run (its answer was lost) is no adoption
+  a=admitted
+  printf '%s' "$run" > "$d/launch/by" || { emit err "cannot write the admission token"; exit 0; }
+  l=nohup
+  command -v setsid >/dev/null && l=setsid
+  $l sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" "$mode" "$@" </dev/null >/dev/null 2>&1 &
+  # record the launch before answering, so "alive" is known from the first status;
+  # the producer records its own pid once it holds the snapshot
+  echo $! > "$d/pid.launch" || {
+    kill $!
     emit err "cannot write the pid file"
     exit 0
   }
-  emit ok "admitted $(cat "$d/launch/size")"
-elif [ -d "$d/launch" ] && [ "$(cat "$d/launch/by")" = "$run" ]; then
-  emit ok "admitted $(cat "$d/launch/size")"
-elif [ -d "$d/launch" ]; then
-  emit ok "reconciled $(cat "$d/launch/size")"
-else
-  emit err "cannot create the admission token"
+  # answer once the launch has detached (the producer writes its pid in its own
+  # session) or ended (another producer holds the snapshot): a backend that kills
+  # our process group when it gives up on us, or once we exit, must not catch it
+  i=0
+  until [ $i -ge 200 ] || [ "$(cat "$d/pid")" = $! ] || ! alive $!; do
+    sleep 0.05 || { sleep 1; i=$((i + 19)); }
+    i=$((i + 1))
+  done
 fi
+emit ok "$a $(cat "$d/launch/size")"
 """
 
 _INSTALL = r"""
@@ -251,7 +290,8 @@ mkdir -p "$root" || { emit err "cannot create the staging root"; exit 0; }
 t=$root/$name.$run.part
 printf '%s' "$text" > "$t$i" || { emit err "cannot write the producer script"; exit 0; }
 [ "$i" = $((n - 1)) ] || { emit ok "part $i"; exit 0; }
-# part 0 goes last, so a retry after the join finds none and just answers the hash
+# part 0 marks a join to do: it goes first, so a retry after the join (killed or not
+# while removing the parts) finds none, removes what is left and answers the hash
 if [ -f "${t}0" ]; then
   j=0
   : > "$t" || { emit err "cannot write the producer script"; exit 0; }
@@ -260,9 +300,9 @@ if [ -f "${t}0" ]; then
     j=$((j + 1))
   done
   mv -f "$t" "$root/$name" || { emit err "cannot write the producer script"; exit 0; }
-  rm -f "$t"[1-9]*
   rm -f "${t}0"
 fi
+rm -f "$t"[1-9]*
 dg=$(h < "$root/$name")
 emit ok "${dg%% *}"
 """
@@ -301,7 +341,7 @@ p="exists 1"
 if [ -f "$d/done" ]; then p="$p${nl}$(sed 's/^/done_/' "$d/done")"; fi
 if [ -f "$d/failed" ]; then p="$p${nl}failed $(head -c 400 "$d/failed" | tr '\n' ' ')"; fi
 alive=0
-pid=$(cat "$d/pid") && [ -n "$pid" ] && alive "$pid" && alive=1
+for k in pid pid.launch; do busy "$(cat "$d/$k")" && alive=1; done
 launched=0
 [ -d "$d/launch" ] && launched=1
 isz=$(wc -c < "$d/index") || isz=0
