@@ -110,11 +110,6 @@ def backoff(attempt: int, *, base: float = 0.05, cap: float = 2.0, rng: random.R
 #: an adaptive deadline is never shorter than this, seconds: a busy host's scheduling,
 #: a GC pause or a reconnect must not pass for a hang (and a hang costs this much)
 STALL_FLOOR = 2.0
-
-#: the least patience for a small call of a kind with no history of its own (admit,
-#: install, cleanup), seconds: such a call is predicted from every call so far, and
-#: may legitimately do more than they did (admission waits for the producer to detach)
-UNLEARNT_FLOOR = 10.0
 #: an answer smaller than this counts as if this big when its time is scaled up to a
 #: bigger call's size: a tiny answer's time is latency, it says little about throughput
 #: (a 200-byte status poll taking 0.9 s on a busy host does not mean 4 MiB takes 5 min)
@@ -133,11 +128,7 @@ class CallDeadlines:
     slowest of its kind's last ``window`` successes, scaled up (never down) to the
     bytes it expects, and at least ``floor``; before that, and for kinds run once
     (probe, admit, cleanup, which may legitimately take long), it gets ``ceiling``,
-    the full call deadline, unless it expects a small answer (``size`` 0): then
-    ``factor`` times the slowest call of any kind so far, at least ``UNLEARNT_FLOOR``
-    (twice that for the very first call, the probe).  A hang of the one probe or
-    admission of a pull (seen through the Cloudflare emulator: a stream that stays
-    silent) then costs seconds, not a minute; a stall is retried, doubling.
+    the full call deadline.
 
     Never failing a pull that a patient client would finish: every success is
     observed, so a slow backend raises the deadlines at once (the maximum, not a
@@ -164,20 +155,13 @@ class CallDeadlines:
         self.warmup = warmup
         self.window = window
         self._recent: dict[str, collections.deque[tuple[int, float]]] = {}
-        #: the slowest successful call of any kind so far, seconds (None: none yet)
-        self._slowest: float | None = None
 
     def deadline(self, kind: str, size: int = 0, stalls: int = 0) -> float:
         """Seconds the next call of ``kind`` may take; it expects ``size`` bytes back
         and its earlier attempts stalled ``stalls`` times."""
         recent = self._recent.get(kind)
         if recent is None or len(recent) < self.warmup:
-            if size > 0:
-                return self.ceiling
-            # nothing answered yet (the probe): twice the floor, doubled per stall
-            slowest = self._slowest if self._slowest is not None else UNLEARNT_FLOOR / 2
-            unlearnt = max(UNLEARNT_FLOOR, self.factor * slowest) * 2.0 ** min(stalls, 32)
-            return min(self.ceiling, unlearnt)
+            return self.ceiling
         predicted = max(
             seconds * max(1.0, size / max(done, _SCALE_GRAIN)) for done, seconds in recent
         )
@@ -195,4 +179,3 @@ class CallDeadlines:
         if recent is None:
             recent = self._recent[kind] = collections.deque(maxlen=self.window)
         recent.append((max(size, 0), max(seconds, 0.0)))
-        self._slowest = max(self._slowest or 0.0, seconds)
