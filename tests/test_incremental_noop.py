@@ -5,7 +5,6 @@ changed in the guest slips past it."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 from collections.abc import Iterator
@@ -13,23 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_exact, make_tree, options
+from helpers import assert_exact, make_tree, options, run_pull
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.excludes import Excludes
 from wsync.engine.incstate import PullState
-from wsync.engine.pull import pull
 from wsync.transports.local import LocalTransport
 
 
 def go(ws: Path, dest: Path, opts: PullOptions) -> PullResult:
-    async def run() -> PullResult:
-        transport = LocalTransport()
-        try:
-            return await pull(transport, str(ws), dest, opts)
-        finally:
-            await transport.aclose()
-
-    result = asyncio.run(run())
+    result = run_pull(LocalTransport(), ws, dest, opts)
     assert result.ok, result.error
     return result
 
