@@ -11,7 +11,29 @@ with the same verified, journaled, resumable chunk reads.
 
 from __future__ import annotations
 
-_PRODUCER = r"""
+#: the guest's pid checks, shared by the producer and the host's scripts
+#: (:mod:`wsync.protocol.scripts` ends its prelude with them): one text, two scripts
+PID_CHECKS = r"""
+alive() {
+  kill -0 "$1" 2>/dev/null || return 1
+  if [ -r "/proc/$1/stat" ]; then
+    case $(sed 's/.*) //' "/proc/$1/stat" | cut -d ' ' -f 1) in Z) return 1 ;; esac
+  fi
+  return 0
+}
+# a pid read from staging that may still be a producer (or its launch): alive and,
+# where /proc tells, running wsync's producer; without /proc any live process counts
+busy() {
+  case $1 in ''|0*|1|*[!0-9]*|??????????*) return 1 ;; esac
+  alive "$1" || return 1
+  [ -r "/proc/$1/cmdline" ] || return 0
+  case $(tr '\000' ' ' < "/proc/$1/cmdline") in *.producer-*) return 0 ;; esac
+  return 1
+}
+"""
+
+_PRODUCER = (
+    r"""
 set -u
 d=$1 ws=$2 cs=$3 hid=$4 comp=$5 mode=$6
 shift 6
@@ -26,21 +48,9 @@ h() {
     sha256) sha256sum ;;
   esac
 }
-alive() {
-  kill -0 "$1" 2>/dev/null || return 1
-  if [ -r "/proc/$1/stat" ]; then
-    case $(sed 's/.*) //' "/proc/$1/stat" | cut -d ' ' -f 1) in Z) return 1 ;; esac
-  fi
-  return 0
-}
-busy() {
-  case $1 in ''|0*|1|*[!0-9]*|??????????*) return 1 ;; esac
-  alive "$1" || return 1
-  [ -r "/proc/$1/cmdline" ] || return 0
-  case $(tr '\000' ' ' < "/proc/$1/cmdline") in *.producer-*) return 0 ;; esac
-  return 1
-}
-# one producer per snapshot, however many launches (a retried admission launches
+"""
+    + PID_CHECKS
+    + r"""# one producer per snapshot, however many launches (a retried admission launches
 # again when it finds nothing running): each run claims the next generation, lock.N,
 # and only while the previous generation's producer is provably gone without a
 # result.  A claim is a directory renamed into place with the pid already inside,
@@ -292,3 +302,4 @@ printf 'chunks %s\nlength %s\nhash %s\ntar_rc %s\ncomp_rc %s\nunstable_bytes %s\
   "$seq" "$len" "$whole" "$trc" "$crc" $((ub + 0)) $((gb + 0)) > done.tmp || fail "cannot write the done record"
 mv -f done.tmp done || fail "cannot write the done record"
 """
+)

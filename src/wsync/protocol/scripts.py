@@ -51,7 +51,7 @@ import re
 from typing import TypedDict
 
 from wsync.errors import UsageError
-from wsync.protocol.producer import _PRODUCER
+from wsync.protocol.producer import _PRODUCER, PID_CHECKS
 
 #: snapshot ids are ours, but they become guest paths: keep them boring
 SNAPSHOT_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
@@ -59,7 +59,8 @@ SNAPSHOT_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 #: reads and chunks are aligned to this; ``dd`` works in these blocks
 BLOCK = 64 * 1024
 
-_PRELUDE = r"""
+_PRELUDE = (
+    r"""
 set -u
 exec 2>/dev/null
 g=$1 nonce=$2 hid=$3 enc=$4
@@ -91,23 +92,9 @@ expand_home() {
 nl='
 '
 lsn() { set -f; set -- $(ls -ldn "$1"); set +f; m=${1:-?} u=${3:-?}; }
-alive() {
-  kill -0 "$1" 2>/dev/null || return 1
-  if [ -r "/proc/$1/stat" ]; then
-    case $(sed 's/.*) //' "/proc/$1/stat" | cut -d ' ' -f 1) in Z) return 1 ;; esac
-  fi
-  return 0
-}
-# a pid read from staging that may still be a producer (or its launch): alive and,
-# where /proc tells, running wsync's producer; without /proc any live process counts
-busy() {
-  case $1 in ''|0*|1|*[!0-9]*|??????????*) return 1 ;; esac
-  alive "$1" || return 1
-  [ -r "/proc/$1/cmdline" ] || return 0
-  case $(tr '\000' ' ' < "/proc/$1/cmdline") in *.producer-*) return 0 ;; esac
-  return 1
-}
 """
+    + PID_CHECKS
+)
 
 _STAGE = r"""
 me=$(id -u)
