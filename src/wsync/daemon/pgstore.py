@@ -356,17 +356,19 @@ FOR UPDATE OF j SKIP LOCKED
                 row = await cur.fetchone()
                 assert row is not None  # the row is locked by this transaction
                 takeover = pick["was"] == "running"
-                await cur.execute(
-                    "INSERT INTO wsync_attempts (job_id, fence, owner, sandbox, dest, takeover) "
-                    "VALUES (%s, %s, %s, %s, %s, %s)",
-                    (row["id"], row["fence"], self.owner, row["sandbox"], row["dest"], takeover),
-                )
                 if takeover:
+                    # closed before the new attempt opens: the audit never shows two
+                    # owners of one job at the same instant that the fence did not
                     await cur.execute(
                         "UPDATE wsync_attempts SET ended_at = clock_timestamp(), "
                         "outcome = 'expired' WHERE job_id = %s AND fence < %s AND ended_at IS NULL",
                         (row["id"], row["fence"]),
                     )
+                await cur.execute(
+                    "INSERT INTO wsync_attempts (job_id, fence, owner, sandbox, dest, takeover) "
+                    "VALUES (%s, %s, %s, %s, %s, %s)",
+                    (row["id"], row["fence"], self.owner, row["sandbox"], row["dest"], takeover),
+                )
                 claimed = Claimed(_job(row), int(row["fence"]), takeover)
                 # a DELETE that reached a dead owner: the new owner stops at once
                 claimed.cancel_requested = bool(row["cancel_requested"])
