@@ -387,6 +387,61 @@ def test_the_producer_indexes_chunks_while_it_still_runs(tmp_path: Path) -> None
     assert indexed > 0 and not finished
 
 
+def test_a_status_long_poll_answers_when_a_chunk_lands_and_carries_the_index(
+    tmp_path: Path,
+) -> None:
+    """Issue 13: ``status(index_from, wait)`` waits in the guest until the index grows past
+    ``index_from`` and brings the index from there, byte for byte what a read of it
+    returns; with nothing new it waits its whole budget and brings nothing."""
+    import asyncio
+    import time
+
+    from wsync.engine.guest import CallStats, GuestSession
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "blob").write_bytes(os.urandom(24 * 1024 * 1024))
+    bindir = tmp_path / "slow-tar"
+    bindir.mkdir()
+    # as above: the producer runs on (not done) for a minute after tar's last byte
+    (bindir / "tar").write_text(
+        f'#!/bin/sh\n{shutil.which("tar")} "$@"\n[ "$1" = -cf ] && exec sleep 60\nexit 0\n'
+    )
+    (bindir / "tar").chmod(0o755)
+    transport = LocalTransport(env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
+    opts = options(tmp_path, chunk_size=1024 * 1024)
+
+    async def watch() -> tuple[float, bytes, bytes, int, bytes, float]:
+        session = GuestSession(transport, opts, CallStats())
+        try:
+            plan = await session.probe(str(ws))
+            await session.admit("s-longpoll", str(ws), plan.compressor)
+            started = time.monotonic()
+            first = await session.status(0, wait=25.0)
+            waited = time.monotonic() - started
+            read = await session.read("index", 0, len(first.index_tail))
+            # zstd holds its last block until tar's pipe closes, a minute away: once the
+            # full chunks are indexed nothing new comes, and a wait runs out empty-handed
+            known = len(first.index_tail)
+            for _ in range(200):
+                started = time.monotonic()
+                idle = await session.status(known, wait=1.0)
+                idle_s = time.monotonic() - started
+                if not idle.index_tail:
+                    break
+                known += len(idle.index_tail)
+            return waited, first.index_tail, read, known, idle.index_tail, idle_s
+        finally:
+            with contextlib.suppress(WsyncError):
+                await session.cleanup()
+            await transport.aclose()
+
+    waited, tail, read, known, idle_tail, idle_s = asyncio.run(watch())
+    assert tail and tail == read and tail.startswith(b"C 0 0 ")
+    assert waited < 20, "the long poll did not answer when the first chunk landed"
+    assert known > len(tail) and idle_tail == b"" and idle_s >= 1.0
+
+
 @pytest.fixture
 def deep(tmp_path: Path) -> Iterator[Callable[[Path, int, str], None]]:
     """Builds ``top/d/d/…`` ``depth`` levels deep with ``leaf`` at the bottom (``fifo``:
@@ -466,3 +521,43 @@ def test_a_host_limit_keeps_the_snapshot_for_the_next_run(tmp_path: Path, worksp
     result = run_pull(local(), workspace, dest, options(tmp_path, chunk_size=256 * 1024))
     assert_exact(workspace, dest)
     assert result.reconciled and result.snapshot == kept.name  # adopted, not tarred again
+
+
+@pytest.mark.parametrize("long_window", [True, False])
+def test_zstd_long_is_used_where_the_guest_zstd_has_it(tmp_path: Path, long_window: bool) -> None:
+    """Issue 13: a guest zstd that takes ``--long=25`` compresses with a 32 MiB window
+    (``zstdl``); one that refuses it gets plain ``zstd``; both pull exactly, and a
+    repetition 8 MiB apart (beyond the default window) costs almost nothing with it."""
+    import asyncio
+
+    from wsync.engine.guest import CallStats, GuestSession
+
+    ws = make_tree(tmp_path / "ws")
+    block = os.urandom(8 * 1024 * 1024)
+    (ws / "twice.bin").write_bytes(block + block)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    if not long_window:  # a zstd older than 1.3.2: --long is an unknown option
+        (bindir / "zstd").write_text(
+            f'#!/bin/sh\nfor a; do case $a in --long*) exit 1 ;; esac; done\nexec {shutil.which("zstd")} "$@"\n'
+        )
+        (bindir / "zstd").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+
+    async def plan_of() -> str:
+        transport = LocalTransport(env=env)
+        try:
+            return (
+                await GuestSession(transport, options(tmp_path), CallStats()).probe(str(ws))
+            ).compressor
+        finally:
+            await transport.aclose()
+
+    assert asyncio.run(plan_of()) == ("zstdl" if long_window else "zstd")
+    result = run_pull(LocalTransport(env=env), ws, tmp_path / "out", options(tmp_path))
+    assert_exact(ws, tmp_path / "out")
+    # the tree holds 3 MiB of other random bytes: 11 MiB to send with the window, 19 without
+    if long_window:
+        assert result.bytes < 13 * 1024 * 1024, result.bytes
+    else:
+        assert result.bytes > 18 * 1024 * 1024, result.bytes

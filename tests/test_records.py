@@ -75,6 +75,41 @@ def test_status_with_done_failed_and_tar_errors() -> None:
     assert not parse_status(b"exists 0\n", XXH).exists
 
 
+STATUS_HEAD = b"exists 1\nalive 1\nlaunched 1\nindex_size 300\ndata_size 240"
+
+
+@pytest.mark.parametrize("errors", [b"", b"\ntar_err_follows\ntar: x: file changed\n"])
+def test_status_carries_the_index_from_the_asked_offset(errors: bytes) -> None:
+    tail = INDEX[10:]
+    payload = (
+        STATUS_HEAD + b"\nindex_from 10\nindex_tail %d\nindex_follows\n" % len(tail) + tail + errors
+    )
+    st_ = parse_status(payload, XXH, index_from=10)
+    assert st_.index_tail == tail and st_.index_size == 300 and st_.alive
+    assert ("file changed" in st_.tar_errors) == bool(errors)
+    # an index tail ending without a newline is whole too (the parser keeps the partial line)
+    cut = STATUS_HEAD + b"\nindex_from 10\nindex_tail 5\nindex_follows\n" + tail[:5]
+    assert parse_status(cut, XXH, index_from=10).index_tail == tail[:5]
+    assert parse_status(STATUS_HEAD, XXH, index_from=10).index_tail == b""
+
+
+@pytest.mark.parametrize(
+    ("payload", "asked"),
+    [
+        # from another offset than the one asked for, or not asked for at all
+        (STATUS_HEAD + b"\nindex_from 0\nindex_tail 3\nindex_follows\nC 0", 10),
+        (STATUS_HEAD + b"\nindex_from 10\nindex_tail 3\nindex_follows\nC 0", -1),
+        # shorter than it says, or followed by anything but the tar errors
+        (STATUS_HEAD + b"\nindex_from 10\nindex_tail 9\nindex_follows\nC 0", 10),
+        (STATUS_HEAD + b"\nindex_from 10\nindex_tail 3\nindex_follows\nC 0 junk", 10),
+        (STATUS_HEAD + b"\nindex_from 10\nindex_tail x\nindex_follows\nC 0", 10),
+    ],
+)
+def test_a_bad_index_tail_is_a_protocol_error(payload: bytes, asked: int) -> None:
+    with pytest.raises(ProtocolError):
+        parse_status(payload, XXH, index_from=asked)
+
+
 def test_probe_report() -> None:
     report = parse_probe(
         b"proto 1\nhas_tar 1\nhas_zstd 0\ntest_xxh128 abc  stdin\nstage_free_kb 42\n"
@@ -134,6 +169,7 @@ def test_fuzz_parsers_raise_only_protocol_error(data: bytes) -> None:
     for parse in (
         lambda: IndexParser(XXH, 4096).receive_data(data),
         lambda: parse_status(data, XXH),
+        lambda: parse_status(STATUS_HEAD + b"\nindex_from 7\n" + data, XXH, index_from=7),
         lambda: parse_probe(data),
         lambda: parse_fields(data),
         lambda: parse_admit(data),

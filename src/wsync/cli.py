@@ -435,7 +435,7 @@ def setup_logging(verbose: bool, debug: bool) -> None:
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="%H:%M:%S"),
+            structlog.processors.TimeStamper(fmt="%H:%M:%S.%f"),
             structlog.dev.ConsoleRenderer(colors=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),

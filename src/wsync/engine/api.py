@@ -129,6 +129,8 @@ class PullResult:
     bytes: int = 0
     #: bytes read over the transport in this run, retries included
     transferred_bytes: int = 0
+    #: commands run in the guest in this run (retries included)
+    execs: int = 0
     chunks: int = 0
     resumed_chunks: int = 0
     retries: int = 0

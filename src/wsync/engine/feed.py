@@ -149,7 +149,7 @@ def consume_feed(feed: ChunkFeed, compressor: str, use: Callable[[BinaryIO], T])
     raw = io.BufferedReader(feed, 1 << 20)
     stream: BinaryIO
     try:
-        if compressor == "zstd":
+        if compressor in ("zstd", "zstdl"):  # zstdl: --long=25, a 32 MiB window
             dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
             reader = dctx.stream_reader(raw, read_across_frames=True, closefd=False)
             stream = cast(BinaryIO, reader)

@@ -48,6 +48,8 @@ _T = TypeVar("_T")
 
 _INDEX_READ = 1024 * 1024
 _POLL_MIN, _POLL_MAX = 0.05, 1.0
+#: how long a status call may wait in the guest for the next chunk, seconds
+_LONG_POLL = 1.0
 _DEAD_CONFIRMATIONS = 3
 #: progress is emitted at least this often, events or not (counters move between events)
 _TICK = 0.5
@@ -126,6 +128,8 @@ class StreamRunner:
     def emit(self, phase: str | None = None, *, force: bool = False) -> None:
         p = self.progress
         if phase:
+            if phase != p.phase:
+                log.debug("phase", phase=phase)
             p.phase = phase
         p.retries = self.stats.retries
         p.transferred_bytes = self.stats.transferred
@@ -317,14 +321,17 @@ class StreamRunner:
                     for _ in range(max(1, self.options.parallel))
                 ]
                 poll, dead, dead_since = _POLL_MIN, 0, 0.0
+                wait = _LONG_POLL
                 while True:
-                    status = await self.session.status()
+                    status = await self.session.status(index.consumed, wait)
                     if not status.exists:
                         raise ProducerVanished("the guest staging directory disappeared")
                     if status.failed is not None:
                         raise StagingFailed(status.failed)
                     self.progress.archive_produced = status.data_size
                     grew = index.consumed < status.index_size
+                    for chunk in index.receive_data(status.index_tail):
+                        self.admit_chunk(chunk, journaled, queue, feed)
                     while index.consumed < status.index_size:
                         n = min(_INDEX_READ, status.index_size - index.consumed)
                         data = await self.session.read("index", index.consumed, n, self.sizer)
@@ -348,6 +355,12 @@ class StreamRunner:
                         if dead >= _DEAD_CONFIRMATIONS and time.monotonic() - dead_since > 5:
                             raise ProducerVanished("the guest producer died without a result")
                     self.emit()
+                    if status.alive:
+                        # the next status waits in the guest for the index to grow (a
+                        # long poll): no sleep here, no exec while nothing happens
+                        wait = _LONG_POLL
+                        continue
+                    wait = 0.0
                     await asyncio.sleep(poll)
                     poll = _POLL_MIN if grew else min(_POLL_MAX, poll * 1.5)
                 if not index.clean or index.next_seq != done.chunks:

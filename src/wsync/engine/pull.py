@@ -363,6 +363,7 @@ async def pull(
         files=files,
         bytes=length,
         transferred_bytes=runner.stats.transferred,
+        execs=runner.stats.execs,
         chunks=chunks,
         resumed_chunks=runner.progress.resumed_chunks,
         retries=runner.stats.retries,

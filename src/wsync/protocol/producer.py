@@ -98,6 +98,7 @@ echo $$ > pid.tmp && mv -f pid.tmp pid || fail "cannot write the pid file"
 : > data || fail "cannot create the data file"
 case $comp in
   zstd) z() { zstd -q -c -3 -T0; } ;;
+  zstdl) z() { zstd -q -c -3 -T0 --long=25; } ;;
   gzip) z() { gzip -c -1; } ;;
   *) fail "unknown compressor" ;;
 esac
@@ -276,9 +277,18 @@ index_upto() {
     off=$((off + l))
   done
 }
+# a chunk is indexed within moments of being complete: the wait between looks starts
+# at 10 ms and doubles while nothing new is indexed, up to 0.2 s (a small snapshot is
+# done in one or two looks; a big one's chunks, seconds apart on a slow guest, cost a
+# few idle looks each); after a new chunk it is back at 50 ms
+zz=0.01
 while [ ! -f comp.rc ] && alive "$pp"; do
+  s0=$seq
   index_upto live
-  sleep 0.2 2>/dev/null || sleep 1
+  if [ "$seq" != "$s0" ]; then zz=0.05; else
+    case $zz in 0.01) zz=0.02 ;; 0.02) zz=0.05 ;; 0.05) zz=0.1 ;; *) zz=0.2 ;; esac
+  fi
+  sleep $zz 2>/dev/null || sleep 1
 done
 wait
 trc=$(cat tar.rc) || fail "tar exit status missing"

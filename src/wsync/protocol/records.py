@@ -206,12 +206,29 @@ class StatusReport:
     done: DoneRecord | None
     failed: str | None
     tar_errors: str
+    #: the index from the offset the status was asked for (``b""`` when not asked, or
+    #: nothing is there yet): one exec fewer per poll that finds new chunks
+    index_tail: bytes = b""
 
 
 TAR_ERR_MARK = "tar_err_follows"
+INDEX_MARK = b"\nindex_follows\n"
 
 
-def parse_status(payload: bytes, algorithm: Algorithm) -> StatusReport:
+def parse_status(payload: bytes, algorithm: Algorithm, index_from: int = -1) -> StatusReport:
+    """The status script's answer; ``index_from`` is the offset its index tail was asked
+    from (a tail from anywhere else is refused)."""
+    index_tail = b""
+    before, marked, after = payload.partition(INDEX_MARK)
+    if marked:
+        fields = parse_fields(before)
+        size = _int(fields, "index_tail")
+        if index_from < 0 or _int(fields, "index_from") != index_from or len(after) < size:
+            raise ProtocolError("status: an index tail that was not asked for", "malformed")
+        index_tail, rest = after[:size], after[size:]
+        if rest and not rest.startswith(b"\n"):
+            raise ProtocolError("status: bytes after the index tail", "malformed")
+        payload = before + rest
     head, sep, tail = payload.partition(b"\n" + TAR_ERR_MARK.encode() + b"\n")
     fields = parse_fields(head)
     if fields.get("exists") != "1":
@@ -240,6 +257,7 @@ def parse_status(payload: bytes, algorithm: Algorithm) -> StatusReport:
         done=done,
         failed=printable(failed.strip()) if failed is not None else None,
         tar_errors=printable(tail, 2000) if sep else "",
+        index_tail=index_tail,
     )
 
 

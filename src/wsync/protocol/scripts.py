@@ -159,6 +159,8 @@ p="$p${nl}test_sha256 $(printf wsync-probe | sha256sum)"
 if [ "$(printf abcdef | dd bs=65536 iflag=skip_bytes,count_bytes skip=2 count=3 2>/dev/null)" = cde ]; then
   p="$p${nl}has_dd_bytes 1"
 fi
+# zstd 1.3.2+ matches across 32 MiB (--long=25): a fifth fewer bytes for source trees
+printf x | zstd -q -c --long=25 >/dev/null 2>&1 && p="$p${nl}has_zstd_long 1"
 p="$p${nl}tar_version $(tar --version 2>&1 | head -n 1)"
 find / -maxdepth 0 -printf '' >/dev/null 2>&1 && p="$p${nl}has_find_printf 1"
 if [ "$w" = dir ] && command -v ls >/dev/null 2>&1 && command -v id >/dev/null 2>&1; then
@@ -321,9 +323,20 @@ emit ok "${dg%% *}"
 """
 
 _STATUS = r"""
-d=$1
+d=$1 io=$2 w=$3
 [ -d "$d" ] || { emit ok "exists 0"; exit 0; }
 touch "$d"
+# a long poll: up to w looks 50 ms apart, until the index grows past io, a result is
+# written or (checked once) no producer runs; then the index from io comes along
+a=0
+for k in pid pid.launch; do busy "$(cat "$d/$k")" && a=1; done
+k=0
+while [ $a = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/failed" ]; do
+  isz=$(wc -c < "$d/index") || break
+  [ $((isz + 0)) -gt "$io" ] && break
+  sleep 0.05 2>/dev/null || break
+  k=$((k + 1))
+done
 p="exists 1"
 if [ -f "$d/done" ]; then p="$p${nl}$(sed 's/^/done_/' "$d/done")"; fi
 if [ -f "$d/failed" ]; then p="$p${nl}failed $(head -c 400 "$d/failed" | tr '\n' ' ')"; fi
@@ -335,6 +348,11 @@ isz=$(wc -c < "$d/index") || isz=0
 dsz=$(wc -c < "$d/data") || dsz=0
 p="$p${nl}alive $alive${nl}launched $launched"
 p="$p${nl}index_size $((isz + 0))${nl}data_size $((dsz + 0))"
+if [ "$io" -ge 0 ] && [ $((isz + 0)) -gt "$io" ]; then
+  t=$(dd if="$d/index" bs=65536 iflag=skip_bytes,count_bytes skip="$io" count=65536; echo .)
+  t=${t%.}
+  p="$p${nl}index_from $io${nl}index_tail $(printf '%s' "$t" | wc -c)${nl}index_follows${nl}$t"
+fi
 if [ -s "$d/tar.err" ]; then p="$p${nl}tar_err_follows${nl}$(head -c 2000 "$d/tar.err")"; fi
 emit ok "$p"
 """
@@ -534,11 +552,37 @@ def snapshot_dir(staging_root: str, snapshot: str) -> str:
     return f"{staging_root.rstrip('/') or '/'}/{check_snapshot_id(snapshot)}"
 
 
+#: one look of the status script's long poll, seconds
+STATUS_LOOK = 0.05
+#: most index bytes one status answer carries
+STATUS_INDEX_MAX = 65536
+
+
 def status(
-    *, gate: bool, nonce: str, algorithm: str, b64: bool, staging_root: str, snapshot: str
+    *,
+    gate: bool,
+    nonce: str,
+    algorithm: str,
+    b64: bool,
+    staging_root: str,
+    snapshot: str,
+    index_from: int = -1,
+    looks: int = 0,
 ) -> list[str]:
+    """The snapshot's state.  With ``index_from`` ≥ 0 the answer carries the index from
+    that offset (up to :data:`STATUS_INDEX_MAX` bytes); with ``looks`` it first waits, up
+    to that many :data:`STATUS_LOOK` s, for the index to grow past ``index_from``."""
     d = snapshot_dir(staging_root, snapshot)
-    return render("status", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=(d,))
+    if index_from < -1 or not 0 <= looks <= 600:
+        raise ValueError("bad status arguments")
+    return render(
+        "status",
+        gate=gate,
+        nonce=nonce,
+        algorithm=algorithm,
+        b64=b64,
+        args=(d, str(index_from), str(looks)),
+    )
 
 
 def read(

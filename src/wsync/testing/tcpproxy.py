@@ -1,4 +1,5 @@
-"""A TCP proxy on loopback that a test can cut and restore: a database outage on demand.
+"""A TCP proxy on loopback that a test can cut and restore: a database outage on demand,
+or a slow link for the benchmarks.
 
 Why a proxy and not restarting the server: the PostgreSQL that the tests use is
 shared with everything else on the machine, and restarting it would break
@@ -8,6 +9,12 @@ new connections are refused until :meth:`TcpProxy.restore`.
 
 It runs in one background thread with plain sockets and ``selectors``, so it
 works from sync tests and under any event loop the daemons use.
+
+With ``rate`` (bytes per second) it is a slow link instead (issue 13's
+benchmark rows): each direction is one token bucket shared by every
+connection, as a link's capacity is, and the thread sleeps off what a send
+borrowed from the next second.  A sleep holds the other direction too; at
+16 KiB per send that is a few milliseconds, well inside what it models.
 """
 
 from __future__ import annotations
@@ -17,14 +24,19 @@ import selectors
 import socket
 import struct
 import threading
+import time
 from types import TracebackType
 
 
 class TcpProxy:
     """Forward ``127.0.0.1:<port>`` to ``(host, port)`` until cut."""
 
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(self, target_host: str, target_port: int, rate: float | None = None) -> None:
         self.target = (target_host, target_port)
+        self.rate = rate
+        #: per direction (keyed by the sending side's role): when its bucket is empty again
+        self._free_at: dict[bool, float] = {True: 0.0, False: 0.0}
+        self._clients: set[socket.socket] = set()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.setblocking(False)
         self.port: int = self._listener.getsockname()[1]
@@ -113,6 +125,7 @@ class TcpProxy:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._pairs[client], self._pairs[upstream] = upstream, client
+        self._clients.add(client)
         self._sel.register(client, selectors.EVENT_READ, "data")
         self._sel.register(upstream, selectors.EVENT_READ, "data")
         self.connections += 1
@@ -122,7 +135,7 @@ class TcpProxy:
         if peer is None:
             return
         try:
-            data = sock.recv(65536)
+            data = sock.recv(65536 if self.rate is None else 16384)
         except BlockingIOError:
             return
         except OSError:
@@ -130,6 +143,11 @@ class TcpProxy:
         if not data:
             self._drop(sock)
             return
+        if self.rate is not None:
+            up = sock in self._clients
+            now = time.monotonic()
+            self._free_at[up] = max(now, self._free_at[up]) + len(data) / self.rate
+            time.sleep(max(0.0, self._free_at[up] - now))
         try:
             peer.setblocking(True)
             peer.settimeout(5)
@@ -144,6 +162,7 @@ class TcpProxy:
             if one is None:
                 continue
             self._pairs.pop(one, None)
+            self._clients.discard(one)
             with contextlib.suppress(KeyError, ValueError):
                 self._sel.unregister(one)
             _reset(one)

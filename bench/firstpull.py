@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""First-pull benchmark (issue 13): wsync beside rsync and a plain ``tar|zstd`` stream.
+
+    python3 bench/firstpull.py [--workdir DIR] [--runs N] [--quick] [--only SCENARIO]...
+
+Workspace: this Python's standard library without ``site-packages`` (about 250 MB,
+8k entries), copied from a throwaway OpenSSH server on loopback.  Scenarios, each
+with its rows measured in rounds interleaved and the median of ``--runs`` kept:
+
+* ``loopback``: the link is the loopback device;
+* ``100mbit`` and ``20mbit``: every byte goes through a throttling TCP proxy
+  (:class:`wsync.testing.tcpproxy.TcpProxy` with a rate) in front of the sshd;
+* ``small``: a workspace of one small file (what a pull costs when there is
+  nothing to move: the execs and the start-up);
+* ``slowrc``: ``loopback`` and ``small`` again with a shell profile (``~/.bashrc``)
+  that sleeps 100 ms, as real sandboxes' profiles take time: every exec pays it.
+
+Each row prints wall time, peak RSS of the host-side command tree and, for
+wsync, the execs it ran and the bytes it read (``--json``); the ratios print
+the per-round ratio's median against ``rsync`` (``-az`` on the slow links,
+where it is what users would run) and against the plain stream.
+
+This is a script, not a test: nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import run  # the sibling script's measuring helper
+
+from wsync.testing.sshd import SshdServer
+from wsync.testing.tcpproxy import TcpProxy
+from wsync.treediff import diff
+
+MBIT = 1_000_000 / 8
+SCENARIOS = ("loopback", "100mbit", "20mbit", "small", "slowrc")
+
+
+def stdlib_tree(root: Path, quick: bool) -> Path:
+    ws = root / ("fp-quick" if quick else "fp-stdlib")
+    if not ws.exists():
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        src = stdlib / "json" if quick else stdlib
+        tmp = root / "fp.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(
+            src,
+            tmp,
+            symlinks=True,
+            ignore_dangling_symlinks=True,
+            ignore=shutil.ignore_patterns("site-packages"),
+        )
+        tmp.rename(ws)
+    return ws
+
+
+def small_tree(root: Path) -> Path:
+    ws = root / "fp-small"
+    ws.mkdir(exist_ok=True)
+    (ws / "notes.txt").write_text("one small file\n")
+    return ws
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "wsync-fp")
+    parser.add_argument("--runs", type=int, default=3, help="rounds; each row keeps its median")
+    parser.add_argument("--quick", action="store_true", help="the stdlib's json package only")
+    parser.add_argument("--only", action="append", choices=SCENARIOS, help="repeatable")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=65.0,
+        help="seconds between removing a scenario's trees and the next scenario",
+    )
+    args = parser.parse_args()
+    root = args.workdir.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["rm", "-rf", str(root / "out")], check=True)
+    big, small = stdlib_tree(root, args.quick), small_tree(root)
+    subprocess.run(["tar", "-cf", "/dev/null", "-C", str(big), "."], check=True)  # warm cache
+    results: list[dict[str, object]] = []
+    ratios: dict[str, float] = {}
+    py = shlex.quote(sys.executable)
+    with SshdServer(root / "sshd") as sshd:
+        assert sshd.session_home is not None
+        opts = sshd.transport_options()
+        key, kh = str(opts["ssh_key"]), str(opts["known_hosts"])
+        state = root / "state"
+
+        def commands(port: int, ws: Path) -> dict[str, Callable[[Path], str]]:
+            ssh = (
+                f"ssh -i {shlex.quote(key)} -o UserKnownHostsFile={shlex.quote(kh)} "
+                f"-o StrictHostKeyChecking=yes -o BatchMode=yes -p {port}"
+            )
+            src = f"{sshd.user}@127.0.0.1:{shlex.quote(str(ws))}/"
+            remote = shlex.quote(f"tar -cf - -C {shlex.quote(str(ws))} . | zstd -q -c -T0")
+            uri = shlex.quote(f"ssh://{sshd.user}@127.0.0.1:{port}{ws}")
+            wsync = (
+                f"--json --state-dir {shlex.quote(str(state))} --ssh-key {shlex.quote(key)} "
+                f"--known-hosts {shlex.quote(kh)}"
+            )
+            return {
+                "rsync -a": lambda d: (
+                    f"rsync -a -e {shlex.quote(ssh)} {src} {shlex.quote(str(d))}/"
+                ),
+                "rsync -az": lambda d: (
+                    f"rsync -az -e {shlex.quote(ssh)} {src} {shlex.quote(str(d))}/"
+                ),
+                "tar|zstd stream": lambda d: (
+                    f"mkdir -p {shlex.quote(str(d))} && {ssh} 127.0.0.1 {remote} "
+                    f"| zstd -q -d -c | tar -xf - -C {shlex.quote(str(d))}"
+                ),
+                "wsync": lambda d: f"{py} -m wsync pull {uri} {shlex.quote(str(d))} {wsync}",
+            }
+
+        deleted_at = [0.0]
+
+        def scenario(label: str, ws: Path, port: int, names: list[str], base: str) -> None:
+            """Rounds of ``names``; every run writes a new DEST, all removed at the end.
+
+            No tree is deleted between the runs of a scenario, and a scenario starts
+            ``--settle`` seconds after the last one's trees went: for a minute after
+            many deletions ext4's inode allocator skips the recently freed inodes one by
+            one (``recently_deleted``), which made each file created then cost several
+            times more (40% of a first pull's CPU in a profile), for whichever tool
+            happened to run next.
+            """
+            cmds = commands(port, ws)
+            walls: dict[str, list[float]] = {n: [] for n in names}
+            extra: dict[str, list[dict[str, object]]] = {n: [] for n in names}
+            time.sleep(max(0.0, deleted_at[0] + args.settle - time.monotonic()))
+            out = root / "out" / label.replace(" ", "_")
+            for round_no in range(args.runs):
+                for name in names:
+                    d = out / f"{name.replace(' ', '_').replace('|', '')}-{round_no}"
+                    d.parent.mkdir(parents=True, exist_ok=True)
+                    subprocess.run(["sync"], check=True)
+                    time.sleep(0.5)
+                    wall, rss, out = run(cmds[name](d))
+                    row: dict[str, object] = {"wall_s": round(wall, 3), "rss_mib": rss // 1024}
+                    if name == "wsync":
+                        res = json.loads(out)
+                        row |= {"execs": res.get("execs"), "wire": res["transferred_bytes"]}
+                    row["exact"] = not diff(ws, d)
+                    walls[name].append(wall)
+                    extra[name].append(row)
+                    print(f"  {label} {name}: {row}", file=sys.stderr)
+            subprocess.run(["rm", "-rf", str(out)], check=True)
+            subprocess.run(["sync"], check=True)
+            deleted_at[0] = time.monotonic()
+            for name in names:
+                med = statistics.median(walls[name])
+                picked = min(extra[name], key=lambda r: abs(float(r["wall_s"]) - med))  # type: ignore[arg-type]
+                results.append({"scenario": label, "row": name, **picked, "wall_s": round(med, 3)})
+            for other in (base, "tar|zstd stream"):
+                if other in names:
+                    per_round = [w / o for w, o in zip(walls["wsync"], walls[other], strict=True)]
+                    ratios[f"{label}: wsync/{other}"] = round(statistics.median(per_round), 2)
+
+        only = args.only or list(SCENARIOS)
+        everything = ["rsync -a", "tar|zstd stream", "wsync"]
+        if "loopback" in only:
+            scenario("loopback", big, sshd.port, everything, "rsync -a")
+        for label, mbit in (("100mbit", 100), ("20mbit", 20)):
+            if label in only:
+                with TcpProxy("127.0.0.1", sshd.port, rate=mbit * MBIT) as proxy:
+                    names = ["rsync -az", "tar|zstd stream", "wsync"]
+                    if mbit == 100:
+                        names.insert(0, "rsync -a")
+                    scenario(label, big, proxy.port, names, "rsync -az")
+        if "small" in only:
+            scenario("small", small, sshd.port, ["rsync -a", "wsync"], "rsync -a")
+        if "slowrc" in only:
+            rc = sshd.session_home / ".bashrc"
+            rc.write_text("sleep 0.1\n")
+            try:
+                scenario("slowrc loopback", big, sshd.port, everything, "rsync -a")
+                scenario("slowrc small", small, sshd.port, ["rsync -a", "wsync"], "rsync -a")
+            finally:
+                rc.unlink()
+    print(
+        f"\n{'scenario':<16} {'row':<16} {'wall s':>7} {'RSS MiB':>8} {'execs':>6} {'wire MB':>8}"
+    )
+    for r in results:
+        wire = f"{int(r['wire']) / 1e6:.1f}" if "wire" in r else "-"  # type: ignore[call-overload]
+        print(
+            f"{r['scenario']!s:<16} {r['row']!s:<16} {r['wall_s']!s:>7} {r['rss_mib']!s:>8} "
+            f"{r.get('execs', '-')!s:>6} {wire:>8}"
+        )
+    print()
+    for k, v in ratios.items():
+        print(f"{k:<44} {v}")
+    if args.json:
+        print(json.dumps({"rows": results, "ratios": ratios}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
