@@ -296,9 +296,12 @@ def procs() -> Iterator[ProcessWatch]:
 def _kill_markers_swept() -> Iterator[None]:
     """The emulators' guests are this machine, so the kill markers that docker and
     daytona kills must sometimes leave (``KILL_MARK``) land in its /tmp: the ones this
-    session made are removed at its end (a guest's own sweep waits an hour)."""
+    session made are removed at its end (a guest's own sweep waits an hour), once they
+    are a minute old.  A fresh one may be another pytest process's (an xdist worker
+    still running): removing it made that worker's cancelled command run after all."""
     before = set(glob.glob(KILL_MARK + "*"))
     yield
     for path in set(glob.glob(KILL_MARK + "*")) - before:
         with contextlib.suppress(OSError):
-            os.rmdir(path)
+            if time.time() - os.stat(path).st_mtime > 60:
+                os.rmdir(path)
