@@ -99,10 +99,12 @@ def main() -> int:
     with SshdServer(root / "sshd") as sshd:
         assert sshd.session_home is not None
         opts = sshd.transport_options()
-        key, kh = str(opts["ssh_key"]), str(opts["known_hosts"])
+        key = str(opts["ssh_key"])
         state = root / "state"
 
         def commands(port: int, ws: Path) -> dict[str, Callable[[Path], str]]:
+            kh = str(root / f"known_hosts-{port}")  # the host key, pinned at this port
+            Path(kh).write_text(f"[127.0.0.1]:{port} {sshd.host_public_key}\n")
             ssh = (
                 f"ssh -i {shlex.quote(key)} -o UserKnownHostsFile={shlex.quote(kh)} "
                 f"-o StrictHostKeyChecking=yes -o BatchMode=yes -p {port}"
@@ -144,10 +146,10 @@ def main() -> int:
             walls: dict[str, list[float]] = {n: [] for n in names}
             extra: dict[str, list[dict[str, object]]] = {n: [] for n in names}
             time.sleep(max(0.0, deleted_at[0] + args.settle - time.monotonic()))
-            out = root / "out" / label.replace(" ", "_")
+            outdir = root / "out" / label.replace(" ", "_")
             for round_no in range(args.runs):
                 for name in names:
-                    d = out / f"{name.replace(' ', '_').replace('|', '')}-{round_no}"
+                    d = outdir / f"{name.replace(' ', '_').replace('|', '')}-{round_no}"
                     d.parent.mkdir(parents=True, exist_ok=True)
                     subprocess.run(["sync"], check=True)
                     time.sleep(0.5)
@@ -160,7 +162,7 @@ def main() -> int:
                     walls[name].append(wall)
                     extra[name].append(row)
                     print(f"  {label} {name}: {row}", file=sys.stderr)
-            subprocess.run(["rm", "-rf", str(out)], check=True)
+            subprocess.run(["rm", "-rf", str(outdir)], check=True)
             subprocess.run(["sync"], check=True)
             deleted_at[0] = time.monotonic()
             for name in names:

@@ -449,13 +449,16 @@ class StreamRunner:
             if direct is not None:
                 return direct
         for _ in range(self.options.max_attempts):
-            buf = bytearray()
-            while len(buf) < chunk.length:
-                buf += await self.session.read(
-                    "data", chunk.offset + len(buf), chunk.length - len(buf), self.sizer
-                )
-            if plan.algorithm.digest(buf) == chunk.digest:
-                return bytes(buf)
+            data = await self.session.read("data", chunk.offset, chunk.length, self.sizer)
+            if len(data) < chunk.length:  # the read size shrank: the rest in pieces
+                buf = bytearray(data)
+                while len(buf) < chunk.length:
+                    buf += await self.session.read(
+                        "data", chunk.offset + len(buf), chunk.length - len(buf), self.sizer
+                    )
+                data = bytes(buf)
+            if plan.algorithm.digest(data) == chunk.digest:
+                return data
             self.stats.faults["chunk-hash-mismatch"] += 1
             self.stats.retries += 1
             log.info(

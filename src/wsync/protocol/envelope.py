@@ -229,7 +229,9 @@ class EnvelopeParser:
         need = self._wire_length - len(self._payload)
         take = min(need, len(self._buf))
         if take:
-            self._payload += self._buf[:take]
+            # through a view: a 4 MiB chunk is not copied once more into a temporary
+            with memoryview(self._buf) as view:
+                self._payload += view[:take]
             del self._buf[:take]
         if len(self._payload) == self._wire_length:
             self.state = State.TRAILER
