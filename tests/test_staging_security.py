@@ -496,7 +496,7 @@ def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:
             scripts.install_producer(**wire, part=i, run="f" * 16)
             for i in range(scripts.install_parts())
         ),
-        scripts.status(**wire, snapshot="s" * 64),
+        scripts.status(**wire, snapshot="s" * 64, index_from=2**40, looks=600),
         scripts.read(**wire, snapshot="s" * 64, file="data", offset=2**40, length=2**22),
         scripts.cleanup(**wire, snapshot="s" * 64),
         scripts.admit(
@@ -504,7 +504,7 @@ def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:
             snapshot="s" * 64,
             workspace="/w" * 20,
             chunk_size=4 * 2**20,
-            compressor="zstd",
+            compressor="zstdl",
             ttl_minutes=1440,
             run="r" * 16,
             producer_hash="0" * 128,
