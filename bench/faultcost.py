@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import shlex
@@ -49,6 +50,18 @@ def lost_time(log: str) -> dict[str, tuple[int, float]]:
             out[m[2]][0] += 1
             out[m[2]][1] += float(m[3] or 0.0)
     return {k: (int(v[0]), round(v[1], 2)) for k, v in sorted(out.items())}
+
+
+def slowest_failures(log: str, n: int = 3) -> list[str]:
+    """The ``n`` failed attempts that took longest, as ``call fault seconds``."""
+    found = []
+    for line in log.splitlines():
+        if " retry " not in f" {line} ":
+            continue
+        fields = dict(re.findall(r"(\w+)=('[^']*'|\S+)", line))
+        with contextlib.suppress(KeyError, ValueError):
+            found.append((float(fields["seconds"]), f"{fields['call']} {fields['fault']}"))
+    return [f"{what} {secs}s" for secs, what in sorted(found, reverse=True)[:n]]
 
 
 def main() -> int:
@@ -116,6 +129,8 @@ def main() -> int:
                         "retries": result.get("retries"),
                         "requests": emu.stats["requests"] - before.get("requests", 0),
                         "lost": lost_time(proc.stderr),
+                        # the slowest failed attempts: which call, which fault, how long
+                        "worst": slowest_failures(proc.stderr),
                         "emulator": emulated,
                     }
                     if proc.returncode:

@@ -16,7 +16,7 @@ import pytest
 from helpers import local, make_tree, options
 from wsync.chaos import ChaosTransport, FaultPlan
 from wsync.engine.api import PullOptions
-from wsync.engine.guest import CallStats, GuestSession
+from wsync.engine.guest import _COLD, _COLD_STATUS, CallStats, GuestSession
 from wsync.protocol.policy import STALL_FLOOR, CallDeadlines
 from wsync.transports.base import DEFAULT_MAX_OUTPUT, ExecResult
 
@@ -128,14 +128,15 @@ def test_a_hang_is_abandoned_long_before_the_call_deadline(tmp_path: Path) -> No
     stats, setup = asyncio.run(_status_calls(transport, ws, opts, 6, arm))
     assert transport.plan.applied["W"] == 1
     assert dict(stats.faults) == {"stall": 1}, stats.faults
-    # the probe, and the first three status polls: the full deadline while nothing is known
-    assert transport.deadlines[0] == 600.0
-    assert transport.deadlines[setup : setup + 3] == [600.0] * 3
+    # the probe and the first three status polls, while nothing is learnt: their cold
+    # deadlines (small, bounded work: a status answers at once on any backend)
+    assert transport.deadlines[0] == _COLD["probe"]
+    assert transport.deadlines[setup : setup + 3] == [_COLD_STATUS] * 3
     hang, retry = transport.deadlines[setup + 3 : setup + 5]
     assert STALL_FLOOR <= hang <= 60.0  # a tenth of the call deadline at most
     assert retry == min(600.0, 2 * hang)
     assert max(transport.deadlines[setup + 5 : -1]) < 600.0  # later polls: learnt
-    assert transport.deadlines[-1] == 600.0  # cleanup: run once, never learnt
+    assert transport.deadlines[-1] == _COLD["cleanup"]  # run once, never learnt
 
 
 def test_a_backend_that_turns_slow_is_followed_not_failed(tmp_path: Path) -> None:
@@ -159,3 +160,34 @@ def test_a_backend_that_turns_slow_is_followed_not_failed(tmp_path: Path) -> Non
     assert 1 <= stalls <= 2  # 2 s (and 4 s on a slow host) stall; then it fits
     learnt = transport.deadlines[setup + 3 + stalls + 1 : -1]
     assert len(learnt) == 2 and all(12.0 <= d < 600.0 for d in learnt)  # 4 x 3 s
+
+
+def test_a_silent_first_status_is_a_stall_of_seconds_not_the_call_deadline(
+    tmp_path: Path,
+) -> None:
+    """Issue 13 made status polls few (a long poll) and E2B reads chunks through its file
+    API, so the pool of staged calls may never warm up: the very first status poll hangs,
+    and it is abandoned at the cold status deadline as a ``stall`` and retried twice as
+    patiently, instead of waiting out the 600 s call deadline."""
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=3)
+    transport = Recording(FaultPlan(hang=30.0))
+    opts = options(tmp_path, call_timeout=600.0, max_attempts=1)
+
+    def arm(plan: FaultPlan, setup: int) -> None:
+        plan.failure_map = "." * setup + "W"
+
+    stats, setup = asyncio.run(_status_calls(transport, ws, opts, 2, arm))
+    assert transport.plan.applied["W"] == 1
+    assert dict(stats.faults) == {"stall": 1}, stats.faults
+    assert transport.deadlines[setup : setup + 2] == [_COLD_STATUS, 2 * _COLD_STATUS]
+
+
+def test_the_cold_deadline_is_only_until_the_kind_is_warm() -> None:
+    policy = CallDeadlines(60.0, warmup=2)
+    assert policy.deadline("staged", cold=5.0) == 5.0
+    assert policy.deadline("staged", stalls=2, cold=5.0) == 20.0
+    assert policy.deadline("staged", stalls=9, cold=5.0) == 60.0  # never past the ceiling
+    assert policy.deadline("staged") == 60.0  # not a status: the ceiling
+    for _ in range(2):
+        policy.observe("staged", 100, 0.1)
+    assert policy.deadline("staged", cold=5.0) == policy.deadline("staged") < 5.0

@@ -41,6 +41,13 @@ from wsync.transports.base import Transport
 log = structlog.get_logger("wsync.guest")
 
 _SMALL = 1024 * 1024  # bound for probe/admit/status answers
+#: a status poll's deadline before the pool of staged calls has learnt one, seconds
+#: (plus its long poll; doubled per stall): status answers at once on any backend
+_COLD_STATUS = 3.0
+#: the same for the other calls of small, bounded work (see ``call``): the probe is the
+#: first exec of a pull and may wake a suspended sandbox, so it is given longer; the
+#: admission is not here (it measures the workspace, up to 20 s)
+_COLD = {"status": _COLD_STATUS, "probe": 20.0, "cleanup": 5.0, "install": 5.0}
 #: a short file-API answer is continued this many times before exec reads take over
 _DIRECT_PIECES = 3
 _GATE = b"\n"
@@ -132,6 +139,12 @@ class GuestSession:
         # reads and status polls answer at once from staged files: one pool to learn from
         # (a pull whose chunks go through a file API makes few exec reads of its own)
         kind = "staged" if what.startswith(("read ", "status")) else what.split(" ", 1)[0]
+        # calls of small, bounded work get a deadline of seconds before their kind has
+        # taught one (a status poll: a long poll makes few, and E2B's reads go through
+        # its file API; the probe and the cleanup run once or twice a pull): a silent
+        # stream there is given up as a stall, not after the whole call deadline (E2B:
+        # 9.5 s of missed keepalives; Cloudflare: no keepalives at all)
+        cold = _COLD.get(what)
         mode = "b64" if self.b64 else "raw"
         attempt = stalls = 0
         while attempt < self.options.max_attempts:
@@ -142,7 +155,7 @@ class GuestSession:
             size = {"asked": asked()} if asked is not None else {}
             bound = wire_length(max_length, mode) + 64 * 1024
             expect = wire_length(asked(), mode) if asked is not None else 0
-            learnt = self.deadlines.deadline(kind, expect, stalls)
+            learnt = self.deadlines.deadline(kind, expect, stalls, cold)
             deadline = learnt + patience
             started = time.monotonic()
             self.stats.execs += 1

@@ -156,11 +156,17 @@ class CallDeadlines:
         self.window = window
         self._recent: dict[str, collections.deque[tuple[int, float]]] = {}
 
-    def deadline(self, kind: str, size: int = 0, stalls: int = 0) -> float:
+    def deadline(
+        self, kind: str, size: int = 0, stalls: int = 0, cold: float | None = None
+    ) -> float:
         """Seconds the next call of ``kind`` may take; it expects ``size`` bytes back
-        and its earlier attempts stalled ``stalls`` times."""
+        and its earlier attempts stalled ``stalls`` times.  ``cold``: what a call whose
+        time is known to be small (a status poll: a few files read, a small answer) gets
+        before its kind is warm, doubled per stall, instead of ``ceiling``."""
         recent = self._recent.get(kind)
         if recent is None or len(recent) < self.warmup:
+            if cold is not None:
+                return min(self.ceiling, cold * 2.0 ** min(stalls, 32))
             return self.ceiling
         predicted = max(
             seconds * max(1.0, size / max(done, _SCALE_GRAIN)) for done, seconds in recent

@@ -150,11 +150,12 @@ class E2BTransport(Transport):
         user: str | None = None,
         workdir: str | None = None,
         env: Mapping[str, str] | None = None,
-        # a keepalive is a few bytes: asking for one every 3 s makes a silent stream
-        # (start, then nothing) cost 9.5 s rather than 30.5 s; it hit probe, admit and
-        # the first status polls, which run before any deadline is learnt
-        keepalive_interval: float = 3.0,
-        stall_factor: float = 3.0,
+        # a keepalive is a few bytes: asking for one every 2 s makes a silent stream
+        # (start, then nothing) cost 5.5 s rather than 30.5 s; it hits the admission,
+        # which has no shorter deadline (it may measure the workspace for 20 s), and
+        # the other calls before their kind has taught one
+        keepalive_interval: float = 2.0,
+        stall_factor: float = 2.5,
         connect_timeout: float = 15.0,
     ) -> None:
         if not sandbox_id:
