@@ -561,3 +561,30 @@ def test_zstd_long_is_used_where_the_guest_zstd_has_it(tmp_path: Path, long_wind
         assert result.bytes < 13 * 1024 * 1024, result.bytes
     else:
         assert result.bytes > 18 * 1024 * 1024, result.bytes
+
+
+def test_a_stop_that_lands_just_after_the_swap_is_a_success(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI's random-signal test caught a SIGINT between the swap and the cleanup (while
+    the progress ticker was put away): the pull said "interrupted" (exit 130) with DEST
+    already swapped.  DEST is complete then, so the pull is a success with a warning."""
+    import asyncio
+
+    from wsync.engine import pull as pull_module
+
+    ws = make_tree(tmp_path / "ws")
+    swap_in = pull_module._Pull.swap_in
+
+    def swap_then_stop(self: pull_module._Pull, tmp: str, tmp_fd: int) -> str | None:
+        old = swap_in(self, tmp, tmp_fd)
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()  # delivered at the pull's next await
+        return old
+
+    monkeypatch.setattr(pull_module._Pull, "swap_in", swap_then_stop)
+    result = run_pull(local(), ws, tmp_path / "out", options(tmp_path))
+    assert result.ok and "stopped while cleaning up; DEST is complete" in result.warnings
+    assert_exact(ws, tmp_path / "out")
+    assert not list((tmp_path / "state" / "pulls").glob("*/meta.json"))  # journal gone

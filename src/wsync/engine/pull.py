@@ -113,6 +113,10 @@ def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOp
 class _Pull(IncrementalRunner):
     """One pull: the phases in order, the swap, and what follows it."""
 
+    #: what ``finish`` and the result need, set the moment DEST is swapped: a stop that
+    #: lands after it (say while the progress ticker is put away) is a success
+    outcome: tuple[ExtractStats, int, int, str | None] | None = None
+
     async def run(self) -> tuple[ExtractStats, int, int, str | None] | None:
         """Everything up to and including the swap.  Returns what ``finish`` needs, or
         None when DEST stays as it is (nothing changed, or a dry run)."""
@@ -174,13 +178,14 @@ class _Pull(IncrementalRunner):
                 self.emit("apply")
                 await in_thread(lambda: inc.locked(lambda: inc.dir_meta(tmp_fd)))
             old = self.swap_in(tmp, tmp_fd)
+            self.outcome = (stats, chunks, length, old)
         except BaseException:
             await self.remove_tmp(tmp)
             raise
         finally:
             # every write was awaited on success; after a failure none is waited for here
             self.io.shutdown(wait=False)
-        return stats, chunks, length, old
+        return self.outcome
 
     def make_tmp(self) -> tuple[str, int]:
         """The tree beside DEST that becomes DEST (stale ones of earlier runs go)."""
@@ -223,11 +228,12 @@ class _Pull(IncrementalRunner):
             await in_thread(lambda: inc.locked(lambda: inc.farm(tmp_fd, check)))
             await in_thread(lambda: inc.locked(lambda: inc.dir_meta(tmp_fd)))
             old = self.swap_in(tmp, tmp_fd)
+            self.outcome = (ExtractStats(), 0, 0, old)
         except BaseException:
             stop.set()
             await self.remove_tmp(tmp)
             raise
-        return ExtractStats(), 0, 0, old
+        return self.outcome
 
     async def finish(self, old: str | None) -> None:
         """After the swap DEST is final: nothing here may fail the pull.
@@ -333,21 +339,34 @@ async def pull(
         raise IntegrityFailed(
             f"the overall deadline of {options.timeout:.0f}s passed; run again to resume"
         ) from None
+    except asyncio.CancelledError:
+        if runner.outcome is None:
+            journal.close()
+            raise
+        # stopped between the swap and the cleanup (the ticker being put away): DEST is
+        # complete, so this is the success below, as a stop during the cleanup is
+        stats, chunks, length, old = runner.outcome
+        stopped = True
     except BaseException:
         journal.close()
         raise
+    else:
+        stopped = False
     try:
-        async with runner.ticking():
-            await runner.finish(old)
+        if not stopped:
+            async with runner.ticking():
+                await runner.finish(old)
     except asyncio.CancelledError:
-        # DEST was swapped: it is complete and exact, so a stop from here on is a
-        # success, not an interruption (the CLI exits 0).  The journal goes (the
-        # next run must take a fresh snapshot, not resume this finished one); the
-        # old tree and the guest staging are left to the next run and the GC.
-        runner.warnings.append("stopped while cleaning up; DEST is complete")
-        with contextlib.suppress(WsyncError):
-            journal.remove()
+        stopped = True
     finally:
+        if stopped:
+            # DEST was swapped: it is complete and exact, so a stop from here on is a
+            # success, not an interruption (the CLI exits 0).  The journal goes (the
+            # next run must take a fresh snapshot, not resume this finished one); the
+            # old tree and the guest staging are left to the next run and the GC.
+            runner.warnings.append("stopped while cleaning up; DEST is complete")
+            with contextlib.suppress(WsyncError):
+                journal.remove()
         if runner.inc is not None:
             runner.inc.close()
         journal.close()
