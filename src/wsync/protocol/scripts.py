@@ -262,10 +262,9 @@ if [ "$go" ]; then
   # answer once the launch has detached (the producer writes its pid in its own
   # session) or ended (another producer holds the snapshot): a backend that kills
   # our process group when it gives up on us, or once we exit, must not catch it
-  # (looks 10 ms apart for the first 50 ms: a producer usually detaches in a few)
   i=0
   until [ $i -ge 200 ] || [ "$(cat "$d/pid")" = $! ] || ! alive $!; do
-    sleep 0.0$((i<5?1:5)) || { sleep 1; i=$((i + 19)); }
+    sleep 0.05 || { sleep 1; i=$((i + 19)); }
     i=$((i + 1))
   done
 fi
