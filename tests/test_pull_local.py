@@ -346,25 +346,30 @@ def test_busybox_tar_exit_1_is_a_failure_not_a_warning(tmp_path: Path, workspace
     assert not dest.exists()
 
 
+def _held_open_archive(tmp_path: Path) -> tuple[Path, LocalTransport]:
+    """A 24 MiB random workspace (multithreaded zstd emits output in jobs of several MiB:
+    give it a few) and a guest whose ``tar -cf`` holds the pipe open for a minute after
+    its last byte, so the producer runs on, not done, however slow this machine is (the
+    probe is unaffected)."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "blob").write_bytes(os.urandom(24 * 1024 * 1024))
+    bindir = tmp_path / "slow-tar"
+    bindir.mkdir()
+    (bindir / "tar").write_text(
+        f'#!/bin/sh\n{shutil.which("tar")} "$@"\n[ "$1" = -cf ] && exec sleep 60\nexit 0\n'
+    )
+    (bindir / "tar").chmod(0o755)
+    return ws, LocalTransport(env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
+
+
 def test_the_producer_indexes_chunks_while_it_still_runs(tmp_path: Path) -> None:
     """Chunks become readable before the archive is finished (pull overlaps produce)."""
     import asyncio
 
     from wsync.engine.guest import CallStats, GuestSession
 
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    # multithreaded zstd emits output in jobs of several MiB: give it a few
-    (ws / "blob").write_bytes(os.urandom(24 * 1024 * 1024))
-    bindir = tmp_path / "slow-tar"
-    bindir.mkdir()
-    # archiving holds the pipe open for a long while after tar's last byte, so
-    # "done" cannot come first however slow this machine is (probe unaffected)
-    (bindir / "tar").write_text(
-        f'#!/bin/sh\n{shutil.which("tar")} "$@"\n[ "$1" = -cf ] && exec sleep 60\nexit 0\n'
-    )
-    (bindir / "tar").chmod(0o755)
-    transport = LocalTransport(env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
+    ws, transport = _held_open_archive(tmp_path)
     opts = options(tmp_path, chunk_size=1024 * 1024)
 
     async def watch() -> tuple[int, bool]:
@@ -398,17 +403,7 @@ def test_a_status_long_poll_answers_when_a_chunk_lands_and_carries_the_index(
 
     from wsync.engine.guest import CallStats, GuestSession
 
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    (ws / "blob").write_bytes(os.urandom(24 * 1024 * 1024))
-    bindir = tmp_path / "slow-tar"
-    bindir.mkdir()
-    # as above: the producer runs on (not done) for a minute after tar's last byte
-    (bindir / "tar").write_text(
-        f'#!/bin/sh\n{shutil.which("tar")} "$@"\n[ "$1" = -cf ] && exec sleep 60\nexit 0\n'
-    )
-    (bindir / "tar").chmod(0o755)
-    transport = LocalTransport(env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
+    ws, transport = _held_open_archive(tmp_path)
     opts = options(tmp_path, chunk_size=1024 * 1024)
 
     async def watch() -> tuple[float, bytes, bytes, int, bytes, float]:
@@ -440,6 +435,14 @@ def test_a_status_long_poll_answers_when_a_chunk_lands_and_carries_the_index(
     assert tail and tail == read and tail.startswith(b"C 0 0 ")
     assert waited < 20, "the long poll did not answer when the first chunk landed"
     assert known >= len(tail) and idle_tail == b"" and idle_s >= 1.0
+
+
+def test_the_status_scripts_numbers_are_the_ones_the_host_counts_with() -> None:
+    """The guest script is constant text: its look and its index bound are literals that
+    the host's STATUS_LOOK (the long poll's deadline allowance) and STATUS_INDEX_MAX mirror."""
+    text = scripts.SCRIPTS["status"]
+    assert f"sleep {scripts.STATUS_LOOK} " in text
+    assert f"count={scripts.STATUS_INDEX_MAX};" in text
 
 
 @pytest.fixture

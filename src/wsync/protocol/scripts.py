@@ -326,22 +326,25 @@ _STATUS = r"""
 d=$1 io=$2 w=$3
 [ -d "$d" ] || { emit ok "exists 0"; exit 0; }
 touch "$d"
+al() {
+  alive=0
+  for x in pid pid.launch; do busy "$(cat "$d/$x")" && alive=1; done
+}
 # a long poll: up to w looks 50 ms apart, until the index grows past io, a result is
-# written or (checked once) no producer runs; then the index from io comes along
-a=0
-for k in pid pid.launch; do busy "$(cat "$d/$k")" && a=1; done
+# written or (checked once) no producer runs; then the index from io comes along.
+# Liveness is asked again only if time passed
+al
 k=0
-while [ $a = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/failed" ]; do
+while [ $alive = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/failed" ]; do
   isz=$(wc -c < "$d/index") || break
   [ $((isz + 0)) -gt "$io" ] && break
   sleep 0.05 2>/dev/null || break
   k=$((k + 1))
 done
+[ $k = 0 ] || al
 p="exists 1"
 if [ -f "$d/done" ]; then p="$p${nl}$(sed 's/^/done_/' "$d/done")"; fi
 if [ -f "$d/failed" ]; then p="$p${nl}failed $(head -c 400 "$d/failed" | tr '\n' ' ')"; fi
-alive=0
-for k in pid pid.launch; do busy "$(cat "$d/$k")" && alive=1; done
 launched=0
 [ -d "$d/launch" ] && launched=1
 isz=$(wc -c < "$d/index") || isz=0
