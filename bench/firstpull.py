@@ -82,6 +82,11 @@ def main() -> int:
     parser.add_argument("--only", action="append", choices=SCENARIOS, help="repeatable")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
     parser.add_argument(
+        "--per-call",
+        action="store_true",
+        help="add a row of wsync --exec-per-call (one exec per guest call, no helper)",
+    )
+    parser.add_argument(
         "--settle",
         type=float,
         default=65.0,
@@ -128,6 +133,9 @@ def main() -> int:
                     f"| zstd -q -d -c | tar -xf - -C {shlex.quote(str(d))}"
                 ),
                 "wsync": lambda d: f"{py} -m wsync pull {uri} {shlex.quote(str(d))} {wsync}",
+                "wsync per-call": lambda d: (
+                    f"{py} -m wsync pull {uri} {shlex.quote(str(d))} {wsync} --exec-per-call"
+                ),
             }
 
         deleted_at = [0.0]
@@ -143,6 +151,8 @@ def main() -> int:
             happened to run next.
             """
             cmds = commands(port, ws)
+            if args.per_call:
+                names = [*names, "wsync per-call"]
             walls: dict[str, list[float]] = {n: [] for n in names}
             extra: dict[str, list[dict[str, object]]] = {n: [] for n in names}
             time.sleep(max(0.0, deleted_at[0] + args.settle - time.monotonic()))
@@ -155,7 +165,7 @@ def main() -> int:
                     time.sleep(0.5)
                     wall, rss, out = run(cmds[name](d))
                     row: dict[str, object] = {"wall_s": round(wall, 3), "rss_mib": rss // 1024}
-                    if name == "wsync":
+                    if name.startswith("wsync"):
                         res = json.loads(out)
                         row |= {"execs": res.get("execs"), "wire": res["transferred_bytes"]}
                     row["exact"] = not diff(ws, d)

@@ -8,6 +8,7 @@ fails only after the whole transfer) and 7 (left-over tmp trees block DEST).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 from collections.abc import Awaitable, Callable, Iterator
@@ -28,7 +29,10 @@ Hook = Callable[[int], Awaitable[None]]
 
 class HookTransport(LocalTransport):
     """The real ``local:`` transport, with a test hook awaited before every exec
-    (the n-th exec gets n): it changes the host while the pull runs."""
+    (the n-th exec gets n): it changes the host while the pull runs.  Without guest
+    helpers, so that every guest call is an exec the hook sees."""
+
+    capabilities = dataclasses.replace(LocalTransport.capabilities, channel=False)
 
     def __init__(self, hook: Hook) -> None:
         super().__init__()

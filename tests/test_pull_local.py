@@ -195,6 +195,10 @@ class UlimitTransport(LocalTransport):
         wrapped = ["sh", "-c", 'ulimit -f 64; exec "$@"', "sh", *argv]
         return await super().exec(wrapped, **kw)
 
+    async def open_channel(self, argv, **kw):  # type: ignore[no-untyped-def,override]
+        wrapped = ["sh", "-c", 'ulimit -f 64; exec "$@"', "sh", *argv]
+        return await super().open_channel(wrapped, **kw)
+
 
 def test_guest_write_failure_is_a_failure_never_a_success(tmp_path: Path, workspace: Path) -> None:
     """Field report 3, finding 1: a failed staging write must not end in 'done'."""

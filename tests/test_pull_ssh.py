@@ -78,3 +78,30 @@ def test_unknown_host_key_is_refused_by_default(tmp_path: Path, sshd: SshdServer
     assert "host key" in proc.stderr.lower()
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_small_pull_over_ssh_is_one_exec_and_exec_per_call_still_works(
+    tmp_path: Path, sshd: SshdServer
+) -> None:
+    """One guest helper answers every call over one channel; ``--exec-per-call`` is the
+    old way, and both give the same exact tree."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "small.txt").write_text("one small file\n")
+    execs = {}
+    for how in ("helper", "exec-per-call"):
+        dest = tmp_path / how
+        extra = ["--exec-per-call"] if how == "exec-per-call" else []
+        proc = wsync(
+            "pull", sshd.uri(str(ws)), str(dest), "--json",
+            "--state-dir", str(tmp_path / f"{how}-state"),
+            "--staging-dir", str(tmp_path / f"{how}-staging"),
+            *ssh_args(sshd), *extra,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout)
+        assert result["retries"] == 0, result["faults"]
+        assert_exact(ws, dest)
+        execs[how] = result["execs"]
+    assert execs["helper"] == 1
+    assert execs["exec-per-call"] >= 7

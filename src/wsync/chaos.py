@@ -50,7 +50,7 @@ import time
 from collections.abc import Sequence
 
 from wsync.errors import TransportError, TransportTimeout, UsageError
-from wsync.transports.base import DEFAULT_MAX_OUTPUT, ExecResult, Transport
+from wsync.transports.base import DEFAULT_MAX_OUTPUT, Channel, ExecResult, Transport
 
 FAULT_CODES = "HTFSABDWZN"
 CLEAN = "."
@@ -70,6 +70,8 @@ NAMES = {
 #: per-fault rate of the "all" preset: ~70% of calls come back clean
 ALL_RATE = 0.035
 _NOISE = b"tar: ./log: file changed as we read it\n"
+#: where a guest helper's answer ends (see wsync.protocol.helper)
+_DONE = b"\nWSYNC1 DONE "
 
 
 @dataclasses.dataclass
@@ -174,7 +176,11 @@ class ChaosTransport(Transport):
         self.inner = inner
         self.plan = plan
         caps = inner.capabilities
-        self.capabilities = dataclasses.replace(caps, binary_safe=False) if plan.text else caps  # type: ignore[misc]
+        if plan.text:  # an SSE or JSON exec API: text, and no live channel
+            caps = dataclasses.replace(caps, binary_safe=False, channel=False)
+        if plan.cap:  # a per-call frame limit belongs to one-shot execs
+            caps = dataclasses.replace(caps, channel=False)
+        self.capabilities = caps  # type: ignore[misc]
 
     @property
     def description(self) -> str:
@@ -260,6 +266,88 @@ class ChaosTransport(Transport):
             at = plan.cut(len(data))
             data = data[:at] + bytes([data[at] ^ (1 << plan.cut(8))]) + data[at + 1 :]
         return data
+
+    @property
+    def channel_limit(self) -> int:
+        return self.inner.channel_limit
+
+    async def open_channel(self, argv: Sequence[str], *, timeout: float) -> Channel:
+        """A channel that lies per request: see :class:`ChaosChannel`."""
+        return ChaosChannel(await self.inner.open_channel(argv, timeout=timeout), self.plan)
+
+
+class ChaosChannel(Channel):
+    """Each :meth:`send` (one request to a guest helper) draws a fault, which lands on
+    the first piece of the answer: ``H`` cuts its head, ``T``/``F`` its tail and then
+    the channel ends, ``Z`` ends it at once, ``S`` adds bytes, ``B`` flips a bit,
+    ``A`` adds bytes after the call's output (before the helper's end line),
+    ``D`` drops the channel (before the request or mid-answer), ``W`` hangs until the
+    deadline, ``N`` is clean (a channel has no exit status to lose).  ``flip`` and
+    ``slow`` apply as they do to execs."""
+
+    def __init__(self, inner: Channel, plan: FaultPlan) -> None:
+        self.inner = inner
+        self.plan = plan
+        self._fault = CLEAN
+        self._first = False
+        self._ended = False
+        self._late = False
+
+    async def send(self, data: bytes) -> None:
+        plan = self.plan
+        fault = self._fault = plan.next_fault()
+        plan.applied[fault] = plan.applied.get(fault, 0) + 1
+        self._late = bool(plan.slow) and plan.calls > plan.slow_from
+        if fault == "D" and plan.cut(2) == 0:
+            self._ended = True
+            raise TransportError("channel dropped before the request (injected)")
+        await self.inner.send(data)
+        self._first = True
+
+    async def receive(self, timeout: float) -> bytes:
+        plan, fault = self.plan, self._fault
+        if self._ended:
+            raise TransportError("channel dropped (injected)")
+        if self._first and fault == "W":
+            await asyncio.sleep(min(timeout, plan.hang))
+            raise TransportTimeout(min(timeout, plan.hang))
+        if self._first and self._late:
+            self._late = False
+            await asyncio.sleep(min(timeout, plan.slow))
+            if plan.slow >= timeout:
+                raise TransportTimeout(timeout)
+        data = await self.inner.receive(timeout)
+        if plan.flip and data:
+            flipped = bytearray(data)
+            for at in plan.flips(len(data)):
+                flipped[at] ^= 1 << plan.cut(8)
+            data = bytes(flipped)
+        if fault == "A" and self._first and _DONE in data:
+            # after the call's output, before the helper's end-of-answer line
+            at = data.index(_DONE)
+            self._first = False
+            return data[:at] + b"\x01late frame after exit" + data[at:]
+        if not self._first or not data or fault == "A":
+            return data
+        self._first = False
+        if fault == "D":
+            self._ended = True
+            raise TransportError("channel dropped mid-answer (injected)")
+        if fault == "H":
+            data = data[plan.cut(len(data)) or 1 :]
+        elif fault in ("T", "F", "Z"):
+            data = data[: plan.cut(len(data))] if fault != "Z" else b""
+            self._ended = True
+        elif fault == "S":
+            at = plan.cut(len(data) + 1)
+            data = data[:at] + _NOISE + data[at:]
+        elif fault == "B":
+            at = plan.cut(len(data))
+            data = data[:at] + bytes([data[at] ^ (1 << plan.cut(8))]) + data[at + 1 :]
+        return data
+
+    async def aclose(self, *, abort: bool = False) -> None:
+        await self.inner.aclose(abort=abort)
 
 
 def wrap(transport: Transport, spec: str | FaultPlan) -> ChaosTransport:

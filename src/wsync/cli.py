@@ -275,6 +275,12 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     )
     p.add_argument("--keep-staging", action="store_true", help="leave guest staging after success")
     p.add_argument(
+        "--exec-per-call",
+        action="store_true",
+        help="run every guest call as its own exec (default on ssh and local: one guest "
+        "helper answers many calls; it falls back to this by itself when it cannot)",
+    )
+    p.add_argument(
         "--best-effort",
         action="store_true",
         help="files that change every time they are read are taken as last read (listed in "
@@ -504,6 +510,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         staging_root=args.staging_dir,
         force=args.force,
         keep_staging=args.keep_staging,
+        helpers=not args.exec_per_call,
         best_effort=args.best_effort,
         compressor="gzip" if args.gzip else "zstd",
         limits=ExtractLimits(max_files=args.max_files, max_bytes=args.max_bytes),

@@ -45,6 +45,9 @@ class PullOptions:
     state_dir: Path = dataclasses.field(default_factory=default_state_dir)
     #: chunk reads in flight at once
     parallel: int = 4
+    #: run guest calls through long-lived guest helpers where the transport has live
+    #: channels (ssh, local:): a few execs a pull instead of one per call
+    helpers: bool = True
     #: overall deadline for the whole pull, seconds (0: none)
     timeout: float = 3600.0
     #: deadline of one exec, seconds

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import structlog
 
 from wsync.engine.api import PullOptions
+from wsync.engine.helpers import HelperPool
 from wsync.errors import (
     GuestToolsMissing,
     IntegrityFailed,
@@ -51,6 +52,8 @@ _COLD = {"status": _COLD_STATUS, "probe": 20.0, "cleanup": 5.0, "install": 5.0}
 #: a short file-API answer is continued this many times before exec reads take over
 _DIRECT_PIECES = 3
 _GATE = b"\n"
+#: base64 text per list upload call through a guest helper
+_HELPER_UPLOAD_PART = 64 * 1024
 
 
 @dataclasses.dataclass
@@ -73,8 +76,16 @@ class GuestPlan:
 
 
 class GuestSession:
-    def __init__(self, transport: Transport, options: PullOptions, stats: CallStats) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        options: PullOptions,
+        stats: CallStats,
+        helpers: HelperPool | None = None,
+    ) -> None:
         self.transport = transport
+        #: long-lived guest helpers that run calls without an exec each (None: off)
+        self.helpers = helpers
         self.options = options
         self.stats = stats
         self.gate = transport.capabilities.stdin
@@ -92,6 +103,8 @@ class GuestSession:
         self.admission: records.AdmitReport | None = None
         #: identifies this run to the guest (admission retries are not adoptions)
         self.run_id = secrets.token_hex(8)
+        #: the guest has ``base64`` (the probe says): lists may go in argv parts
+        self._base64 = False
         self._rng = random.Random()  # noqa: S311 - backoff jitter, not a secret
         #: per-kind deadlines learnt from this backend's answers: a hang costs seconds
         self.deadlines = CallDeadlines(options.call_timeout)
@@ -158,25 +171,39 @@ class GuestSession:
             learnt = self.deadlines.deadline(kind, expect, stalls, cold)
             deadline = learnt + patience
             started = time.monotonic()
-            self.stats.execs += 1
+            helpers = self.helpers if self.helpers is not None and not stdin else None
             try:
-                result = await self.transport.exec(
-                    argv,
-                    stdin=_GATE + stdin if self.gate else None,
-                    timeout=deadline,
-                    max_output=bound,
-                )
-                self.stats.transferred += len(result.stdout)
-                received = len(result.stdout)
+                if helpers is not None and helpers.usable:
+                    opened = helpers.opened
+                    try:
+                        stdout = await helpers.run(
+                            argv, nonce, gate=self.gate, timeout=deadline, limit=bound
+                        )
+                    finally:
+                        self.stats.execs += helpers.opened - opened
+                    status: int | None = None
+                    via = "helper"
+                else:
+                    self.stats.execs += 1
+                    result = await self.transport.exec(
+                        argv,
+                        stdin=_GATE + stdin if self.gate else None,
+                        timeout=deadline,
+                        max_output=bound,
+                    )
+                    stdout, status, via = result.stdout, result.exit_status, "exec"
+                self.stats.transferred += len(stdout)
+                received = len(stdout)
                 log.debug(
                     "guest call",
                     call=what,
                     attempt=attempt,
                     nonce=nonce,
+                    via=via,
                     **size,
                     sent=sum(len(arg) for arg in argv),
                     received=received,
-                    exit=result.exit_status,
+                    exit=status,
                     seconds=round(time.monotonic() - started, 3),
                 )
                 parser = EnvelopeParser(
@@ -185,7 +212,7 @@ class GuestSession:
                     max_length=max_length,
                     allow_unhashed=algorithm is PROBE_ALGORITHM,
                 )
-                parser.receive_data(result.stdout)
+                parser.receive_data(stdout)
                 parser.receive_eof()
                 envelope = parser.result()
                 if envelope.noise or envelope.trailing:
@@ -277,6 +304,7 @@ class GuestSession:
             raise StagingFailed("the probe did not establish a staging root")
         self.staging_root = report.stage_root
         self.algorithm = algorithm
+        self._base64 = report.has("base64")
         return GuestPlan(algorithm, compressor, report)
 
     async def admit(
@@ -369,7 +397,11 @@ class GuestSession:
         assert self.algorithm is not None
         digest = self.algorithm.digest(data)
         answers: list[str] = []
-        if self.gate:
+        # a helper carries no stdin (see wsync.protocol.helper): through one, the list
+        # goes in argv parts as large as an exec may carry (under Linux's 128 KiB per
+        # argument), so a fallback to execs mid-way still fits
+        helped = self.helpers is not None and self.helpers.usable and self._base64
+        if self.gate and not helped:
             body = base64.b64encode(data) if self.b64 else data
             envelope = await self.call(
                 "upload",
@@ -386,7 +418,7 @@ class GuestSession:
                 raise StagingFailed(f"uploading the list: {records.printable(envelope.text)}")
         else:
             text = base64.b64encode(data).decode()
-            size = scripts.UPLOAD_PART
+            size = _HELPER_UPLOAD_PART if helped else scripts.UPLOAD_PART
             count = max(1, -(-len(text) // size))
             for part in range(count):
                 piece = text[part * size : (part + 1) * size]

@@ -26,6 +26,7 @@ from wsync.engine.api import Progress, ProgressCallback, PullOptions
 from wsync.engine.extract import ExtractStats
 from wsync.engine.feed import ChunkFeed
 from wsync.engine.guest import CallStats, GuestPlan, GuestSession
+from wsync.engine.helpers import HelperPool
 from wsync.engine.incremental import Incremental
 from wsync.engine.journal import Journal
 from wsync.engine.winddown import WriterPool, await_future, await_thread, raise_if_cancelled
@@ -79,6 +80,7 @@ class StreamRunner:
         journal: Journal,
         on_progress: ProgressCallback | None,
         stats: CallStats | None = None,
+        helpers: HelperPool | None = None,
     ) -> None:
         self.transport = transport
         self.workspace = workspace
@@ -91,7 +93,7 @@ class StreamRunner:
         self.target = journal.dest_dir
         self.on_progress = on_progress
         self.stats = stats or CallStats()
-        self.session = GuestSession(transport, options, self.stats)
+        self.session = GuestSession(transport, options, self.stats, helpers)
         # text channels carry base64, 4/3 the bytes: let reads go below one block there
         minimum = MIN_TEXT_READ if not transport.capabilities.binary_safe else BLOCK
         self.sizer = ReadSizer(options.chunk_size, minimum=minimum)

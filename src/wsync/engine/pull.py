@@ -43,6 +43,7 @@ from wsync.engine.destdir import DestDir
 from wsync.engine.extract import ExtractStats
 from wsync.engine.feed import ChunkFeed, extract_feed
 from wsync.engine.fsutil import host_io, syncfs
+from wsync.engine.helpers import HelperPool
 from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
 from wsync.engine.journal import DestRegistry, Journal
@@ -310,6 +311,24 @@ async def pull(
 
     Raises a :class:`~wsync.errors.WsyncError` on failure (DEST untouched).
     """
+    # one more helper than parallel reads: a status long poll runs beside them
+    helpers = HelperPool(transport, options.parallel + 1) if options.helpers else None
+    try:
+        return await _pull(transport, workspace, dest, options, sandbox, on_progress, helpers)
+    finally:
+        if helpers is not None:
+            await helpers.aclose()
+
+
+async def _pull(
+    transport: Transport,
+    workspace: str,
+    dest: Path,
+    options: PullOptions,
+    sandbox: str | None,
+    on_progress: ProgressCallback | None,
+    helpers: HelperPool | None,
+) -> PullResult:
     started = time.monotonic()
     sandbox = sandbox or transport.description
     target = check_dest(Path(dest), transport, workspace, options)
@@ -317,7 +336,7 @@ async def pull(
     journal = Journal(
         options.state_dir, sandbox, real, options.limits.min_free_bytes, target
     ).open()
-    runner = _Pull(transport, workspace, real, options, journal, on_progress)
+    runner = _Pull(transport, workspace, real, options, journal, on_progress, helpers=helpers)
     try:
         async with asyncio.timeout(options.timeout or None):
             try:
@@ -330,7 +349,7 @@ async def pull(
                 # died (and is now discarded): start afresh once
                 log.warning("adopted snapshot failed; starting a fresh one", error=str(exc))
                 runner = _Pull(
-                    transport, workspace, real, options, journal, on_progress, runner.stats
+                    transport, workspace, real, options, journal, on_progress, runner.stats, helpers
                 )
                 runner.warnings.append(f"an adopted snapshot had failed ({exc}); started afresh")
                 stats, chunks, length, old = await _attempt(runner)

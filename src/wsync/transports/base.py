@@ -25,15 +25,16 @@ Honesty rules every implementation follows (the shared conformance suite in
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 import os
 import shlex
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from wsync.errors import UsageError
+from wsync.errors import TransportError, TransportTimeout, UsageError
 
 DEFAULT_MAX_OUTPUT = 64 * 1024 * 1024
 #: a per-exec kill marker in the guest is ``KILL_MARK + token``.  Where a kill can land
@@ -138,6 +139,90 @@ class Capabilities:
     #: staged chunks; every result is verified by the chunk hash, exec reads are the
     #: fallback)
     file_read: bool = False
+    #: :meth:`Transport.open_channel` keeps one command running with a live stdin and
+    #: stdout (the guest helper's pipe: many calls for one exec)
+    channel: bool = False
+
+
+class Channel(abc.ABC):
+    """One long-running guest command with a live stdin and stdout, from
+    :meth:`Transport.open_channel`.
+
+    Bytes only, no meaning: what arrives is judged by the caller (envelopes, as for an
+    exec).  stderr is dropped.  The same honesty rules as for ``exec`` apply: failures are
+    :class:`~wsync.errors.TransportError`, a deadline :class:`~wsync.errors.TransportTimeout`,
+    and nothing foreign escapes.
+    """
+
+    @abc.abstractmethod
+    async def send(self, data: bytes) -> None:
+        """Queue ``data`` for the command's stdin."""
+
+    @abc.abstractmethod
+    async def receive(self, timeout: float) -> bytes:
+        """The stdout bytes that arrived since the last call, waiting up to ``timeout``
+        seconds for some; ``b""`` once the command's stdout has ended."""
+
+    @abc.abstractmethod
+    async def aclose(self, *, abort: bool = False) -> None:
+        """End stdin and let go: the command ends by itself once stdin ends (or is stopped
+        if it does not, soon).  ``abort`` stops it now, with whatever it was running (a
+        call that timed out).  Idempotent, bounded."""
+
+
+#: most stdout bytes a channel buffers before it stops reading from the guest (a guest
+#: that floods a channel between requests costs bounded memory)
+CHANNEL_BUFFER = 8 * 1024 * 1024
+
+
+class ChannelInbox:
+    """What a channel's callbacks deliver, waiting for :meth:`Channel.receive`.
+
+    Callbacks :meth:`feed` stdout pieces and :meth:`end` the stream (with a reason when
+    it broke); :meth:`take` hands them out.  Past :data:`CHANNEL_BUFFER` unread bytes
+    it calls ``pause`` (stop reading the socket or pipe) until the next take ``resume``s.
+    """
+
+    def __init__(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        self._pieces: list[bytes] = []
+        self._size = 0
+        self._ready = asyncio.Event()
+        self._pause, self._resume = pause, resume
+        self._paused = False
+        self.ended = False
+        self.error: str | None = None
+
+    def feed(self, data: bytes) -> None:
+        self._pieces.append(data)
+        self._size += len(data)
+        self._ready.set()
+        if self._size > CHANNEL_BUFFER and not self._paused:
+            self._paused = True
+            self._pause()
+
+    def end(self, error: str | None = None) -> None:
+        self.ended = True
+        self.error = self.error or error
+        self._ready.set()
+
+    async def take(self, timeout: float, what: str) -> bytes:
+        if not self._pieces and not self.ended:
+            self._ready.clear()
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._ready.wait()
+            except TimeoutError:
+                raise TransportTimeout(timeout) from None
+        if self._pieces:
+            data = b"".join(self._pieces)
+            self._pieces, self._size = [], 0
+            if self._paused:
+                self._paused = False
+                self._resume()
+            return data
+        if self.error is not None:
+            raise TransportError(f"{what}: {self.error}")
+        return b""
 
 
 def find_secret(
@@ -215,6 +300,18 @@ class Transport(abc.ABC):
         refuses the read (a path outside what its file API serves), and nothing foreign.
         """
         raise NotImplementedError(f"{self.scheme}: no file API")
+
+    async def open_channel(self, argv: Sequence[str], *, timeout: float) -> Channel:
+        """Start ``argv`` in the guest with a live stdin and stdout (see :class:`Channel`).
+
+        Only for transports whose capabilities say ``channel``.
+        """
+        raise NotImplementedError(f"{self.scheme}: no channels")
+
+    @property
+    def channel_limit(self) -> int:
+        """How many channels may be open at once while execs still get through."""
+        return 64
 
     async def aclose(self) -> None:
         """Release connections.  Idempotent."""

@@ -37,6 +37,8 @@ from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
     BoundedBuffer,
     Capabilities,
+    Channel,
+    ChannelInbox,
     ExecResult,
     Transport,
 )
@@ -80,11 +82,88 @@ class _ExecProtocol(asyncio.SubprocessProtocol):
             self.finished.set_result(None)
 
 
+class _ChannelProtocol(asyncio.SubprocessProtocol):
+    """Hands a long-running child's stdout to a :class:`ChannelInbox`; stderr is dropped."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.transport: asyncio.SubprocessTransport | None = None
+        self.inbox = ChannelInbox(self._pause, self._resume)
+        self.exited: asyncio.Future[None] = loop.create_future()
+
+    def _stdout(self) -> asyncio.ReadTransport | None:
+        pipe = self.transport.get_pipe_transport(1) if self.transport is not None else None
+        return pipe if isinstance(pipe, asyncio.ReadTransport) else None
+
+    def _pause(self) -> None:
+        if (pipe := self._stdout()) is not None:
+            pipe.pause_reading()
+
+    def _resume(self) -> None:
+        if (pipe := self._stdout()) is not None:
+            pipe.resume_reading()
+
+    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        if fd == 1:
+            self.inbox.feed(data.encode() if isinstance(data, str) else data)
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        if fd == 1:
+            self.inbox.end()
+
+    def process_exited(self) -> None:
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+
+class _LocalChannel(Channel):
+    def __init__(self, transport: asyncio.SubprocessTransport, protocol: _ChannelProtocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self._closed = False
+
+    async def send(self, data: bytes) -> None:
+        pipe = self._transport.get_pipe_transport(0)
+        if self._closed or not isinstance(pipe, asyncio.WriteTransport) or pipe.is_closing():
+            raise TransportError("local: the channel is closed")
+        try:
+            pipe.write(data)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise TransportError(f"local: channel write: {exc}") from None
+
+    async def receive(self, timeout: float) -> bytes:
+        return await self._protocol.inbox.take(timeout, "local")
+
+    async def aclose(self, *, abort: bool = False) -> None:
+        """End stdin and give the command a moment to end by itself (none if ``abort``),
+        then kill its process group."""
+        if self._closed:
+            return
+        self._closed = True
+        pipe = self._transport.get_pipe_transport(0)
+        if isinstance(pipe, asyncio.WriteTransport):
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                pipe.write_eof()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0 if abort else _CHANNEL_GRACE):
+                await asyncio.shield(self._protocol.exited)
+        if not self._protocol.exited.done():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._transport.get_pid(), signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_REAP_GRACE):
+                    await asyncio.shield(self._protocol.exited)
+        self._transport.close()
+
+
+#: how long a closed channel's command may take to end by itself before it is killed
+_CHANNEL_GRACE = 1.0
+
+
 class LocalTransport(Transport):
     """Runs commands on this machine, each in its own process group."""
 
     scheme = "local"
-    capabilities = Capabilities(stdin=True, binary_safe=True, separate_stderr=True)
+    capabilities = Capabilities(stdin=True, binary_safe=True, separate_stderr=True, channel=True)
 
     def __init__(self, env: Mapping[str, str] | None = None, *, file_api: bool = False) -> None:
         #: None: inherit our environment unchanged; else the full child environment
@@ -198,6 +277,27 @@ class LocalTransport(Transport):
             truncated=protocol.stdout.truncated or protocol.stderr.truncated,
             notes=tuple(notes),
         )
+
+    async def open_channel(self, argv: Sequence[str], *, timeout: float) -> Channel:
+        """``argv`` in its own process group with live stdin and stdout pipes."""
+        if not argv:
+            raise UsageError("open_channel needs a non-empty argv")
+        loop = asyncio.get_running_loop()
+        protocol = _ChannelProtocol(loop)
+        try:
+            transport, _ = await loop.subprocess_exec(
+                lambda: protocol,
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,
+                env=self._env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise TransportError(f"local: cannot start {argv[0]!r}: {exc}") from exc
+        protocol.transport = transport
+        return _LocalChannel(transport, protocol)
 
     @staticmethod
     def _feed_stdin(transport: asyncio.SubprocessTransport, data: bytes) -> None:

@@ -1,0 +1,126 @@
+"""The guest helper: one exec that runs many guest calls, one at a time.
+
+Theory of operation
+-------------------
+Every exec costs a channel, a login shell (which may source a slow profile: 100 ms
+and more in real sandboxes) and a few processes.  A pull makes 9 calls for one small
+file and 25 or more for a big tree, so on transports with a streaming stdin and a
+binary-safe stdout (ssh, ``local:``) wsync starts a **helper** instead: a small ``sh``
+loop that reads requests on stdin, runs each exactly as an exec would have run it,
+and marks where its output ends::
+
+    request:   <n> <nonce> <gate>\\n
+               <n bytes: the call's argv as one shell command line, then
+                "\\n# end <nonce>\\n">
+    response:  <what the call printed: its envelope>
+               \\nWSYNC1 DONE <nonce>\\n
+
+Nothing about trust changes.  The response is judged exactly as an exec's output is:
+only a complete envelope with the call's fresh nonce, its length and its hash counts.
+The ``DONE`` line says where to stop reading and proves nothing; a lost or forged one
+costs a deadline or a retry, never a wrong byte.  On any fault the host closes that
+helper (the next call starts another), and after helpers failed before answering at
+all the host goes back to one exec per call.
+
+Why it is safe to run commands this way:
+
+* **Lockstep.**  The host sends a request only once the last one's ``DONE`` arrived,
+  so the helper's ``read`` and ``head -c`` never meet bytes of the next request
+  (busybox ``head`` reads ahead through stdio; with nothing ahead it cannot).
+* **A cut request never runs.**  Its command text must end in ``# end <nonce>`` with
+  the header's nonce; a request cut short (the host died mid-write) fails that check
+  and the helper exits instead of running a command with arguments missing.
+* **Header fields are checked** (a count, hex, a flag) before use, and the command
+  text only ever comes from the host: the guest sees it, it never writes it.
+* Each call runs in its own subshell, ``exec``-ing the call's ``sh``: what a script
+  does (``exit``, ``set``, a detached producer) cannot touch the loop.  Its stdin is
+  a lone newline where the call expects the stdin gate, else ``/dev/null``; its
+  stderr goes nowhere, as an exec's stderr is never read for meaning.
+
+This module holds the script and the sans-I/O pieces (the request bytes, the
+response splitter); :mod:`wsync.engine.helpers` does the I/O.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+
+from wsync.errors import ProtocolError
+
+#: ``sh -c HELPER wsync-helper``; exits when stdin ends or a request is malformed
+HELPER = r"""command -v head >/dev/null 2>&1 || exit 3
+while IFS=' ' read -r n k g; do
+  case $n in ''|*[!0-9]*) exit 2;; esac
+  case $k in ''|*[!0-9a-f]*) exit 2;; esac
+  case $g in 0|1) ;; *) exit 2;; esac
+  c=$(head -c "$n"; echo .)
+  case $c in *"
+# end $k
+.") ;; *) exit 2;; esac
+  c=${c%.}
+  if [ "$g" = 1 ]; then
+    (eval "exec $c") 2>/dev/null <<'W'
+
+W
+  else
+    (eval "exec $c") </dev/null 2>/dev/null
+  fi
+  printf '\nWSYNC1 DONE %s\n' "$k"
+done
+"""
+
+ARGV = ("sh", "-c", HELPER, "wsync-helper")
+
+_NONCE = re.compile(r"[0-9a-f]{1,64}")
+
+
+def request(argv: Sequence[str], nonce: str, *, gate: bool) -> bytes:
+    """The bytes that ask a helper to run ``argv`` as the call ``nonce``."""
+    if not _NONCE.fullmatch(nonce):
+        raise ValueError(f"a helper nonce is lowercase hex: {nonce!r}")
+    body = (shlex.join(argv) + f"\n# end {nonce}\n").encode("utf-8")
+    return f"{len(body)} {nonce} {int(gate)}\n".encode("ascii") + body
+
+
+def done_marker(nonce: str) -> bytes:
+    return b"\nWSYNC1 DONE " + nonce.encode("ascii") + b"\n"
+
+
+class ResponseSplitter:
+    """Finds where one call's response ends in a helper's stdout.
+
+    Feed it what the channel delivers with :meth:`receive_data` (any split); once
+    :attr:`done`, :attr:`response` is everything before the ``DONE`` line (for the
+    envelope parser) and :attr:`leftover` anything after it (there should be nothing:
+    the host asks one thing at a time).  More than ``limit`` bytes without the line is
+    :class:`~wsync.errors.ProtocolError` ("oversize"), so a guest that floods the
+    channel costs bounded memory.
+    """
+
+    def __init__(self, nonce: str, limit: int) -> None:
+        self._marker = done_marker(nonce)
+        self._limit = limit
+        self._buf = bytearray()
+        self._searched = 0
+        self.response = b""
+        self.leftover = b""
+        self.done = False
+
+    def receive_data(self, data: bytes) -> None:
+        if self.done:
+            self.leftover += data
+            return
+        self._buf += data
+        at = self._buf.find(self._marker, self._searched)
+        if at >= 0:
+            self.response = bytes(self._buf[:at])
+            self.leftover = bytes(self._buf[at + len(self._marker) :])
+            self._buf = bytearray()
+            self.done = True
+            return
+        if len(self._buf) > self._limit + len(self._marker):
+            raise ProtocolError(f"a helper answer exceeds {self._limit} bytes", "oversize")
+        # the marker may straddle this piece and the next
+        self._searched = max(0, len(self._buf) - len(self._marker) + 1)
