@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import resource
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from wsync.engine.fsutil import remove_tree_at, rmtree
+from wsync.engine.fsutil import EarlyFlush, remove_tree_at, rmtree
 from wsync.errors import HostIOError
 
 
@@ -159,3 +160,37 @@ def test_a_real_failure_names_the_path_after_removing_the_rest(
     # everything else went: the mount point and the directories holding it stay
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == ["t", "t/a", "t/a/mnt"]
+
+
+def _fds_on(path: Path) -> set[int]:
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{name}") == str(path):
+                found.add(int(name))
+    return found
+
+
+def test_the_early_flush_uses_its_own_open_of_the_tree_and_lets_it_go(tmp_path: Path) -> None:
+    """A separate open of the tree (a dup would share the writeback-error cursor that the
+    last syncfs must see), flushed while the tree is written, closed once the flusher
+    stops; the caller's fd is never touched."""
+    tree = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert _fds_on(tmp_path) == {tree}
+        flush = EarlyFlush(tree, interval=0.01)
+        ours = _fds_on(tmp_path) - {tree}
+        assert len(ours) == 1
+        # status flags belong to the open file description: a dup would see this change
+        fcntl.fcntl(tree, fcntl.F_SETFL, fcntl.fcntl(tree, fcntl.F_GETFL) | os.O_NONBLOCK)
+        (fd,) = ours
+        assert not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK
+        for i in range(20):
+            (tmp_path / f"f{i}").write_bytes(b"x" * 65536)
+        flush.stop()
+        flush._thread.join(10)
+        assert not flush._thread.is_alive()
+        assert _fds_on(tmp_path) == {tree}
+        os.fstat(tree)  # still open
+    finally:
+        os.close(tree)

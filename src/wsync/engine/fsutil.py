@@ -26,6 +26,7 @@ import ctypes.util
 import errno
 import os
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,6 +92,37 @@ def syncfs(path: Path | int) -> None:
     finally:
         if fd is not path:
             os.close(fd)
+
+
+class EarlyFlush:
+    """Flush the filesystem of a tree being written, in the background, every
+    ``interval`` seconds, so that the ``syncfs`` before the swap finds little left.
+
+    Durability still comes from that last ``syncfs``: this only moves the disk's work
+    earlier, beside the transfer (on a first pull of 250 MB the last flush took 0.6 s).
+    The thread flushes through its own open of the directory, never a ``dup`` of the
+    caller's fd: Linux reports a writeback error to each open file description once, so
+    a flush here must not take the error that the last ``syncfs`` has to see.  Errors
+    here are ignored for the same reason; ``stop`` does not wait for a flush in flight.
+    """
+
+    def __init__(self, dir_fd: int, interval: float = 0.5) -> None:
+        self._fd = os.open(".", _DIR_FLAGS, dir_fd=dir_fd)
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="wsync-flush", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self._interval):
+                with contextlib.suppress(OSError):
+                    syncfs(self._fd)
+        finally:
+            os.close(self._fd)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def exchange_at(dir_fd: int, a: str, b: str) -> bool:

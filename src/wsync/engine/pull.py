@@ -42,7 +42,7 @@ from wsync.engine.api import ProgressCallback, PullOptions, PullResult
 from wsync.engine.destdir import DestDir
 from wsync.engine.extract import ExtractStats
 from wsync.engine.feed import ChunkFeed, extract_feed
-from wsync.engine.fsutil import host_io, syncfs
+from wsync.engine.fsutil import EarlyFlush, host_io, syncfs
 from wsync.engine.helpers import HelperPool
 from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
@@ -167,9 +167,13 @@ class _Pull(IncrementalRunner):
                 feed, plan.compressor, tmp_fd, limits, self.extracted, replace=replace, on_file=hook
             )
 
+        flush = EarlyFlush(tmp_fd)
         try:
             self.emit("pull")
-            stats, chunks, length = await self.stream(plan, journal, journaled, extract)
+            try:
+                stats, chunks, length = await self.stream(plan, journal, journaled, extract)
+            finally:
+                flush.stop()
             if inc is not None:
                 inc.hashes.close()
             self.unstable = await apply_lists(
