@@ -364,3 +364,30 @@ def test_an_incremental_pull_is_one_exec_its_list_in_argv_parts(tmp_path: Path, 
     assert result.mode == "incremental" and result.changed_files >= 1501
     assert result.execs == 1 and result.retries == 0
     assert_exact(ws, dest)
+
+
+class _Counting(LocalTransport):
+    """``local:`` that counts what it started: channels and execs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = 0
+
+    async def open_channel(self, argv, **kw):  # type: ignore[no-untyped-def,override]
+        self.started += 1
+        return await super().open_channel(argv, **kw)
+
+    async def exec(self, argv, **kw):  # type: ignore[no-untyped-def,override]
+        self.started += 1
+        return await super().exec(argv, **kw)
+
+
+def test_execs_count_each_helper_once_however_many_calls_run_at_once(tmp_path: Path) -> None:
+    ws = make_tree(tmp_path / "ws", big=3_000_000, small=30)
+    transport = _Counting()
+    opts = options(tmp_path, chunk_size=128 * 1024, parallel=4)
+    result = run_pull(transport, ws, tmp_path / "d", opts)
+    assert_exact(ws, tmp_path / "d")
+    assert result.chunks >= 8
+    assert result.execs == transport.started
+    assert 1 <= result.execs <= opts.parallel + 1

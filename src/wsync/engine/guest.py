@@ -174,13 +174,14 @@ class GuestSession:
             helpers = self.helpers if self.helpers is not None and not stdin else None
             try:
                 if helpers is not None and helpers.usable:
-                    opened = helpers.opened
-                    try:
-                        stdout = await helpers.run(
-                            argv, nonce, gate=self.gate, timeout=deadline, limit=bound
-                        )
-                    finally:
-                        self.stats.execs += helpers.opened - opened
+                    stdout = await helpers.run(
+                        argv,
+                        nonce,
+                        gate=self.gate,
+                        timeout=deadline,
+                        limit=bound,
+                        on_open=self._count_exec,
+                    )
                     status: int | None = None
                     via = "helper"
                 else:
@@ -254,6 +255,9 @@ class GuestSession:
             f"{what}: no verified answer after {self.options.max_attempts} attempts "
             f"(last fault: {last})"
         )
+
+    def _count_exec(self) -> None:
+        self.stats.execs += 1
 
     # -- the calls ---------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -66,19 +66,30 @@ class HelperPool:
         )
 
     async def run(
-        self, argv: Sequence[str], nonce: str, *, gate: bool, timeout: float, limit: int
+        self,
+        argv: Sequence[str],
+        nonce: str,
+        *,
+        gate: bool,
+        timeout: float,
+        limit: int,
+        on_open: Callable[[], None] = lambda: None,
     ) -> bytes:
         """``argv``'s output through a helper, within ``timeout`` seconds (opening one
-        included); at most ``limit`` bytes."""
+        included); at most ``limit`` bytes.  ``on_open`` hears of every helper started
+        for the call (each is an exec in the guest), whether the call then succeeds."""
         async with self._slots:
             deadline = time.monotonic() + timeout
             worker = self._idle.pop() if self._idle else None
             good = False
+            why = "cancelled"
             try:
                 if worker is None:
                     channel = await self.transport.open_channel(helper.ARGV, timeout=timeout)
                     self.opened += 1
+                    on_open()
                     worker = _Helper(channel)
+                    log.debug("helper opened", helpers=self.opened)
                 await worker.channel.send(helper.request(argv, nonce, gate=gate))
                 splitter = helper.ResponseSplitter(nonce, limit)
                 while not splitter.done:
@@ -93,11 +104,16 @@ class HelperPool:
                 # bytes after the end of an answer: the channel is not as quiet as
                 # lockstep says it must be, so that helper is not used again
                 good = not splitter.leftover
+                why = "bytes after the answer"
                 return splitter.response
+            except Exception as exc:
+                why = type(exc).__name__
+                raise
             finally:
                 if worker is not None and good and not self._closed:
                     self._idle.append(worker)
                 elif worker is not None:
+                    log.debug("helper closed", reason="pull over" if good else why)
                     if not worker.proven:
                         self._unproven_failures += 1
                         if not self.usable:
