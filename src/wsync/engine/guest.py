@@ -309,6 +309,10 @@ class GuestSession:
         self.staging_root = report.stage_root
         self.algorithm = algorithm
         self._base64 = report.has("base64")
+        if self.helpers is not None and not report.has("setsid"):
+            # without setsid the producer would share a helper's process group, and an
+            # aborted helper call would take it down (see wsync.protocol.helper)
+            self.helpers.turn_off("the guest has no setsid")
         return GuestPlan(algorithm, compressor, report)
 
     async def admit(

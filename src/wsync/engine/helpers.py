@@ -27,10 +27,17 @@ from wsync.transports.base import Channel, Transport
 
 log = structlog.get_logger("wsync.helpers")
 
-#: helpers that failed before their first answer after which the pool is off
+#: failures in a row, before any helper answered, after which the pool is off (helpers
+#: cannot run in this guest, or the channel does not stream)
 _UNPROVEN_LIMIT = 2
-#: bound on closing one helper
-_CLOSE_S = 5.0
+#: failures in a row through helpers after which the pool is off even though helpers
+#: have answered (a channel that keeps breaking: one exec per call is the safer way)
+_FAILURE_LIMIT = 8
+#: how long the end-of-answer line may lag behind the envelope's own last line before
+#: it is taken as damaged (it follows at once: the script has exited)
+_DONE_GRACE = 1.0
+#: bound on closing one helper (longer than ssh's reaper: an abort runs one)
+_CLOSE_S = 15.0
 
 
 class _Helper:
@@ -51,8 +58,10 @@ class HelperPool:
         self._size = size
         self._slots = asyncio.Semaphore(max(1, size))
         self._idle: list[_Helper] = []
-        self._unproven_failures = 0
+        self._answered = False
+        self._failures = 0
         self._closed = False
+        self._off = ""
         #: helpers started (each is one exec in the guest)
         self.opened = 0
 
@@ -62,8 +71,25 @@ class HelperPool:
             self.transport.capabilities.channel
             and self._size > 0
             and not self._closed
-            and self._unproven_failures < _UNPROVEN_LIMIT
+            and not self._off
         )
+
+    def turn_off(self, why: str) -> None:
+        """One exec per call from now on (idle helpers go at :meth:`aclose`)."""
+        if not self._off:
+            self._off = why
+            log.info("guest helpers off for this pull; one exec per call", reason=why)
+
+    def _take_idle(self) -> tuple[_Helper | None, list[_Helper]]:
+        """An idle helper whose channel still stands, and the dead ones found on the way
+        (a lost ssh connection ends them all; each would cost a call a retry)."""
+        dead: list[_Helper] = []
+        while self._idle:
+            worker = self._idle.pop()
+            if not worker.channel.ended:
+                return worker, dead
+            dead.append(worker)
+        return None, dead
 
     async def run(
         self,
@@ -80,7 +106,9 @@ class HelperPool:
         for the call (each is an exec in the guest), whether the call then succeeds."""
         async with self._slots:
             deadline = time.monotonic() + timeout
-            worker = self._idle.pop() if self._idle else None
+            worker, dead = self._take_idle()
+            for gone in dead:
+                await self._close(gone, abort=True)
             good = False
             why = "cancelled"
             try:
@@ -92,11 +120,24 @@ class HelperPool:
                     log.debug("helper opened", helpers=self.opened)
                 await worker.channel.send(helper.request(argv, nonce, gate=gate))
                 splitter = helper.ResponseSplitter(nonce, limit)
+                grace: float | None = None
                 while not splitter.done:
-                    left = deadline - time.monotonic()
+                    now = time.monotonic()
+                    if splitter.answered and grace is None:
+                        grace = now + _DONE_GRACE
+                    left = min(deadline, grace or deadline) - now
+                    if left <= 0 and grace is not None and deadline > now:
+                        # the envelope is all there, its end line damaged: judge what came
+                        why = "damaged end line"
+                        return splitter.give_up()
                     if left <= 0:
                         raise TransportTimeout(timeout)
-                    data = await worker.channel.receive(left)
+                    try:
+                        data = await worker.channel.receive(left)
+                    except TransportTimeout:
+                        if grace is not None and deadline > time.monotonic():
+                            continue
+                        raise
                     if not data:
                         raise TransportError("the guest helper ended")
                     splitter.receive_data(data)
@@ -110,16 +151,28 @@ class HelperPool:
                 why = type(exc).__name__
                 raise
             finally:
-                if worker is not None and good and not self._closed:
-                    self._idle.append(worker)
-                elif worker is not None:
-                    log.debug("helper closed", reason="pull over" if good else why)
-                    if not worker.proven:
-                        self._unproven_failures += 1
-                        if not self.usable:
-                            log.info("guest helpers off for this pull; one exec per call")
+                self._settle(worker, good, why)
+                if worker is not None and not (good and not self._closed):
                     # a call that failed may still run in the guest: stop it now
                     await self._close(worker, abort=not good)
+
+    def _settle(self, worker: _Helper | None, good: bool, why: str) -> None:
+        """Book the outcome of one call: the helper back to the idle list, or counted."""
+        if worker is not None and worker.proven:
+            self._answered = True
+        if good:
+            self._failures = 0
+            if worker is not None and not self._closed:
+                self._idle.append(worker)
+            return
+        if why == "cancelled":
+            return  # not the helper's doing
+        self._failures += 1
+        log.debug("helper closed", reason=why)
+        if not self._answered and self._failures >= _UNPROVEN_LIMIT:
+            self.turn_off(f"no helper answered ({why})")
+        elif self._failures >= _FAILURE_LIMIT:
+            self.turn_off(f"{self._failures} helper calls in a row failed ({why})")
 
     @staticmethod
     async def _close(worker: _Helper, *, abort: bool = False) -> None:
@@ -130,6 +183,5 @@ class HelperPool:
     async def aclose(self) -> None:
         """Close every idle helper (idempotent); a helper in use is closed by its call."""
         self._closed = True
-        idle, self._idle = self._idle, []
-        for worker in idle:
-            await self._close(worker)
+        while self._idle:
+            await self._close(self._idle.pop())

@@ -167,10 +167,10 @@ class _Pull(IncrementalRunner):
                 feed, plan.compressor, tmp_fd, limits, self.extracted, replace=replace, on_file=hook
             )
 
-        flush = EarlyFlush(tmp_fd)
         try:
-            self.emit("pull")
+            flush = EarlyFlush(tmp_fd)
             try:
+                self.emit("pull")
                 stats, chunks, length = await self.stream(plan, journal, journaled, extract)
             finally:
                 flush.stop()

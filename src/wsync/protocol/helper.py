@@ -33,9 +33,13 @@ Why it is safe to run commands this way:
 * **Header fields are checked** (a count, hex, a flag) before use, and the command
   text only ever comes from the host: the guest sees it, it never writes it.
 * Each call runs in its own subshell, ``exec``-ing the call's ``sh``: what a script
-  does (``exit``, ``set``, a detached producer) cannot touch the loop.  Its stdin is
-  a lone newline where the call expects the stdin gate, else ``/dev/null``; its
+  does (``exit``, ``set``) cannot touch the loop.  Its stdin is a lone newline (a
+  pipe, not a here-document: bash before 5.1 writes those to a file in ``$TMPDIR``,
+  which may be full) where the call expects the stdin gate, else ``/dev/null``; its
   stderr goes nowhere, as an exec's stderr is never read for meaning.
+* Calls share the helper's process group, so the host uses helpers only where the
+  guest has ``setsid`` (probed): the producer must live in a group of its own, apart
+  from any helper that a failed call takes down with its group.
 
 This module holds the script and the sans-I/O pieces (the request bytes, the
 response splitter); :mod:`wsync.engine.helpers` does the I/O.
@@ -48,6 +52,7 @@ import shlex
 from collections.abc import Sequence
 
 from wsync.errors import ProtocolError
+from wsync.protocol.envelope import MAGIC
 
 #: ``sh -c HELPER wsync-helper``; exits when stdin ends or a request is malformed
 HELPER = r"""command -v head >/dev/null 2>&1 || exit 3
@@ -61,9 +66,7 @@ while IFS=' ' read -r n k g; do
 .") ;; *) exit 2;; esac
   c=${c%.}
   if [ "$g" = 1 ]; then
-    (eval "exec $c") 2>/dev/null <<'W'
-
-W
+    printf '\n' | (eval "exec $c") 2>/dev/null
   else
     (eval "exec $c") </dev/null 2>/dev/null
   fi
@@ -97,16 +100,23 @@ class ResponseSplitter:
     the host asks one thing at a time).  More than ``limit`` bytes without the line is
     :class:`~wsync.errors.ProtocolError` ("oversize"), so a guest that floods the
     channel costs bounded memory.
+
+    :attr:`answered` says the call's envelope trailer line has arrived: its ``DONE``
+    follows at once, so a caller still waiting for it a moment later has a damaged end
+    line and takes what came (:meth:`give_up`) instead of waiting out the deadline.
     """
 
     def __init__(self, nonce: str, limit: int) -> None:
         self._marker = done_marker(nonce)
+        self._trailer = b"\n" + MAGIC + b" END " + nonce.encode("ascii") + b" "
         self._limit = limit
         self._buf = bytearray()
         self._searched = 0
+        self._trailer_at = -1
         self.response = b""
         self.leftover = b""
         self.done = False
+        self.answered = False
 
     def receive_data(self, data: bytes) -> None:
         if self.done:
@@ -122,5 +132,14 @@ class ResponseSplitter:
             return
         if len(self._buf) > self._limit + len(self._marker):
             raise ProtocolError(f"a helper answer exceeds {self._limit} bytes", "oversize")
+        if self._trailer_at < 0:
+            self._trailer_at = self._buf.find(self._trailer, max(0, self._searched - 16))
+        if self._trailer_at >= 0 and not self.answered:
+            self.answered = self._buf.find(b"\n", self._trailer_at + len(self._trailer)) >= 0
         # the marker may straddle this piece and the next
         self._searched = max(0, len(self._buf) - len(self._marker) + 1)
+
+    def give_up(self) -> bytes:
+        """Everything so far, as the response (the end line never came whole)."""
+        self.response, self._buf = bytes(self._buf), bytearray()
+        return self.response

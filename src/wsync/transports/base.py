@@ -163,6 +163,12 @@ class Channel(abc.ABC):
         """The stdout bytes that arrived since the last call, waiting up to ``timeout``
         seconds for some; ``b""`` once the command's stdout has ended."""
 
+    @property
+    def ended(self) -> bool:
+        """The command's stdout has ended (a lost connection, the command exited): the
+        channel carries nothing more."""
+        return False
+
     @abc.abstractmethod
     async def aclose(self, *, abort: bool = False) -> None:
         """End stdin and let go: the command ends by itself once stdin ends (or is stopped

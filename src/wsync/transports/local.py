@@ -133,26 +133,42 @@ class _LocalChannel(Channel):
     async def receive(self, timeout: float) -> bytes:
         return await self._protocol.inbox.take(timeout, "local")
 
+    @property
+    def ended(self) -> bool:
+        return self._protocol.inbox.ended or self._closed
+
     async def aclose(self, *, abort: bool = False) -> None:
         """End stdin and give the command a moment to end by itself (none if ``abort``),
-        then kill its process group."""
+        then kill its process group.  The kill comes before any wait when aborting, and
+        the pipes are closed whatever interrupts the waits."""
         if self._closed:
             return
         self._closed = True
-        pipe = self._transport.get_pipe_transport(0)
-        if isinstance(pipe, asyncio.WriteTransport):
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                pipe.write_eof()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(0 if abort else _CHANNEL_GRACE):
-                await asyncio.shield(self._protocol.exited)
+        try:
+            pipe = self._transport.get_pipe_transport(0)
+            if isinstance(pipe, asyncio.WriteTransport):
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    pipe.write_eof()
+            if abort:
+                self._kill()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_CHANNEL_GRACE):
+                    await asyncio.shield(self._protocol.exited)
+            if not self._protocol.exited.done():
+                self._kill()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_REAP_GRACE):
+                        await asyncio.shield(self._protocol.exited)
+        except BaseException:
+            self._kill()
+            raise
+        finally:
+            self._transport.close()
+
+    def _kill(self) -> None:
         if not self._protocol.exited.done():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._transport.get_pid(), signal.SIGKILL)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_REAP_GRACE):
-                    await asyncio.shield(self._protocol.exited)
-        self._transport.close()
 
 
 #: how long a closed channel's command may take to end by itself before it is killed

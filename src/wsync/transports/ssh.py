@@ -178,21 +178,26 @@ class _SshChannel(Channel):
     async def receive(self, timeout: float) -> bytes:
         return await self._session.inbox.take(timeout, self._description)
 
+    @property
+    def ended(self) -> bool:
+        return self._session.inbox.ended or not self._open
+
     async def aclose(self, *, abort: bool = False) -> None:
         # EOF ends the helper's loop once the call it runs is over (calls are bounded in
-        # time); closing a channel does not stop its command, so an abort reaps the
-        # command's process group by its marker, as a timed-out exec does
+        # time); closing a channel does not stop its command, so an abort then reaps the
+        # command's process group by its marker, as a timed-out exec does.  The channel
+        # and its slot go first, whatever happens to the reaper (a cancel, a deadline)
         if not self._open:
             return
         self._open = False
         try:
             with contextlib.suppress(asyncssh.Error, OSError):
                 self._chan.write_eof()
-            if abort:
-                await self._transport._reap(self._conn, self._marker)
             self._chan.close()
         finally:
             self._transport._slots.release()
+        if abort:
+            await self._transport._reap(self._conn, self._marker)
 
 
 #: the ciphers OpenSSH offers by default, AES-GCM first: with AES-NI it runs
