@@ -321,7 +321,9 @@ async def pull(
         return await _pull(transport, workspace, dest, options, sandbox, on_progress, helpers)
     finally:
         if helpers is not None:
-            await helpers.aclose()
+            # shielded: a second stop (the daemon cancels a job twice when it shuts down)
+            # must not leave helpers half closed; the close is bounded per helper
+            await asyncio.shield(helpers.aclose())
 
 
 async def _pull(
