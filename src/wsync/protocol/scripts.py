@@ -227,11 +227,14 @@ mkdir -p "$d" || { emit err "cannot create the staging directory"; exit 0; }
 # launched was killed before its producer detached, or the producer died.  A launch
 # that may still be starting counts as running (and the producer's claim keeps a
 # second one from running anyway: see the producer)
+# Liveness first, then the records: a producer writes its record before it exits, so
+# one found gone has left its record for the look after (the other order let a
+# producer finish between the two looks and be launched again)
 idle() {
-  [ -f "$d/done" ] || [ -f "$d/failed" ] && return 1
   g=1
   while [ -d "$d/lock.$g" ]; do g=$((g + 1)); done
   for k in pid.launch pid "lock.$((g - 1))/pid"; do busy "$(cat "$d/$k")" && return 1; done
+  [ -f "$d/done" ] || [ -f "$d/failed" ] && return 1
   return 0
 }
 a=reconciled go=1
