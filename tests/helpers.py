@@ -99,3 +99,21 @@ def run_pull(transport: Transport, workspace: Path, dest: Path, opts: PullOption
 def assert_exact(workspace: Path, dest: Path) -> None:
     problems = diff(workspace, dest)
     assert problems == [], problems[:10]
+
+
+def pids_with(env: str, arg: str | None = None) -> list[int]:
+    """Processes whose environment holds the entry ``env`` (``NAME=value``) and, if
+    given, whose argv holds ``arg``: a test's own guest processes, whichever transport
+    started them."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            argv = (entry / "cmdline").read_bytes().split(b"\0") if arg else []
+        except OSError:
+            continue
+        if os.fsencode(env) in environ and (arg is None or os.fsencode(arg) in argv):
+            found.append(int(entry.name))
+    return found

@@ -16,7 +16,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ProcessWatch
-from helpers import BUSYBOX_APPLETS, assert_exact, local, make_tree, options, run_pull
+from helpers import (
+    BUSYBOX_APPLETS,
+    assert_exact,
+    local,
+    make_tree,
+    options,
+    pids_with,
+    run_pull,
+)
 from helpers import tool_dir as make_tool_dir
 from wsync.chaos import FaultPlan, wrap
 from wsync.engine.guest import CallStats, GuestSession
@@ -214,16 +222,7 @@ def test_the_pool_keeps_helpers_between_calls_and_opens_one_per_call_in_flight()
 
 def helper_pids(tag: str) -> list[int]:
     """Processes whose environment carries ``WSYNC_TEST_TAG=tag`` (this test's guest)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                environ = (entry / "environ").read_bytes()
-            except OSError:
-                continue
-            if f"WSYNC_TEST_TAG={tag}".encode() in environ.split(b"\0"):
-                found.append(int(entry.name))
-    return found
+    return pids_with(f"WSYNC_TEST_TAG={tag}")
 
 
 def wait_no_pids(tag: str, seconds: float = 20.0) -> list[int]:

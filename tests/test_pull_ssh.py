@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_exact, make_tree
+from helpers import assert_exact, make_tree, pids_with
 from wsync.testing.sshd import SshdServer
 
 pytestmark = pytest.mark.ssh
@@ -108,24 +108,8 @@ def test_a_small_pull_over_ssh_is_one_exec_and_exec_per_call_still_works(
     assert execs["exec-per-call"] >= 7
     # and no helper outlives its pull in the guest (this server's sessions only)
     assert sshd.session_home is not None
-    home = f"HOME={sshd.session_home}".encode()
+    home = f"HOME={sshd.session_home}"
     deadline = time.monotonic() + 20
-    while (left := _helpers_in(home)) and time.monotonic() < deadline:
+    while (left := pids_with(home, "wsync-helper")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert left == []
-
-
-def _helpers_in(home: bytes) -> list[int]:
-    """Guest helper processes of the ssh sessions whose environment holds ``home``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if b"wsync-helper" in cmdline.split(b"\0") and home in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found

@@ -50,6 +50,7 @@ import time
 from collections.abc import Sequence
 
 from wsync.errors import TransportError, TransportTimeout, UsageError
+from wsync.protocol.helper import DONE
 from wsync.transports.base import DEFAULT_MAX_OUTPUT, Channel, ExecResult, Transport
 
 FAULT_CODES = "HTFSABDWZN"
@@ -70,8 +71,6 @@ NAMES = {
 #: per-fault rate of the "all" preset: ~70% of calls come back clean
 ALL_RATE = 0.035
 _NOISE = b"tar: ./log: file changed as we read it\n"
-#: where a guest helper's answer ends (see wsync.protocol.helper)
-_DONE = b"\nWSYNC1 DONE "
 
 
 @dataclasses.dataclass
@@ -168,6 +167,22 @@ class FaultPlan:
                 at += self._rng.expovariate(1 / self.flip)
         return found
 
+    def corrupt(self, data: bytes) -> bytes:
+        """``data`` with the bits :attr:`flip` asks for flipped (``flip=N``)."""
+        if not self.flip:
+            return data
+        flipped = bytearray(data)
+        for at in self.flips(len(data)):
+            flipped[at] ^= 1 << self.cut(8)
+        return bytes(flipped)
+
+    def flip_one(self, data: bytes) -> bytes:
+        """``data`` with one bit flipped at random (the ``B`` fault)."""
+        if not data:
+            return data
+        at = self.cut(len(data))
+        return data[:at] + bytes([data[at] ^ (1 << self.cut(8))]) + data[at + 1 :]
+
 
 class ChaosTransport(Transport):
     """Wrap ``inner`` and lie the way real backends were seen to lie."""
@@ -223,11 +238,7 @@ class ChaosTransport(Transport):
         if plan.text:
             text = out.decode("utf-8", "replace").replace("\0", "")
             out = text.replace("\r\n", "\n").replace("\n", "\r\n").encode()
-        if plan.flip:
-            flipped = bytearray(out)
-            for at in plan.flips(len(out)):
-                flipped[at] ^= 1 << plan.cut(8)
-            out = bytes(flipped)
+        out = plan.corrupt(out)
         if fault == "D":
             raise TransportError("connection dropped mid-read (injected)")
         if fault == "H":
@@ -239,9 +250,8 @@ class ChaosTransport(Transport):
             out = out[:at] + (result.stderr or _NOISE) + out[at:]
         elif fault == "A":
             out = out + b"\x01late frame after exit"
-        elif fault == "B" and out:
-            at = plan.cut(len(out))
-            out = out[:at] + bytes([out[at] ^ (1 << plan.cut(8))]) + out[at + 1 :]
+        elif fault == "B":
+            out = plan.flip_one(out)
         elif fault == "Z":
             out, status = b"", 0
         elif fault == "N":
@@ -264,9 +274,8 @@ class ChaosTransport(Transport):
             data = data[: plan.cut(len(data))]
         elif fault in ("S", "A"):
             data = data + _NOISE
-        elif fault == "B" and data:
-            at = plan.cut(len(data))
-            data = data[:at] + bytes([data[at] ^ (1 << plan.cut(8))]) + data[at + 1 :]
+        elif fault == "B":
+            data = plan.flip_one(data)
         return data
 
     @property
@@ -320,14 +329,11 @@ class ChaosChannel(Channel):
             if plan.slow >= timeout:
                 raise TransportTimeout(timeout)
         data = await self.inner.receive(timeout)
-        if plan.flip and data:
-            flipped = bytearray(data)
-            for at in plan.flips(len(data)):
-                flipped[at] ^= 1 << plan.cut(8)
-            data = bytes(flipped)
-        if fault == "A" and self._first and _DONE in data:
+        if data:
+            data = plan.corrupt(data)
+        if fault == "A" and self._first and DONE in data:
             # after the call's output, before the helper's end-of-answer line
-            at = data.index(_DONE)
+            at = data.index(DONE)
             self._first = False
             return data[:at] + b"\x01late frame after exit" + data[at:]
         if not self._first or not data or fault == "A":
@@ -338,7 +344,7 @@ class ChaosChannel(Channel):
             raise TransportError("channel dropped mid-answer (injected)")
         # the fault lands on the call's own output, as it does on an exec's; the helper's
         # end line after it is the channel's framing (its damage is tested apart)
-        end = data.find(_DONE)
+        end = data.find(DONE)
         out, rest = (data, b"") if end < 0 else (data[:end], data[end:])
         if fault == "H" and out:
             out = out[plan.cut(len(out)) or 1 :]
@@ -348,9 +354,8 @@ class ChaosChannel(Channel):
         elif fault == "S":
             at = plan.cut(len(out) + 1)
             out = out[:at] + _NOISE + out[at:]
-        elif fault == "B" and out:
-            at = plan.cut(len(out))
-            out = out[:at] + bytes([out[at] ^ (1 << plan.cut(8))]) + out[at + 1 :]
+        elif fault == "B":
+            out = plan.flip_one(out)
         return out + rest
 
     @property

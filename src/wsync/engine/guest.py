@@ -171,10 +171,10 @@ class GuestSession:
             learnt = self.deadlines.deadline(kind, expect, stalls, cold)
             deadline = learnt + patience
             started = time.monotonic()
-            helpers = self.helpers if self.helpers is not None and not stdin else None
             try:
-                if helpers is not None and helpers.usable:
-                    stdout = await helpers.run(
+                # a helper carries no stdin for a call (see wsync.protocol.helper)
+                if self.helpers is not None and self.helpers.usable and not stdin:
+                    stdout = await self.helpers.run(
                         argv,
                         nonce,
                         gate=self.gate,

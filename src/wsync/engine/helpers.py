@@ -54,7 +54,8 @@ class HelperPool:
 
     def __init__(self, transport: Transport, size: int) -> None:
         self.transport = transport
-        size = min(size, transport.channel_limit)
+        # none where the transport has no channels
+        size = min(size, transport.channel_limit) if transport.capabilities.channel else 0
         self._size = size
         self._slots = asyncio.Semaphore(max(1, size))
         self._idle: list[_Helper] = []
@@ -67,12 +68,7 @@ class HelperPool:
 
     @property
     def usable(self) -> bool:
-        return (
-            self.transport.capabilities.channel
-            and self._size > 0
-            and not self._closed
-            and not self._off
-        )
+        return self._size > 0 and not self._closed and not self._off
 
     def turn_off(self, why: str) -> None:
         """One exec per call from now on (idle helpers go at :meth:`aclose`)."""

@@ -83,6 +83,11 @@ def wire_length(length: int, encoding: str) -> int:
     return text + 2 * (text // 76) + 64
 
 
+def trailer_prefix(nonce: str) -> bytes:
+    """How the trailer line of call ``nonce`` starts (its hash and a newline follow)."""
+    return b"\n" + MAGIC + b" END " + nonce.encode("ascii") + b" "
+
+
 class EnvelopeParser:
     """Incremental parser for one envelope identified by ``nonce``."""
 
@@ -95,7 +100,7 @@ class EnvelopeParser:
         allow_unhashed: bool = False,
     ) -> None:
         self._begin = MAGIC + b" BEGIN " + nonce.encode("ascii") + b" "
-        self._end = b"\n" + MAGIC + b" END " + nonce.encode("ascii") + b" "
+        self._end = trailer_prefix(nonce)
         self._algorithm = algorithm
         #: accept a ``-`` trailer (a guest without the hash tool; the probe only)
         self._allow_unhashed = allow_unhashed

@@ -52,7 +52,7 @@ import shlex
 from collections.abc import Sequence
 
 from wsync.errors import ProtocolError
-from wsync.protocol.envelope import MAGIC
+from wsync.protocol.envelope import MAGIC, trailer_prefix
 
 #: ``sh -c HELPER wsync-helper``; exits when stdin ends or a request is malformed
 HELPER = r"""command -v head >/dev/null 2>&1 || exit 3
@@ -87,8 +87,12 @@ def request(argv: Sequence[str], nonce: str, *, gate: bool) -> bytes:
     return f"{len(body)} {nonce} {int(gate)}\n".encode("ascii") + body
 
 
+#: how a helper's end-of-answer line starts (the nonce and a newline follow)
+DONE = b"\n" + MAGIC + b" DONE "
+
+
 def done_marker(nonce: str) -> bytes:
-    return b"\nWSYNC1 DONE " + nonce.encode("ascii") + b"\n"
+    return DONE + nonce.encode("ascii") + b"\n"
 
 
 class ResponseSplitter:
@@ -108,7 +112,7 @@ class ResponseSplitter:
 
     def __init__(self, nonce: str, limit: int) -> None:
         self._marker = done_marker(nonce)
-        self._trailer = b"\n" + MAGIC + b" END " + nonce.encode("ascii") + b" "
+        self._trailer = trailer_prefix(nonce)
         self._limit = limit
         self._buf = bytearray()
         self._searched = 0

@@ -155,10 +155,7 @@ class _LocalChannel(Channel):
                 async with asyncio.timeout(_CHANNEL_GRACE):
                     await asyncio.shield(self._protocol.exited)
             if not self._protocol.exited.done():
-                self._kill()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(_REAP_GRACE):
-                        await asyncio.shield(self._protocol.exited)
+                await LocalTransport._kill_and_reap(self._transport, self._protocol)
         except BaseException:
             self._kill()
             raise
@@ -328,7 +325,7 @@ class LocalTransport(Transport):
 
     @staticmethod
     async def _kill_and_reap(
-        transport: asyncio.SubprocessTransport, protocol: _ExecProtocol
+        transport: asyncio.SubprocessTransport, protocol: _ExecProtocol | _ChannelProtocol
     ) -> None:
         """SIGKILL the command's whole process group and wait for the leader's exit.
 

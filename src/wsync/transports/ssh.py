@@ -378,12 +378,7 @@ class SshTransport(Transport):
             raise UsageError("exec needs a non-empty argv")
         if max_output < 0:
             raise UsageError("max_output must be >= 0")
-        marker = f"wsync-exec-{secrets.token_hex(12)}"
-        command = "exec " + shlex.join(["sh", "-c", _WRAPPER, marker, *argv])
-        try:
-            command.encode("utf-8")
-        except UnicodeEncodeError:
-            raise UsageError("exec argv is not valid UTF-8") from None
+        marker, command = _wrapped(argv)
         async with self._slots:
             conn = await self._connection()
             session = _ExecSession(max_output)
@@ -434,8 +429,7 @@ class SshTransport(Transport):
         takes one of the ``max_sessions`` slots until it is closed."""
         if not argv:
             raise UsageError("open_channel needs a non-empty argv")
-        marker = f"wsync-exec-{secrets.token_hex(12)}"
-        command = "exec " + shlex.join(["sh", "-c", _WRAPPER, marker, *argv])
+        marker, command = _wrapped(argv)
         try:
             async with asyncio.timeout(timeout):
                 await self._slots.acquire()
@@ -499,6 +493,18 @@ class SshTransport(Transport):
             truncated=session.stdout.truncated or session.stderr.truncated,
             notes=tuple(notes),
         )
+
+
+def _wrapped(argv: Sequence[str]) -> tuple[str, str]:
+    """A fresh marker and the command line that runs ``argv`` under the wrapper shell
+    whose argv carries it (what the reaper looks for: see the module docstring)."""
+    marker = f"wsync-exec-{secrets.token_hex(12)}"
+    command = "exec " + shlex.join(["sh", "-c", _WRAPPER, marker, *argv])
+    try:
+        command.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError("exec argv is not valid UTF-8") from None
+    return marker, command
 
 
 def _reason(exc: BaseException) -> str:
