@@ -445,7 +445,10 @@ def test_the_status_scripts_numbers_are_the_ones_the_host_counts_with() -> None:
     """The guest script is constant text: its look and its index bound are literals that
     the host's STATUS_LOOK (the long poll's deadline allowance) and STATUS_INDEX_MAX mirror."""
     text = scripts.SCRIPTS["status"]
-    assert f"sleep {scripts.STATUS_LOOK} " in text
+    assert f"sleep {scripts.STATUS_LOOK} " in text and f"sleep {scripts.FAST_LOOK} " in text
+    assert f"if [ $k -lt {scripts.FAST_LOOKS} ]" in text
+    assert scripts.looks_seconds(scripts.status_looks(1.0)) == pytest.approx(1.0)
+    assert scripts.looks_seconds(scripts.status_looks(0.05)) == pytest.approx(0.05)
     assert f"count={scripts.STATUS_INDEX_MAX};" in text
 
 

@@ -461,7 +461,7 @@ class GuestSession:
         and with ``wait`` (seconds) the guest first waits that long at most for it to grow
         (a long poll: no exec, no round trip while the producer has nothing new)."""
         assert self.algorithm is not None
-        looks = round(wait / scripts.STATUS_LOOK)
+        looks = scripts.status_looks(wait)
         envelope = await self.call(
             "status",
             lambda nonce: scripts.status(
@@ -471,7 +471,7 @@ class GuestSession:
                 looks=looks,
             ),
             max_length=_SMALL,
-            patience=looks * scripts.STATUS_LOOK,
+            patience=scripts.looks_seconds(looks),
         )
         report = records.parse_status(envelope.payload, self.algorithm, index_from)
         if report.failed is not None and report.failed.startswith("disk-full "):

@@ -14,10 +14,13 @@ from __future__ import annotations
 #: the guest's pid checks, shared by the producer and the host's scripts
 #: (:mod:`wsync.protocol.scripts` ends its prelude with them): one text, two scripts
 PID_CHECKS = r"""
+# (the state is the field after the last ") " of /proc/PID/stat, taken without a
+# fork: this runs in every look of the producer's loop and of a status long poll)
 alive() {
   kill -0 "$1" 2>/dev/null || return 1
-  if [ -r "/proc/$1/stat" ]; then
-    case $(sed 's/.*) //' "/proc/$1/stat" | cut -d ' ' -f 1) in Z) return 1 ;; esac
+  if [ -r "/proc/$1/stat" ] && IFS= read -r st < "/proc/$1/stat"; then
+    st=${st##*) }
+    case ${st%% *} in Z) return 1 ;; esac
   fi
   return 0
 }

@@ -265,9 +265,11 @@ if [ "$go" ]; then
   # answer once the launch has detached (the producer writes its pid in its own
   # session) or ended (another producer holds the snapshot): a backend that kills
   # our process group when it gives up on us, or once we exit, must not catch it
+  # (looks 10 ms apart: the producer takes a few forks to get there, and this wait is
+  # on the path of every pull, the smallest included; 1000 looks, or 10 s)
   i=0
-  until [ $i -ge 200 ] || [ "$(cat "$d/pid")" = $! ] || ! alive $!; do
-    sleep 0.05 || { sleep 1; i=$((i + 19)); }
+  until [ $i -ge 1000 ] || [ "$(cat "$d/pid")" = $! ] || ! alive $!; do
+    sleep 0.01 || { sleep 1; i=$((i + 99)); }
     i=$((i + 1))
   done
 fi
@@ -333,15 +335,16 @@ al() {
   alive=0
   for x in pid pid.launch; do busy "$(cat "$d/$x")" && alive=1; done
 }
-# a long poll: up to w looks 50 ms apart, until the index grows past io, a result is
-# written or (checked once) no producer runs; then the index from io comes along.
-# Liveness is asked again only if time passed
+# a long poll: up to w looks, until the index grows past io, a result is written or
+# (checked once) no producer runs; then the index from io comes along.  Looks are
+# 50 ms apart, the first ten 10 ms (a small workspace's producer is done by then, and
+# each look is two forks in the guest).  Liveness is asked again only if time passed
 al
 k=0
 while [ $alive = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/failed" ]; do
   isz=$(wc -c < "$d/index") || break
   [ $((isz + 0)) -gt "$io" ] && break
-  sleep 0.05 2>/dev/null || break
+  if [ $k -lt 10 ]; then sleep 0.01 2>/dev/null || break; else sleep 0.05 2>/dev/null || break; fi
   k=$((k + 1))
 done
 [ $k = 0 ] || al
@@ -560,6 +563,23 @@ def snapshot_dir(staging_root: str, snapshot: str) -> str:
 
 #: one look of the status script's long poll, seconds
 STATUS_LOOK = 0.05
+#: the long poll's first looks are shorter: this many, of this many seconds each
+FAST_LOOKS, FAST_LOOK = 10, 0.01
+
+
+def status_looks(wait: float) -> int:
+    """The looks of a long poll that waits about ``wait`` seconds at most."""
+    if wait <= FAST_LOOKS * FAST_LOOK:
+        return round(wait / FAST_LOOK)
+    return FAST_LOOKS + round((wait - FAST_LOOKS * FAST_LOOK) / STATUS_LOOK)
+
+
+def looks_seconds(looks: int) -> float:
+    """The longest a long poll of ``looks`` looks sleeps (its deadline allowance)."""
+    fast = min(looks, FAST_LOOKS)
+    return fast * FAST_LOOK + (looks - fast) * STATUS_LOOK
+
+
 #: most index bytes one status answer carries
 STATUS_INDEX_MAX = 65536
 
@@ -577,7 +597,7 @@ def status(
 ) -> list[str]:
     """The snapshot's state.  With ``index_from`` ≥ 0 the answer carries the index from
     that offset (up to :data:`STATUS_INDEX_MAX` bytes); with ``looks`` it first waits, up
-    to that many :data:`STATUS_LOOK` s, for the index to grow past ``index_from``."""
+    to that many looks (:func:`looks_seconds`), for the index to grow past ``index_from``."""
     d = snapshot_dir(staging_root, snapshot)
     if index_from < -1 or not 0 <= looks <= 600:
         raise ValueError("bad status arguments")
