@@ -4,6 +4,7 @@ finishes the pull exactly, and a killed transfer resumes its journaled chunks (i
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import subprocess
@@ -83,4 +84,45 @@ def test_kill_9_in_each_phase_then_resume(tmp_path: Path, phase: str) -> None:
     # and the state it committed is right: nothing to do now
     final = json.loads(subprocess.run(args, capture_output=True, text=True, timeout=300).stdout)
     assert final["mode"] == "incremental" and final["changed_files"] == 0
+    assert_exact(ws, dest)
+
+
+@pytest.mark.parametrize("how", ["size", "mtime-put-back"])
+def test_resumed_archive_older_than_the_fresh_manifest_is_repaired_next_time(
+    tmp_path: Path, how: str
+) -> None:
+    """A first pull killed in its transfer leaves a finished snapshot in the guest; a file
+    edited after that snapshot read it, before the rerun lists the workspace again.  The
+    rerun resumes the old snapshot (its chunks are journaled) with the new listing: DEST
+    gets the file as the snapshot read it, and the state must not record it as the
+    listing's version, or no later pull would ever fetch the edit."""
+    rng = random.Random(how)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for i in range(8):
+        (ws / f"blob{i}").write_bytes(rng.randbytes(256 * 1024))
+    edited = ws / "blob0"
+    dest, state, stage = tmp_path / "out", tmp_path / "state", tmp_path / "stage"
+    args = argv(ws, dest, state, stage)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reached = wait_until(proc, lambda: len(list(state.glob("pulls/*/chunks/0*"))) >= 3)
+    proc.kill()
+    proc.communicate()
+    assert reached, "the pull ended before its transfer was journaled"
+    deadline = time.monotonic() + 120
+    while not any(stage.glob("*/done")) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the guest's producer finishes the snapshot on its own
+    assert any(stage.glob("*/done"))
+    before = edited.stat()
+    if how == "size":
+        edited.write_bytes(rng.randbytes(300 * 1024))
+    else:  # same size, the mtime put back (cp -p, touch -r): only ctime and content move
+        edited.write_bytes(rng.randbytes(256 * 1024))
+        os.utime(edited, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+    again = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["resumed_chunks"] >= 3
+    final = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr
     assert_exact(ws, dest)

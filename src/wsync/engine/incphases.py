@@ -20,6 +20,8 @@ import contextlib
 import os
 from pathlib import Path
 
+import structlog
+
 from wsync.engine import incremental
 from wsync.engine.feed import ChunkFeed, consume_feed
 from wsync.engine.guest import GuestPlan
@@ -28,6 +30,9 @@ from wsync.engine.incstate import state_path
 from wsync.engine.phases import StreamRunner
 from wsync.engine.winddown import in_thread
 from wsync.errors import GuestToolsMissing, HostIOError, WsyncError
+from wsync.protocol.records import DoneRecord
+
+log = structlog.get_logger("wsync.pull")
 
 
 class IncrementalRunner(StreamRunner):
@@ -116,6 +121,28 @@ class IncrementalRunner(StreamRunner):
         journal = self.manifest_journal = self.journal.phase("manifest")
         prune = inc.prune()
         snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
+        done = journal.recorded_done(snapshot)
+        if done is not None and await in_thread(lambda: self.journaled_whole(plan, done)):
+            # an earlier run of this pull listed the workspace and was killed later: its
+            # listing is the one to use again, not a fresh one, because a content run it
+            # admitted may be resumed now, and a snapshot must never be recorded with a
+            # listing taken after it read the files (an edit in between would be
+            # recorded as fetched, and no later pull would fetch it)
+            log.info("manifest replayed from the journal", snapshot=snapshot)
+            self.done = done
+            inc.manifest_digest = (
+                f"{plan.algorithm.name}:{plan.compressor}:{done.length}:{done.digest}"
+            )
+            if not skip:
+                await in_thread(lambda: self.replay_manifest(plan, inc))
+            return
+        if done is not None:
+            # the journal lost or damaged a chunk of it: the runs admitted after that
+            # listing go with it, so that a fresh listing never meets an older snapshot
+            journal.forget()
+            self.journal.forget()
+            self.journal.phase("select").forget()
+            snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
         journaled = await self.admit_phase(plan, journal, snapshot, "manifest", prune)
 
         def load(feed: ChunkFeed) -> None:
@@ -127,6 +154,7 @@ class IncrementalRunner(StreamRunner):
 
         await self.stream(plan, journal, journaled, load)
         assert self.done is not None
+        journal.record_done(snapshot, self.done)
         inc.manifest_digest = (
             f"{plan.algorithm.name}:{plan.compressor}:{self.done.length}:{self.done.digest}"
         )
@@ -139,6 +167,24 @@ class IncrementalRunner(StreamRunner):
                 await self.session.cleanup()
         except (WsyncError, TimeoutError) as exc:
             self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
+
+    def journaled_whole(self, plan: GuestPlan, done: DoneRecord) -> bool:
+        """Whether the journal holds all of ``done``'s stream, hashing as ``done`` says
+        (worker thread; a manifest is small, so it is read twice rather than parsed
+        before it is known whole)."""
+        assert self.manifest_journal is not None
+        chunks = self.manifest_journal.chunks()
+        whole, length = plan.algorithm.new(), 0
+        try:
+            for seq in range(done.chunks):
+                data = chunks[seq][1].read_bytes()
+                if plan.algorithm.digest(data) != chunks[seq][0]:
+                    return False
+                whole.update(data)
+                length += len(data)
+        except (KeyError, OSError):
+            return False
+        return length == done.length and whole.hexdigest() == done.digest
 
     def replay_manifest(self, plan: GuestPlan, inc: Incremental) -> None:
         """Parse the verified manifest from its journaled chunks (worker thread): the

@@ -6,6 +6,7 @@ real DEST path, so the same command finds the same journal)::
     lock              flock'ed while a wsync process works on this pull
     meta.json         snapshot id and the parameters it was admitted with
     chunks/SEQ.HASH   one file per verified chunk, written durably
+    done.json         (a manifest phase) the whole stream is here and verified
 
 A chunk counts only after its file is fsynced and renamed into ``chunks/``
 and the directory is fsynced: ``kill -9`` at any moment loses at most the
@@ -24,6 +25,7 @@ pull refuses to replace a non-empty directory it did not create (unless
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -35,6 +37,7 @@ from typing import Any
 from wsync.engine.destdir import DestDir
 from wsync.engine.fsutil import fsync_dir, host_io, rmtree, write_atomic
 from wsync.errors import Busy, HostIOError
+from wsync.protocol.records import DoneRecord
 
 
 def _key(*parts: str) -> str:
@@ -126,11 +129,32 @@ class Journal:
         write_atomic(self.dir / "meta.json", json.dumps(meta, sort_keys=True).encode())
         self.meta = meta
 
+    def record_done(self, snapshot: str, done: DoneRecord) -> None:
+        """Record durably that ``snapshot``'s whole stream is journaled and verified
+        (``done``), so that a later run can replay it without asking the guest."""
+        record = {"snapshot": snapshot, **dataclasses.asdict(done)}
+        write_atomic(self.dir / "done.json", json.dumps(record, sort_keys=True).encode())
+
+    def recorded_done(self, snapshot: str) -> DoneRecord | None:
+        """What :meth:`record_done` recorded for ``snapshot`` (None: nothing, or another
+        snapshot's, or unreadable)."""
+        try:
+            record = json.loads((self.dir / "done.json").read_text("utf-8"))
+            if not isinstance(record, dict) or record.pop("snapshot", None) != snapshot:
+                return None
+            done = DoneRecord(**record)
+        except (OSError, ValueError, TypeError):
+            return None
+        ok = isinstance(done.chunks, int) and isinstance(done.length, int)
+        return done if ok and isinstance(done.digest, str) else None
+
     def forget(self) -> None:
         """Drop the snapshot and its chunks (it failed for good): the next run starts afresh."""
         self.clear_chunks()
-        with host_io("clearing the journal"), contextlib.suppress(FileNotFoundError):
-            os.unlink(self.dir / "meta.json")
+        with host_io("clearing the journal"):
+            for name in ("done.json", "meta.json"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.dir / name)
             fsync_dir(self.dir)
         self.meta = None
 

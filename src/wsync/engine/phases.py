@@ -396,6 +396,9 @@ class StreamRunner:
                 log.warning("failed snapshot not removed from the guest", error=str(exc))
         with contextlib.suppress(WsyncError):
             self.chunk_journal.forget()
+            if self.manifest_journal is not None:
+                # no run of that listing is left to resume: the next run lists afresh
+                self.manifest_journal.forget()
 
     def check_tar(self, plan: GuestPlan, tar_rc: int, errors: str) -> None:
         """GNU tar exits 1 only for files that changed while read: a warning.
