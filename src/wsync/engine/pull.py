@@ -145,6 +145,12 @@ class _Pull(IncrementalRunner):
         journal = self.journal if run == "tar" else self.journal.phase("select")
         listing = b""
         extra: dict[str, Any] = {}
+        listed = self.manifest_journal.meta if self.manifest_journal is not None else None
+        if listed is not None:
+            # a content run resumes only under the listing it was admitted after (which a
+            # rerun replays): recorded with a later listing, a file edited in between
+            # would count as fetched in a version DEST does not hold
+            extra["after"] = listed["snapshot"]
         if inc is not None and run == "select":
             listing = await in_thread(lambda: inc.locked(inc.select_list))
             extra["list"] = hashlib.sha256(listing).hexdigest()
