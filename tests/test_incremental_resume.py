@@ -87,7 +87,7 @@ def test_kill_9_in_each_phase_then_resume(tmp_path: Path, phase: str) -> None:
     assert_exact(ws, dest)
 
 
-@pytest.mark.parametrize("how", ["size", "mtime-put-back", "listing-damaged"])
+@pytest.mark.parametrize("how", ["size", "mtime-put-back", "listing-damaged", "listing-lost"])
 def test_resumed_archive_older_than_the_fresh_manifest_is_repaired_next_time(
     tmp_path: Path, how: str
 ) -> None:
@@ -117,6 +117,9 @@ def test_resumed_archive_older_than_the_fresh_manifest_is_repaired_next_time(
     if how == "listing-damaged":  # the journal cannot give the listing back whole
         (listed,) = state.glob("pulls/*/phase-manifest/chunks/00000000.*")
         listed.write_bytes(b"\0" + listed.read_bytes()[1:])
+    if how == "listing-lost":  # its record is gone: the guest lists again under its id
+        (record,) = state.glob("pulls/*/phase-manifest/done.json")
+        record.unlink()
     if how != "mtime-put-back":
         edited.write_bytes(rng.randbytes(300 * 1024))
     else:  # same size, the mtime put back (cp -p, touch -r): only ctime and content move
@@ -125,10 +128,12 @@ def test_resumed_archive_older_than_the_fresh_manifest_is_repaired_next_time(
 
     again = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
-    # a damaged listing is taken afresh, and the snapshot admitted after it goes too
+    # a listing the journal cannot give back is taken afresh, and the snapshot admitted
+    # after the old one is not resumed under it
     resumed = json.loads(again.stdout)["resumed_chunks"]
-    assert resumed == 0 if how == "listing-damaged" else resumed >= 3
-    if how == "listing-damaged":  # listed and read after the edit: exact at once
+    fresh = how.startswith("listing-")
+    assert resumed == 0 if fresh else resumed >= 3
+    if fresh:  # listed and read after the edit: exact at once
         assert_exact(ws, dest)
     final = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stderr

@@ -39,6 +39,9 @@ class IncrementalRunner(StreamRunner):
     """The incremental phases of one pull (see the module docstring)."""
 
     scan_task: asyncio.Task[None] | None = None
+    #: this run's listing, ``SNAPSHOT:DIGEST``: a content run's journal names the one it
+    #: was admitted after, and is resumed only under that very listing
+    listing: str | None = None
 
     def new_incremental(self) -> Incremental:
         key = f"{self.transport.description}\n{self.workspace}"
@@ -94,7 +97,7 @@ class IncrementalRunner(StreamRunner):
         if inc.nothing_changed():
             return
         if not inc.loaded:
-            await in_thread(lambda: self.replay_manifest(plan, inc))
+            await self.replay(plan, inc)
         empty = self.journal.dir / "empty"
         await in_thread(lambda: inc.locked(lambda: self.decide(inc, plan, empty)))
 
@@ -122,26 +125,29 @@ class IncrementalRunner(StreamRunner):
         prune = inc.prune()
         snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
         done = journal.recorded_done(snapshot)
-        if done is not None and await in_thread(lambda: self.journaled_whole(plan, done)):
-            # an earlier run of this pull listed the workspace and was killed later: its
-            # listing is the one to use again, not a fresh one, because a content run it
-            # admitted may be resumed now, and a snapshot must never be recorded with a
-            # listing taken after it read the files (an edit in between would be
-            # recorded as fetched, and no later pull would fetch it)
+        if done is not None and await self.replayable(plan, snapshot, done):
+            # an earlier run of this pull listed the workspace, admitted a content run
+            # after it and was killed: that run may be resumed now, and a snapshot must
+            # never be recorded with a listing taken after it read the files (an edit in
+            # between would count as fetched, and no later pull would fetch it), so the
+            # journaled listing is used again, not a fresh one
             log.info("manifest replayed from the journal", snapshot=snapshot)
             self.done = done
+            self.listing = f"{snapshot}:{done.digest}"
             inc.manifest_digest = (
                 f"{plan.algorithm.name}:{plan.compressor}:{done.length}:{done.digest}"
             )
             if not skip:
-                await in_thread(lambda: self.replay_manifest(plan, inc))
+                await self.replay(plan, inc)
             return
-        if done is not None:
-            # the journal lost or damaged a chunk of it: the runs admitted after that
-            # listing go with it, so that a fresh listing never meets an older snapshot
-            journal.forget()
+        stale = journal.meta is not None and (done is not None or journal.has_done())
+        if stale and not self.options.dry_run:
+            # no run of that listing to resume, or the journal cannot give it back whole
+            # (a lost or damaged chunk or record): the runs admitted after it go with it,
+            # so that a fresh listing never meets an older snapshot
             self.journal.forget()
             self.journal.phase("select").forget()
+            journal.forget()
             snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
         journaled = await self.admit_phase(plan, journal, snapshot, "manifest", prune)
 
@@ -155,6 +161,7 @@ class IncrementalRunner(StreamRunner):
         await self.stream(plan, journal, journaled, load)
         assert self.done is not None
         journal.record_done(snapshot, self.done)
+        self.listing = f"{snapshot}:{self.done.digest}"
         inc.manifest_digest = (
             f"{plan.algorithm.name}:{plan.compressor}:{self.done.length}:{self.done.digest}"
         )
@@ -167,6 +174,19 @@ class IncrementalRunner(StreamRunner):
                 await self.session.cleanup()
         except (WsyncError, TimeoutError) as exc:
             self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
+
+    async def replayable(self, plan: GuestPlan, snapshot: str, done: DoneRecord) -> bool:
+        """Whether the journaled listing ``done`` is to be used again: a content run
+        admitted after it is journaled (else a fresh listing is newer and as good), this
+        is no dry run (a preview shows the workspace as it is now), and the journal holds
+        the listing whole."""
+        if self.options.dry_run:
+            return False
+        listing = f"{snapshot}:{done.digest}"
+        runs = (self.journal.meta, self.journal.phase("select").meta)
+        if not any(meta is not None and meta.get("after") == listing for meta in runs):
+            return False
+        return await in_thread(lambda: self.journaled_whole(plan, done))
 
     def journaled_whole(self, plan: GuestPlan, done: DoneRecord) -> bool:
         """Whether the journal holds all of ``done``'s stream, hashing as ``done`` says
@@ -186,12 +206,22 @@ class IncrementalRunner(StreamRunner):
             return False
         return length == done.length and whole.hexdigest() == done.digest
 
-    def replay_manifest(self, plan: GuestPlan, inc: Incremental) -> None:
+    async def replay(self, plan: GuestPlan, inc: Incremental) -> None:
+        """:meth:`replay_manifest` in a worker thread, stopped when the pull is cancelled
+        (the thread cannot be abandoned in the middle of loading the state)."""
+        feed = ChunkFeed(plan.algorithm)
+        try:
+            await in_thread(lambda: self.replay_manifest(plan, inc, feed))
+        except BaseException:
+            feed.abort("the pull stopped")
+            raise
+
+    def replay_manifest(self, plan: GuestPlan, inc: Incremental, feed: ChunkFeed) -> None:
         """Parse the verified manifest from its journaled chunks (worker thread): the
-        stream was only verified because the no-op shortcut might have applied."""
+        stream was only verified because the no-op shortcut might have applied, or it is
+        an earlier run's listing."""
         assert self.manifest_journal is not None and self.done is not None
         chunks = self.manifest_journal.chunks()
-        feed = ChunkFeed(plan.algorithm)
         for seq in range(self.done.chunks):
             if seq not in chunks:
                 raise HostIOError(f"the manifest's chunk {seq} left the journal during the pull")

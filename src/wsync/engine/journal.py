@@ -126,6 +126,8 @@ class Journal:
     def start(self, meta: dict[str, Any]) -> None:
         """Begin a new snapshot: forget old chunks, record the parameters durably."""
         self.clear_chunks()
+        with host_io("clearing the journal"), contextlib.suppress(FileNotFoundError):
+            os.unlink(self.dir / "done.json")  # an older snapshot's
         write_atomic(self.dir / "meta.json", json.dumps(meta, sort_keys=True).encode())
         self.meta = meta
 
@@ -134,6 +136,10 @@ class Journal:
         (``done``), so that a later run can replay it without asking the guest."""
         record = {"snapshot": snapshot, **dataclasses.asdict(done)}
         write_atomic(self.dir / "done.json", json.dumps(record, sort_keys=True).encode())
+
+    def has_done(self) -> bool:
+        """Whether a :meth:`record_done` record is here, usable or not."""
+        return (self.dir / "done.json").exists()
 
     def recorded_done(self, snapshot: str) -> DoneRecord | None:
         """What :meth:`record_done` recorded for ``snapshot`` (None: nothing, or another
@@ -152,7 +158,7 @@ class Journal:
         """Drop the snapshot and its chunks (it failed for good): the next run starts afresh."""
         self.clear_chunks()
         with host_io("clearing the journal"):
-            for name in ("done.json", "meta.json"):
+            for name in ("meta.json", "done.json"):  # a listing is never left without its id
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.dir / name)
             fsync_dir(self.dir)

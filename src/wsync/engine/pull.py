@@ -145,12 +145,11 @@ class _Pull(IncrementalRunner):
         journal = self.journal if run == "tar" else self.journal.phase("select")
         listing = b""
         extra: dict[str, Any] = {}
-        listed = self.manifest_journal.meta if self.manifest_journal is not None else None
-        if listed is not None:
+        if self.listing is not None:
             # a content run resumes only under the listing it was admitted after (which a
             # rerun replays): recorded with a later listing, a file edited in between
             # would count as fetched in a version DEST does not hold
-            extra["after"] = listed["snapshot"]
+            extra["after"] = self.listing
         if inc is not None and run == "select":
             listing = await in_thread(lambda: inc.locked(inc.select_list))
             extra["list"] = hashlib.sha256(listing).hexdigest()
@@ -217,6 +216,10 @@ class _Pull(IncrementalRunner):
         DestRegistry(self.options.state_dir).record(self.dest)
         old = self.target.swap(tmp)
         self.swapped = True
+        if self.manifest_journal is not None:
+            # its listing is in DEST now: a rerun after a kill from here on lists afresh
+            # (and finds the state committed, or diffs the new DEST against the old state)
+            self.manifest_journal.forget()
         return old
 
     async def apply_only(

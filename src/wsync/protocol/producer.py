@@ -15,12 +15,15 @@ from __future__ import annotations
 #: (:mod:`wsync.protocol.scripts` ends its prelude with them): one text, two scripts
 PID_CHECKS = r"""
 # (the state is the field after the last ") " of /proc/PID/stat, taken without a
-# fork: this runs in every look of the producer's loop and of a status long poll)
+# fork: this runs in every look of the producer's loop and of a status long poll;
+# read's status is not looked at, as a line without its newline still counts)
 alive() {
   kill -0 "$1" 2>/dev/null || return 1
-  if [ -r "/proc/$1/stat" ] && IFS= read -r st < "/proc/$1/stat"; then
-    st=${st##*) }
-    case ${st%% *} in Z) return 1 ;; esac
+  if [ -r "/proc/$1/stat" ]; then
+    ps_=
+    IFS= read -r ps_ < "/proc/$1/stat"
+    ps_=${ps_##*) }
+    case ${ps_%% *} in Z) return 1 ;; esac
   fi
   return 0
 }
