@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import run  # the sibling script's measuring helper
+from bench import compile_wsync, run  # the sibling script's measuring helpers
 
 from wsync.testing.sshd import SshdServer
 from wsync.testing.tcpproxy import TcpProxy
@@ -97,6 +97,7 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     subprocess.run(["rm", "-rf", str(root / "out")], check=True)
     big, small = stdlib_tree(root, args.quick), small_tree(root)
+    compile_wsync()
     subprocess.run(["tar", "-cf", "/dev/null", "-C", str(big), "."], check=True)  # warm cache
     results: list[dict[str, object]] = []
     ratios: dict[str, float] = {}
