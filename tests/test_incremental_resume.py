@@ -3,6 +3,7 @@ finishes the pull exactly, and a killed transfer resumes its journaled chunks (i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -15,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from helpers import assert_exact
+from helpers import assert_exact, options, run_pull
+from wsync.transports.local import LocalTransport
 
 
 def argv(ws: Path, dest: Path, state: Path, stage: Path, *extra: str) -> list[str]:
@@ -138,3 +140,81 @@ def test_resumed_archive_older_than_the_fresh_manifest_is_repaired_next_time(
     final = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stderr
     assert_exact(ws, dest)
+
+
+#: a pull in a process of its own that kills itself (SIGKILL, as ``kill -9``) at the
+#: first guest call of a kind once a file exists (with a given text, if one is given);
+#: ``local:`` without helpers, so that every guest call is an exec it sees
+_KILLED_PULL = r"""
+import asyncio, dataclasses, os, signal, sys
+from pathlib import Path
+from wsync.engine.api import PullOptions
+from wsync.engine.pull import pull
+from wsync.protocol import scripts
+from wsync.transports.local import LocalTransport
+
+kind, ws, dest, state, staging, ready, text = sys.argv[1:]
+
+def reached():
+    found = sorted(Path("/").glob(ready.lstrip("/")))
+    return bool(found) and (not text or found[0].read_text() == text)
+
+class Killing(LocalTransport):
+    capabilities = dataclasses.replace(LocalTransport.capabilities, channel=False)
+
+    async def exec(self, argv, **kw):
+        if scripts.SCRIPTS[kind] in argv and reached():
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await super().exec(argv, **kw)
+
+opts = PullOptions(state_dir=Path(state), staging_root=staging, call_timeout=30.0)
+asyncio.run(pull(Killing(), ws, Path(dest), opts))
+"""
+
+
+def _killed(tmp_path: Path, ws: Path, dest: Path, kind: str, ready: Path, text: str = "") -> None:
+    """Run :data:`_KILLED_PULL` with :func:`helpers.options`' state and staging."""
+    opts = options(tmp_path)
+    argv = [sys.executable, "-c", _KILLED_PULL, kind, str(ws), str(dest)]
+    argv += [str(opts.state_dir), opts.staging_root, str(ready), text]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr
+
+
+def test_a_pull_killed_after_its_swap_lists_afresh_next_time(tmp_path: Path) -> None:
+    """Killed between the swap and the journal's removal (the state is committed, the
+    guest staging is being removed), a pull must not leave its listing to be replayed:
+    the rerun would find the state it committed and call the workspace unchanged,
+    although a file changed since."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for name in "abc":
+        (ws / name).write_text(f"{name} one\n")
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    run_pull(LocalTransport(), ws, dest, opts)
+    (ws / "a").write_text("a two\n")
+    _killed(tmp_path, ws, dest, "cleanup", dest / "a", "a two\n")
+    (ws / "b").write_text("b three, longer\n")
+    run_pull(LocalTransport(), ws, dest, opts)
+    assert_exact(ws, dest)
+
+
+def test_a_dry_run_after_a_killed_pull_previews_the_workspace_as_it_is_now(
+    tmp_path: Path,
+) -> None:
+    """A pull killed in its transfer leaves a listing that a real rerun replays; a dry
+    run must not: it shows what a pull would change now."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for name in "abc":
+        (ws / name).write_text(f"{name} one\n")
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    run_pull(LocalTransport(), ws, dest, opts)
+    (ws / "a").write_text("a two\n")
+    _killed(tmp_path, ws, dest, "read", tmp_path / "state/pulls/*/phase-select/meta.json")
+    (ws / "b").write_text("b three, longer\n")
+    preview = run_pull(LocalTransport(), ws, dest, dataclasses.replace(opts, dry_run=True))
+    assert any(line.endswith(" b") for line in preview.changes), preview.changes
+    assert any(line.endswith(" a") for line in preview.changes), preview.changes
