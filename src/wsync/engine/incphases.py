@@ -35,6 +35,11 @@ from wsync.protocol.records import DoneRecord
 log = structlog.get_logger("wsync.pull")
 
 
+def _listing(snapshot: str, done: DoneRecord) -> str:
+    """A listing's name in a content run's journal: its snapshot and its stream's hash."""
+    return f"{snapshot}:{done.digest}"
+
+
 class IncrementalRunner(StreamRunner):
     """The incremental phases of one pull (see the module docstring)."""
 
@@ -132,16 +137,11 @@ class IncrementalRunner(StreamRunner):
             # between would count as fetched, and no later pull would fetch it), so the
             # journaled listing is used again, not a fresh one
             log.info("manifest replayed from the journal", snapshot=snapshot)
-            self.done = done
-            self.listing = f"{snapshot}:{done.digest}"
-            inc.manifest_digest = (
-                f"{plan.algorithm.name}:{plan.compressor}:{done.length}:{done.digest}"
-            )
+            self.listed(plan, inc, snapshot, done)
             if not skip:
                 await self.replay(plan, inc)
             return
-        stale = journal.meta is not None and (done is not None or journal.has_done())
-        if stale and not self.options.dry_run:
+        if journal.meta is not None and journal.has_done() and not self.options.dry_run:
             # no run of that listing to resume, or the journal cannot give it back whole
             # (a lost or damaged chunk or record): the runs admitted after it go with it,
             # so that a fresh listing never meets an older snapshot
@@ -161,10 +161,7 @@ class IncrementalRunner(StreamRunner):
         await self.stream(plan, journal, journaled, load)
         assert self.done is not None
         journal.record_done(snapshot, self.done)
-        self.listing = f"{snapshot}:{self.done.digest}"
-        inc.manifest_digest = (
-            f"{plan.algorithm.name}:{plan.compressor}:{self.done.length}:{self.done.digest}"
-        )
+        self.listed(plan, inc, snapshot, self.done)
         # verified and loaded: its staging goes now (even with keep_staging, which keeps
         # the content run's).  A kill -9 later takes a fresh manifest, whose diff (same
         # guest, same DEST) names the same list, so the select run's journal resumes
@@ -175,6 +172,12 @@ class IncrementalRunner(StreamRunner):
         except (WsyncError, TimeoutError) as exc:
             self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
 
+    def listed(self, plan: GuestPlan, inc: Incremental, snapshot: str, done: DoneRecord) -> None:
+        """This run's listing is ``snapshot``'s stream, ``done`` (fetched or replayed)."""
+        self.done = done
+        self.listing = _listing(snapshot, done)
+        inc.manifest_digest = f"{plan.algorithm.name}:{plan.compressor}:{done.length}:{done.digest}"
+
     async def replayable(self, plan: GuestPlan, snapshot: str, done: DoneRecord) -> bool:
         """Whether the journaled listing ``done`` is to be used again: a content run
         admitted after it is journaled (else a fresh listing is newer and as good), this
@@ -182,7 +185,7 @@ class IncrementalRunner(StreamRunner):
         the listing whole."""
         if self.options.dry_run:
             return False
-        listing = f"{snapshot}:{done.digest}"
+        listing = _listing(snapshot, done)
         runs = (self.journal.meta, self.journal.phase("select").meta)
         if not any(meta is not None and meta.get("after") == listing for meta in runs):
             return False

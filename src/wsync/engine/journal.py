@@ -126,8 +126,7 @@ class Journal:
     def start(self, meta: dict[str, Any]) -> None:
         """Begin a new snapshot: forget old chunks, record the parameters durably."""
         self.clear_chunks()
-        with host_io("clearing the journal"), contextlib.suppress(FileNotFoundError):
-            os.unlink(self.dir / "done.json")  # an older snapshot's
+        self._unlink("done.json")  # an older snapshot's
         write_atomic(self.dir / "meta.json", json.dumps(meta, sort_keys=True).encode())
         self.meta = meta
 
@@ -157,12 +156,16 @@ class Journal:
     def forget(self) -> None:
         """Drop the snapshot and its chunks (it failed for good): the next run starts afresh."""
         self.clear_chunks()
+        self._unlink("meta.json", "done.json")  # a listing is never left without its id
         with host_io("clearing the journal"):
-            for name in ("meta.json", "done.json"):  # a listing is never left without its id
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.dir / name)
             fsync_dir(self.dir)
         self.meta = None
+
+    def _unlink(self, *names: str) -> None:
+        with host_io("clearing the journal"):
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.dir / name)
 
     def remove(self) -> None:
         """Forget this pull entirely (after success)."""
