@@ -218,3 +218,30 @@ def test_a_dry_run_after_a_killed_pull_previews_the_workspace_as_it_is_now(
     preview = run_pull(LocalTransport(), ws, dest, dataclasses.replace(opts, dry_run=True))
     assert any(line.endswith(" b") for line in preview.changes), preview.changes
     assert any(line.endswith(" a") for line in preview.changes), preview.changes
+
+
+def test_a_pull_killed_while_it_reuses_the_kept_tree_finishes_exactly(tmp_path: Path) -> None:
+    """Killed in its transfer, after the tree kept by the last pull became its tmp tree:
+    the rerun starts from that tree as it was left, and DEST ends exact."""
+    ws = tmp_path / "ws"
+    (ws / "sub").mkdir(parents=True)
+    for i in range(30):
+        (ws / "sub" / f"f{i}").write_text(f"{i} one\n")
+    dest = tmp_path / "out"
+    prev = tmp_path / ".out.wsync-prev"
+    opts = options(tmp_path)
+    run_pull(LocalTransport(), ws, dest, opts)
+    (ws / "sub" / "f0").write_text("0 two\n")
+    run_pull(LocalTransport(), ws, dest, opts)
+    kept = os.stat(prev).st_ino
+    (ws / "sub" / "f1").write_text("1 three, longer\n")
+    (ws / "sub" / "f2").unlink()
+    (ws / "new").mkdir()
+    (ws / "new" / "n").write_text("n\n")
+    _killed(tmp_path, ws, dest, "read", tmp_path / "state/pulls/*/phase-select/meta.json")
+    assert not prev.exists()
+    result = run_pull(LocalTransport(), ws, dest, opts)
+    assert result.ok, result.error
+    assert_exact(ws, dest)
+    assert os.stat(dest).st_ino == kept
+    assert os.stat(prev).st_ino != kept

@@ -483,22 +483,24 @@ def test_a_deep_tree_pulls_twice_in_a_row(
     tmp_path: Path, deep: Callable[[Path, int, str], None]
 ) -> None:
     """Issue 7 item 7: the second pull's removal of the old 1,200-deep tree raised
-    RecursionError in finish(), and every later pull failed the same way."""
+    RecursionError in finish(), and every later pull failed the same way.  Now the
+    incremental pull keeps the old tree (and walks it), the full one removes both."""
     workspace = tmp_path / "ws"
     deep(workspace, 1200, "leaf")
     dest = tmp_path / "out"
-    opts = options(tmp_path)
-    for turn in range(2):
+    for turn, full in enumerate((True, False, False, True)):
         (workspace / "turn").write_text(f"{turn}\n")
-        result = run_pull(local(), workspace, dest, opts)
+        result = run_pull(local(), workspace, dest, options(tmp_path, full=full))
         assert result.ok and result.warnings == []
+        assert result.mode == ("full" if full else "incremental")
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(limit + 4 * 1200)  # for treediff's os.walk, not for wsync
         try:
             assert_exact(workspace, dest)
         finally:
             sys.setrecursionlimit(limit)
-        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")) == []
+        left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
+        assert left == ([] if full else [".out.wsync-prev"])
 
 
 def test_a_refusal_after_a_deep_tree_is_still_the_refusal(

@@ -291,31 +291,75 @@ class DestDir:
 
     # -- the writes of a pull -------------------------------------------------------------
 
-    def make_tmp(self, name: str) -> tuple[int, list[str]]:
-        """Create the empty tmp tree ``name`` beside DEST; return its fd and warnings.
+    @property
+    def prev_name(self) -> str:
+        """Where an incremental pull keeps the old tree (:mod:`wsync.engine.prevtree`)."""
+        return f".{self.name}.wsync-prev"
 
-        Left-overs of earlier runs are removed first: ``name`` itself (or the
-        pull fails), and, as the DEST lock says no other pull is writing here,
-        every other ``.NAME.wsync-tmp-*`` and ``.NAME.wsync-old`` (best effort).
+    def make_tmp(self, name: str, *, reuse: bool = False) -> tuple[int, list[str], bool]:
+        """The tmp tree ``name`` beside DEST: its fd, warnings, and whether it was reused.
+
+        Left-overs of earlier runs are removed first (best effort: the DEST lock says no
+        other pull is writing here): every other ``.NAME.wsync-tmp-*`` and
+        ``.NAME.wsync-old``, and the previous tree unless ``reuse``.  With ``reuse`` (an
+        incremental pull, :mod:`wsync.engine.prevtree`) the tree is ``name`` as an earlier
+        run of this pull left it, else the previous tree renamed to ``name``; it is reused
+        only if it is a directory of ours, made 0700.  Otherwise it is created empty.
         """
         self.verify()
         warnings: list[str] = []
         # exactly our names: DEST "out.wsync-tmp-x" has tmp trees that start like ours
-        ours = re.compile(re.escape(f".{self.name}.wsync-") + r"(tmp-[0-9a-f]{12}|old)")
+        ours = re.compile(re.escape(f".{self.name}.wsync-") + r"(tmp-[0-9a-f]{12}|old|prev)")
         with host_io(f"listing {self.path.parent}"), os.scandir(self.parent_fd) as entries:
-            stale = [e.name for e in entries if e.name != name and ours.fullmatch(e.name)]
-        for other in stale:
+            present = {e.name for e in entries if ours.fullmatch(e.name)}
+        base = next((n for n in (name, self.prev_name) if n in present), None) if reuse else None
+        for other in sorted(present - {name, base or name}):
             try:
                 self.remove(other)
             except HostIOError as exc:
                 warnings.append(f"a left-over of an earlier pull was not removed: {exc}")
-        self.remove(name)
         self.close_tmp()
         shown = self.path.parent / name
+        if base is not None:
+            fd = self._reusable(base, name)
+            if fd is not None:
+                self._tmp_fd = fd
+                return fd, warnings, True
+        self.remove(name)
         with host_io(f"creating {shown}"):
             os.mkdir(name, 0o700, dir_fd=self.parent_fd)
             self._tmp_fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
-        return self._tmp_fd, warnings
+        return self._tmp_fd, warnings, False
+
+    def _reusable(self, base: str, name: str) -> int | None:
+        """``base`` renamed to ``name`` and opened, if it is a directory of ours (made
+        0700); None (it is removed by the caller) otherwise."""
+        try:
+            fd = os.open(base, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
+        except OSError:
+            return None
+        try:
+            if not fsutil.make_private(fd):
+                os.close(fd)
+                return None
+            if base != name:
+                self.remove(name)
+                os.rename(base, name, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
+        except (OSError, HostIOError):
+            os.close(fd)
+            return None
+        return fd
+
+    def keep_prev(self, old: str) -> int | None:
+        """Keep the old tree (named ``old`` after the swap) as the previous tree; return
+        an fd on it, or None when it could not be kept (then it is removed)."""
+        try:
+            self.remove(self.prev_name)
+            os.rename(old, self.prev_name, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
+            return os.open(self.prev_name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
+        except (OSError, HostIOError) as exc:
+            log.info("previous tree not kept", error=str(exc))
+            return None
 
     def close_tmp(self) -> None:
         if self._tmp_fd is not None:

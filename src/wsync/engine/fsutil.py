@@ -162,6 +162,16 @@ def swap_at(dir_fd: int, new: str, dest: str, shown: str) -> str | None:
         return old
 
 
+def make_private(fd: int) -> bool:
+    """Make the directory open at ``fd`` 0700 if it is ours; False if it is not ours."""
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        return False
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.fchmod(fd, 0o700)
+    return True
+
+
 def rmtree(path: Path) -> None:
     """Remove ``path`` (a tree or a single entry) if it exists; see :func:`remove_tree_at`."""
     path = Path(os.path.abspath(path))

@@ -23,10 +23,13 @@ still scanned every time, so any change made to it on the host changes the scan'
 and takes the full diff, which repairs it.
 
 The new tree is built in the usual tmp dir beside DEST: a hardlink farm of DEST's
-unchanged entries (:func:`~wsync.engine.farm.build_farm`), the archive applied in the
-extractor's replace mode (no inode of the live DEST is ever written), gone entries
-removed, directory modes and mtimes set from the manifest, then the usual flush and swap.
-After the old tree is removed the state is committed with the extractor's file hashes.
+unchanged entries (:func:`~wsync.engine.farm.build_farm`; or the previous pull's old tree,
+kept beside DEST and brought to the same farm at a cost of what changed:
+:mod:`~wsync.engine.prevtree`), the archive applied in the extractor's replace mode (no
+inode of the live DEST is ever written), gone entries removed, directory modes and mtimes
+set from the manifest, then the usual flush and swap.  The old tree is kept for the next
+pull, minus what the new DEST does not share, and the state is committed with the
+extractor's file hashes.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import BinaryIO, TypeVar
 
 import structlog
 
+from wsync.engine import prevtree
 from wsync.engine.api import PullOptions
 from wsync.engine.destdir import DestDir
 from wsync.engine.excludes import Excludes
@@ -285,16 +289,32 @@ class Incremental:
         assert self.diff is not None
         return b"".join(b"./" + path + b"\0" for path in self.diff.fetch_paths())
 
-    def farm(self, tmp_fd: int, check_cancel: object) -> int:
-        """Link DEST's unchanged entries and create every directory in the tmp tree."""
+    @property
+    def reuses(self) -> bool:
+        """The new tree may start from the previous one (:mod:`wsync.engine.prevtree`):
+        only a diff against DEST gives what to keep."""
+        return self.mode == "incremental" and self.diff is not None
+
+    def farm(self, tmp_fd: int, check_cancel: Callable[[], None], *, reused: bool = False) -> int:
+        """Link DEST's unchanged entries and create every directory in the tmp tree (a
+        reused tree: remove what does not belong first); returns the entries made."""
         assert self.diff is not None
         dest_fd = open_dest(self.target) if self.mode == "incremental" else None
         source = dest_fd if dest_fd is not None else tmp_fd
         try:
-            return build_farm(source, tmp_fd, self.diff.keep(), check_cancel)  # type: ignore[arg-type]
+            if reused and dest_fd is not None:
+                removed, made = prevtree.reuse(self.state.db, dest_fd, tmp_fd, check_cancel)
+                log.debug("previous tree reused", removed=removed, linked=made)
+                return made
+            return build_farm(source, tmp_fd, self.diff.keep(), check_cancel)
         finally:
             if dest_fd is not None:
                 os.close(dest_fd)
+
+    def prune_prev(self, prev_fd: int) -> int:
+        """After the swap, before :meth:`commit`: drop from the kept old tree what the new
+        DEST does not share (old versions, deleted entries)."""
+        return prevtree.prune(self.state.db, prev_fd, self._check_stop)
 
     def dir_meta(self, tmp_fd: int) -> None:
         assert self.diff is not None

@@ -157,8 +157,8 @@ class _Pull(IncrementalRunner):
         if run == "select":
             await self.session.upload_list(snapshot, listing)
         journaled = await self.admit_phase(plan, journal, snapshot, run)
-        tmp, tmp_fd = self.make_tmp()
         replace = run == "select"
+        tmp, tmp_fd, reused = self.make_tmp(reuse=replace and inc is not None and inc.reuses)
         hook = None
         if inc is not None:
             inc.hashes.start()
@@ -166,7 +166,7 @@ class _Pull(IncrementalRunner):
 
         def extract(feed: ChunkFeed) -> ExtractStats:
             if inc is not None and replace:
-                inc.locked(lambda: inc.farm(tmp_fd, feed.check_cancel))
+                inc.locked(lambda: inc.farm(tmp_fd, feed.check_cancel, reused=reused))
             limits = self.options.limits
             return extract_feed(
                 feed, plan.compressor, tmp_fd, limits, self.extracted, replace=replace, on_file=hook
@@ -190,19 +190,21 @@ class _Pull(IncrementalRunner):
             old = self.swap_in(tmp, tmp_fd)
             self.outcome = (stats, chunks, length, old)
         except BaseException:
-            await self.remove_tmp(tmp)
+            if not reused:  # a reused tree is as good a start for the next run as it was
+                await self.remove_tmp(tmp)
             raise
         finally:
             # every write was awaited on success; after a failure none is waited for here
             self.io.shutdown(wait=False)
         return self.outcome
 
-    def make_tmp(self) -> tuple[str, int]:
-        """The tree beside DEST that becomes DEST (stale ones of earlier runs go)."""
+    def make_tmp(self, *, reuse: bool) -> tuple[str, int, bool]:
+        """The tree beside DEST that becomes DEST (stale ones of earlier runs go): its
+        name, fd, and whether it is a reused earlier tree (``reuse``: an incremental pull)."""
         tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
-        tmp_fd, leftovers = self.target.make_tmp(tmp)
+        tmp_fd, leftovers, reused = self.target.make_tmp(tmp, reuse=reuse)
         self.warnings.extend(leftovers)
-        return tmp, tmp_fd
+        return tmp, tmp_fd, reused
 
     def swap_in(self, tmp: str, tmp_fd: int) -> str | None:
         """Flush the finished tree, then make it DEST; returns the old tree's name."""
@@ -228,7 +230,7 @@ class _Pull(IncrementalRunner):
         """Changes without an entry to fetch (deletions, directory modes or mtimes, a
         host-side chmod of a directory): the new tree is the farm alone, no producer run."""
         assert inc is not None
-        tmp, tmp_fd = self.make_tmp()
+        tmp, tmp_fd, reused = self.make_tmp(reuse=inc.reuses)
         inc.hashes.start()
         inc.hashes.close()
         stop = threading.Event()
@@ -239,15 +241,31 @@ class _Pull(IncrementalRunner):
 
         try:
             self.emit("apply")
-            await in_thread(lambda: inc.locked(lambda: inc.farm(tmp_fd, check)))
+            await in_thread(lambda: inc.locked(lambda: inc.farm(tmp_fd, check, reused=reused)))
             await in_thread(lambda: inc.locked(lambda: inc.dir_meta(tmp_fd)))
             old = self.swap_in(tmp, tmp_fd)
             self.outcome = (ExtractStats(), 0, 0, old)
         except BaseException:
             stop.set()
-            await self.remove_tmp(tmp)
+            if not reused:
+                await self.remove_tmp(tmp)
             raise
         return self.outcome
+
+    async def keep_prev(self, inc: Incremental, old: str) -> str | None:
+        """Keep the old tree for the next pull (:mod:`wsync.engine.prevtree`), minus what
+        the new DEST does not share; returns the name still to remove (None: kept)."""
+        prev_fd = self.target.keep_prev(old)
+        if prev_fd is None:
+            return old
+        try:
+            await in_thread(lambda: inc.locked(lambda: inc.prune_prev(prev_fd)))
+        except (WsyncError, OSError) as exc:
+            # what stays is removed by the next pull's reuse, or with the tree
+            self.warnings.append(f"the previous tree was not fully pruned: {exc}")
+        finally:
+            os.close(prev_fd)
+        return None
 
     async def finish(self, old: str | None) -> None:
         """After the swap DEST is final: nothing here may fail the pull.
@@ -256,12 +274,14 @@ class _Pull(IncrementalRunner):
         forgotten; problems become warnings.
         """
         self.emit("cleanup")
+        inc = self.inc
+        if old is not None and inc is not None and inc.reuses and self.swapped:
+            old = await self.keep_prev(inc, old)
         if old is not None:
             try:
                 await in_thread(self.target.removal(old))
             except (HostIOError, OSError) as exc:
                 self.warnings.append(f"the previous tree was not fully removed: {exc}")
-        inc = self.inc
         if inc is not None and self.swapped:
             # after the old tree is gone: unlinking it changed the ctimes of kept files
             try:

@@ -1,0 +1,184 @@
+"""The previous tree (:mod:`wsync.engine.prevtree`): an incremental pull keeps the old tree
+beside DEST and starts the next one from it; whatever happens to that tree in between, DEST
+ends exact and nothing of it leaks into DEST or out of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_exact, make_tree, options, run_pull
+from wsync.engine.api import PullOptions, PullResult
+from wsync.errors import Fenced
+from wsync.transports.local import LocalTransport
+
+
+def pull(ws: Path, dest: Path, opts: PullOptions) -> PullResult:
+    result = run_pull(LocalTransport(), ws, dest, opts)
+    assert result.ok, result.error
+    assert_exact(ws, dest)
+    return result
+
+
+def prev_of(dest: Path) -> Path:
+    return dest.parent / f".{dest.name}.wsync-prev"
+
+
+def tmp_trees(dest: Path) -> list[Path]:
+    return sorted(dest.parent.glob(f".{dest.name}.wsync-tmp-*"))
+
+
+def assert_shares_only(dest: Path) -> None:
+    """Every non-directory of the kept tree is the very inode DEST holds at that path
+    (old versions and deleted entries went with the pull that replaced them)."""
+    prev = prev_of(dest)
+    assert prev.is_dir() and not prev.is_symlink()
+    seen = 0
+    for top, dirs, files in os.walk(prev):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+            path = os.path.join(top, name)
+            twin = dest / os.path.relpath(path, prev)
+            assert os.lstat(path).st_ino == os.lstat(twin).st_ino, path
+            seen += 1
+    assert seen > 0
+
+
+def change(ws: Path, round_no: int) -> None:
+    """A few kinds of change: an edit, an addition, a deletion, a rename, a type change."""
+    (ws / "src" / f"f{round_no}.txt").write_text(f"round {round_no}\n" * 3)
+    (ws / f"new-{round_no}").mkdir()
+    (ws / f"new-{round_no}" / "n.txt").write_text("new\n")
+    (ws / "src" / f"f{round_no + 10}.txt").unlink()
+    old = ws / f"new-{round_no - 1}"
+    if old.exists():
+        old.rename(ws / f"renamed-{round_no}")
+    (ws / "tool.sh").chmod(0o700 if round_no % 2 else 0o750)
+    if round_no == 3:
+        (ws / "dangling").unlink()
+        (ws / "dangling").mkdir()
+
+
+@pytest.fixture
+def pulled(tmp_path: Path) -> tuple[Path, Path, PullOptions]:
+    """A workspace pulled twice, the second time with a change: the tree is kept."""
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=30)
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    assert pull(ws, dest, opts).mode == "full"
+    assert not prev_of(dest).exists()  # a full pull shares nothing with the old tree
+    change(ws, 1)
+    assert pull(ws, dest, opts).mode == "incremental"
+    assert_shares_only(dest)
+    return ws, dest, opts
+
+
+def test_each_pull_starts_from_the_tree_the_last_one_kept(
+    pulled: tuple[Path, Path, PullOptions],
+) -> None:
+    ws, dest, opts = pulled
+    for round_no in (2, 3, 4):
+        kept = os.stat(prev_of(dest)).st_ino
+        change(ws, round_no)
+        result = pull(ws, dest, opts)
+        assert result.mode == "incremental" and result.changed_files > 0
+        # the kept tree became DEST: reused, not rebuilt
+        assert os.stat(dest).st_ino == kept
+        assert_shares_only(dest)
+        assert tmp_trees(dest) == []
+    # nothing changed: neither tree is written
+    before = (os.stat(dest).st_ino, os.stat(prev_of(dest)).st_mtime_ns)
+    result = pull(ws, dest, opts)
+    assert result.changed_files == 0
+    assert (os.stat(dest).st_ino, os.stat(prev_of(dest)).st_mtime_ns) == before
+
+
+def test_whatever_was_put_in_the_kept_tree_never_reaches_dest(
+    tmp_path: Path, pulled: tuple[Path, Path, PullOptions]
+) -> None:
+    ws, dest, opts = pulled
+    prev = prev_of(dest)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("not wsync's\n")
+    # an extra file, a kept file replaced by a lookalike, a directory swapped for a
+    # symlink to elsewhere, a FIFO, odd modes, a directory that is not ours
+    (prev / "extra.txt").write_text("planted\n")
+    (prev / "src" / "f5.txt").unlink()
+    (prev / "src" / "f5.txt").write_text((ws / "src" / "f5.txt").read_text())
+    shutil.rmtree(prev / "src" / "deep")
+    (prev / "src" / "deep").symlink_to(outside)
+    os.mkfifo(prev / "fifo")
+    (prev / "empty").chmod(0o777)
+    (prev / "empty" / "nested-empty").chmod(0o000)
+    (prev / "theirs").mkdir()
+    (prev / "theirs" / "x").write_text("x\n")
+    if os.geteuid() == 0:
+        os.chown(prev / "theirs", 65534, 65534)
+    change(ws, 2)
+    pull(ws, dest, opts)
+    assert sorted(os.listdir(outside)) == ["precious"]
+    assert (outside / "precious").read_text() == "not wsync's\n"
+    assert_shares_only(dest)
+    # the lookalike was not taken for DEST's file: DEST kept its own inode
+    assert os.stat(dest / "src" / "f5.txt").st_nlink == 2
+
+
+def test_a_kept_tree_swapped_for_a_symlink_is_not_followed(
+    tmp_path: Path, pulled: tuple[Path, Path, PullOptions]
+) -> None:
+    ws, dest, opts = pulled
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(prev_of(dest), elsewhere, symlinks=True)
+    before = sorted(str(p.relative_to(elsewhere)) for p in elsewhere.rglob("*"))
+    mode = stat.S_IMODE(os.stat(elsewhere).st_mode)
+    shutil.rmtree(prev_of(dest))
+    prev_of(dest).symlink_to(elsewhere)
+    change(ws, 2)
+    pull(ws, dest, opts)
+    assert sorted(str(p.relative_to(elsewhere)) for p in elsewhere.rglob("*")) == before
+    assert stat.S_IMODE(os.stat(elsewhere).st_mode) == mode
+    assert not prev_of(dest).is_symlink()
+    assert_shares_only(dest)
+
+
+def test_a_failed_pull_leaves_its_tree_to_the_next_one(
+    pulled: tuple[Path, Path, PullOptions],
+) -> None:
+    """Failed after its tree was built (a daemon's lease ran out just before the swap):
+    DEST is untouched and the tree is left for the next run, not thrown away."""
+    ws, dest, opts = pulled
+    kept = os.stat(prev_of(dest)).st_ino
+    before = sorted(p.relative_to(dest) for p in dest.rglob("*"))
+    change(ws, 2)
+
+    def lapsed() -> None:
+        raise Fenced("lease lost")
+
+    with pytest.raises(Fenced):
+        run_pull(LocalTransport(), ws, dest, dataclasses.replace(opts, fence=lapsed))
+    assert sorted(p.relative_to(dest) for p in dest.rglob("*")) == before
+    assert not prev_of(dest).exists()
+    [tmp] = tmp_trees(dest)
+    assert os.stat(tmp).st_ino == kept
+    result = pull(ws, dest, opts)  # resumes the journaled run, on the same tree
+    assert result.mode == "incremental"
+    assert os.stat(dest).st_ino == kept
+    assert_shares_only(dest)
+    change(ws, 3)
+    pull(ws, dest, opts)
+    assert_shares_only(dest)
+
+
+def test_a_full_pull_drops_the_kept_tree(pulled: tuple[Path, Path, PullOptions]) -> None:
+    ws, dest, opts = pulled
+    change(ws, 2)
+    assert pull(ws, dest, dataclasses.replace(opts, full=True)).mode == "full"
+    assert not prev_of(dest).exists() and tmp_trees(dest) == []
+    change(ws, 3)
+    assert pull(ws, dest, opts).mode == "incremental"
+    assert_shares_only(dest)
