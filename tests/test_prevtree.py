@@ -7,13 +7,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sqlite3
 import stat
 from pathlib import Path
 
 import pytest
 
 from helpers import assert_exact, make_tree, options, run_pull
+from wsync.engine import hostscan
 from wsync.engine.api import PullOptions, PullResult
+from wsync.engine.incstate import state_path
 from wsync.errors import Fenced
 from wsync.transports.local import LocalTransport
 
@@ -182,3 +185,34 @@ def test_a_full_pull_drops_the_kept_tree(pulled: tuple[Path, Path, PullOptions])
     change(ws, 3)
     assert pull(ws, dest, opts).mode == "incremental"
     assert_shares_only(dest)
+
+
+def recorded_vs_disk(dest: Path, opts: PullOptions) -> list[bytes]:
+    """Paths whose recorded host signature is not what ``lstat`` of DEST says now."""
+    db = sqlite3.connect(state_path(opts.state_dir, dest))
+    try:
+        rows = db.execute("SELECT path, hkind, hmode, hsize, hmtime, hctime, hino FROM state")
+        recorded = {bytes(r[0]): tuple(r[1:]) for r in rows}
+    finally:
+        db.close()
+    wrong = []
+    for path, signature in recorded.items():
+        st = os.lstat(os.fsencode(dest) + b"/" + path if path != b"." else os.fsencode(dest))
+        if signature != hostscan.row(path, st)[1:]:
+            wrong.append(path)
+    return wrong
+
+
+def test_the_commit_after_a_reuse_records_dest_as_it_is(
+    pulled: tuple[Path, Path, PullOptions],
+) -> None:
+    """The commit lstat's only what the pull made or linked and keeps the diff's scan for
+    the rest: every recorded signature must still be DEST's own (else the next pull
+    re-hashes, or worse), and the next pull finds nothing to do without re-hashing."""
+    ws, dest, opts = pulled
+    for round_no in (2, 3):
+        change(ws, round_no)
+        pull(ws, dest, opts)
+        assert recorded_vs_disk(dest, opts) == []
+    result = pull(ws, dest, opts)
+    assert result.changed_files == 0 and result.files == 0

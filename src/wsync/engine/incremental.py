@@ -182,6 +182,8 @@ class Incremental:
         self.manifest_digest = ""
         #: the manifest was loaded into the state (it is not while the shortcut may apply)
         self.loaded = False
+        #: the new tree was the previous one brought to the farm (not a fresh farm)
+        self.reused = False
         self._stop = threading.Event()
 
     def close(self) -> None:
@@ -304,6 +306,7 @@ class Incremental:
         try:
             if reused and dest_fd is not None:
                 removed, made = prevtree.reuse(self.state.db, dest_fd, tmp_fd, check_cancel)
+                self.reused = True
                 log.debug("previous tree reused", removed=removed, linked=made)
                 return made
             return build_farm(source, tmp_fd, self.diff.keep(), check_cancel)
@@ -325,8 +328,10 @@ class Incremental:
         dest_fd = open_dest(self.target)
         if dest_fd is None:
             return
+        db = self.state.db
+        restat = (lambda: prevtree.restat(db, dest_fd)) if self.reused else None
         try:
-            self.state.commit(dest_fd, iter(self.hashes))
+            self.state.commit(dest_fd, iter(self.hashes), restat)
         finally:
             os.close(dest_fd)
 

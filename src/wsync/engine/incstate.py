@@ -407,22 +407,37 @@ class PullState:
     # -- after the pull -----------------------------------------------------------------
 
     def commit(
-        self, dest_fd: int, file_hashes: Mapping[bytes, str] | Iterable[tuple[bytes, str]]
+        self,
+        dest_fd: int,
+        file_hashes: Mapping[bytes, str] | Iterable[tuple[bytes, str]],
+        restat: Callable[[], Iterable[tuple[bytes, hostscan.HostRow | None]]] | None = None,
     ) -> None:
         """Record the tree now in DEST (open at ``dest_fd``) as this sandbox's baseline.
 
-        Call it after the swap and after the old tree was removed.  ``file_hashes`` are the
-        extractor's xxh3_128 of every file it wrote (on top of those given to
-        :meth:`add_hash` since :meth:`load_manifest`); kept files carry their recorded hash.
-        An entry is recorded only where DEST holds it with the manifest's kind, so anything
-        the pull did not leave (vanished in the guest, refused) is fetched next time.
+        Call it after the swap and after the old tree was removed or pruned.
+        ``file_hashes`` are the extractor's xxh3_128 of every file it wrote (on top of
+        those given to :meth:`add_hash` since :meth:`load_manifest`); kept files carry
+        their recorded hash.  An entry is recorded only where DEST holds it with the
+        manifest's kind, so anything the pull did not leave (vanished in the guest,
+        refused) is fetched next time.
+
+        DEST is scanned again, unless ``restat`` gives the lstat rows of every entry this
+        pull made or linked (:func:`wsync.engine.prevtree.restat`): then every other row
+        is the one of the scan the diff used.  An older signature is never a missed
+        change: anything done to an entry since that scan differs from it next time.
         """
         if not self._loaded:
             raise RuntimeError("load_manifest() first")
         pairs = file_hashes.items() if isinstance(file_hashes, Mapping) else file_hashes
         with self._errors():
             db = self.db
-            self._scan_host(dest_fd)
+            if restat is None or not self._diffed:
+                self._scan_host(dest_fd)
+            else:
+                rows = list(restat())
+                gone = [(path,) for path, row in rows if row is None]
+                db.executemany("DELETE FROM s.host WHERE path = ?", gone)
+                db.executemany(incsql.INSERT_HOST, [row for _, row in rows if row is not None])
             for path, digest in pairs:
                 self.add_hash(path, digest)
             self._flush_hashes()

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 
 from wsync.engine.farm import CANCEL_EVERY, _Parents, _split, build_farm
 from wsync.engine.fsutil import make_private, remove_tree_at
-from wsync.engine.hostscan import _DirFds
+from wsync.engine.hostscan import HostRow, _DirFds, row
 from wsync.engine.itemize import escape
 from wsync.errors import HostIOError
 
@@ -66,6 +66,14 @@ SELECT p.path, p.kind FROM s.plan p
 WHERE ((p.kind = 'd' AND p.path != x'2e') OR (p.kind != 'd' AND p.act = 'keep'))
   AND NOT EXISTS (SELECT 1 FROM s.prev t WHERE t.path = p.path AND t.ok = 1)
 ORDER BY p.path
+"""
+#: entries of the new DEST that this pull made or linked (with :data:`_VERDICT`'s table)
+_TOUCHED = """
+SELECT path FROM s.man WHERE kind = 'd'
+UNION ALL
+SELECT p.path FROM s.plan p WHERE p.kind != 'd' AND (p.act != 'keep'
+  OR NOT EXISTS (SELECT 1 FROM s.prev t WHERE t.path = p.path AND t.ok = 1))
+ORDER BY 1
 """
 #: entries of the old DEST that the new one does not share (children before parents)
 _UNSHARED = """
@@ -188,3 +196,33 @@ def prune(db: sqlite3.Connection, prev_fd: int, check_cancel: Callable[[], None]
         return _remove_all(prev_fd, paths, check_cancel)
     except sqlite3.Error as exc:
         raise HostIOError(f"incremental state: {exc}") from exc
+
+
+def restat(db: sqlite3.Connection, dest_fd: int) -> list[tuple[bytes, HostRow | None]]:
+    """After a pull that reused the tree (:func:`reuse`), the lstat rows of what it made or
+    linked in DEST (now at ``dest_fd``): every directory, every fetched entry, every entry
+    linked anew (a link changes the inode's ctime); None for one that is gone.  The other
+    entries were not touched since the diff's scan, whose rows the commit keeps."""
+    try:
+        paths = [bytes(p) for (p,) in db.execute(_TOUCHED)]
+    except sqlite3.Error as exc:
+        raise HostIOError(f"incremental state: {exc}") from exc
+    parents = _Parents(dest_fd)
+    rows: list[tuple[bytes, HostRow | None]] = []
+    try:
+        for path in paths:
+            if path == b".":
+                rows.append((path, row(path, os.fstat(dest_fd))))
+                continue
+            parent, leaf = _split(path)
+            try:
+                st = os.stat(leaf, dir_fd=parents.get(parent), follow_symlinks=False)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                    raise HostIOError(f"reading DEST, {escape(path)}: {exc.strerror}") from exc
+                rows.append((path, None))
+                continue
+            rows.append((path, row(path, st)))
+    finally:
+        parents.close()
+    return rows
