@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import errno
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -166,8 +167,11 @@ def set_dir_meta(tmp_fd: int, dirs: Iterable[DirLike]) -> None:
                     dir_fd=tmp.get(parent),
                 )
                 try:
-                    os.fchmod(fd, mode)
-                    _utime(fd, atime_ns, mtime_ns)
+                    st = os.fstat(fd)
+                    # a reused tree's unchanged directory already has both: no write
+                    if stat.S_IMODE(st.st_mode) != mode or st.st_mtime_ns != mtime_ns:
+                        os.fchmod(fd, mode)
+                        _utime(fd, atime_ns, mtime_ns)
                 finally:
                     os.close(fd)
             except OSError as exc:

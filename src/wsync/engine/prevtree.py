@@ -23,10 +23,11 @@ directory-entry inodes that differ from ``lstat``'s (some overlayfs set-ups), en
 fail to match and are linked again: slower, never wrong.
 
 Confinement is the farm's: the tree is reached through directory fds opened without
-following a link, and each directory is made ours-only (0700) before it is listed, so no
-other user can add to it once it was looked at (one who still holds a directory fd from when
-it was DEST included: permission is checked at each creation); a directory that is not ours
-or cannot be opened is removed whole, never entered.
+following a link, its root is 0700 while the pull builds it, and each directory that others
+could write to is made 0700 before it is listed, so nobody else can add to it once it was
+looked at (not even one who still holds a directory fd from when it was DEST: permission is
+checked at each creation); a directory that is not ours or cannot be opened is removed
+whole, never entered.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from __future__ import annotations
 import errno
 import os
 import sqlite3
+import stat
 from collections.abc import Callable, Iterator
 
 from wsync.engine.farm import CANCEL_EVERY, _Parents, _split, build_farm
-from wsync.engine.fsutil import make_private, remove_tree_at
+from wsync.engine.fsutil import remove_tree_at
 from wsync.engine.hostscan import HostRow, _DirFds, row
 from wsync.engine.itemize import escape
 from wsync.errors import HostIOError
@@ -85,13 +87,22 @@ ORDER BY h.path DESC
 
 
 def _private_dir(parent_fd: int, name: str) -> bool:
-    """Directory ``name`` of ``parent_fd`` is ours and now 0700 (False: remove it whole)."""
+    """Directory ``name`` of ``parent_fd`` is ours, and only we may add to it and search
+    it (False: remove it whole).  A directory others could write to is made 0700 (its mode
+    comes back from the manifest at the end); one they cannot is left as it is, so an
+    unchanged directory costs no write at all."""
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError:
         return False
     try:
-        return make_private(fd)
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            return False
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o022 or mode & 0o700 != 0o700:
+            os.fchmod(fd, 0o700)
+        return True
     except OSError:
         return False
     finally:
