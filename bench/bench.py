@@ -19,7 +19,7 @@ faulty run lost its time).
 Incremental rows (issue 8), over the same sshd, rounds interleaved, into DESTs that
 a first (untimed) run of each tool filled: an unchanged re-pull beside ``rsync -a``'s
 no-op, and a re-pull after 1% of the files changed (a new 1% each round) beside
-``rsync -a``; wall time and bytes on the wire (``transferred_bytes`` from
+``rsync -a``, by default and with ``--keep-prev``; wall time and bytes on the wire (``transferred_bytes`` from
 ``--json``; rsync's own ``--stats`` "Total bytes received").  Then
 ``bench/incr_state.py`` (``--state-entries``, default 1M; 0 skips it): the diff
 time and peak RSS of the state code for a synthetic 1M-entry manifest against a
@@ -305,7 +305,7 @@ def main() -> int:
             )
         )
         for pair in incremental.values():
-            rows.extend(pair)
+            rows.extend(row for row in pair if row not in rows)
 
     emulated: dict[str, tuple[dict[str, object], dict[str, object]]] = {}
     for name, thread, faults in [] if args.incremental_only else _emulators():
@@ -458,16 +458,23 @@ def incremental_rows(
     uri: str,
     wsync_common: str,
 ) -> dict[str, tuple[dict[str, object], dict[str, object]]]:
-    """Unchanged and 1%-changed re-pulls into kept DESTs, wsync beside rsync (issue 8)."""
+    """Unchanged and 1%-changed re-pulls into kept DESTs, wsync beside rsync (issue 8); the
+    1% row also with ``--keep-prev`` into a DEST of its own (its first round builds the
+    farm from scratch, as every default pull does; best-of-N keeps a round that reused)."""
     r_dest, w_dest = root / "out" / "incr-rsync", root / "out" / "incr-wsync"
-    for d in (r_dest, w_dest):
+    k_dest = root / "out" / "incr-wsync-keep"
+    for d in (r_dest, w_dest, k_dest):
         if d.exists():
             subprocess.run(["rm", "-rf", str(d)], check=True)
+        prev = d.parent / f".{d.name}.wsync-prev"
+        if prev.exists():
+            subprocess.run(["rm", "-rf", str(prev)], check=True)
     r_dest.parent.mkdir(parents=True, exist_ok=True)
     rsync = f"rsync -a --stats -e {shlex.quote(ssh)} {target}:{shlex.quote(str(ws))}/ {shlex.quote(str(r_dest))}/"
     wsync = f"{py} -m wsync pull {shlex.quote(uri)} {shlex.quote(str(w_dest))} {wsync_common}"
-    run(rsync)  # the first, full copies are not timed
-    run(wsync)
+    keep = f"{py} -m wsync pull {shlex.quote(uri)} {shlex.quote(str(k_dest))} {wsync_common} --keep-prev"
+    for command in (rsync, wsync, keep):
+        run(command)  # the first, full copies are not timed
     out: dict[str, tuple[dict[str, object], dict[str, object]]] = {}
 
     def timed(name: str, command: str, dest: Path, kind: str) -> dict[str, object]:
@@ -490,18 +497,24 @@ def incremental_rows(
 
     for label, change in (("unchanged re-pull", False), ("1% of files changed", True)):
         best: dict[str, dict[str, object]] = {}
+        commands = [
+            (f"rsync -a, {label}", rsync, r_dest, "rsync"),
+            (f"wsync pull, {label}", wsync, w_dest, "wsync"),
+        ]
+        if change:
+            commands.append((f"wsync pull --keep-prev, {label}", keep, k_dest, "wsync"))
         for round_no in range(runs):
             if change:
                 n = _change_one_percent(ws, round_no)
                 print(f"  changed {n} files", file=sys.stderr)
-            for name, command, dest, kind in (
-                (f"rsync -a, {label}", rsync, r_dest, "rsync"),
-                (f"wsync pull, {label}", wsync, w_dest, "wsync"),
-            ):
+            for name, command, dest, kind in commands:
                 row = timed(name, command, dest, kind)
                 if name not in best or float(row["wall_s"]) < float(best[name]["wall_s"]):  # type: ignore[arg-type]
                     best[name] = row
-        out[label] = (best[f"rsync -a, {label}"], best[f"wsync pull, {label}"])
+        r_row = best[f"rsync -a, {label}"]
+        out[label] = (r_row, best[f"wsync pull, {label}"])
+        if change:
+            out[f"{label}, --keep-prev"] = (r_row, best[f"wsync pull --keep-prev, {label}"])
     return out
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -10,12 +12,14 @@ from typing import Any
 
 import pytest
 
+from helpers import assert_exact, run_pull
 from wsync.daemon.config import ConfigError, load_config
 from wsync.daemon.jobs import JobManager
 from wsync.daemon.metrics import Metrics
 from wsync.daemon.store import JobStore
 from wsync.engine.api import ProgressCallback, PullOptions, PullResult
 from wsync.engine.excludes import Excludes
+from wsync.transports.local import LocalTransport
 
 
 def write_config(tmp_path: Path, exclude: str) -> Path:
@@ -112,3 +116,22 @@ def test_job_record_and_metrics_show_mode_counts_and_bytes(tmp_path: Path) -> No
     assert 'wsync_tree_bytes_total{sandbox="box"} 1.81e+07' in text
     assert 'wsync_last_pull_transferred_bytes{sandbox="box"} 40000.0' in text
     assert 'wsync_last_pull_tree_bytes{sandbox="box"} 9.1e+06' in text
+
+
+def test_keep_prev_reaches_the_pull_and_its_tree_stays_beneath_the_root(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path, "[]\nkeep_prev = true"))
+    options = config.pull_options(config.sandboxes["box"])
+    assert options.keep_prev
+    assert not config.pull_options(config.sandboxes["plain"]).keep_prev
+    ws, roots = tmp_path / "ws", tmp_path / "roots"
+    (ws / "a").write_text("one\n")
+    (ws / "b").write_text("b\n")
+    opts = dataclasses.replace(options, dest_root=roots)
+    for text in ("one\n", "two\n", "three, longer\n"):
+        (ws / "a").write_text(text)
+        result = run_pull(LocalTransport(), ws, roots / "box", opts)
+        assert result.ok, result.error
+        assert_exact(ws, roots / "box")
+    assert result.mode == "incremental"
+    assert sorted(p.name for p in roots.iterdir()) == [".box.wsync-prev", "box"]
+    assert os.stat(roots / ".box.wsync-prev" / "b").st_ino == os.stat(roots / "box" / "b").st_ino

@@ -153,7 +153,8 @@ from wsync.engine.pull import pull
 from wsync.protocol import scripts
 from wsync.transports.local import LocalTransport
 
-kind, ws, dest, state, staging, ready, text = sys.argv[1:]
+kind, ws, dest, state, staging, ready, text = sys.argv[1:8]
+keep_prev = sys.argv[8:] == ["keep-prev"]
 
 def reached():
     found = sorted(Path("/").glob(ready.lstrip("/")))
@@ -167,16 +168,20 @@ class Killing(LocalTransport):
             os.kill(os.getpid(), signal.SIGKILL)
         return await super().exec(argv, **kw)
 
-opts = PullOptions(state_dir=Path(state), staging_root=staging, call_timeout=30.0)
+opts = PullOptions(
+    state_dir=Path(state), staging_root=staging, call_timeout=30.0, keep_prev=keep_prev
+)
 asyncio.run(pull(Killing(), ws, Path(dest), opts))
 """
 
 
-def _killed(tmp_path: Path, ws: Path, dest: Path, kind: str, ready: Path, text: str = "") -> None:
+def _killed(
+    tmp_path: Path, ws: Path, dest: Path, kind: str, ready: Path, text: str = "", *extra: str
+) -> None:
     """Run :data:`_KILLED_PULL` with :func:`helpers.options`' state and staging."""
     opts = options(tmp_path)
     argv = [sys.executable, "-c", _KILLED_PULL, kind, str(ws), str(dest)]
-    argv += [str(opts.state_dir), opts.staging_root, str(ready), text]
+    argv += [str(opts.state_dir), opts.staging_root, str(ready), text, *extra]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr
 
@@ -229,7 +234,7 @@ def test_a_pull_killed_while_it_reuses_the_kept_tree_finishes_exactly(tmp_path: 
         (ws / "sub" / f"f{i}").write_text(f"{i} one\n")
     dest = tmp_path / "out"
     prev = tmp_path / ".out.wsync-prev"
-    opts = options(tmp_path)
+    opts = options(tmp_path, keep_prev=True)
     run_pull(LocalTransport(), ws, dest, opts)
     (ws / "sub" / "f0").write_text("0 two\n")
     run_pull(LocalTransport(), ws, dest, opts)
@@ -238,7 +243,8 @@ def test_a_pull_killed_while_it_reuses_the_kept_tree_finishes_exactly(tmp_path: 
     (ws / "sub" / "f2").unlink()
     (ws / "new").mkdir()
     (ws / "new" / "n").write_text("n\n")
-    _killed(tmp_path, ws, dest, "read", tmp_path / "state/pulls/*/phase-select/meta.json")
+    ready = tmp_path / "state/pulls/*/phase-select/meta.json"
+    _killed(tmp_path, ws, dest, "read", ready, "", "keep-prev")
     assert not prev.exists()
     result = run_pull(LocalTransport(), ws, dest, opts)
     assert result.ok, result.error

@@ -1,6 +1,7 @@
-"""The previous tree (:mod:`wsync.engine.prevtree`): an incremental pull keeps the old tree
-beside DEST and starts the next one from it; whatever happens to that tree in between, DEST
-ends exact and nothing of it leaks into DEST or out of it."""
+"""The previous tree (:mod:`wsync.engine.prevtree`, ``--keep-prev``): an incremental pull
+keeps the old tree beside DEST and starts the next one from it; whatever happens to that tree
+in between, DEST ends exact and nothing of it leaks into DEST or out of it.  Without the
+option nothing is kept."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def pulled(tmp_path: Path) -> tuple[Path, Path, PullOptions]:
     """A workspace pulled twice, the second time with a change: the tree is kept."""
     ws = make_tree(tmp_path / "ws", big=64 * 1024, small=30)
     dest = tmp_path / "out"
-    opts = options(tmp_path)
+    opts = options(tmp_path, keep_prev=True)
     assert pull(ws, dest, opts).mode == "full"
     assert not prev_of(dest).exists()  # a full pull shares nothing with the old tree
     change(ws, 1)
@@ -216,3 +217,18 @@ def test_the_commit_after_a_reuse_records_dest_as_it_is(
         assert recorded_vs_disk(dest, opts) == []
     result = pull(ws, dest, opts)
     assert result.changed_files == 0 and result.files == 0
+
+
+def test_without_keep_prev_nothing_is_kept_and_a_kept_tree_goes(
+    pulled: tuple[Path, Path, PullOptions],
+) -> None:
+    ws, dest, opts = pulled
+    plain = dataclasses.replace(opts, keep_prev=False)
+    change(ws, 2)
+    assert pull(ws, dest, plain).mode == "incremental"
+    assert not prev_of(dest).exists() and tmp_trees(dest) == []
+    # every file of DEST is DEST's alone again (guest hardlinks aside)
+    assert os.stat(dest / "src" / "f5.txt").st_nlink == 1
+    change(ws, 3)
+    pull(ws, dest, plain)
+    assert not prev_of(dest).exists()

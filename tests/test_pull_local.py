@@ -479,18 +479,21 @@ def deep(tmp_path: Path) -> Iterator[Callable[[Path, int, str], None]]:
         rmtree(entry)
 
 
+@pytest.mark.parametrize("keep_prev", [False, True], ids=["default", "keep-prev"])
 def test_a_deep_tree_pulls_twice_in_a_row(
-    tmp_path: Path, deep: Callable[[Path, int, str], None]
+    tmp_path: Path, deep: Callable[[Path, int, str], None], keep_prev: bool
 ) -> None:
     """Issue 7 item 7: the second pull's removal of the old 1,200-deep tree raised
-    RecursionError in finish(), and every later pull failed the same way.  Now the
-    incremental pull keeps the old tree (and walks it), the full one removes both."""
+    RecursionError in finish(), and every later pull failed the same way.  With
+    --keep-prev the incremental pulls keep the old tree (and walk it), the full one
+    removes both."""
     workspace = tmp_path / "ws"
     deep(workspace, 1200, "leaf")
     dest = tmp_path / "out"
     for turn, full in enumerate((True, False, False, True)):
         (workspace / "turn").write_text(f"{turn}\n")
-        result = run_pull(local(), workspace, dest, options(tmp_path, full=full))
+        opts = options(tmp_path, full=full, keep_prev=keep_prev)
+        result = run_pull(local(), workspace, dest, opts)
         assert result.ok and result.warnings == []
         assert result.mode == ("full" if full else "incremental")
         limit = sys.getrecursionlimit()
@@ -500,7 +503,7 @@ def test_a_deep_tree_pulls_twice_in_a_row(
         finally:
             sys.setrecursionlimit(limit)
         left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
-        assert left == ([] if full else [".out.wsync-prev"])
+        assert left == ([".out.wsync-prev"] if keep_prev and not full else [])
 
 
 def test_a_refusal_after_a_deep_tree_is_still_the_refusal(

@@ -287,6 +287,14 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         "--json as unstable_files) instead of failing with exit 24",
     )
     p.add_argument(
+        "--keep-prev",
+        action="store_true",
+        help="keep the replaced tree beside DEST as .NAME.wsync-prev (hard links to DEST's "
+        "files) and start the next pull from it: a pull then costs what changed, not what "
+        "DEST holds; DEST's files show 2 links, and removing DEST frees no space until "
+        ".NAME.wsync-prev goes too",
+    )
+    p.add_argument(
         "--full",
         action="store_true",
         help="archive the whole workspace even when DEST holds an earlier pull of it "
@@ -512,6 +520,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         keep_staging=args.keep_staging,
         helpers=not args.exec_per_call,
         best_effort=args.best_effort,
+        keep_prev=args.keep_prev,
         compressor="gzip" if args.gzip else "zstd",
         limits=ExtractLimits(max_files=args.max_files, max_bytes=args.max_bytes),
         full=args.full,

@@ -152,6 +152,9 @@ class SandboxConfig(_Strict):
     #: paths left out of every pull of this sandbox, ``--exclude`` patterns (rsync meaning:
     #: ``*.pyc``, ``/build``, ``node_modules/``, ``logs/**``); checked at load, exit 2 if bad
     exclude: list[str] = Field(default_factory=list)
+    #: keep the replaced tree beside DEST for the next pull (``--keep-prev``): periodic
+    #: incremental pulls then cost what changed, not what DEST holds
+    keep_prev: bool = False
     #: testing/demo knob: run this sandbox through the fault-injecting transport
     #: (wsync.chaos spec: "all", "all,seed=7", "H=0.1,T=0.05", ...); never in production
     chaos: str | None = None
@@ -393,6 +396,7 @@ class DaemonConfig(BaseSettings):
                 max_files=lim.max_files, max_bytes=lim.max_bytes, min_free_bytes=lim.min_free_bytes
             ),
             excludes=Excludes(tuple(sandbox.exclude)) if sandbox else Excludes.none(),
+            keep_prev=sandbox.keep_prev if sandbox else False,
         )
 
     def sandbox_concurrency(self, name: str) -> int:

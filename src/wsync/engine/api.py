@@ -69,6 +69,11 @@ class PullOptions:
     #: preferred compressor in the guest: "zstd" or "gzip" (falls back when missing)
     compressor: str = "zstd"
     limits: ExtractLimits = dataclasses.field(default_factory=ExtractLimits)
+    #: keep the replaced tree beside DEST (``.NAME.wsync-prev``, hard links to DEST's
+    #: files) so the next incremental pull starts from it and costs what changed, not what
+    #: DEST holds (:mod:`wsync.engine.prevtree`).  Off by default: DEST's files then show
+    #: a link count of 2, and removing DEST frees no space until that tree goes too
+    keep_prev: bool = False
     #: take files that never stopped changing while read as last read (listed in
     #: ``unstable_files``) instead of failing with exit 24
     best_effort: bool = False

@@ -23,12 +23,12 @@ still scanned every time, so any change made to it on the host changes the scan'
 and takes the full diff, which repairs it.
 
 The new tree is built in the usual tmp dir beside DEST: a hardlink farm of DEST's
-unchanged entries (:func:`~wsync.engine.farm.build_farm`; or the previous pull's old tree,
-kept beside DEST and brought to the same farm at a cost of what changed:
+unchanged entries (:func:`~wsync.engine.farm.build_farm`; with ``--keep-prev``, the previous
+pull's old tree, kept beside DEST and brought to the same farm at a cost of what changed:
 :mod:`~wsync.engine.prevtree`), the archive applied in the extractor's replace mode (no
 inode of the live DEST is ever written), gone entries removed, directory modes and mtimes
-set from the manifest, then the usual flush and swap.  The old tree is kept for the next
-pull, minus what the new DEST does not share, and the state is committed with the
+set from the manifest, then the usual flush and swap.  The old tree is removed (or kept for
+the next pull, minus what the new DEST does not share), and the state is committed with the
 extractor's file hashes.
 """
 

@@ -6,12 +6,18 @@ entry to build and, after the swap, one ``unlink`` per entry to remove the old t
 for all of ``rsync -a``: the pull cost what the tree holds, not what changed.
 
 After the swap the old tree (the DEST readers saw until then) already *is* most of the next
-farm: its unchanged entries are the very inodes the new DEST holds.  So an incremental pull
-keeps it as ``.NAME.wsync-prev``, minus what the new DEST does not share (old versions of
-changed files, deleted entries: :func:`prune`, a cost of what changed), and the next
-incremental pull starts its tmp tree from it (:func:`reuse`): a walk lists it (``getdents``
-only: kind and inode come with the names), what the new farm must not hold is removed, what
-it lacks is linked, and the archive is then applied to it as to a fresh farm.
+farm: its unchanged entries are the very inodes the new DEST holds.  So with ``--keep-prev``
+an incremental pull keeps it as ``.NAME.wsync-prev``, minus what the new DEST does not share
+(old versions of changed files, deleted entries: :func:`prune`, a cost of what changed), and
+the next incremental pull starts its tmp tree from it (:func:`reuse`): a walk lists it
+(``getdents`` only: kind and inode come with the names), what the new farm must not hold is
+removed, what it lacks is linked, and the archive is then applied to it as to a fresh farm.
+
+It is an option, off by default, because it shows: every file of DEST has a second link
+(``st_nlink`` 2), removing DEST frees no space while the kept tree holds the same inodes, and
+a process sitting in a directory of a replaced tree sees it pruned and, a pull later,
+rebuilt in place (without the option it sees it removed).  A daemon that owns its DESTs and
+pulls them every few minutes is where it pays.
 
 What stays is decided by identity, never by trust: a non-directory stays only where the farm
 would link DEST's entry at the same path and it *is* that inode (one inode is one file: same

@@ -158,7 +158,7 @@ class _Pull(IncrementalRunner):
             await self.session.upload_list(snapshot, listing)
         journaled = await self.admit_phase(plan, journal, snapshot, run)
         replace = run == "select"
-        tmp, tmp_fd, reused = self.make_tmp(reuse=replace and inc is not None and inc.reuses)
+        tmp, tmp_fd, reused = self.make_tmp(reuse=replace and self.keeps_prev)
         hook = None
         if inc is not None:
             inc.hashes.start()
@@ -198,6 +198,12 @@ class _Pull(IncrementalRunner):
             self.io.shutdown(wait=False)
         return self.outcome
 
+    @property
+    def keeps_prev(self) -> bool:
+        """This pull starts from, and leaves, a previous tree (``--keep-prev``, and a diff
+        against DEST to say what in it to keep)."""
+        return self.options.keep_prev and self.inc is not None and self.inc.reuses
+
     def make_tmp(self, *, reuse: bool) -> tuple[str, int, bool]:
         """The tree beside DEST that becomes DEST (stale ones of earlier runs go): its
         name, fd, and whether it is a reused earlier tree (``reuse``: an incremental pull)."""
@@ -230,7 +236,7 @@ class _Pull(IncrementalRunner):
         """Changes without an entry to fetch (deletions, directory modes or mtimes, a
         host-side chmod of a directory): the new tree is the farm alone, no producer run."""
         assert inc is not None
-        tmp, tmp_fd, reused = self.make_tmp(reuse=inc.reuses)
+        tmp, tmp_fd, reused = self.make_tmp(reuse=self.keeps_prev)
         inc.hashes.start()
         inc.hashes.close()
         stop = threading.Event()
@@ -275,7 +281,7 @@ class _Pull(IncrementalRunner):
         """
         self.emit("cleanup")
         inc = self.inc
-        if old is not None and inc is not None and inc.reuses and self.swapped:
+        if old is not None and inc is not None and self.keeps_prev and self.swapped:
             old = await self.keep_prev(inc, old)
         if old is not None:
             try:
