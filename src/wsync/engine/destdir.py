@@ -325,7 +325,12 @@ class DestDir:
             if fd is not None:
                 self._tmp_fd = fd
                 return fd, warnings, True
-        self.remove(name)
+        try:
+            self.remove(name)
+        except HostIOError as exc:
+            # something in it cannot be removed: never block DEST on it
+            warnings.append(f"a left-over of an earlier pull was not removed: {exc}")
+            self.set_aside(name)
         with host_io(f"creating {shown}"):
             os.mkdir(name, 0o700, dir_fd=self.parent_fd)
             self._tmp_fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
@@ -333,7 +338,8 @@ class DestDir:
 
     def _reusable(self, base: str, name: str) -> int | None:
         """``base`` renamed to ``name`` and opened, if it is a directory of ours (made
-        0700); None (it is removed by the caller) otherwise."""
+        0700); None otherwise (``name`` is then made afresh; a rejected previous tree is
+        left where it is, and replaced by the next one kept)."""
         try:
             fd = os.open(base, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
         except OSError:
@@ -352,14 +358,31 @@ class DestDir:
 
     def keep_prev(self, old: str) -> int | None:
         """Keep the old tree (named ``old`` after the swap) as the previous tree; return
-        an fd on it, or None when it could not be kept (then it is removed)."""
+        an fd on it, or None when it could not be kept (the caller removes it).
+
+        Its root is made 0700 first: its directories keep the old DEST's modes and its
+        files are DEST's inodes, so a directory the guest has since closed (``chmod 700
+        secrets``) would otherwise still show DEST's files to others through it."""
+        fd = -1
         try:
+            fd = os.open(old, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
+            if not fsutil.make_private(fd):
+                raise OSError(errno.EPERM, "the old tree is not ours")
             self.remove(self.prev_name)
             os.rename(old, self.prev_name, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
-            return os.open(self.prev_name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
+            return fd
         except (OSError, HostIOError) as exc:
             log.info("previous tree not kept", error=str(exc))
+            if fd >= 0:
+                os.close(fd)
             return None
+
+    def set_aside(self, name: str) -> None:
+        """Give tree ``name`` a stale tmp name (the next pull removes it), so that nothing
+        reuses it: a worker thread that could not be stopped may still be writing there."""
+        stale = f".{self.name}.wsync-tmp-{os.urandom(6).hex()}"
+        with contextlib.suppress(OSError):
+            os.rename(name, stale, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
 
     def close_tmp(self) -> None:
         if self._tmp_fd is not None:

@@ -184,6 +184,8 @@ class Incremental:
         self.loaded = False
         #: the new tree was the previous one brought to the farm (not a fresh farm)
         self.reused = False
+        #: bringing the previous tree to the farm failed (something in it we cannot remove)
+        self.reuse_failed = False
         self._stop = threading.Event()
 
     def close(self) -> None:
@@ -305,7 +307,11 @@ class Incremental:
         source = dest_fd if dest_fd is not None else tmp_fd
         try:
             if reused and dest_fd is not None:
-                removed, made = prevtree.reuse(self.state.db, dest_fd, tmp_fd, check_cancel)
+                try:
+                    removed, made = prevtree.reuse(self.state.db, dest_fd, tmp_fd, check_cancel)
+                except HostIOError:
+                    self.reuse_failed = True  # the tree goes aside, not to the next run
+                    raise
                 self.reused = True
                 log.debug("previous tree reused", removed=removed, linked=made)
                 return made

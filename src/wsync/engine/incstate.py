@@ -46,7 +46,7 @@ import sqlite3
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import structlog
 import xxhash
@@ -58,6 +58,8 @@ from wsync.engine.itemize import changed_flags, itemize_line
 from wsync.errors import HostileArchive, HostIOError, LimitExceeded, StagingFailed
 
 log = structlog.get_logger("wsync.incstate")
+
+_T = TypeVar("_T")
 
 #: rows per executemany while streaming
 BATCH = 4096
@@ -410,7 +412,7 @@ class PullState:
         self,
         dest_fd: int,
         file_hashes: Mapping[bytes, str] | Iterable[tuple[bytes, str]],
-        restat: Callable[[], Iterable[tuple[bytes, hostscan.HostRow | None]]] | None = None,
+        restat: Callable[[], Iterator[tuple[bytes, hostscan.HostRow | None]]] | None = None,
     ) -> None:
         """Record the tree now in DEST (open at ``dest_fd``) as this sandbox's baseline.
 
@@ -422,9 +424,9 @@ class PullState:
         refused) is fetched next time.
 
         DEST is scanned again, unless ``restat`` gives the lstat rows of every entry this
-        pull made or linked (:func:`wsync.engine.prevtree.restat`): then every other row
-        is the one of the scan the diff used.  An older signature is never a missed
-        change: anything done to an entry since that scan differs from it next time.
+        pull made (:func:`wsync.engine.prevtree.restat`): then every other row is the one
+        of the scan the diff used.  An older signature is never a missed change: anything
+        done to an entry since that scan differs from it next time.
         """
         if not self._loaded:
             raise RuntimeError("load_manifest() first")
@@ -434,10 +436,10 @@ class PullState:
             if restat is None or not self._diffed:
                 self._scan_host(dest_fd)
             else:
-                rows = list(restat())
-                gone = [(path,) for path, row in rows if row is None]
-                db.executemany("DELETE FROM s.host WHERE path = ?", gone)
-                db.executemany(incsql.INSERT_HOST, [row for _, row in rows if row is not None])
+                for batch in _batches(restat()):
+                    gone = [(path,) for path, row in batch if row is None]
+                    db.executemany("DELETE FROM s.host WHERE path = ?", gone)
+                    db.executemany(incsql.INSERT_HOST, [row for _, row in batch if row])
             for path, digest in pairs:
                 self.add_hash(path, digest)
             self._flush_hashes()
@@ -482,6 +484,18 @@ class PullState:
         """Drop the baseline: the next pull into DEST is a full one."""
         self.close()
         incsql.remove_db(self.path)
+
+
+def _batches(rows: Iterator[_T]) -> Iterator[list[_T]]:
+    """``rows`` in lists of at most BATCH (``itertools.batched`` is Python 3.12)."""
+    batch: list[_T] = []
+    for item in rows:
+        batch.append(item)
+        if len(batch) >= BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 @dataclasses.dataclass

@@ -32,8 +32,8 @@ Confinement is the farm's: the tree is reached through directory fds opened with
 following a link, its root is 0700 while the pull builds it, and each directory that others
 could write to is made 0700 before it is listed, so nobody else can add to it once it was
 looked at (not even one who still holds a directory fd from when it was DEST: permission is
-checked at each creation); a directory that is not ours or cannot be opened is removed
-whole, never entered.
+checked at each creation); a directory that is not ours, is on another filesystem or
+cannot be opened is never walked for reuse: it is removed whole.
 """
 
 from __future__ import annotations
@@ -75,12 +75,11 @@ WHERE ((p.kind = 'd' AND p.path != x'2e') OR (p.kind != 'd' AND p.act = 'keep'))
   AND NOT EXISTS (SELECT 1 FROM s.prev t WHERE t.path = p.path AND t.ok = 1)
 ORDER BY p.path
 """
-#: entries of the new DEST that this pull made or linked (with :data:`_VERDICT`'s table)
+#: entries of the new DEST that this pull made: its directories and what it fetched
 _TOUCHED = """
 SELECT path FROM s.man WHERE kind = 'd'
 UNION ALL
-SELECT p.path FROM s.plan p WHERE p.kind != 'd' AND (p.act != 'keep'
-  OR NOT EXISTS (SELECT 1 FROM s.prev t WHERE t.path = p.path AND t.ok = 1))
+SELECT path FROM s.plan WHERE kind != 'd' AND act != 'keep'
 ORDER BY 1
 """
 #: entries of the old DEST that the new one does not share (children before parents)
@@ -92,7 +91,7 @@ ORDER BY h.path DESC
 """
 
 
-def _private_dir(parent_fd: int, name: str) -> bool:
+def _private_dir(parent_fd: int, name: str, dev: int) -> bool:
     """Directory ``name`` of ``parent_fd`` is ours, and only we may add to it and search
     it (False: remove it whole).  A directory others could write to is made 0700 (its mode
     comes back from the manifest at the end); one they cannot is left as it is, so an
@@ -103,8 +102,8 @@ def _private_dir(parent_fd: int, name: str) -> bool:
         return False
     try:
         st = os.fstat(fd)
-        if st.st_uid != os.geteuid():
-            return False
+        if st.st_uid != os.geteuid() or st.st_dev != dev:
+            return False  # not ours, or another filesystem: inode numbers mean nothing
         mode = stat.S_IMODE(st.st_mode)
         if mode & 0o022 or mode & 0o700 != 0o700:
             os.fchmod(fd, 0o700)
@@ -118,7 +117,9 @@ def _private_dir(parent_fd: int, name: str) -> bool:
 def walk(root_fd: int, check_cancel: Callable[[], None]) -> Iterator[tuple[bytes, str, int]]:
     """``(path, kind, inode)`` of every entry below the tree at ``root_fd`` (made private
     by the caller): kind ``d`` for a directory made private, ``x`` for one that is not
-    ours or cannot be opened (not entered), ``n`` for anything else."""
+    ours, is on another filesystem or cannot be opened (not walked: removed whole), ``n``
+    for anything else."""
+    dev = os.fstat(root_fd).st_dev
     pending: list[bytes] = [b"."]
     fds = _DirFds(root_fd)
     seen = 0
@@ -139,7 +140,7 @@ def walk(root_fd: int, check_cancel: Callable[[], None]) -> Iterator[tuple[bytes
                             check_cancel()
                         name = prefix + os.fsencode(entry.name)
                         if entry.is_dir(follow_symlinks=False):
-                            kind = "d" if _private_dir(fd, entry.name) else "x"
+                            kind = "d" if _private_dir(fd, entry.name, dev) else "x"
                         else:
                             kind = "n"
                         if kind == "d":
@@ -234,21 +235,21 @@ def prune(db: sqlite3.Connection, prev_fd: int, check_cancel: Callable[[], None]
         raise HostIOError(f"incremental state: {exc}") from exc
 
 
-def restat(db: sqlite3.Connection, dest_fd: int) -> list[tuple[bytes, HostRow | None]]:
-    """After a pull that reused the tree (:func:`reuse`), the lstat rows of what it made or
-    linked in DEST (now at ``dest_fd``): every directory, every fetched entry, every entry
-    linked anew (a link changes the inode's ctime); None for one that is gone.  The other
-    entries were not touched since the diff's scan, whose rows the commit keeps."""
-    try:
-        paths = [bytes(p) for (p,) in db.execute(_TOUCHED)]
-    except sqlite3.Error as exc:
-        raise HostIOError(f"incremental state: {exc}") from exc
+def restat(db: sqlite3.Connection, dest_fd: int) -> Iterator[tuple[bytes, HostRow | None]]:
+    """After a pull that reused the tree (:func:`reuse`), the lstat rows of what it made in
+    DEST (now at ``dest_fd``): every directory and every fetched entry; None for one that
+    is gone.  Streamed: the caller writes them to ``s.host`` as they come (a million-entry
+    change must not be a million rows in memory).
+
+    Every other row stays the diff's scan, also for an entry the reuse linked anew (a link
+    moves the inode's ctime, so the next pull re-hashes it once): recording its lstat now
+    would record whatever was done to it since the scan, which no later pull would see."""
     parents = _Parents(dest_fd)
-    rows: list[tuple[bytes, HostRow | None]] = []
     try:
-        for path in paths:
+        for (raw,) in db.execute(_TOUCHED):
+            path = bytes(raw)
             if path == b".":
-                rows.append((path, row(path, os.fstat(dest_fd))))
+                yield path, row(path, os.fstat(dest_fd))
                 continue
             parent, leaf = _split(path)
             try:
@@ -256,9 +257,10 @@ def restat(db: sqlite3.Connection, dest_fd: int) -> list[tuple[bytes, HostRow | 
             except OSError as exc:
                 if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
                     raise HostIOError(f"reading DEST, {escape(path)}: {exc.strerror}") from exc
-                rows.append((path, None))
+                yield path, None
                 continue
-            rows.append((path, row(path, st)))
+            yield path, row(path, st)
+    except sqlite3.Error as exc:
+        raise HostIOError(f"incremental state: {exc}") from exc
     finally:
         parents.close()
-    return rows

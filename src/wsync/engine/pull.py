@@ -190,8 +190,7 @@ class _Pull(IncrementalRunner):
             old = self.swap_in(tmp, tmp_fd)
             self.outcome = (stats, chunks, length, old)
         except BaseException:
-            if not reused:  # a reused tree is as good a start for the next run as it was
-                await self.remove_tmp(tmp)
+            await self.drop_tmp(tmp, reused)
             raise
         finally:
             # every write was awaited on success; after a failure none is waited for here
@@ -253,10 +252,18 @@ class _Pull(IncrementalRunner):
             self.outcome = (ExtractStats(), 0, 0, old)
         except BaseException:
             stop.set()
-            if not reused:
-                await self.remove_tmp(tmp)
+            await self.drop_tmp(tmp, reused)
             raise
         return self.outcome
+
+    async def drop_tmp(self, tmp: str, reused: bool) -> None:
+        """After a failure: a reused tree stays for the next run (it is as good a start as
+        it was), unless a worker that could not be stopped may still write there or the
+        reuse itself failed (it would fail again): then it goes aside, removed later."""
+        if not reused:
+            await self.remove_tmp(tmp)
+        elif self.stuck or (self.inc is not None and self.inc.reuse_failed):
+            self.target.set_aside(tmp)
 
     async def keep_prev(self, inc: Incremental, old: str) -> str | None:
         """Keep the old tree for the next pull (:mod:`wsync.engine.prevtree`), minus what
@@ -281,8 +288,14 @@ class _Pull(IncrementalRunner):
         """
         self.emit("cleanup")
         inc = self.inc
+        kept = False
         if old is not None and inc is not None and self.keeps_prev and self.swapped:
             old = await self.keep_prev(inc, old)
+            kept = old is None
+        if inc is not None and not kept:
+            # the old tree is removed (or went some other way): unlinking moved the ctime
+            # of every kept inode, so the commit must scan DEST whole
+            inc.reused = False
         if old is not None:
             try:
                 await in_thread(self.target.removal(old))
