@@ -309,7 +309,7 @@ def test_discard_reports_a_failed_removal_and_never_raises(tmp_path: Path) -> No
     dest = tmp_path / "out"
     target = DestDir.open(dest)
     try:
-        fd, warnings, _ = target.make_tmp(".out.wsync-tmp-0123456789ab")
+        fd, warnings, _, _ = target.make_tmp(".out.wsync-tmp-0123456789ab")
         assert warnings == [] and fd >= 0
         mnt = tmp_path / ".out.wsync-tmp-0123456789ab" / "mnt"
         mnt.mkdir()

@@ -296,12 +296,12 @@ class DestDir:
         """Where an incremental pull keeps the old tree (:mod:`wsync.engine.prevtree`)."""
         return f".{self.name}.wsync-prev"
 
-    def make_tmp(self, name: str, *, reuse: bool = False) -> tuple[int, list[str], bool]:
-        """The tmp tree ``name`` beside DEST: its fd, warnings, and whether it was reused.
-
-        Left-overs of earlier runs are removed first (best effort: the DEST lock says no
-        other pull is writing here): every other ``.NAME.wsync-tmp-*`` and
-        ``.NAME.wsync-old``, and the previous tree unless ``reuse``.  With ``reuse`` (an
+    def make_tmp(self, name: str, *, reuse: bool = False) -> tuple[int, list[str], bool, list[str]]:
+        """The tmp tree ``name`` beside DEST: its fd, warnings, whether it was reused, and
+        the left-overs of earlier runs for the caller to remove (the DEST lock says no other
+        pull is writing here; a worker thread, since a kept tree is as large as DEST): every
+        other ``.NAME.wsync-tmp-*`` and ``.NAME.wsync-old``, and the previous tree unless
+        ``reuse``.  With ``reuse`` (an
         incremental pull, :mod:`wsync.engine.prevtree`) the tree is ``name`` as an earlier
         run of this pull left it, else the previous tree renamed to ``name``; it is reused
         only if it is a directory of ours, made 0700.  Otherwise it is created empty.
@@ -313,18 +313,14 @@ class DestDir:
         with host_io(f"listing {self.path.parent}"), os.scandir(self.parent_fd) as entries:
             present = {e.name for e in entries if ours.fullmatch(e.name)}
         base = next((n for n in (name, self.prev_name) if n in present), None) if reuse else None
-        for other in sorted(present - {name, base or name}):
-            try:
-                self.remove(other)
-            except HostIOError as exc:
-                warnings.append(f"a left-over of an earlier pull was not removed: {exc}")
+        stale = sorted(present - {name, base or name})
         self.close_tmp()
         shown = self.path.parent / name
         if base is not None:
             fd = self._reusable(base, name)
             if fd is not None:
                 self._tmp_fd = fd
-                return fd, warnings, True
+                return fd, warnings, True, stale
         try:
             self.remove(name)
         except HostIOError as exc:
@@ -334,7 +330,7 @@ class DestDir:
         with host_io(f"creating {shown}"):
             os.mkdir(name, 0o700, dir_fd=self.parent_fd)
             self._tmp_fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
-        return self._tmp_fd, warnings, False
+        return self._tmp_fd, warnings, False, stale
 
     def _reusable(self, base: str, name: str) -> int | None:
         """``base`` renamed to ``name`` and opened, if it is a directory of ours (made

@@ -158,7 +158,7 @@ class _Pull(IncrementalRunner):
             await self.session.upload_list(snapshot, listing)
         journaled = await self.admit_phase(plan, journal, snapshot, run)
         replace = run == "select"
-        tmp, tmp_fd, reused = self.make_tmp(reuse=replace and self.keeps_prev)
+        tmp, tmp_fd, reused = await self.make_tmp(reuse=replace and self.keeps_prev)
         hook = None
         if inc is not None:
             inc.hashes.start()
@@ -203,12 +203,17 @@ class _Pull(IncrementalRunner):
         against DEST to say what in it to keep)."""
         return self.options.keep_prev and self.inc is not None and self.inc.reuses
 
-    def make_tmp(self, *, reuse: bool) -> tuple[str, int, bool]:
+    async def make_tmp(self, *, reuse: bool) -> tuple[str, int, bool]:
         """The tree beside DEST that becomes DEST (stale ones of earlier runs go): its
         name, fd, and whether it is a reused earlier tree (``reuse``: an incremental pull)."""
         tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
-        tmp_fd, leftovers, reused = self.target.make_tmp(tmp, reuse=reuse)
-        self.warnings.extend(leftovers)
+        tmp_fd, warnings, reused, stale = self.target.make_tmp(tmp, reuse=reuse)
+        self.warnings.extend(warnings)
+        for name in stale:
+            try:
+                await in_thread(self.target.removal(name))
+            except (HostIOError, OSError) as exc:
+                self.warnings.append(f"a left-over of an earlier pull was not removed: {exc}")
         return tmp, tmp_fd, reused
 
     def swap_in(self, tmp: str, tmp_fd: int) -> str | None:
@@ -235,7 +240,7 @@ class _Pull(IncrementalRunner):
         """Changes without an entry to fetch (deletions, directory modes or mtimes, a
         host-side chmod of a directory): the new tree is the farm alone, no producer run."""
         assert inc is not None
-        tmp, tmp_fd, reused = self.make_tmp(reuse=self.keeps_prev)
+        tmp, tmp_fd, reused = await self.make_tmp(reuse=self.keeps_prev)
         inc.hashes.start()
         inc.hashes.close()
         stop = threading.Event()
