@@ -257,17 +257,18 @@ class _Pull(IncrementalRunner):
             self.outcome = (ExtractStats(), 0, 0, old)
         except BaseException:
             stop.set()
-            await self.drop_tmp(tmp, reused)
+            # the farm's thread is not waited for: it may still be at work in the tree
+            await self.drop_tmp(tmp, reused, busy=True)
             raise
         return self.outcome
 
-    async def drop_tmp(self, tmp: str, reused: bool) -> None:
+    async def drop_tmp(self, tmp: str, reused: bool, *, busy: bool = False) -> None:
         """After a failure: a reused tree stays for the next run (it is as good a start as
-        it was), unless a worker that could not be stopped may still write there or the
-        reuse itself failed (it would fail again): then it goes aside, removed later."""
+        it was), unless a worker may still write there (``busy``, or stuck) or the reuse
+        itself failed (it would fail again): then it goes aside, removed later."""
         if not reused:
             await self.remove_tmp(tmp)
-        elif self.stuck or (self.inc is not None and self.inc.reuse_failed):
+        elif busy or self.stuck or (self.inc is not None and self.inc.reuse_failed):
             self.target.set_aside(tmp)
 
     async def keep_prev(self, inc: Incremental, old: str) -> str | None:
@@ -276,13 +277,20 @@ class _Pull(IncrementalRunner):
         prev_fd = self.target.keep_prev(old)
         if prev_fd is None:
             return old
+
+        def prune() -> None:
+            # the thread owns the fd: a cancelled wait must not close it under the thread
+            # (a reused fd number would point its removals at another directory)
+            try:
+                inc.locked(lambda: inc.prune_prev(prev_fd))
+            finally:
+                os.close(prev_fd)
+
         try:
-            await in_thread(lambda: inc.locked(lambda: inc.prune_prev(prev_fd)))
+            await in_thread(prune)
         except (WsyncError, OSError) as exc:
             # what stays is removed by the next pull's reuse, or with the tree
             self.warnings.append(f"the previous tree was not fully pruned: {exc}")
-        finally:
-            os.close(prev_fd)
         return None
 
     async def finish(self, old: str | None) -> None:
