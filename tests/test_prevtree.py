@@ -24,6 +24,7 @@ from helpers import assert_exact, make_tree, options, run_pull
 from wsync.engine import hostscan, prevtree
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.destdir import DestDir
+from wsync.engine.incremental import Incremental
 from wsync.engine.incstate import state_path
 from wsync.errors import Fenced, HostIOError
 from wsync.transports.local import LocalTransport
@@ -370,3 +371,53 @@ def test_read_only_directories_when_not_root() -> None:
             if path.is_dir() and not path.is_symlink():
                 path.chmod(0o755)
         shutil.rmtree(top)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads as another user, which needs root")
+def test_a_directory_the_guest_closed_is_closed_before_the_build_puts_files_in_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kept directory keeps the old DEST's mode: one the guest has since closed (0755 to
+    0700) must be closed before new files go in, or another user holding it open (a shell
+    that was in DEST) reads them during the build."""
+    ws = make_tree(tmp_path / "ws", big=4096, small=20)
+    (ws / "secrets").mkdir(mode=0o755)
+    (ws / "secrets" / "readme").write_text("hi\n")
+    dest = tmp_path / "out"
+    opts = options(tmp_path, keep_prev=True)
+    pull(ws, dest, opts)
+    change(ws, 1)
+    pull(ws, dest, opts)
+    held = os.open(dest / "secrets", os.O_RDONLY | os.O_DIRECTORY)  # DEST/secrets, held
+    try:
+        change(ws, 2)
+        pull(ws, dest, opts)  # the held directory is the kept tree's now
+        (ws / "secrets").chmod(0o700)
+        (ws / "secrets" / "key").write_text("TOP SECRET\n")
+        (ws / "secrets" / "key").chmod(0o644)
+        change(ws, 3)
+        seen: list[int] = []
+        dir_meta = Incremental.dir_meta
+
+        def read_as_nobody(self: Incremental, tmp_fd: int) -> None:
+            pid = os.fork()
+            if pid == 0:  # the child reads what the build put in the held directory
+                code = 1
+                try:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                    os.close(os.open("key", os.O_RDONLY, dir_fd=held))
+                except PermissionError:
+                    code = 0
+                except BaseException:
+                    code = 2
+                os._exit(code)
+            seen.append(os.waitpid(pid, 0)[1])
+            dir_meta(self, tmp_fd)
+
+        monkeypatch.setattr(Incremental, "dir_meta", read_as_nobody)
+        pull(ws, dest, opts)
+        assert os.fstat(held).st_ino == os.stat(dest / "secrets").st_ino  # it was reused
+        assert seen == [0], "another user read a file of a directory the guest had closed"
+    finally:
+        os.close(held)

@@ -321,12 +321,9 @@ class DestDir:
             if fd is not None:
                 self._tmp_fd = fd
                 return fd, warnings, True, stale
-        try:
-            self.remove(name)
-        except HostIOError as exc:
-            # something in it cannot be removed: never block DEST on it
-            warnings.append(f"a left-over of an earlier pull was not removed: {exc}")
-            self.set_aside(name)
+        aside = self.set_aside(name)  # removed on the caller's worker thread, with the rest
+        if aside is not None:
+            stale.append(aside)
         with host_io(f"creating {shown}"):
             os.mkdir(name, 0o700, dir_fd=self.parent_fd)
             self._tmp_fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
@@ -364,7 +361,7 @@ class DestDir:
             fd = os.open(old, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
             if not fsutil.make_private(fd):
                 raise OSError(errno.EPERM, "the old tree is not ours")
-            self.remove(self.prev_name)
+            self.set_aside(self.prev_name)  # not expected: removed by the next pull
             os.rename(old, self.prev_name, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
             return fd
         except (OSError, HostIOError) as exc:
@@ -373,12 +370,20 @@ class DestDir:
                 os.close(fd)
             return None
 
-    def set_aside(self, name: str) -> None:
-        """Give tree ``name`` a stale tmp name (the next pull removes it), so that nothing
-        reuses it: a worker thread that could not be stopped may still be writing there."""
+    def set_aside(self, name: str) -> str | None:
+        """Give tree ``name`` a stale tmp name (removed by whoever removes it, or by the
+        next pull), so that nothing takes it for a tree to reuse or to extract into while a
+        worker thread may still be at work in it.  Returns the new name; None when there
+        was nothing to rename or the rename failed (logged)."""
         stale = f".{self.name}.wsync-tmp-{os.urandom(6).hex()}"
-        with contextlib.suppress(OSError):
+        try:
             os.rename(name, stale, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("tree not set aside", path=str(self.path.parent / name), error=str(exc))
+            return None
+        return stale
 
     def close_tmp(self) -> None:
         if self._tmp_fd is not None:
@@ -397,9 +402,12 @@ class DestDir:
 
     def removal(self, name: str) -> Callable[[], None]:
         """:meth:`remove` for a worker thread: it works on its own copy of the parent fd,
-        so closing this DestDir meanwhile cannot make it act on a reused fd number."""
+        so closing this DestDir meanwhile cannot make it act on a reused fd number, and on
+        the tree under a stale name given here, so that a removal still running after its
+        wait was given up never has a name a later pull reuses."""
         fd = os.dup(self.parent_fd)
         shown = str(self.path.parent / name)
+        name = self.set_aside(name) or name
 
         def run() -> None:
             try:
@@ -410,11 +418,12 @@ class DestDir:
         return run
 
     def discard(self, name: str) -> str | None:
-        """Remove a tmp tree on a failure path: never raises (the pull's own error
-        must be what is reported), returns what went wrong, if anything."""
+        """Remove a tmp tree on a failure path (give it a stale name first, on the calling
+        thread, then remove it here): never raises (the pull's own error must be what is
+        reported), returns what went wrong, if anything."""
         try:
             self.close_tmp()
-            self.remove(name)
+            self.removal(name)()
         except (WsyncError, OSError) as exc:
             log.warning("tmp tree not removed", path=str(self.path.parent / name), error=str(exc))
             return str(exc)

@@ -309,8 +309,8 @@ class Incremental:
             if reused and dest_fd is not None:
                 try:
                     removed, made = prevtree.reuse(self.state.db, dest_fd, tmp_fd, check_cancel)
-                except HostIOError:
-                    self.reuse_failed = True  # the tree goes aside, not to the next run
+                except (HostIOError, OSError):
+                    self.reuse_failed = True  # the tree goes, not to the next run
                     raise
                 self.reused = True
                 log.debug("previous tree reused", removed=removed, linked=made)

@@ -266,12 +266,25 @@ class StreamRunner:
                 break
 
     async def remove_tmp(self, tmp: str) -> None:
-        """Remove the partial tree beside DEST (bounded; the next run removes what stays)."""
+        """Remove the partial tree beside DEST (bounded; the next run removes what stays).
+
+        It gets a stale name first, here: a worker that could not be stopped (``stuck``)
+        or a removal that outlives its bound then works in a tree no later pull takes for
+        its own."""
+        self.target.close_tmp()
+        try:
+            work = self.target.removal(tmp)
+        except OSError as exc:
+            log.warning("tmp tree not removed", tmp=str(tmp), error=str(exc))
+            return
         if self.stuck:
             return
 
         def remove() -> None:
-            self.target.discard(tmp)  # never raises: the pull's own error is reported
+            try:
+                work()
+            except (WsyncError, OSError) as exc:  # the pull's own error is what is reported
+                log.warning("tmp tree not removed", tmp=str(tmp), error=str(exc))
 
         remover = threading.Thread(target=remove, name="wsync-cleanup", daemon=True)
         remover.start()

@@ -55,8 +55,8 @@ _BATCH = 5000
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 _TABLE = (
-    "CREATE TABLE IF NOT EXISTS s.prev (path BLOB PRIMARY KEY, kind TEXT, ino INT, ok INT) "
-    "WITHOUT ROWID"
+    "CREATE TABLE IF NOT EXISTS s.prev (path BLOB PRIMARY KEY, kind TEXT, ino INT, "
+    "mode INT, ok INT) WITHOUT ROWID"
 )
 #: entries of the reused tree that the new farm holds as they are
 _VERDICT = """
@@ -68,6 +68,11 @@ UPDATE s.prev SET ok = 1 WHERE EXISTS (
         AND h.kind != 'd' AND h.ino = s.prev.ino)))
 """
 _STALE = "SELECT path FROM s.prev WHERE ok = 0 ORDER BY path DESC"
+#: kept directories that let group or others do more than the guest's mode now does
+_NARROWED = (
+    "SELECT t.path FROM s.prev t JOIN s.man m ON m.path = t.path "
+    "WHERE t.kind = 'd' AND t.ok = 1 AND (t.mode & 63 & ~m.mode) != 0"
+)
 #: what the farm needs and the reused tree lacks (parents first, as build_farm wants)
 _MISSING = """
 SELECT p.path, p.kind FROM s.plan p
@@ -91,34 +96,36 @@ ORDER BY h.path DESC
 """
 
 
-def _private_dir(parent_fd: int, name: str, dev: int) -> bool:
-    """Directory ``name`` of ``parent_fd`` is ours, and only we may add to it and search
-    it (False: remove it whole).  A directory others could write to is made 0700 (its mode
-    comes back from the manifest at the end); one they cannot is left as it is, so an
-    unchanged directory costs no write at all."""
+def _private_dir(parent_fd: int, name: str, dev: int) -> int | None:
+    """The mode of directory ``name`` of ``parent_fd`` if it is ours and only we may add
+    to it (None: remove it whole).  A directory others could write to is made 0700 (its
+    mode comes back from the manifest at the end); one they cannot is left as it is, so an
+    unchanged directory costs no write at all (one the guest has since closed further is
+    made 0700 after the verdict: :data:`_NARROWED`)."""
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError:
-        return False
+        return None
     try:
         st = os.fstat(fd)
         if st.st_uid != os.geteuid() or st.st_dev != dev:
-            return False  # not ours, or another filesystem: inode numbers mean nothing
+            return None  # not ours, or another filesystem: inode numbers mean nothing
         mode = stat.S_IMODE(st.st_mode)
         if mode & 0o022 or mode & 0o700 != 0o700:
             os.fchmod(fd, 0o700)
-        return True
+            mode = 0o700
+        return mode
     except OSError:
-        return False
+        return None
     finally:
         os.close(fd)
 
 
-def walk(root_fd: int, check_cancel: Callable[[], None]) -> Iterator[tuple[bytes, str, int]]:
-    """``(path, kind, inode)`` of every entry below the tree at ``root_fd`` (made private
-    by the caller): kind ``d`` for a directory made private, ``x`` for one that is not
-    ours, is on another filesystem or cannot be opened (not walked: removed whole), ``n``
-    for anything else."""
+def walk(root_fd: int, check_cancel: Callable[[], None]) -> Iterator[tuple[bytes, str, int, int]]:
+    """``(path, kind, inode, mode)`` of every entry below the tree at ``root_fd`` (made
+    private by the caller): kind ``d`` for a directory nobody else may add to (its mode
+    given), ``x`` for one that is not ours, is on another filesystem or cannot be opened
+    (not walked: removed whole), ``n`` for anything else (mode 0)."""
     dev = os.fstat(root_fd).st_dev
     pending: list[bytes] = [b"."]
     fds = _DirFds(root_fd)
@@ -139,14 +146,16 @@ def walk(root_fd: int, check_cancel: Callable[[], None]) -> Iterator[tuple[bytes
                         if seen % CANCEL_EVERY == 0:
                             check_cancel()
                         name = prefix + os.fsencode(entry.name)
+                        mode: int | None = 0
                         if entry.is_dir(follow_symlinks=False):
-                            kind = "d" if _private_dir(fd, entry.name, dev) else "x"
+                            mode = _private_dir(fd, entry.name, dev)
+                            kind = "x" if mode is None else "d"
                         else:
                             kind = "n"
                         if kind == "d":
                             pending.append(name)
                             subdirs = True
-                        yield name, kind, entry.inode()
+                        yield name, kind, entry.inode(), mode or 0
             except BaseException:
                 os.close(fd)
                 raise
@@ -168,6 +177,21 @@ def _make_writable(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def _close_narrowed(root_fd: int, paths: list[bytes]) -> None:
+    """Make 0700 the kept directories whose guest mode is now narrower for group or others,
+    before anything new is linked or extracted into them (their modes are set from the
+    manifest at the end)."""
+    parents = _Parents(root_fd)
+    try:
+        for path in paths:
+            try:
+                os.fchmod(parents.get(path), 0o700)
+            except OSError as exc:
+                raise HostIOError(f"{escape(path)}: {exc.strerror or exc}") from exc
+    finally:
+        parents.close()
 
 
 def _remove_all(root_fd: int, paths: Iterator[bytes], check_cancel: Callable[[], None]) -> int:
@@ -208,14 +232,15 @@ def reuse(
     try:
         db.execute(_TABLE)
         db.execute("DELETE FROM s.prev")
-        batch: list[tuple[bytes, str, int]] = []
+        batch: list[tuple[bytes, str, int, int]] = []
         for item in walk(tmp_fd, check_cancel):
             batch.append(item)
             if len(batch) >= _BATCH:
-                db.executemany("INSERT INTO s.prev VALUES (?, ?, ?, 0)", batch)
+                db.executemany("INSERT INTO s.prev VALUES (?, ?, ?, ?, 0)", batch)
                 batch.clear()
-        db.executemany("INSERT INTO s.prev VALUES (?, ?, ?, 0)", batch)
+        db.executemany("INSERT INTO s.prev VALUES (?, ?, ?, ?, 0)", batch)
         db.execute(_VERDICT)
+        _close_narrowed(tmp_fd, [bytes(p) for (p,) in db.execute(_NARROWED)])
         stale = (bytes(p) for (p,) in db.execute(_STALE))
         removed = _remove_all(tmp_fd, stale, check_cancel)
         missing = ((bytes(p), str(k)) for p, k in db.execute(_MISSING))

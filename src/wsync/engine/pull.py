@@ -32,7 +32,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -164,13 +164,21 @@ class _Pull(IncrementalRunner):
             inc.hashes.start()
             hook = inc.hashes.add
 
+        # the extractor's own fd on the tree: a thread given up on after a failure must
+        # never act through a closed fd whose number the process reuses meanwhile
+        work_fds = [os.dup(tmp_fd)]
+
         def extract(feed: ChunkFeed) -> ExtractStats:
-            if inc is not None and replace:
-                inc.locked(lambda: inc.farm(tmp_fd, feed.check_cancel, reused=reused))
-            limits = self.options.limits
-            return extract_feed(
-                feed, plan.compressor, tmp_fd, limits, self.extracted, replace=replace, on_file=hook
-            )
+            fd = work_fds.pop()
+            try:
+                if inc is not None and replace:
+                    inc.locked(lambda: inc.farm(fd, feed.check_cancel, reused=reused))
+                limits = self.options.limits
+                return extract_feed(
+                    feed, plan.compressor, fd, limits, self.extracted, replace=replace, on_file=hook
+                )
+            finally:
+                os.close(fd)
 
         try:
             flush = EarlyFlush(tmp_fd)
@@ -179,6 +187,9 @@ class _Pull(IncrementalRunner):
                 stats, chunks, length = await self.stream(plan, journal, journaled, extract)
             finally:
                 flush.stop()
+                for fd in work_fds:  # the extractor never started
+                    os.close(fd)
+                work_fds.clear()
             if inc is not None:
                 inc.hashes.close()
             self.unstable = await apply_lists(
@@ -186,7 +197,7 @@ class _Pull(IncrementalRunner):
             )
             if inc is not None and replace:
                 self.emit("apply")
-                await in_thread(lambda: inc.locked(lambda: inc.dir_meta(tmp_fd)))
+                await in_thread(owned(tmp_fd, lambda fd: inc.locked(lambda: inc.dir_meta(fd))))
             old = self.swap_in(tmp, tmp_fd)
             self.outcome = (stats, chunks, length, old)
         except BaseException:
@@ -251,8 +262,10 @@ class _Pull(IncrementalRunner):
 
         try:
             self.emit("apply")
-            await in_thread(lambda: inc.locked(lambda: inc.farm(tmp_fd, check, reused=reused)))
-            await in_thread(lambda: inc.locked(lambda: inc.dir_meta(tmp_fd)))
+            await in_thread(
+                owned(tmp_fd, lambda fd: inc.locked(lambda: inc.farm(fd, check, reused=reused)))
+            )
+            await in_thread(owned(tmp_fd, lambda fd: inc.locked(lambda: inc.dir_meta(fd))))
             old = self.swap_in(tmp, tmp_fd)
             self.outcome = (ExtractStats(), 0, 0, old)
         except BaseException:
@@ -264,12 +277,12 @@ class _Pull(IncrementalRunner):
 
     async def drop_tmp(self, tmp: str, reused: bool, *, busy: bool = False) -> None:
         """After a failure: a reused tree stays for the next run (it is as good a start as
-        it was), unless a worker may still write there (``busy``, or stuck) or the reuse
-        itself failed (it would fail again): then it goes aside, removed later."""
-        if not reused:
+        it was), unless a worker may still be at work in it (``busy``, or stuck) or the
+        reuse itself failed (it would fail again); any other goes (:meth:`remove_tmp`
+        gives it a stale name first, so no later pull takes it for its own)."""
+        reuse_failed = self.inc is not None and self.inc.reuse_failed
+        if not reused or busy or self.stuck or reuse_failed:
             await self.remove_tmp(tmp)
-        elif busy or self.stuck or (self.inc is not None and self.inc.reuse_failed):
-            self.target.set_aside(tmp)
 
     async def keep_prev(self, inc: Incremental, old: str) -> str | None:
         """Keep the old tree for the next pull (:mod:`wsync.engine.prevtree`), minus what
@@ -291,6 +304,10 @@ class _Pull(IncrementalRunner):
         except (WsyncError, OSError) as exc:
             # what stays is removed by the next pull's reuse, or with the tree
             self.warnings.append(f"the previous tree was not fully pruned: {exc}")
+        except BaseException:
+            # given up while the prune goes on: no later pull may start from that tree
+            self.target.set_aside(self.target.prev_name)
+            raise
         return None
 
     async def finish(self, old: str | None) -> None:
@@ -333,6 +350,21 @@ class _Pull(IncrementalRunner):
             self.journal.remove()
         except WsyncError as exc:
             self.warnings.append(f"journal not removed: {exc}")
+
+
+def owned(fd: int, work: Callable[[int], _T]) -> Callable[[], _T]:
+    """``work`` on a copy of ``fd`` that the worker thread closes itself: a wait given up
+    on (cancelled) leaves the thread at work, and the caller's fd may be closed, its number
+    reused by the process meanwhile; the copy keeps naming the same directory."""
+    own = os.dup(fd)
+
+    def run() -> _T:
+        try:
+            return work(own)
+        finally:
+            os.close(own)
+
+    return run
 
 
 #: failures that the same snapshot would repeat on every run: it is discarded at once

@@ -63,7 +63,15 @@ async def apply_lists(
         warnings.append(f"taken as last read although they kept changing: {describe(names)}")
     if done.gone_bytes:
         names = await read_list(session, "gone", done.gone_bytes, sizer)
-        removed = await in_thread(lambda: remove_gone(root_fd, names))
+        own = os.dup(root_fd)  # the thread's: a cancelled wait must not close it under it
+
+        def remove() -> int:
+            try:
+                return remove_gone(own, names)
+            finally:
+                os.close(own)
+
+        removed = await in_thread(remove)
         if removed:
             warnings.append(f"vanished while read, so not in DEST: {describe(names)}")
     return taken
