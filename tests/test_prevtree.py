@@ -5,6 +5,8 @@ option nothing is kept."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,6 +17,8 @@ import stat
 import subprocess
 import sysconfig
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,8 @@ from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.destdir import DestDir
 from wsync.engine.incremental import Incremental
 from wsync.engine.incstate import state_path
+from wsync.engine.pull import _Pull
+from wsync.engine.pull import pull as wsync_pull
 from wsync.errors import Fenced, HostIOError
 from wsync.transports.local import LocalTransport
 
@@ -421,3 +427,51 @@ def test_a_directory_the_guest_closed_is_closed_before_the_build_puts_files_in_i
         assert seen == [0], "another user read a file of a directory the guest had closed"
     finally:
         os.close(held)
+
+
+def test_a_prune_given_up_on_never_works_in_the_next_pulls_tree(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pull stopped while it prunes the kept tree leaves the prune's thread at work; the
+    next pull in the same process (a daemon) must not start from that tree, or the late
+    prune removes from it what the new DEST needs (a pull that reported success, with
+    entries missing)."""
+    ws, dest, opts = pulled
+    (ws / "d").mkdir()
+    (ws / "d" / "a.txt").write_text("a\n")
+    pull(ws, dest, opts)
+    shutil.rmtree(ws / "d")  # the next prune removes d from the kept tree
+    entered, release, pruned = threading.Event(), threading.Event(), threading.Event()
+    prune = prevtree.prune
+
+    def slow_prune(db: sqlite3.Connection, prev_fd: int, check: Callable[[], None]) -> int:
+        entered.set()
+        release.wait(60)
+        try:
+            return prune(db, prev_fd, lambda: None)
+        finally:
+            pruned.set()
+
+    async def stopped_during_the_prune() -> None:
+        transport = LocalTransport()
+        task = asyncio.create_task(wsync_pull(transport, str(ws), dest, opts))
+        assert await asyncio.to_thread(entered.wait, 60)  # set by the prune's thread
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await transport.aclose()
+
+    monkeypatch.setattr(prevtree, "prune", slow_prune)
+    asyncio.run(stopped_during_the_prune())
+    monkeypatch.setattr(prevtree, "prune", prune)
+    (ws / "d").mkdir()  # back, with a new file: the next tree needs d
+    (ws / "d" / "new.txt").write_text("new\n")
+    swap_in = _Pull.swap_in
+
+    def late_prune_then_swap(self: _Pull, tmp: str, tmp_fd: int) -> str | None:
+        release.set()
+        assert pruned.wait(60)
+        return swap_in(self, tmp, tmp_fd)
+
+    monkeypatch.setattr(_Pull, "swap_in", late_prune_then_swap)
+    pull(ws, dest, opts)  # exact, or the late prune removed d from this pull's tree
