@@ -323,7 +323,12 @@ def test_discard_reports_a_failed_removal_and_never_raises(tmp_path: Path) -> No
         try:
             problem = target.discard(".out.wsync-tmp-0123456789ab")
         finally:
-            subprocess.run(["umount", "-l", str(mnt)], check=False)
+            # the tree went under a stale name before its removal: unmount it there
+            for where in [mnt, *tmp_path.glob(".out.wsync-tmp-*/mnt")]:
+                subprocess.run(["umount", "-l", str(where)], check=False, capture_output=True)
         assert problem is not None and "wsync-tmp-0123456789ab/mnt" in problem
+        assert not any(
+            str(tmp_path) in line for line in Path("/proc/mounts").read_text().splitlines()
+        )
     finally:
         target.close()
