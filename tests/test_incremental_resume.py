@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from helpers import assert_exact, options, run_pull
+from wsync.engine.api import PullOptions
 from wsync.transports.local import LocalTransport
 
 
@@ -186,11 +187,8 @@ def _killed(
     assert proc.returncode == -9, proc.stderr
 
 
-def test_a_pull_killed_after_its_swap_lists_afresh_next_time(tmp_path: Path) -> None:
-    """Killed between the swap and the journal's removal (the state is committed, the
-    guest staging is being removed), a pull must not leave its listing to be replayed:
-    the rerun would find the state it committed and call the workspace unchanged,
-    although a file changed since."""
+def _pulled_then_a_changed(tmp_path: Path) -> tuple[Path, Path, PullOptions]:
+    """Files a, b, c pulled once; then a changes in the guest."""
     ws = tmp_path / "ws"
     ws.mkdir()
     for name in "abc":
@@ -199,6 +197,15 @@ def test_a_pull_killed_after_its_swap_lists_afresh_next_time(tmp_path: Path) -> 
     opts = options(tmp_path)
     run_pull(LocalTransport(), ws, dest, opts)
     (ws / "a").write_text("a two\n")
+    return ws, dest, opts
+
+
+def test_a_pull_killed_after_its_swap_lists_afresh_next_time(tmp_path: Path) -> None:
+    """Killed between the swap and the journal's removal (the state is committed, the
+    guest staging is being removed), a pull must not leave its listing to be replayed:
+    the rerun would find the state it committed and call the workspace unchanged,
+    although a file changed since."""
+    ws, dest, opts = _pulled_then_a_changed(tmp_path)
     _killed(tmp_path, ws, dest, "cleanup", dest / "a", "a two\n")
     (ws / "b").write_text("b three, longer\n")
     run_pull(LocalTransport(), ws, dest, opts)
@@ -210,14 +217,7 @@ def test_a_dry_run_after_a_killed_pull_previews_the_workspace_as_it_is_now(
 ) -> None:
     """A pull killed in its transfer leaves a listing that a real rerun replays; a dry
     run must not: it shows what a pull would change now."""
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    for name in "abc":
-        (ws / name).write_text(f"{name} one\n")
-    dest = tmp_path / "out"
-    opts = options(tmp_path)
-    run_pull(LocalTransport(), ws, dest, opts)
-    (ws / "a").write_text("a two\n")
+    ws, dest, opts = _pulled_then_a_changed(tmp_path)
     _killed(tmp_path, ws, dest, "read", tmp_path / "state/pulls/*/phase-select/meta.json")
     (ws / "b").write_text("b three, longer\n")
     preview = run_pull(LocalTransport(), ws, dest, dataclasses.replace(opts, dry_run=True))

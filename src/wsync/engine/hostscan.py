@@ -17,7 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import xxhash
 
@@ -106,13 +106,15 @@ class _DirFds:
         self.fds.clear()
 
 
-def scan(root_fd: int) -> Iterator[HostRow]:
-    """Every entry of the tree open at ``root_fd``, the root itself first as ``.``.
-
-    Directories that vanish or turn into something else during the walk are skipped (the
-    entry was already reported as what it was when listed); other errors propagate.
-    """
-    yield row(b".", os.fstat(root_fd))
+def walk_dirs(
+    root_fd: int, on_error: Callable[[bytes, OSError], None]
+) -> Iterator[tuple[bytes, int, list[bytes]]]:
+    """Each directory of the tree at ``root_fd`` as ``(prefix, fd, subdirs)``, the root
+    first: ``prefix`` is its path plus ``/`` (empty for the root), ``fd`` is open on it
+    until the caller asks for the next one, and the caller appends to ``subdirs`` the
+    paths of the entries of it to walk next.  A directory that cannot be opened goes to
+    ``on_error(path, exc)``, which raises or returns to skip it.  Bounded fds (see
+    :class:`_DirFds`); the caller lists the directory itself (``os.scandir(fd)``)."""
     pending: list[bytes] = [b"."]
     fds = _DirFds(root_fd)
     try:
@@ -121,32 +123,47 @@ def scan(root_fd: int) -> Iterator[HostRow]:
             try:
                 fd = fds.open(path)
             except OSError as exc:
-                if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-                    continue
-                raise
-            prefix = b"" if path == b"." else path + b"/"
-            subdirs = False
+                on_error(path, exc)
+                continue
+            subdirs: list[bytes] = []
             try:
-                with os.scandir(fd) as entries:
-                    for entry in entries:
-                        try:
-                            st = entry.stat(follow_symlinks=False)
-                        except FileNotFoundError:
-                            continue
-                        item = row(prefix + entry.name.encode("utf-8", "surrogateescape"), st)
-                        if item[1] == "d":
-                            pending.append(item[0])
-                            subdirs = True
-                        yield item
+                yield (b"" if path == b"." else path + b"/"), fd, subdirs
             except BaseException:
                 os.close(fd)
                 raise
+            pending.extend(subdirs)
             if subdirs:
                 fds.keep(path, fd)
             else:
                 os.close(fd)
     finally:
         fds.close()
+
+
+def _skip_gone(path: bytes, exc: OSError) -> None:
+    """Directories that vanish or turn into something else during a scan are skipped."""
+    if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+        raise exc
+
+
+def scan(root_fd: int) -> Iterator[HostRow]:
+    """Every entry of the tree open at ``root_fd``, the root itself first as ``.``.
+
+    Directories that vanish or turn into something else during the walk are skipped (the
+    entry was already reported as what it was when listed); other errors propagate.
+    """
+    yield row(b".", os.fstat(root_fd))
+    for prefix, fd, subdirs in walk_dirs(root_fd, _skip_gone):
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                item = row(prefix + entry.name.encode("utf-8", "surrogateescape"), st)
+                if item[1] == "d":
+                    subdirs.append(item[0])
+                yield item
 
 
 def file_hash(root_fd: int, path: bytes, ino: int) -> str | None:

@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterator
 
 from wsync.engine.farm import CANCEL_EVERY, _Parents, _split, build_farm
 from wsync.engine.fsutil import remove_tree_at
-from wsync.engine.hostscan import HostRow, _DirFds, row
+from wsync.engine.hostscan import HostRow, row, walk_dirs
 from wsync.engine.itemize import escape
 from wsync.errors import HostIOError
 
@@ -127,44 +127,27 @@ def walk(root_fd: int, check_cancel: Callable[[], None]) -> Iterator[tuple[bytes
     given), ``x`` for one that is not ours, is on another filesystem or cannot be opened
     (not walked: removed whole), ``n`` for anything else (mode 0)."""
     dev = os.fstat(root_fd).st_dev
-    pending: list[bytes] = [b"."]
-    fds = _DirFds(root_fd)
     seen = 0
-    try:
-        while pending:
-            path = pending.pop()
-            try:
-                fd = fds.open(path)
-            except OSError as exc:
-                raise HostIOError(f"reading the previous tree at {escape(path)}: {exc}") from exc
-            prefix = b"" if path == b"." else path + b"/"
-            subdirs = False
-            try:
-                with os.scandir(fd) as entries:
-                    for entry in entries:
-                        seen += 1
-                        if seen % CANCEL_EVERY == 0:
-                            check_cancel()
-                        name = prefix + os.fsencode(entry.name)
-                        mode: int | None = 0
-                        if entry.is_dir(follow_symlinks=False):
-                            mode = _private_dir(fd, entry.name, dev)
-                            kind = "x" if mode is None else "d"
-                        else:
-                            kind = "n"
-                        if kind == "d":
-                            pending.append(name)
-                            subdirs = True
-                        yield name, kind, entry.inode(), mode or 0
-            except BaseException:
-                os.close(fd)
-                raise
-            if subdirs:
-                fds.keep(path, fd)
-            else:
-                os.close(fd)
-    finally:
-        fds.close()
+    for prefix, fd, subdirs in walk_dirs(root_fd, _unreadable):
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                seen += 1
+                if seen % CANCEL_EVERY == 0:
+                    check_cancel()
+                name = prefix + os.fsencode(entry.name)
+                mode: int | None = 0
+                if entry.is_dir(follow_symlinks=False):
+                    mode = _private_dir(fd, entry.name, dev)
+                    kind = "x" if mode is None else "d"
+                else:
+                    kind = "n"
+                if kind == "d":
+                    subdirs.append(name)
+                yield name, kind, entry.inode(), mode or 0
+
+
+def _unreadable(path: bytes, exc: OSError) -> None:
+    raise HostIOError(f"reading the previous tree at {escape(path)}: {exc}") from exc
 
 
 def _make_writable(fd: int) -> bool:
