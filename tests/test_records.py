@@ -11,8 +11,11 @@ from hypothesis import strategies as st
 from wsync.errors import ProtocolError
 from wsync.protocol.hashing import ALGORITHMS
 from wsync.protocol.records import (
+    FIRST_CHUNK,
+    GROWTH_STEPS,
     AdmitReport,
     IndexParser,
+    chunk_length,
     disk_full_message,
     parse_admit,
     parse_fields,
@@ -61,6 +64,46 @@ def test_a_partial_last_line_waits() -> None:
 def test_bad_index_is_a_protocol_error(bad: str) -> None:
     with pytest.raises(ProtocolError):
         IndexParser(XXH, max_chunk=100).receive_data(bad.encode())
+
+
+def _index(lengths: list[int]) -> bytes:
+    lines, offset = [], 0
+    for seq, length in enumerate(lengths):
+        lines.append(f"C {seq} {offset} {length} {H}\n")
+        offset += length
+    return "".join(lines).encode()
+
+
+def test_chunks_grow_from_the_first_to_the_chunk_size() -> None:
+    """Issue 13: the first chunk is small so the host starts at once; each next one
+    doubles until the snapshot's chunk size, and a chunk size below the first caps all."""
+    cs = 4 * FIRST_CHUNK
+    assert [chunk_length(seq, cs) for seq in range(5)] == [
+        FIRST_CHUNK,
+        2 * FIRST_CHUNK,
+        cs,
+        cs,
+        cs,
+    ]
+    assert chunk_length(0, 64 * 1024) == 64 * 1024 < FIRST_CHUNK
+    assert chunk_length(GROWTH_STEPS, 1 << 40) == chunk_length(10**9, 1 << 40) == 1 << 40
+    lengths = [FIRST_CHUNK, 2 * FIRST_CHUNK, cs, cs, 5]
+    parser = IndexParser(XXH, cs)
+    chunks = parser.receive_data(_index(lengths))
+    assert [c.length for c in chunks] == lengths and parser.clean
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [2 * FIRST_CHUNK],  # a first chunk longer than the schedule's
+        [FIRST_CHUNK, FIRST_CHUNK, FIRST_CHUNK],  # the second is short but not the last
+        [FIRST_CHUNK, 2 * FIRST_CHUNK, 8 * FIRST_CHUNK],  # longer than the chunk size
+    ],
+)
+def test_an_index_off_the_schedule_is_a_protocol_error(lengths: list[int]) -> None:
+    with pytest.raises(ProtocolError):
+        IndexParser(XXH, 4 * FIRST_CHUNK).receive_data(_index(lengths))
 
 
 def test_status_with_done_failed_and_tar_errors() -> None:

@@ -11,6 +11,8 @@ with the same verified, journaled, resumable chunk reads.
 
 from __future__ import annotations
 
+from wsync.protocol.records import FIRST_CHUNK, GROWTH_STEPS
+
 #: the guest's pid checks, shared by the producer and the host's scripts
 #: (:mod:`wsync.protocol.scripts` ends its prelude with them): one text, two scripts
 PID_CHECKS = r"""
@@ -38,7 +40,7 @@ busy() {
 }
 """
 
-_PRODUCER = (
+_TEXT = (
     r"""
 set -u
 d=$1 ws=$2 cs=$3 hid=$4 comp=$5 mode=$6
@@ -266,12 +268,19 @@ produce() {
 { produce "$@" | { z 2>comp.err; echo $? > comp.rc; } >> data; } &
 pp=$!
 seq=0 off=0
+# chunk N is @FIRST@ << N bytes, at most the chunk size (the host checks it by the same
+# rule, wsync.protocol.records.chunk_length): the first is ready moments after the start
 index_upto() {
   sz=$(wc -c < data) || fail "cannot read the data size"
   sz=$((sz + 0))
   while :; do
     rem=$((sz - off))
-    if [ "$rem" -ge "$cs" ]; then l=$cs
+    w=$cs
+    if [ "$seq" -lt @STEPS@ ]; then
+      w=$((@FIRST@ << seq))
+      [ "$w" -gt "$cs" ] && w=$cs
+    fi
+    if [ "$rem" -ge "$w" ]; then l=$w
     elif [ "$1" = final ] && [ "$rem" -gt 0 ]; then l=$rem
     else break
     fi
@@ -319,3 +328,5 @@ printf 'chunks %s\nlength %s\nhash %s\ntar_rc %s\ncomp_rc %s\nunstable_bytes %s\
 mv -f done.tmp done || fail "cannot write the done record"
 """
 )
+#: the chunk schedule's figures go in once, from the one place the host checks them too
+_PRODUCER = _TEXT.replace("@FIRST@", str(FIRST_CHUNK)).replace("@STEPS@", str(GROWTH_STEPS))

@@ -280,6 +280,23 @@ def parse_name_list(payload: bytes) -> list[bytes]:
 
 # -- the chunk index ---------------------------------------------------------
 
+#: the first chunk's length; each next one doubles, up to the snapshot's chunk size.  The
+#: host starts extracting when the first chunk is in: with whole 4 MiB chunks that came
+#: half a second into a first pull (tar and zstd had to make ~20 MB of archive first),
+#: while the plain stream was already writing files (issue 13)
+FIRST_CHUNK = 128 * 1024
+#: past this many doublings every chunk has the snapshot's chunk size (and the guest's
+#: shell never shifts by more than it can hold)
+GROWTH_STEPS = 16
+
+
+def chunk_length(seq: int, chunk_size: int) -> int:
+    """The length of chunk ``seq`` of a snapshot cut at ``chunk_size``: only the last
+    chunk may be shorter.  The producer cuts by the same rule (``index_upto``)."""
+    if seq >= GROWTH_STEPS:
+        return chunk_size
+    return min(chunk_size, FIRST_CHUNK << seq)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Chunk:
@@ -293,7 +310,8 @@ class IndexParser:
     """Incremental parser of the append-only index: ``C <seq> <off> <len> <hash>`` lines."""
 
     def __init__(self, algorithm: Algorithm, max_chunk: int) -> None:
-        """``max_chunk`` is the snapshot's chunk size: every chunk but the last has it."""
+        """``max_chunk`` is the snapshot's chunk size: every chunk but the last is as
+        long as :func:`chunk_length` says."""
         self._algorithm = algorithm
         self._max_chunk = max_chunk
         self._partial = b""
@@ -324,13 +342,14 @@ class IndexParser:
                 f"{self.next_seq}@{self.next_offset}",
                 "malformed",
             )
-        if not 0 < length <= self._max_chunk:
+        expected = chunk_length(seq, self._max_chunk)
+        if not 0 < length <= expected:
             raise ProtocolError(f"index chunk {seq} has bad length {length}", "malformed")
         if self._short_seen:
             # only the last chunk may be short: a guest that indexes tiny chunks
             # must not make the host hold millions of chunk records
             raise ProtocolError(f"index chunk {seq} follows a short chunk", "malformed")
-        self._short_seen = length < self._max_chunk
+        self._short_seen = length < expected
         if not is_hex(digest, self._algorithm.hex_len):
             raise ProtocolError(f"index chunk {seq} has a bad hash", "malformed")
         self.next_seq += 1
