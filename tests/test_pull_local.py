@@ -83,6 +83,37 @@ def test_chunks_grow_from_a_small_first_one(tmp_path: Path, guest: str) -> None:
     assert result.chunks == 4 and result.retries == 0
 
 
+@pytest.mark.parametrize("guest", ["default", "busybox"])
+def test_the_producer_is_woken_when_its_archive_ends(tmp_path: Path, guest: str) -> None:
+    """Issue 13: the producer's loop sleeps between looks at the stream; the pipeline's
+    end cuts the sleep short, so the done record never waits out a look.  Here tar takes
+    half a second and the loop's second sleep (0.02 s) lasts 120 s: only the wake-up
+    lets the pull finish inside its 60 s deadline."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "a.txt").write_text("a")
+    env = {"HOME": str(tmp_path)}
+    if guest == "busybox":
+        bb = shutil.which("busybox")
+        real = {"sleep": f"{bb} sleep", "tar": f"{bb} tar"}
+        path = str(busybox_bin(tmp_path / "bb"))
+    else:
+        real = {"sleep": str(shutil.which("sleep")), "tar": str(shutil.which("tar"))}
+        path = os.environ["PATH"]
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    sleep_text = f'case $1 in 0.02) exec {real["sleep"]} 120 ;; esac\nexec {real["sleep"]} "$@"\n'
+    (slow / "sleep").write_text("#!/bin/sh\n" + sleep_text)
+    (slow / "tar").write_text(f'#!/bin/sh\n{real["sleep"]} 0.5\nexec {real["tar"]} "$@"\n')
+    for tool in ("sleep", "tar"):
+        (slow / tool).chmod(0o755)
+    env["PATH"] = f"{slow}:{path}"
+    dest = tmp_path / "out"
+    result = run_pull(LocalTransport(env=env), ws, dest, options(tmp_path, timeout=60.0))
+    assert_exact(ws, dest)
+    assert result.ok
+
+
 def test_no_xxhsum_falls_back_to_b2sum(tmp_path: Path, workspace: Path) -> None:
     """dash with coreutils but without xxhsum: BLAKE2b is used and verified."""
     tools = (

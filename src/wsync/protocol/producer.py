@@ -265,7 +265,10 @@ produce() {
     *) fail "unknown mode" ;;
   esac
 }
-{ produce "$@" | { z 2>comp.err; echo $? > comp.rc; } >> data; } &
+# the pipeline's end wakes the loop below at once (a trapped signal ends a wait): the
+# last chunk and the done record do not wait out a look's sleep, up to 0.2 s a run
+trap 'w_=1' USR1
+{ produce "$@" | { z 2>comp.err; echo $? > comp.rc; } >> data; kill -USR1 $$ 2>/dev/null; } &
 pp=$!
 seq=0 off=0
 # chunk N is @FIRST@ << N bytes, at most the chunk size (the host checks it by the same
@@ -303,9 +306,13 @@ while [ ! -f comp.rc ] && alive "$pp"; do
   if [ "$seq" != "$s0" ]; then zz=0.05; else
     case $zz in 0.01) zz=0.02 ;; 0.02) zz=0.05 ;; 0.05) zz=0.1 ;; *) zz=0.2 ;; esac
   fi
-  sleep $zz 2>/dev/null || sleep 1
+  # a wait cut short by the wake-up returns over 128, its sleep still our child (so its
+  # pid is not reused before the kill); a sleep that takes no fractions fails at once
+  sleep $zz 2>/dev/null &
+  sp=$!
+  if wait $sp; then :; elif [ $? -gt 128 ]; then kill $sp 2>/dev/null; else sleep 1; fi
 done
-wait
+wait "$pp"
 trc=$(cat tar.rc) || fail "tar exit status missing"
 crc=$(cat comp.rc) || fail "compressor exit status missing"
 [ "$crc" = 0 ] || fail "compressor exited $crc: $(head -c 300 comp.err | tr '\n' ' ')"
