@@ -50,6 +50,21 @@ def test_the_first_read_finds_the_ring_size_in_two_failures() -> None:
     assert sizer.size == 64 * 1024
 
 
+def test_reads_shorter_than_the_size_that_keep_failing_shrink_it() -> None:
+    """Reads of a small chunk ask for less than the sizer's size (128 KiB of 1 MiB): when
+    those lose their head to a 96 KiB ring, the size must still drop below the ring,
+    or every later attempt asks for the same failing 128 KiB (seen with growing chunks)."""
+    sizer = ReadSizer(maximum=4 * MiB, start=MiB)
+    sizer.loss(128 * 1024, delivered=96 * 1024)
+    assert sizer.size == MiB  # once may be chance
+    sizer.loss(128 * 1024, delivered=96 * 1024)
+    assert sizer.size == 64 * 1024
+    sizer = ReadSizer(maximum=4 * MiB, start=MiB)
+    for _ in range(3):
+        sizer.loss(2 * MiB, delivered=MiB)  # a size above ours says nothing of ours
+    assert sizer.size == MiB
+
+
 def test_random_losses_do_not_shrink_reads() -> None:
     """35% of reads lost at random, at every size: reads stay large."""
     sizer = ReadSizer(maximum=4 * MiB, start=4 * MiB)

@@ -79,13 +79,19 @@ class ReadSizer:
         self._balance[size] = self._balance.get(size, 0) + 1
         self._delivered[size] = max(self._delivered.get(size, 0), delivered)
         self._tick()
-        if not self.usable(self.size):
-            hint = self.minimum
-            while hint * 2 <= self._delivered.get(bucket(self.size), 0):
-                hint *= 2
-            self.size = max(self.minimum, min(self.size // 2, hint))
-            while not self.usable(self.size):
-                self.size = max(self.minimum, self.size // 2)
+        # the size that went bad: ours, or a smaller one that reads asked for because
+        # what they read was shorter (a small chunk) and that fails all the same
+        bad = bucket(self.size)
+        if self.usable(bad):
+            if size > bad or self.usable(size):
+                return
+            bad = size
+        hint = self.minimum
+        while hint * 2 <= self._delivered.get(bad, 0):
+            hint *= 2
+        self.size = max(self.minimum, min(bad // 2, hint))
+        while not self.usable(self.size):
+            self.size = max(self.minimum, self.size // 2)
 
     def _tick(self) -> None:
         self._events += 1
