@@ -443,6 +443,20 @@ def setup_logging(verbose: bool, debug: bool) -> None:
     bytes, duration).  All on stderr, so ``--json`` keeps stdout to the result."""
     import logging
 
+    if "structlog" not in sys.modules:
+        # structlog.dev loads rich's traceback renderer (and pygments' lexers with it)
+        # when rich is installed: 50-70 ms of every run, for exception output we never
+        # ask structlog for.  It is kept from finding rich while it loads; the progress
+        # line imports rich itself afterwards
+        rich = sys.modules.get("rich")
+        sys.modules["rich"] = None  # type: ignore[assignment]
+        try:
+            import structlog
+        finally:
+            if rich is None:
+                del sys.modules["rich"]
+            else:
+                sys.modules["rich"] = rich
     import structlog
 
     level = logging.DEBUG if debug else logging.INFO if verbose else logging.WARNING
