@@ -233,7 +233,13 @@ class EnvelopeParser:
             return
         need = self._wire_length - len(self._payload)
         take = min(need, len(self._buf))
-        if take:
+        if take and not self._payload and take == need:
+            # the whole payload is buffered: the buffer becomes the payload and only what
+            # follows it (the trailer) is copied, not the payload (4 MiB for a chunk read)
+            rest = self._buf[take:]
+            del self._buf[take:]
+            self._payload, self._buf = self._buf, rest
+        elif take:
             # through a view: a 4 MiB chunk is not copied once more into a temporary
             with memoryview(self._buf) as view:
                 self._payload += view[:take]

@@ -129,8 +129,10 @@ class ResponseSplitter:
         self._buf += data
         at = self._buf.find(self._marker, self._searched)
         if at >= 0:
-            self.response = bytes(self._buf[:at])
-            self.leftover = bytes(self._buf[at + len(self._marker) :])
+            # through a view: a 4 MiB answer is copied once, not sliced and then copied
+            with memoryview(self._buf) as view:
+                self.response = bytes(view[:at])
+                self.leftover = bytes(view[at + len(self._marker) :])
             self._buf = bytearray()
             self.done = True
             return
