@@ -75,19 +75,14 @@ def _index(lengths: list[int]) -> bytes:
 
 
 def test_chunks_grow_from_the_first_to_the_chunk_size() -> None:
-    """Issue 13: the first chunk is small so the host starts at once; each next one
-    doubles until the snapshot's chunk size, and a chunk size below the first caps all."""
-    cs = 4 * FIRST_CHUNK
-    assert [chunk_length(seq, cs) for seq in range(5)] == [
-        FIRST_CHUNK,
-        2 * FIRST_CHUNK,
-        cs,
-        cs,
-        cs,
-    ]
+    """Issue 13: the first chunk is small so the host starts at once; each next one is
+    four times the last until the snapshot's chunk size, which caps all (also below the
+    first)."""
+    cs = 8 * FIRST_CHUNK
+    assert [chunk_length(seq, cs) for seq in range(5)] == [FIRST_CHUNK, 4 * FIRST_CHUNK, cs, cs, cs]
     assert chunk_length(0, 64 * 1024) == 64 * 1024 < FIRST_CHUNK
     assert chunk_length(GROWTH_STEPS, 1 << 40) == chunk_length(10**9, 1 << 40) == 1 << 40
-    lengths = [FIRST_CHUNK, 2 * FIRST_CHUNK, cs, cs, 5]
+    lengths = [FIRST_CHUNK, 4 * FIRST_CHUNK, cs, cs, 5]
     parser = IndexParser(XXH, cs)
     chunks = parser.receive_data(_index(lengths))
     assert [c.length for c in chunks] == lengths and parser.clean
@@ -97,13 +92,13 @@ def test_chunks_grow_from_the_first_to_the_chunk_size() -> None:
     "lengths",
     [
         [2 * FIRST_CHUNK],  # a first chunk longer than the schedule's
-        [FIRST_CHUNK, FIRST_CHUNK, FIRST_CHUNK],  # the second is short but not the last
-        [FIRST_CHUNK, 2 * FIRST_CHUNK, 8 * FIRST_CHUNK],  # longer than the chunk size
+        [FIRST_CHUNK, 2 * FIRST_CHUNK, 2 * FIRST_CHUNK],  # the second is short, not last
+        [FIRST_CHUNK, 4 * FIRST_CHUNK, 16 * FIRST_CHUNK],  # longer than the chunk size
     ],
 )
 def test_an_index_off_the_schedule_is_a_protocol_error(lengths: list[int]) -> None:
     with pytest.raises(ProtocolError):
-        IndexParser(XXH, 4 * FIRST_CHUNK).receive_data(_index(lengths))
+        IndexParser(XXH, 8 * FIRST_CHUNK).receive_data(_index(lengths))
 
 
 def test_status_with_done_failed_and_tar_errors() -> None:

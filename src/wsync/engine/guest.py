@@ -501,7 +501,7 @@ class GuestSession:
         asked = [length]
 
         def build(nonce: str) -> list[str]:
-            asked[0] = min(sizer.size, length) if sizer is not None else length
+            asked[0] = sizer.ask(length) if sizer is not None else length
             return scripts.read(
                 **self._wire(nonce),
                 snapshot=self.snapshot,

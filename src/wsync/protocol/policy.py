@@ -60,6 +60,20 @@ class ReadSizer:
         size = bucket(size)
         return size <= self.minimum or self._balance.get(size, 0) < 2
 
+    def ask(self, length: int) -> int:
+        """How much of ``length`` bytes one read asks for: the size, or less when the
+        read is shorter than the size (a small chunk) and its own size is known bad.
+
+        Only that read goes smaller: a 96 KiB ring eats every read of a 128 KiB chunk
+        while the size is 1 MiB, yet a backend that fails fast reads at random (empty
+        output from commands done within a moment) must not drag every later read of a
+        4 MiB chunk down to many small, fast and failing ones.
+        """
+        size = min(self.size, length)
+        while size > self.minimum and not self.usable(size):
+            size = max(self.minimum, bucket(size) // 2)
+        return size
+
     def success(self, length: int) -> None:
         size = bucket(length)
         self._balance[size] = self._balance.get(size, 0) - 1
@@ -79,19 +93,13 @@ class ReadSizer:
         self._balance[size] = self._balance.get(size, 0) + 1
         self._delivered[size] = max(self._delivered.get(size, 0), delivered)
         self._tick()
-        # the size that went bad: ours, or a smaller one that reads asked for because
-        # what they read was shorter (a small chunk) and that fails all the same
-        bad = bucket(self.size)
-        if self.usable(bad):
-            if size > bad or self.usable(size):
-                return
-            bad = size
-        hint = self.minimum
-        while hint * 2 <= self._delivered.get(bad, 0):
-            hint *= 2
-        self.size = max(self.minimum, min(bad // 2, hint))
-        while not self.usable(self.size):
-            self.size = max(self.minimum, self.size // 2)
+        if not self.usable(self.size):
+            hint = self.minimum
+            while hint * 2 <= self._delivered.get(bucket(self.size), 0):
+                hint *= 2
+            self.size = max(self.minimum, min(self.size // 2, hint))
+            while not self.usable(self.size):
+                self.size = max(self.minimum, self.size // 2)
 
     def _tick(self) -> None:
         self._events += 1

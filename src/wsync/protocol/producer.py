@@ -271,7 +271,7 @@ trap 'w_=1' USR1
 { produce "$@" | { z 2>comp.err; echo $? > comp.rc; } >> data; kill -USR1 $$ 2>/dev/null; } &
 pp=$!
 seq=0 off=0
-# chunk N is @FIRST@ << N bytes, at most the chunk size (the host checks it by the same
+# chunk N is @FIRST@ << 2N bytes, at most the chunk size (the host checks it by the same
 # rule, wsync.protocol.records.chunk_length): the first is ready moments after the start
 index_upto() {
   sz=$(wc -c < data) || fail "cannot read the data size"
@@ -280,7 +280,7 @@ index_upto() {
     rem=$((sz - off))
     w=$cs
     if [ "$seq" -lt @STEPS@ ]; then
-      w=$((@FIRST@ << seq))
+      w=$((@FIRST@ << (2 * seq)))
       [ "$w" -gt "$cs" ] && w=$cs
     fi
     if [ "$rem" -ge "$w" ]; then l=$w

@@ -280,14 +280,16 @@ def parse_name_list(payload: bytes) -> list[bytes]:
 
 # -- the chunk index ---------------------------------------------------------
 
-#: the first chunk's length; each next one doubles, up to the snapshot's chunk size.  The
-#: host starts extracting when the first chunk is in: with whole 4 MiB chunks that came
-#: half a second into a first pull (tar and zstd had to make ~20 MB of archive first),
-#: while the plain stream was already writing files (issue 13)
-FIRST_CHUNK = 128 * 1024
-#: past this many doublings every chunk has the snapshot's chunk size (and the guest's
+#: the first chunk's length; each next one is four times the last, up to the snapshot's
+#: chunk size.  The host starts extracting when the first chunk is in: with whole 4 MiB
+#: chunks that came half a second into a first pull (tar and zstd had to make ~20 MB of
+#: archive first), while the plain stream was already writing files (issue 13).  Growing
+#: by four, not two, keeps the extra chunks at two: where every read is an exec of its
+#: own, each costs one, and a backend's per-exec faults with it
+FIRST_CHUNK = 256 * 1024
+#: past this many steps every chunk has the snapshot's chunk size (and the guest's
 #: shell never shifts by more than it can hold)
-GROWTH_STEPS = 16
+GROWTH_STEPS = 8
 
 
 def chunk_length(seq: int, chunk_size: int) -> int:
@@ -295,7 +297,7 @@ def chunk_length(seq: int, chunk_size: int) -> int:
     chunk may be shorter.  The producer cuts by the same rule (``index_upto``)."""
     if seq >= GROWTH_STEPS:
         return chunk_size
-    return min(chunk_size, FIRST_CHUNK << seq)
+    return min(chunk_size, FIRST_CHUNK << (2 * seq))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
