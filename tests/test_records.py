@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wsync.errors import ProtocolError
+from wsync.protocol import producer
 from wsync.protocol.hashing import ALGORITHMS
 from wsync.protocol.records import (
     FIRST_CHUNK,
@@ -215,3 +219,44 @@ def test_fuzz_parsers_raise_only_protocol_error(data: bytes) -> None:
     ):
         with contextlib.suppress(ProtocolError):
             parse()
+
+
+def _index_upto() -> str:
+    """The producer's ``index_upto`` function, as the guest runs it."""
+    text = producer._PRODUCER
+    start = text.index("index_upto() {")
+    return text[start : text.index("\n}\n", start) + 3]
+
+
+@pytest.mark.parametrize("shell", ["sh", "busybox"])
+@pytest.mark.parametrize(
+    ("chunk_size", "length"),
+    [
+        (64 * 1024, 300_000),  # below the first chunk: all of the chunk size
+        (320 * 1024, 3_000_000),  # not a power of four
+        (4 * 1024 * 1024, 50_000_000),
+        (256 * 1024 * 1024, 3 << 30),  # the largest chunk size: every step, and past them
+    ],
+)
+def test_the_producer_cuts_chunks_as_the_host_expects(
+    tmp_path: Path, shell: str, chunk_size: int, length: int
+) -> None:
+    """The guest's ``index_upto`` (under dash and busybox sh, with the hash tool and dd
+    stubbed) writes exactly the lengths :func:`chunk_length` gives, and the host's parser
+    takes its index."""
+    argv = ["busybox", "sh"] if shell == "busybox" else ["sh"]
+    if shutil.which(argv[0]) is None:
+        pytest.skip(f"{argv[0]} is not installed")
+    with (tmp_path / "data").open("wb") as f:
+        f.truncate(length)  # sparse: only its size is read
+    script = (
+        'set -u\nfail() { echo "$*" >&2; exit 1; }\n'
+        f"dd() {{ :; }}\nh() {{ echo {H}; }}\ncs={chunk_size} seq=0 off=0\n: > index\n"
+        + _index_upto()
+        + "index_upto final\n"
+    )
+    subprocess.run([*argv, "-c", script], cwd=tmp_path, check=True, timeout=60)
+    chunks = IndexParser(XXH, chunk_size).receive_data((tmp_path / "index").read_bytes())
+    lengths = [c.length for c in chunks]
+    assert sum(lengths) == length
+    assert lengths[:-1] == [chunk_length(seq, chunk_size) for seq in range(len(lengths) - 1)]

@@ -447,16 +447,18 @@ def setup_logging(verbose: bool, debug: bool) -> None:
         # structlog.dev loads rich's traceback renderer (and pygments' lexers with it)
         # when rich is installed: 50-70 ms of every run, for exception output we never
         # ask structlog for.  It is kept from finding rich while it loads; the progress
-        # line imports rich itself afterwards
-        rich = sys.modules.get("rich")
+        # line imports rich itself afterwards (structlog keeps plain tracebacks for the
+        # whole process, also where wsync.cli.main runs inside another program)
+        absent = object()
+        rich = sys.modules.get("rich", absent)
         sys.modules["rich"] = None  # type: ignore[assignment]
         try:
             import structlog
         finally:
-            if rich is None:
+            if rich is absent:
                 del sys.modules["rich"]
             else:
-                sys.modules["rich"] = rich
+                sys.modules["rich"] = rich  # type: ignore[assignment]
     import structlog
 
     level = logging.DEBUG if debug else logging.INFO if verbose else logging.WARNING

@@ -493,7 +493,7 @@ class GuestSession:
         """Read ``file[offset:offset+n]`` verified, where n ≤ ``length``.
 
         Without ``sizer`` exactly ``length`` bytes are read.  With it, every
-        attempt asks for ``min(sizer.size, length)`` bytes and reports how it
+        attempt asks for ``sizer.ask(length)`` bytes and reports how it
         went, so a read size that shrinks after a loss takes effect on the very
         next retry; the caller continues from ``offset + len(result)``.
         """

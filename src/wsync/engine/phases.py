@@ -39,7 +39,7 @@ from wsync.errors import (
     first_error,
 )
 from wsync.protocol.policy import MIN_TEXT_READ, ReadSizer
-from wsync.protocol.records import FIRST_CHUNK, Chunk, DoneRecord, IndexParser
+from wsync.protocol.records import CHUNK_SCHEDULE, Chunk, DoneRecord, IndexParser
 from wsync.protocol.scripts import BLOCK
 from wsync.transports.base import Transport
 
@@ -301,9 +301,9 @@ class StreamRunner:
             "workspace": self.workspace,
             "staging_root": self.options.staging_root,
             "chunk_size": self.options.chunk_size,
-            # chunks that grow from FIRST_CHUNK: a journal of fixed-size chunks (an
-            # older wsync's) is not resumed, its guest index would not parse
-            "first_chunk": FIRST_CHUNK,
+            # chunks that grow: a journal of another schedule (an older wsync's fixed
+            # chunks) is not resumed, its guest index would not parse
+            "chunk_schedule": CHUNK_SCHEDULE,
             "algorithm": plan.algorithm.name,
             "compressor": plan.compressor,
             **({"mode": mode} if mode != "tar" else {}),

@@ -266,9 +266,11 @@ produce() {
   esac
 }
 # the pipeline's end wakes the loop below at once (a trapped signal ends a wait): the
-# last chunk and the done record do not wait out a look's sleep, up to 0.2 s a run
+# last chunk and the done record do not wait out a look's sleep, up to 0.2 s a run.
+# Only while this shell still runs the producer: were it gone, $$ could be another's
 trap 'w_=1' USR1
-{ produce "$@" | { z 2>comp.err; echo $? > comp.rc; } >> data; kill -USR1 $$ 2>/dev/null; } &
+w_=
+{ produce "$@" | { z 2>comp.err; echo $? > comp.rc; } >> data; busy $$ && kill -USR1 $$ 2>/dev/null; } &
 pp=$!
 seq=0 off=0
 # chunk N is @FIRST@ << 2N bytes, at most the chunk size (the host checks it by the same
@@ -306,11 +308,17 @@ while [ ! -f comp.rc ] && alive "$pp"; do
   if [ "$seq" != "$s0" ]; then zz=0.05; else
     case $zz in 0.01) zz=0.02 ;; 0.02) zz=0.05 ;; 0.05) zz=0.1 ;; *) zz=0.2 ;; esac
   fi
-  # a wait cut short by the wake-up returns over 128, its sleep still our child (so its
-  # pid is not reused before the kill); a sleep that takes no fractions fails at once
+  # woken while indexing, or before or during the wait: no sleep is waited out.  A
+  # sleep cut short is still our unreaped child (its pid is not reused before the
+  # kill); a sleep that takes no fractions fails at once
+  [ -f comp.rc ] && continue
   sleep $zz 2>/dev/null &
   sp=$!
-  if wait $sp; then :; elif [ $? -gt 128 ]; then kill $sp 2>/dev/null; else sleep 1; fi
+  if [ -n "$w_" ]; then kill $sp 2>/dev/null
+  elif wait $sp; then :
+  elif [ -n "$w_" ]; then kill $sp 2>/dev/null
+  else sleep 1
+  fi
 done
 wait "$pp"
 trc=$(cat tar.rc) || fail "tar exit status missing"

@@ -287,9 +287,13 @@ def parse_name_list(payload: bytes) -> list[bytes]:
 #: by four, not two, keeps the extra chunks at two: where every read is an exec of its
 #: own, each costs one, and a backend's per-exec faults with it
 FIRST_CHUNK = 256 * 1024
-#: past this many steps every chunk has the snapshot's chunk size (and the guest's
-#: shell never shifts by more than it can hold)
-GROWTH_STEPS = 8
+#: past this many steps every chunk has the snapshot's chunk size: the largest length
+#: the guest's shell computes is 256 MiB (the chunk size's upper bound), which a shell
+#: with 32-bit arithmetic holds too
+GROWTH_STEPS = 6
+#: the whole schedule, in a journal's resume key: a journal cut by another (an older
+#: wsync's) starts a fresh snapshot rather than fail on its index
+CHUNK_SCHEDULE = f"{FIRST_CHUNK}x4^<{GROWTH_STEPS}"
 
 
 def chunk_length(seq: int, chunk_size: int) -> int:
