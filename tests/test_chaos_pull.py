@@ -8,6 +8,7 @@ was.  Never a wrong tree.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 from helpers import assert_exact, local, make_tree, options, run_pull
 from wsync.chaos import FAULT_CODES, ChaosTransport, FaultPlan
+from wsync.engine.api import PullOptions
 from wsync.errors import IntegrityFailed, TransportError, WsyncError
 from wsync.transports.base import Capabilities
 from wsync.transports.local import LocalTransport
@@ -121,13 +123,10 @@ def test_random_fault_schedules_never_produce_a_wrong_tree(
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_cancellation_leaves_dest_untouched_and_resumes(tmp_path: Path) -> None:
-    """Cancel mid-pull (as the daemon does); the next pull reuses journaled chunks."""
-    ws = make_tree(tmp_path / "ws", big=4 * 1024 * 1024, small=10)
-    dest = tmp_path / "out"
-    opts = options(tmp_path, chunk_size=256 * 1024, parallel=1)
+def _cancel_midway(ws: Path, dest: Path, opts: PullOptions) -> None:
+    """Start a pull and cancel it (as the daemon does) once 4 chunks are in."""
 
-    async def cancel_midway() -> None:
+    async def cancel() -> None:
         from wsync.engine.pull import pull
 
         seen: list[int] = []
@@ -146,11 +145,35 @@ def test_cancellation_leaves_dest_untouched_and_resumes(tmp_path: Path) -> None:
             await task
         await transport.aclose()
 
-    asyncio.run(cancel_midway())
+    asyncio.run(cancel())
     assert not dest.exists()
+
+
+def test_cancellation_leaves_dest_untouched_and_resumes(tmp_path: Path) -> None:
+    """Cancel mid-pull (as the daemon does); the next pull reuses journaled chunks."""
+    ws = make_tree(tmp_path / "ws", big=4 * 1024 * 1024, small=10)
+    dest = tmp_path / "out"
+    opts = options(tmp_path, chunk_size=256 * 1024, parallel=1)
+    _cancel_midway(ws, dest, opts)
     result = run_pull(local(), ws, dest, opts)
     assert_exact(ws, dest)
     assert result.resumed_chunks >= 4
+
+
+def test_a_journal_cut_by_another_chunk_schedule_starts_afresh(tmp_path: Path) -> None:
+    """A journal an older wsync left (fixed-size chunks: its meta names no schedule) is
+    not resumed: its guest index would not parse under growing chunks."""
+    ws = make_tree(tmp_path / "ws", big=4 * 1024 * 1024, small=10)
+    dest = tmp_path / "out"
+    opts = options(tmp_path, chunk_size=256 * 1024, parallel=1)
+    _cancel_midway(ws, dest, opts)
+    [meta_path] = (tmp_path / "state" / "pulls").glob("*/meta.json")
+    meta = json.loads(meta_path.read_text())
+    del meta["chunk_schedule"]
+    meta_path.write_text(json.dumps(meta))
+    result = run_pull(local(), ws, dest, opts)
+    assert_exact(ws, dest)
+    assert result.resumed_chunks == 0 and result.retries == 0
 
 
 def test_a_channel_that_corrupts_per_byte_shrinks_reads_until_they_pass(tmp_path: Path) -> None:
