@@ -234,7 +234,9 @@ def test_json_leaves_the_terminal_alone(tmp_path: Path) -> None:
 
 
 def test_verbose_logs_every_retry_with_its_fault_and_read_size(tmp_path: Path) -> None:
-    ws = make_workspace(tmp_path / "ws")
+    # Enough chunks (~30 reads) that some read is all but sure to draw a fault: how many
+    # status polls come first depends on timing, and the draws shift with them.
+    ws = make_workspace(tmp_path / "ws", files=200)
     proc = subprocess.run(
         [*pull_argv(tmp_path, ws, "--chaos", "H=0.3,T=0.1,seed=1", "--json"), "-v"],
         capture_output=True,
