@@ -94,7 +94,9 @@ def test_fifty_mb_workspace_is_exact_with_every_fault_on(
     emulator.set_faults(dataclasses.replace(CloudflareFaults.all_on(seed=23), hang=0.05))
     before = emulator.stats["hangs"]
     dest = tmp_path / "out"
-    pull(emulator, "fifty", ws, dest, options(tmp_path, parallel=4))
+    # a hang on a call run once a pull (the admission) has no learnt deadline: it waits out
+    # the call deadline, so keep that at 10 s (a 4 MiB read here takes under a second)
+    pull(emulator, "fifty", ws, dest, options(tmp_path, parallel=4, call_timeout=10.0))
     assert_exact(ws, dest)
     assert emulator.stats["hangs"] > before  # the hangs really happened
 
