@@ -15,9 +15,15 @@ NONCE = "0123456789abcdef"
 PAYLOAD = bytes(range(256)) * 40 + b"\nWSYNC1 END fake 00\n"  # binary, and a decoy trailer
 
 
+#: ``feed``'s step that hands the whole output over as a buffer (a helper's answer)
+TAKE = -1
+
+
 def feed(data: bytes, step: int | None = None, **kw: object) -> Envelope:
     parser = EnvelopeParser(NONCE, algorithm=XXH, max_length=1 << 20, **kw)  # type: ignore[arg-type]
-    if step is None:
+    if step == TAKE:
+        parser.receive_buffer(bytearray(data))
+    elif step is None:
         parser.receive_data(data)
     else:
         for i in range(0, len(data), step):
@@ -27,7 +33,7 @@ def feed(data: bytes, step: int | None = None, **kw: object) -> Envelope:
 
 
 @pytest.mark.parametrize("b64", [False, True])
-@pytest.mark.parametrize("step", [None, 1, 7, 4096])
+@pytest.mark.parametrize("step", [None, 1, 7, 4096, TAKE])
 def test_round_trip_in_any_split(b64: bool, step: int | None) -> None:
     wire = render_envelope(NONCE, PAYLOAD, algorithm=XXH, b64=b64)
     env = feed(wire, step)
@@ -35,12 +41,34 @@ def test_round_trip_in_any_split(b64: bool, step: int | None) -> None:
     assert env.noise == 0 and env.trailing == 0
 
 
-def test_noise_before_and_trailing_bytes_after_are_counted_not_trusted() -> None:
+@pytest.mark.parametrize("step", [None, TAKE])
+def test_noise_before_and_trailing_bytes_after_are_counted_not_trusted(step: int | None) -> None:
     wire = render_envelope(NONCE, PAYLOAD, algorithm=XXH)
-    env = feed(b"tar: warning\n" + wire + b"late frame after exit")
+    env = feed(b"tar: warning\n" + wire + b"late frame after exit", step)
     assert env.payload == PAYLOAD
     assert env.noise == len(b"tar: warning\n")
     assert env.trailing == len(b"late frame after exit")
+
+
+def test_a_buffer_taken_over_is_not_copied_until_the_result() -> None:
+    """A helper's answer is handed over whole: the parser cuts it in place down to the
+    payload (no copy on the way), the result is the one copy, and the buffer goes."""
+    wire = render_envelope(NONCE, PAYLOAD, algorithm=XXH)
+    buf = bytearray(b"noise" + wire + b"late")
+    parser = EnvelopeParser(NONCE, algorithm=XXH, max_length=1 << 20)
+    parser.receive_buffer(buf)
+    assert buf == PAYLOAD  # the caller's buffer became the payload, cut in place
+    parser.receive_data(b" more late")  # after the end: counted, not a second buffer
+    parser.receive_eof()
+    env = parser.result()
+    assert env.payload == PAYLOAD and env.noise == 5 and env.trailing == len(b"late more late")
+    assert parser.result() is env  # asked again: the same result, its buffer released
+    # a buffer handed over after data came is appended like any data
+    parser = EnvelopeParser(NONCE, algorithm=XXH, max_length=1 << 20)
+    parser.receive_data(wire[:10])
+    parser.receive_buffer(bytearray(wire[10:]))
+    parser.receive_eof()
+    assert parser.result().payload == PAYLOAD
 
 
 def test_an_envelope_of_another_call_is_ignored() -> None:
@@ -85,7 +113,7 @@ HEADER_END = WIRE.index(b"\n") + 1
     ],
 )
 def test_each_kind_of_damage_is_detected(damaged: bytes, fault: str) -> None:
-    for step in (None, 1):
+    for step in (None, 1, TAKE):
         with pytest.raises(ProtocolError) as info:
             feed(damaged, step)
         assert info.value.fault == fault
@@ -118,7 +146,7 @@ def test_unhashed_envelope_for_the_probe() -> None:
     st.binary(max_size=300),
     st.integers(min_value=0, max_value=400),
     st.binary(max_size=20),
-    st.sampled_from([1, 3, 1000]),
+    st.sampled_from([1, 3, 1000, TAKE]),
 )
 def test_fuzz_parses_or_raises_protocol_error(
     junk: bytes, at: int, insert: bytes, step: int

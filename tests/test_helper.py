@@ -68,6 +68,8 @@ def test_the_splitter_finds_the_end_in_any_split_and_keeps_what_follows(step: in
     assert splitter.done
     assert splitter.response == answer + other
     assert splitter.leftover == b"late"
+    # the buffer it gathered in is the response, for the envelope parser to take over
+    assert isinstance(splitter.response, bytearray)
 
 
 def test_the_splitter_is_not_done_without_its_end_and_bounds_what_it_holds() -> None:

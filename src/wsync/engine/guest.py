@@ -173,6 +173,7 @@ class GuestSession:
             started = time.monotonic()
             try:
                 # a helper carries no stdin for a call (see wsync.protocol.helper)
+                stdout: bytes | bytearray
                 if self.helpers is not None and self.helpers.usable and not stdin:
                     stdout = await self.helpers.run(
                         argv,
@@ -213,7 +214,11 @@ class GuestSession:
                     max_length=max_length,
                     allow_unhashed=algorithm is PROBE_ALGORITHM,
                 )
-                parser.receive_data(stdout)
+                if isinstance(stdout, bytearray):  # a helper's answer: taken over, not copied
+                    parser.receive_buffer(stdout)
+                else:
+                    parser.receive_data(stdout)
+                del stdout  # (the parser holds what it needs)
                 parser.receive_eof()
                 envelope = parser.result()
                 if envelope.noise or envelope.trailing:

@@ -96,7 +96,7 @@ class HelperPool:
         timeout: float,
         limit: int,
         on_open: Callable[[], None] = lambda: None,
-    ) -> bytes:
+    ) -> bytearray:
         """``argv``'s output through a helper, within ``timeout`` seconds (opening one
         included); at most ``limit`` bytes.  ``on_open`` hears of every helper started
         for the call (each is an exec in the guest), whether the call then succeeds."""

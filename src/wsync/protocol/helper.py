@@ -117,7 +117,9 @@ class ResponseSplitter:
         self._buf = bytearray()
         self._searched = 0
         self._trailer_at = -1
-        self.response = b""
+        #: the call's output; a bytearray, handed on as is (the envelope parser takes it
+        #: over with ``receive_buffer``): a 4 MiB answer is never copied here
+        self.response = bytearray()
         self.leftover = b""
         self.done = False
         self.answered = False
@@ -129,11 +131,10 @@ class ResponseSplitter:
         self._buf += data
         at = self._buf.find(self._marker, self._searched)
         if at >= 0:
-            # through a view: a 4 MiB answer is copied once, not sliced and then copied
-            with memoryview(self._buf) as view:
-                self.response = bytes(view[:at])
-                self.leftover = bytes(view[at + len(self._marker) :])
-            self._buf = bytearray()
+            # the buffer becomes the response, cut in place: only what follows is copied
+            self.leftover = bytes(self._buf[at + len(self._marker) :])
+            del self._buf[at:]
+            self.response, self._buf = self._buf, bytearray()
             self.done = True
             return
         if len(self._buf) > self._limit + len(self._marker):
@@ -145,7 +146,7 @@ class ResponseSplitter:
         # the marker may straddle this piece and the next
         self._searched = max(0, len(self._buf) - len(self._marker) + 1)
 
-    def give_up(self) -> bytes:
+    def give_up(self) -> bytearray:
         """Everything so far, as the response (the end line never came whole)."""
-        self.response, self._buf = bytes(self._buf), bytearray()
+        self.response, self._buf = self._buf, bytearray()
         return self.response
