@@ -18,14 +18,9 @@ import collections
 import dataclasses
 import os
 import sys
-import threading
 import time
 from collections.abc import Iterable
-from typing import TextIO
-
-from rich.console import Console, ConsoleOptions, RenderResult
-from rich.live import Live
-from rich.text import Text
+from typing import Protocol, TextIO
 
 from wsync.engine.api import Progress
 
@@ -167,55 +162,12 @@ def terminal_width(stream: TextIO, default: int = 80) -> int:
         return default
 
 
-class LiveLine:
-    """The terminal status line: rich redraws it ``REFRESH_PER_SECOND`` times a second.
+class Display(Protocol):
+    """What shows progress: called with each snapshot, closed at the end."""
 
-    Call it with each :class:`Progress` (from the event loop); it keeps a copy under a
-    lock for the redraw thread.  ``close()`` erases the line.
-    """
+    def __call__(self, p: Progress) -> None: ...
 
-    def __init__(self, stream: TextIO | None = None) -> None:
-        self.stream = stream or sys.stderr
-        self.started = time.monotonic()
-        self.rates = RateWindow()
-        self.lock = threading.Lock()
-        self.latest = Progress()
-        self.console = Console(file=self.stream, highlight=False, soft_wrap=False)
-        self.live = Live(
-            console=self.console,
-            get_renderable=lambda: self,
-            refresh_per_second=REFRESH_PER_SECOND,
-            transient=True,
-            redirect_stdout=False,  # stdout is the command's data, never the display's
-            redirect_stderr=True,  # log lines print above the status line
-        )
-        self.live.start()
-
-    def __call__(self, p: Progress) -> None:
-        copy = dataclasses.replace(p, faults=dict(p.faults))
-        with self.lock:
-            self.latest = copy
-            self.rates.add(time.monotonic(), copy.bytes_fetched)
-
-    def render(self, width: int) -> Text:
-        """The status line as it is now, at most ``width - 1`` columns (the last
-        column stays free: some terminals wrap on writing it)."""
-        room = max(width - 1, 1)
-        now = time.monotonic()
-        with self.lock:
-            p, rate = self.latest, self.rates.rate(now)
-        text = Text(no_wrap=True, overflow="ellipsis", end="")
-        for i, field in enumerate(fit(status_fields(p, rate, now - self.started), room)):
-            text.append((_SEP if i else "") + field.text, style=field.style)
-        text.truncate(room, overflow="ellipsis")
-        return text
-
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        """Called by rich at every redraw, from its refresh thread."""
-        yield self.render(min(options.max_width, terminal_width(self.stream, options.max_width)))
-
-    def close(self) -> None:
-        self.live.stop()
+    def close(self) -> None: ...
 
 
 class PhaseLines:
@@ -250,13 +202,16 @@ class PhaseLines:
         """Nothing to erase: every line written is final."""
 
 
-def progress_display(stream: TextIO, *, enabled: bool = True) -> LiveLine | PhaseLines | None:
+def progress_display(stream: TextIO, *, enabled: bool = True) -> Display | None:
     """The display for ``stream``: a live line on a capable terminal, phase lines on
-    anything else, none when disabled (``--no-progress``, ``--json``)."""
+    anything else, none when disabled (``--no-progress``, ``--json``).  rich is loaded
+    only for the live line (it is 10-20 ms of every run that imports it)."""
     if not enabled:
         return None
     isatty = getattr(stream, "isatty", None)
     dumb = os.environ.get("TERM", "").lower() in ("dumb", "unknown")
     if isatty is not None and isatty() and not dumb:
+        from wsync.liveline import LiveLine
+
         return LiveLine(stream)
     return PhaseLines(stream)

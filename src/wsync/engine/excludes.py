@@ -33,11 +33,13 @@ import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-
-from pathspec import GitIgnoreSpec
-from pathspec.patterns.gitignore.spec import GitIgnoreSpecPattern
+from typing import TYPE_CHECKING
 
 from wsync.errors import UsageError
+
+if TYPE_CHECKING:
+    from pathspec import GitIgnoreSpec
+    from pathspec.patterns.gitignore.spec import GitIgnoreSpecPattern
 
 #: directory verdicts remembered while a manifest streams past (cleared when this many)
 _DIR_CACHE = 65536
@@ -169,6 +171,9 @@ def check_pattern(pattern: str, where: str) -> str:
 
 
 def _compile(lines: list[str]) -> GitIgnoreSpec:
+    # pathspec is loaded only when there are patterns (10 ms of every run otherwise)
+    from pathspec import GitIgnoreSpec
+
     # a literal '[' in a class ("[[]") compiles to a regex Python warns may mean a nested
     # set some day; today it is what rsync means, and the warning is noise
     with warnings.catch_warnings():
@@ -180,6 +185,8 @@ def _pattern(line: str) -> GitIgnoreSpecPattern:
     """pathspec's pattern, with negated classes kept off ``/``: in rsync (and git) a class
     never matches the slash between names, but the regex ``[^a]`` does, so ``a[!a]`` would
     match the directory ``x/a/`` by the trailing slash that marks it as a directory."""
+    from pathspec.patterns.gitignore.spec import GitIgnoreSpecPattern
+
     pattern = GitIgnoreSpecPattern(line)
     regex = pattern.regex
     if regex is not None and "[^" in regex.pattern:
