@@ -50,6 +50,19 @@ def test_noise_before_and_trailing_bytes_after_are_counted_not_trusted(step: int
     assert env.trailing == len(b"late frame after exit")
 
 
+def test_bytes_after_a_first_result_still_count_as_trailing() -> None:
+    """The result is kept after the first call (its payload buffer is released), but
+    late bytes that arrive before the end of output are still reported."""
+    parser = EnvelopeParser(NONCE, algorithm=XXH, max_length=1 << 20)
+    parser.receive_data(render_envelope(NONCE, PAYLOAD, algorithm=XXH))
+    first = parser.result()
+    assert first.payload == PAYLOAD and first.trailing == 0
+    parser.receive_data(b"late frame")
+    parser.receive_eof()
+    again = parser.result()
+    assert again.payload == PAYLOAD and again.trailing == len(b"late frame")
+
+
 def test_a_buffer_taken_over_is_not_copied_until_the_result() -> None:
     """A helper's answer is handed over whole: the parser cuts it in place down to the
     payload (no copy on the way), the result is the one copy, and the buffer goes."""
@@ -62,7 +75,7 @@ def test_a_buffer_taken_over_is_not_copied_until_the_result() -> None:
     parser.receive_eof()
     env = parser.result()
     assert env.payload == PAYLOAD and env.noise == 5 and env.trailing == len(b"late more late")
-    assert parser.result() is env  # asked again: the same result, its buffer released
+    assert parser.result() == env  # asked again: the same result, its buffer released
     # a buffer handed over after data came is appended like any data
     parser = EnvelopeParser(NONCE, algorithm=XXH, max_length=1 << 20)
     parser.receive_data(wire[:10])

@@ -122,8 +122,10 @@ class EnvelopeParser:
 
     def receive_buffer(self, buf: bytearray) -> None:
         """:meth:`receive_data`, taking ``buf`` over instead of copying it: the caller
-        gives it up (it is cut and kept as the payload).  A helper's 4 MiB answer then
-        reaches :meth:`result` without a copy on the way."""
+        gives it up.  When ``buf`` holds a whole raw envelope it is cut in place and
+        becomes the payload, so a helper's 4 MiB answer reaches :meth:`result` without
+        a copy on the way; otherwise (base64, or the payload only in part) the parser
+        copies out of it as :meth:`receive_data` would."""
         if self._buf or self._eof or self.state is State.DONE:
             self.receive_data(buf)
             return
@@ -149,7 +151,8 @@ class EnvelopeParser:
         if self.state is not State.DONE:
             raise self._incomplete()
         if self._result is not None:
-            return self._result
+            # bytes that arrived after the first call still count as trailing
+            return dataclasses.replace(self._result, trailing=self.trailing)
         payload = bytes(self._payload)
         if self._encoding == "b64":
             try:
