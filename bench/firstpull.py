@@ -92,6 +92,12 @@ def main() -> int:
         default=65.0,
         help="seconds between removing a scenario's trees and the next scenario",
     )
+    parser.add_argument(
+        "--fresh-state",
+        action="store_true",
+        help="a new --state-dir for every wsync run: each is wsync's first contact with "
+        "the link (no remembered link rate; see --compress-level in wsync pull --help)",
+    )
     args = parser.parse_args()
     root = args.workdir.resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -118,10 +124,13 @@ def main() -> int:
             src = f"{sshd.user}@127.0.0.1:{shlex.quote(str(ws))}/"
             remote = shlex.quote(f"tar -cf - -C {shlex.quote(str(ws))} . | zstd -q -c -T0")
             uri = shlex.quote(f"ssh://{sshd.user}@127.0.0.1:{port}{ws}")
-            wsync = (
-                f"--json --state-dir {shlex.quote(str(state))} --ssh-key {shlex.quote(key)} "
-                f"--known-hosts {shlex.quote(kh)}"
-            )
+            wsync = f"--json --ssh-key {shlex.quote(key)} --known-hosts {shlex.quote(kh)}"
+
+            def state_of(d: Path) -> str:
+                return shlex.quote(
+                    str(d.with_name(d.name + ".state") if args.fresh_state else state)
+                )
+
             return {
                 "rsync -a": lambda d: (
                     f"rsync -a -e {shlex.quote(ssh)} {src} {shlex.quote(str(d))}/"
@@ -133,9 +142,13 @@ def main() -> int:
                     f"mkdir -p {shlex.quote(str(d))} && {ssh} 127.0.0.1 {remote} "
                     f"| zstd -q -d -c | tar -xf - -C {shlex.quote(str(d))}"
                 ),
-                "wsync": lambda d: f"{py} -m wsync pull {uri} {shlex.quote(str(d))} {wsync}",
+                "wsync": lambda d: (
+                    f"{py} -m wsync pull {uri} {shlex.quote(str(d))} {wsync} "
+                    f"--state-dir {state_of(d)}"
+                ),
                 "wsync per-call": lambda d: (
-                    f"{py} -m wsync pull {uri} {shlex.quote(str(d))} {wsync} --exec-per-call"
+                    f"{py} -m wsync pull {uri} {shlex.quote(str(d))} {wsync} "
+                    f"--state-dir {state_of(d)} --exec-per-call"
                 ),
             }
 
@@ -168,7 +181,11 @@ def main() -> int:
                     row: dict[str, object] = {"wall_s": round(wall, 3), "rss_mib": rss // 1024}
                     if name.startswith("wsync"):
                         res = json.loads(out)
-                        row |= {"execs": res.get("execs"), "wire": res["transferred_bytes"]}
+                        row |= {
+                            "execs": res.get("execs"),
+                            "wire": res["transferred_bytes"],
+                            "level": res.get("compress_level"),
+                        }
                     row["exact"] = not diff(ws, d)
                     walls[name].append(wall)
                     extra[name].append(row)
@@ -208,12 +225,13 @@ def main() -> int:
                 rc.unlink()
     print(
         f"\n{'scenario':<16} {'row':<16} {'wall s':>7} {'RSS MiB':>8} {'execs':>6} {'wire MB':>8}"
+        f" {'level':>5}"
     )
     for r in results:
         wire = f"{int(r['wire']) / 1e6:.1f}" if "wire" in r else "-"  # type: ignore[call-overload]
         print(
             f"{r['scenario']!s:<16} {r['row']!s:<16} {r['wall_s']!s:>7} {r['rss_mib']!s:>8} "
-            f"{r.get('execs', '-')!s:>6} {wire:>8}"
+            f"{r.get('execs', '-')!s:>6} {wire:>8} {r.get('level', '-')!s:>5}"
         )
     print()
     for k, v in ratios.items():

@@ -344,7 +344,7 @@ def test_producers_started_at_once_write_one_stream(
     snap = root / "s-race"
     (snap / "launch").mkdir(parents=True)
     argv = ["sh", str(root / scripts.PRODUCER_NAME), str(snap), str(workspace)]
-    argv += [str(scripts.BLOCK), "sha256", "gzip", "tar"]
+    argv += [str(scripts.BLOCK), "sha256", "gzip:1", "tar"]
     racers = [subprocess.Popen(argv, env=env, start_new_session=True) for _ in range(8)]
     for racer in racers:
         racer.wait(timeout=120)

@@ -82,6 +82,15 @@ def seconds(text: str) -> float:
     return value
 
 
+def compress_level(text: str) -> int | None:
+    from wsync.protocol.level import parse_level
+
+    try:
+        return parse_level(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not auto or a level 1-19: {text!r}") from None
+
+
 def add_transport_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("backend options")
     g.add_argument("--ssh-key", metavar="FILE", help="ssh: private key to authenticate with")
@@ -270,6 +279,16 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         help=STAGING_HELP,
     )
     p.add_argument("--gzip", action="store_true", help="compress with gzip even if zstd exists")
+    p.add_argument(
+        "--compress-level",
+        type=compress_level,
+        default=None,
+        metavar="auto|N",
+        help="the guest's zstd level, 1-19 (gzip: 1-9).  auto (the default) picks it from "
+        "how fast this link carried reads: -1 on a fast link, where the guest's compressor "
+        "is the bottleneck, up to -9 on a slow one, where every byte saved is time saved; "
+        "the rate is remembered per sandbox host in the state directory",
+    )
     p.add_argument(
         "--force", action="store_true", help="replace a non-empty DEST wsync did not write"
     )
@@ -538,6 +557,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         best_effort=args.best_effort,
         keep_prev=args.keep_prev,
         compressor="gzip" if args.gzip else "zstd",
+        compress_level=args.compress_level,
         limits=ExtractLimits(max_files=args.max_files, max_bytes=args.max_bytes),
         full=args.full,
         excludes=Excludes.from_options(args.exclude, args.exclude_from),

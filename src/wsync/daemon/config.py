@@ -155,6 +155,9 @@ class SandboxConfig(_Strict):
     #: keep the replaced tree beside DEST for the next pull (``--keep-prev``): periodic
     #: incremental pulls then cost what changed, not what DEST holds
     keep_prev: bool = False
+    #: the guest's zstd level 1-19 (``--compress-level``); unset: chosen from the link's
+    #: measured speed, remembered per sandbox host in the state directory
+    compress_level: int | None = Field(default=None, ge=1, le=19)
     #: testing/demo knob: run this sandbox through the fault-injecting transport
     #: (wsync.chaos spec: "all", "all,seed=7", "H=0.1,T=0.05", ...); never in production
     chaos: str | None = None
@@ -397,6 +400,7 @@ class DaemonConfig(BaseSettings):
             ),
             excludes=Excludes(tuple(sandbox.exclude)) if sandbox else Excludes.none(),
             keep_prev=sandbox.keep_prev if sandbox else False,
+            compress_level=sandbox.compress_level if sandbox else None,
         )
 
     def sandbox_concurrency(self, name: str) -> int:

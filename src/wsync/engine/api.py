@@ -68,6 +68,9 @@ class PullOptions:
     keep_staging: bool = False
     #: preferred compressor in the guest: "zstd" or "gzip" (falls back when missing)
     compressor: str = "zstd"
+    #: the compression level 1-19, or None to choose it from the link's measured speed
+    #: (:mod:`wsync.protocol.level`; gzip stays at 1 then)
+    compress_level: int | None = None
     limits: ExtractLimits = dataclasses.field(default_factory=ExtractLimits)
     #: keep the replaced tree beside DEST (``.NAME.wsync-prev``, hard links to DEST's
     #: files) so the next incremental pull starts from it and costs what changed, not what
@@ -156,6 +159,11 @@ class PullResult:
     tree_bytes: int = 0
     #: ``rsync -i`` style lines of a ``dry_run``
     changes: list[str] = dataclasses.field(default_factory=list)
+    #: the level the archive was compressed at in the guest (0: not known, as no archive
+    #: was admitted this run or it adopted one an earlier run started)
+    compress_level: int = 0
+    #: bytes per second the link carried this run's reads (0: too few to tell)
+    link_bytes_per_s: int = 0
     error: str | None = None
     error_kind: str | None = None
     exit_code: int = 0

@@ -33,9 +33,11 @@ from wsync.errors import (
     UsageError,
     WsyncError,
 )
+from wsync.protocol import level as level_mod
 from wsync.protocol import records, scripts
 from wsync.protocol.envelope import Envelope, EnvelopeParser, wire_length
 from wsync.protocol.hashing import ALGORITHMS, PROBE_ALGORITHM, PROBE_INPUT, Algorithm
+from wsync.protocol.level import LinkMeter
 from wsync.protocol.policy import SIZE_FAULTS, CallDeadlines, ReadSizer, backoff
 from wsync.transports.base import Transport
 
@@ -108,6 +110,8 @@ class GuestSession:
         self._rng = random.Random()  # noqa: S311 - backoff jitter, not a secret
         #: per-kind deadlines learnt from this backend's answers: a hang costs seconds
         self.deadlines = CallDeadlines(options.call_timeout)
+        #: how fast reads came over the link (it picks the next run's compression level)
+        self.meter = LinkMeter()
 
     def _wire(self, nonce: str) -> scripts.Wire:
         """The arguments every guest call after the probe shares."""
@@ -326,6 +330,7 @@ class GuestSession:
         workspace: str,
         compressor: str,
         *,
+        level: int = level_mod.DEFAULT,
         installed: bool = False,
         mode: str = "tar",
         prune: tuple[str, ...] = (),
@@ -345,7 +350,7 @@ class GuestSession:
                 snapshot=snapshot,
                 workspace=workspace,
                 chunk_size=self.options.chunk_size,
-                compressor=compressor,
+                compressor=f"{compressor}:{level}",
                 ttl_minutes=int(self.options.staging_ttl // 60),
                 run=self.run_id,
                 producer_hash=producer_hash,
@@ -357,7 +362,7 @@ class GuestSession:
         if not envelope.ok and envelope.text == "producer-missing" and not installed:
             await self.install_producer()
             return await self.admit(
-                snapshot, workspace, compressor, installed=True, mode=mode, prune=prune
+                snapshot, workspace, compressor, level=level, installed=True, mode=mode, prune=prune
             )
         if not envelope.ok:
             self._admission_failed(envelope.text, workspace)
@@ -525,20 +530,26 @@ class GuestSession:
                 payload = received * 3 // 4 if self.b64 else received
                 sizer.loss(asked[0], 0 if fault == "hash-mismatch" else payload)
 
-        envelope = await self.call(
-            f"read {file}@{offset}",
-            build,
-            max_length=length,
-            observe=observe,
-            asked=lambda: asked[0],
-        )
-        if not envelope.ok:
-            raise StagingFailed(f"reading {file}: {records.printable(envelope.text)}")
-        if len(envelope.payload) != asked[0]:
-            raise StagingFailed(
-                f"reading {file}: asked {asked[0]} bytes, got {len(envelope.payload)}"
+        self.meter.begin(time.monotonic())
+        got = 0
+        try:
+            envelope = await self.call(
+                f"read {file}@{offset}",
+                build,
+                max_length=length,
+                observe=observe,
+                asked=lambda: asked[0],
             )
-        return envelope.payload
+            if not envelope.ok:
+                raise StagingFailed(f"reading {file}: {records.printable(envelope.text)}")
+            if len(envelope.payload) != asked[0]:
+                raise StagingFailed(
+                    f"reading {file}: asked {asked[0]} bytes, got {len(envelope.payload)}"
+                )
+            got = len(envelope.payload)
+            return envelope.payload
+        finally:
+            self.meter.end(time.monotonic(), got)
 
     async def read_direct(self, offset: int, length: int, digest: str) -> bytes | None:
         """``data[offset:offset+length]`` through the backend's file API, or None.
@@ -554,6 +565,8 @@ class GuestSession:
             return None
         path = scripts.snapshot_dir(self.staging_root, self.snapshot) + "/data"
         started = time.monotonic()
+        self.meter.begin(started)
+        data = b""
         try:
             data = await self.transport.read_file(
                 path, offset, length, timeout=self.deadlines.deadline("file", length)
@@ -581,6 +594,8 @@ class GuestSession:
                 log.info("file API off for this pull; exec reads only", error=str(exc))
                 self.direct = False
             return None
+        finally:
+            self.meter.end(time.monotonic(), len(data))
         self.stats.transferred += len(data)
         if len(data) != length or self.algorithm.digest(data) != digest:
             log.info("file API read damaged", fault="file-api-mismatch", asked=length)

@@ -29,7 +29,14 @@ from wsync.engine.guest import CallStats, GuestPlan, GuestSession
 from wsync.engine.helpers import HelperPool
 from wsync.engine.incremental import Incremental
 from wsync.engine.journal import Journal
-from wsync.engine.winddown import WriterPool, await_future, await_thread, raise_if_cancelled
+from wsync.engine.linkmemo import remembered
+from wsync.engine.winddown import (
+    WriterPool,
+    await_future,
+    await_thread,
+    in_thread,
+    raise_if_cancelled,
+)
 from wsync.errors import (
     IntegrityFailed,
     LimitExceeded,
@@ -38,6 +45,7 @@ from wsync.errors import (
     WsyncError,
     first_error,
 )
+from wsync.protocol import level
 from wsync.protocol.policy import MIN_TEXT_READ, ReadSizer
 from wsync.protocol.records import CHUNK_SCHEDULE, Chunk, DoneRecord, IndexParser
 from wsync.protocol.scripts import BLOCK
@@ -124,6 +132,10 @@ class StreamRunner:
         #: bounds file bytes; the entry count is bounded by ``max_files`` as it loads)
         self.manifest_journal: Journal | None = None
         self.changes: list[str] = []
+        #: the archive's compression level, once admitted
+        self.compress_level = 0
+        #: this link's rate from an earlier pull, once looked up (a list: unset until then)
+        self._remembered: list[float | None] = []
 
     # -- progress ----------------------------------------------------------------
 
@@ -182,9 +194,13 @@ class StreamRunner:
         if journal is not self.manifest_journal:  # the manifest run shows as one phase
             self.emit("admit")
         self.snapshots.append(snapshot)
+        chosen = await self.choose_level(plan)
         self.reconciled = await self.session.admit(
-            snapshot, self.workspace, plan.compressor, mode=mode, prune=prune
+            snapshot, self.workspace, plan.compressor, level=chosen, mode=mode, prune=prune
         )
+        if journal is not self.manifest_journal:
+            # an adopted producer kept the level an earlier run gave it
+            self.compress_level = 0 if self.reconciled else chosen
         journaled = journal.chunks()
         if journaled and not self.reconciled:
             # the guest staging is gone and a new producer started: its stream
@@ -193,6 +209,29 @@ class StreamRunner:
             journal.clear_chunks()
             journaled = {}
         return journaled
+
+    async def choose_level(self, plan: GuestPlan) -> int:
+        """This producer run's compression level: pinned, or from the link's measured
+        speed (:mod:`wsync.protocol.level`).  A run that adopts a running producer
+        keeps the level that producer started with; the level never changes what the
+        host reads, only how many bytes it takes."""
+        if self.options.compress_level is not None:
+            return self.options.compress_level
+        if plan.compressor == "gzip":
+            return 1  # gzip's higher levels cost several times the CPU for a few percent
+        if not self._remembered:
+            key, state_dir = self.transport.description, self.options.state_dir
+            self._remembered.append(await in_thread(lambda: remembered(state_dir, key)))
+        meter = self.session.meter
+        chosen = level.choose(meter.bytes, meter.rate(), self._remembered[0])
+        log.debug(
+            "compression level",
+            level=chosen,
+            measured=meter.rate(),
+            measured_bytes=meter.bytes,
+            remembered=self._remembered[0],
+        )
+        return chosen
 
     async def stream(
         self,

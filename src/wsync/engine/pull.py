@@ -47,6 +47,7 @@ from wsync.engine.helpers import HelperPool
 from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
 from wsync.engine.journal import DestRegistry, Journal
+from wsync.engine.linkmemo import remember
 from wsync.engine.settle import apply_lists
 from wsync.engine.winddown import (
     in_thread,
@@ -63,6 +64,7 @@ from wsync.errors import (
     UsageError,
     WsyncError,
 )
+from wsync.protocol import level
 from wsync.transports.base import Transport
 from wsync.transports.registry import open_transport
 
@@ -346,6 +348,11 @@ class _Pull(IncrementalRunner):
                         await self.session.cleanup()
                 except (WsyncError, TimeoutError) as exc:
                     self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
+        meter = self.session.meter
+        rate = meter.rate()
+        if rate is not None and meter.bytes >= level.TRUSTED:
+            key, state_dir = self.transport.description, self.options.state_dir
+            await in_thread(lambda: remember(state_dir, key, rate))
         try:
             self.journal.remove()
         except WsyncError as exc:
@@ -513,6 +520,8 @@ async def _pull(
         deleted_files=inc.deleted if inc is not None else 0,
         tree_bytes=runner.tree_bytes,
         changes=runner.changes,
+        compress_level=runner.compress_level,
+        link_bytes_per_s=round(runner.session.meter.rate() or 0),
     )
 
 

@@ -104,10 +104,15 @@ printf '%512s\n' '' > failed.tmp || exit 1
 echo $$ > pid.tmp && mv -f pid.tmp pid || fail "cannot write the pid file"
 : > index || fail "cannot create the index"
 : > data || fail "cannot create the data file"
+# COMPRESSOR:LEVEL, the level chosen by the host from the link's speed
+# (wsync.protocol.level); gzip stops at 9
+lv=${comp##*:}
+comp=${comp%%:*}
+case $lv in [1-9]|1[0-9]) ;; *) fail "bad compression level" ;; esac
 case $comp in
-  zstd) z() { zstd -q -c -3 -T0; } ;;
-  zstdl) z() { zstd -q -c -3 -T0 --long=25; } ;;
-  gzip) z() { gzip -c -1; } ;;
+  zstd) z() { zstd -q -c "-$lv" -T0; } ;;
+  zstdl) z() { zstd -q -c "-$lv" -T0 --long=25; } ;;
+  gzip) [ "$lv" -gt 9 ] && lv=9; z() { gzip -c "-$lv"; } ;;
   *) fail "unknown compressor" ;;
 esac
 # files whose status changed after a mark were (maybe) read torn: GNU tar reads

@@ -1,0 +1,51 @@
+"""How fast each link carried reads, remembered in the state directory.
+
+The rate only advises the compression level of the next pull over the same link
+(:mod:`wsync.protocol.level`), so this file is best effort: unreadable means
+unknown, and of two pulls finishing at once the later write wins.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import structlog
+
+from wsync.engine.fsutil import write_atomic
+from wsync.errors import HostIOError
+from wsync.protocol import level
+
+log = structlog.get_logger(__name__)
+
+#: a file bigger than this is not ours to parse
+_MAX_FILE = 1 << 20
+
+
+def _path(state_dir: Path) -> Path:
+    return state_dir / "links.json"
+
+
+def _load(state_dir: Path) -> dict[str, tuple[float, float]]:
+    try:
+        with open(_path(state_dir), "rb") as f:
+            return level.parse_links(f.read(_MAX_FILE))
+    except OSError:
+        return {}
+
+
+def remembered(state_dir: Path, key: str) -> float | None:
+    """The rate last measured on link ``key`` (bytes per second), if any."""
+    entry = _load(state_dir).get(key)
+    return entry[0] if entry else None
+
+
+def remember(state_dir: Path, key: str, rate: float) -> None:
+    """Record ``rate`` for ``key``; a failure to write is logged, never raised."""
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        links = _load(state_dir)
+        links[key] = (rate, time.time())
+        write_atomic(_path(state_dir), level.render_links(links))
+    except (OSError, HostIOError) as exc:
+        log.info("link rate not recorded", error=str(exc))

@@ -1,0 +1,136 @@
+"""The compression level: chosen from how fast the link carried this guest's reads.
+
+Theory of operation
+-------------------
+The guest compresses the archive as it writes it, and the host reads it back over the
+link; the pull takes as long as the slower of the two.  On a fast link (loopback, a
+LAN) the guest's compressor is the bottleneck and ``zstd -1`` finishes sooner than
+``-3``; on a slow one every byte saved is time saved, and ``-9`` sends an eighth less
+than ``-3`` while the guest still outpaces a 20 Mbit/s link.  Measured on the
+Python standard library (250 MB; 48.4 MB at ``-3 --long=25``): loopback 2.5 s at
+``-1`` against 2.9 s at ``-3``; through a 20 Mbit/s proxy 19.7 s at ``-9`` against
+25.9 s at ``-3``.
+
+The level must be fixed when the producer starts (one zstd process keeps its window
+across the whole stream; cutting the stream into frames at other levels cost 5-16%
+more bytes), so it is chosen from what was measured *before* the archive's admission:
+
+1. the reads of this run so far, when they carried at least :data:`TRUSTED` bytes
+   (a big manifest);
+2. else the rate remembered for this link from an earlier pull (any DEST);
+3. else this run's reads when they carried at least :data:`SAMPLE` bytes (a small
+   manifest: one read, its round trip included, so it under-rates a fast link and
+   errs toward compressing more);
+4. else :data:`DEFAULT`.
+
+The rate is the link's: read bytes over the time at least one read was in flight (a
+union of intervals), so four reads sharing a link do not each count a quarter of it,
+and time spent waiting for the guest to produce a chunk is not counted at all.
+
+Nothing here does I/O: :class:`LinkMeter` is fed timestamps, and the remembered rates
+are parsed from and rendered to bytes (:mod:`wsync.engine.linkmemo` stores them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+#: the level of a pull that knows nothing about its link (zstd's own default)
+DEFAULT = 3
+#: bytes a run's reads must carry before their rate says anything
+SAMPLE = 64 * 1024
+#: bytes after which a run's own rate is preferred to a remembered one
+TRUSTED = 1024 * 1024
+#: zstd's levels without ``--ultra``
+LEVELS = range(1, 20)
+#: (at least this many bytes per second, level), fastest link first: the highest level
+#: whose output the guest still makes at twice the link's rate, so that a guest with
+#: fewer or busier cores keeps up too (zstd ``-T0 --long=25`` on two cores, output of a
+#: source tree: ``-1`` ~67 MB/s, ``-3`` ~48, ``-6`` ~21, ``-9`` ~17, ``-12`` ~7.5)
+LADDER = ((24e6, 1), (10e6, 3), (4e6, 6), (2e6, 9), (0.0, 12))
+#: links remembered at most (the oldest go first)
+REMEMBERED = 256
+
+
+def level_for(rate: float | None) -> int:
+    """The level for a link that carries ``rate`` bytes per second (None: unknown)."""
+    if rate is None or not math.isfinite(rate) or rate <= 0:
+        return DEFAULT
+    return next(level for floor, level in LADDER if rate >= floor)
+
+
+def choose(run_bytes: int, run_rate: float | None, remembered: float | None) -> int:
+    """The level for the next producer run (see the module docstring for the order)."""
+    if run_rate is not None and run_bytes >= TRUSTED:
+        return level_for(run_rate)
+    if remembered is not None:
+        return level_for(remembered)
+    if run_rate is not None and run_bytes >= SAMPLE:
+        return level_for(run_rate)
+    return DEFAULT
+
+
+def parse_level(text: str) -> int | None:
+    """``auto`` (None) or a zstd level 1-19; anything else is a ValueError."""
+    if text.strip().lower() == "auto":
+        return None
+    level = int(text)
+    if level not in LEVELS:
+        raise ValueError(f"compression level {level} is not auto or 1-19")
+    return level
+
+
+class LinkMeter:
+    """Bytes read over the time at least one read was in flight."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._busy = 0.0
+        self._in_flight = 0
+        self._since = 0.0
+
+    def begin(self, now: float) -> None:
+        if self._in_flight == 0:
+            self._since = now
+        self._in_flight += 1
+
+    def end(self, now: float, nbytes: int) -> None:
+        """A read that began ends, having carried ``nbytes`` (0 if it failed)."""
+        if self._in_flight <= 0:
+            raise ValueError("a read ended that never began")
+        self._in_flight -= 1
+        self.bytes += nbytes
+        if self._in_flight == 0:
+            self._busy += max(0.0, now - self._since)
+
+    def rate(self) -> float | None:
+        """Bytes per second over the busy time so far; None before :data:`SAMPLE` bytes."""
+        if self.bytes < SAMPLE or self._busy <= 0:
+            return None
+        return self.bytes / self._busy
+
+
+def parse_links(data: bytes) -> dict[str, tuple[float, float]]:
+    """Remembered links, ``{key: (rate, when)}``; anything unreadable is forgotten."""
+    try:
+        doc = json.loads(data)
+        links = doc["links"] if doc.get("version") == 1 else {}
+        out: dict[str, tuple[float, float]] = {}
+        for key, entry in links.items():
+            rate, when = float(entry["rate"]), float(entry["at"])
+            if isinstance(key, str) and math.isfinite(rate) and rate > 0 and math.isfinite(when):
+                out[key] = (rate, when)
+        return out
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return {}
+
+
+def render_links(links: dict[str, tuple[float, float]]) -> bytes:
+    """The newest :data:`REMEMBERED` links as the file's JSON."""
+    newest = sorted(links.items(), key=lambda kv: kv[1][1], reverse=True)[:REMEMBERED]
+    doc = {
+        "version": 1,
+        "links": {key: {"rate": round(rate), "at": round(when)} for key, (rate, when) in newest},
+    }
+    return json.dumps(doc, sort_keys=True).encode() + b"\n"
