@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_exact, make_tree, options, run_pull
+from wsync.engine import linkmemo
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.excludes import Excludes
 from wsync.engine.incstate import PullState
@@ -80,6 +81,20 @@ def test_an_unchanged_repull_changes_nothing_and_parses_nothing(
         assert result.changed_files == result.deleted_files == result.files == 0
     assert loads.count == 0  # the shortcut: no parse, no diff
     assert snapshot(dest) == before
+    assert_exact(ws, dest)
+
+
+def test_a_new_link_rate_does_not_break_the_shortcut(
+    shortcut: tuple[Path, Path, PullOptions, Loads],
+) -> None:
+    """The manifest's compressed stream is what the shortcut compares: its level stays
+    fixed whatever the link's remembered rate makes of the archive's."""
+    ws, dest, opts, loads = shortcut
+    for rate in (1e3, 1e12):
+        linkmemo.remember(opts.state_dir, "local", rate)
+        result = go(ws, dest, opts)
+        assert result.mode == "incremental" and result.changed_files == 0
+    assert loads.count == 0
     assert_exact(ws, dest)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from helpers import assert_exact, local, options, run_pull
 from wsync.daemon.config import SandboxConfig, load_config
 from wsync.engine import linkmemo
-from wsync.errors import StagingFailed
+from wsync.errors import StagingFailed, UsageError
 from wsync.protocol import level
 from wsync.protocol.level import LinkMeter
 
@@ -30,7 +31,7 @@ def test_the_level_rises_as_the_link_slows() -> None:
     rates = [1e9, 100 * MB, 30 * MB, 24 * MB, 12.5 * MB, 5 * MB, 2.5 * MB, 1 * MB, 1.0]
     levels = [level.level_for(r) for r in rates]
     assert levels == sorted(levels)
-    assert levels[0] == 1 and levels[-1] == 12
+    assert levels[0] == 1 and levels[-1] == 9  # never above -9: guest memory
     assert level.level_for(12.5 * MB) == 3  # 100 Mbit/s
     assert level.level_for(2.5 * MB) == 9  # 20 Mbit/s
     for nothing in (None, 0.0, -5.0, math.nan, math.inf):
@@ -73,6 +74,18 @@ def test_the_meter_counts_overlapping_reads_once_and_gaps_not_at_all() -> None:
         meter.end(12.0, 1)
 
 
+def test_a_read_that_ends_while_others_run_waits_for_its_span() -> None:
+    """Bytes count with their busy time: a fast read ending inside a long span must not
+    be divided by the time before it alone."""
+    meter = LinkMeter()
+    meter.begin(0.0)
+    meter.begin(0.0)
+    meter.end(0.001, 10 * level.SAMPLE)
+    assert meter.bytes == 0 and meter.rate() is None
+    meter.end(100.0, 0)
+    assert meter.rate() == pytest.approx(10 * level.SAMPLE / 100.0)
+
+
 def test_a_failed_read_counts_its_time_not_bytes() -> None:
     meter = LinkMeter()
     meter.begin(0.0)
@@ -102,6 +115,8 @@ def test_remembered_links_round_trip_and_keep_the_newest() -> None:
         b'{"version": 1, "links": {"k": {"rate": "fast", "at": 1}}}',
         b'{"version": 1, "links": {"k": {"rate": 1}}}',
         b'{"version": 1, "links": {"k": 5}}',
+        b'{"version": 1, "links": {"k": {"rate": 1' + b"0" * 400 + b', "at": 1}}}',
+        b"[" * 100_000 + b"]" * 100_000,
     ],
 )
 def test_an_unreadable_memory_is_no_memory(data: bytes) -> None:
@@ -140,6 +155,14 @@ def compressible(tmp_path: Path) -> Path:
     return ws
 
 
+@pytest.fixture
+def measured(compressible: Path) -> Path:
+    """The same, with enough noise that a pull reads over ``TRUSTED`` bytes: its link's
+    rate is remembered."""
+    (compressible / "more-noise.bin").write_bytes(random.Random(6).randbytes(level.TRUSTED))
+    return compressible
+
+
 def test_a_pinned_level_is_the_guests_and_every_level_gives_the_same_tree(
     tmp_path: Path, compressible: Path
 ) -> None:
@@ -169,13 +192,18 @@ def test_gzip_stops_at_9_and_auto_gzip_stays_at_1(tmp_path: Path, compressible: 
     )
     assert_exact(compressible, tmp_path / "out9")
     assert_exact(compressible, tmp_path / "out1")
-    assert pinned.compress_level == 19 and auto.compress_level == 1
+    assert pinned.compress_level == 9 and auto.compress_level == 1
     assert pinned.bytes < auto.bytes
 
 
-def test_auto_remembers_the_link_and_the_next_pull_uses_it(
-    tmp_path: Path, compressible: Path
-) -> None:
+def test_a_small_pull_measures_but_does_not_remember(tmp_path: Path, compressible: Path) -> None:
+    result = run_pull(local(), compressible, tmp_path / "out", options(tmp_path))
+    assert result.link_bytes_per_s > 0
+    assert linkmemo.remembered(tmp_path / "state", "local") is None
+
+
+def test_auto_remembers_the_link_and_the_next_pull_uses_it(tmp_path: Path, measured: Path) -> None:
+    compressible = measured
     state = tmp_path / "state"
     first = run_pull(local(), compressible, tmp_path / "out1", options(tmp_path))
     assert first.link_bytes_per_s > 0
@@ -187,20 +215,30 @@ def test_auto_remembers_the_link_and_the_next_pull_uses_it(
     assert_exact(compressible, tmp_path / "out2")
 
 
-def test_a_slow_link_remembered_compresses_harder(tmp_path: Path, compressible: Path) -> None:
+def test_a_slow_link_remembered_compresses_harder(tmp_path: Path, measured: Path) -> None:
+    compressible = measured
     state = tmp_path / "state"
     linkmemo.remember(state, "local", 1 * MB)
     result = run_pull(local(), compressible, tmp_path / "out", options(tmp_path))
     assert_exact(compressible, tmp_path / "out")
-    assert result.compress_level == level.level_for(1 * MB) == 12
+    assert result.compress_level == level.level_for(1 * MB) == 9
     # ... and this pull's own reads (a fast pipe) replace the memory for the next one
     assert linkmemo.remembered(state, "local") == pytest.approx(result.link_bytes_per_s, rel=0.01)
 
 
-@pytest.mark.parametrize("planted", [b"\x00garbage", b'{"version": 1, "links": {"local": 7}}'])
+@pytest.mark.parametrize(
+    "planted",
+    [
+        b"\x00garbage",
+        b'{"version": 1, "links": {"local": 7}}',
+        b'{"version": 1, "links": {"local": {"rate": 1' + b"0" * 400 + b', "at": 1}}}',
+        b"[" * 100_000 + b"]" * 100_000,
+    ],
+)
 def test_a_damaged_memory_is_ignored_and_rewritten(
-    tmp_path: Path, compressible: Path, planted: bytes
+    tmp_path: Path, measured: Path, planted: bytes
 ) -> None:
+    compressible = measured
     state = tmp_path / "state"
     state.mkdir()
     (state / "links.json").write_bytes(planted)
@@ -209,22 +247,39 @@ def test_a_damaged_memory_is_ignored_and_rewritten(
     assert result.ok and linkmemo.remembered(state, "local") is not None
 
 
+@pytest.mark.parametrize("pinned", [None, 5])
 def test_a_memory_that_cannot_be_written_does_not_fail_the_pull(
-    tmp_path: Path, compressible: Path
+    tmp_path: Path, measured: Path, pinned: int | None
 ) -> None:
     state = tmp_path / "state"
     (state / "links.json").mkdir(parents=True)  # a directory where the file goes
-    result = run_pull(local(), compressible, tmp_path / "out", options(tmp_path))
-    assert_exact(compressible, tmp_path / "out")
+    opts = options(tmp_path, compress_level=pinned)
+    result = run_pull(local(), measured, tmp_path / "out", opts)
+    assert_exact(measured, tmp_path / "out")
     assert result.ok and result.compress_level > 0
+    assert list((state / "pulls").iterdir()) == []  # the journal went: a clean finish
 
 
-def test_the_guest_refuses_a_level_it_was_not_meant_to_get(
+def test_a_fifo_planted_as_the_memory_does_not_hang_the_pull(
     tmp_path: Path, compressible: Path
 ) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    os.mkfifo(state / "links.json")
+    result = run_pull(local(), compressible, tmp_path / "out", options(tmp_path))
+    assert_exact(compressible, tmp_path / "out")
+    assert result.compress_level == level.DEFAULT
+
+
+def test_a_level_out_of_range_is_refused_by_the_host_and_by_the_guest(
+    tmp_path: Path, compressible: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The host validates the level; the producer checks it again before it runs zstd
-    with it (it is an argument in a guest script)."""
+    with it (it is an argument in a guest script): a host that let 0 through meets it."""
     opts = options(tmp_path, compress_level=0)
+    with pytest.raises(UsageError, match="compression level 0"):
+        run_pull(local(), compressible, tmp_path / "out", opts)
+    monkeypatch.setattr(level, "LEVELS", range(20))
     with pytest.raises(StagingFailed, match="bad compression level"):
         run_pull(local(), compressible, tmp_path / "out", opts)
     assert not (tmp_path / "out").exists()

@@ -284,10 +284,11 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         type=compress_level,
         default=None,
         metavar="auto|N",
-        help="the guest's zstd level, 1-19 (gzip: 1-9).  auto (the default) picks it from "
-        "how fast this link carried reads: -1 on a fast link, where the guest's compressor "
-        "is the bottleneck, up to -9 on a slow one, where every byte saved is time saved; "
-        "the rate is remembered per sandbox host in the state directory",
+        help="the guest's zstd level, 1-19 (gzip: 1-9; higher levels take more guest "
+        "memory).  auto (the default) picks it from how fast this link carried reads: -1 "
+        "on a fast link, where the guest's compressor is the bottleneck, up to -9 on a "
+        "slow one, where every byte saved is time saved; the rate is remembered per link "
+        "in the state directory",
     )
     p.add_argument(
         "--force", action="store_true", help="replace a non-empty DEST wsync did not write"

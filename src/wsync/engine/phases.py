@@ -42,6 +42,7 @@ from wsync.errors import (
     LimitExceeded,
     ProducerVanished,
     StagingFailed,
+    UsageError,
     WsyncError,
     first_error,
 )
@@ -194,7 +195,7 @@ class StreamRunner:
         if journal is not self.manifest_journal:  # the manifest run shows as one phase
             self.emit("admit")
         self.snapshots.append(snapshot)
-        chosen = await self.choose_level(plan)
+        chosen = await self.choose_level(plan, manifest=journal is self.manifest_journal)
         self.reconciled = await self.session.admit(
             snapshot, self.workspace, plan.compressor, level=chosen, mode=mode, prune=prune
         )
@@ -210,15 +211,20 @@ class StreamRunner:
             journaled = {}
         return journaled
 
-    async def choose_level(self, plan: GuestPlan) -> int:
+    async def choose_level(self, plan: GuestPlan, *, manifest: bool) -> int:
         """This producer run's compression level: pinned, or from the link's measured
-        speed (:mod:`wsync.protocol.level`).  A run that adopts a running producer
-        keeps the level that producer started with; the level never changes what the
-        host reads, only how many bytes it takes."""
-        if self.options.compress_level is not None:
-            return self.options.compress_level
+        speed (:mod:`wsync.protocol.level`).  The manifest run's is fixed: the no-op
+        shortcut compares its compressed stream with the last pull's."""
+        pinned = self.options.compress_level
+        if pinned is not None and pinned not in level.LEVELS:
+            raise UsageError(f"compression level {pinned} is not 1-19")
         if plan.compressor == "gzip":
-            return 1  # gzip's higher levels cost several times the CPU for a few percent
+            # gzip's higher levels cost several times the CPU for a few percent
+            return min(pinned, level.GZIP_MAX) if pinned is not None and not manifest else 1
+        if manifest:
+            return level.DEFAULT
+        if pinned is not None:
+            return pinned
         if not self._remembered:
             key, state_dir = self.transport.description, self.options.state_dir
             self._remembered.append(await in_thread(lambda: remembered(state_dir, key)))

@@ -6,26 +6,34 @@ The guest compresses the archive as it writes it, and the host reads it back ove
 link; the pull takes as long as the slower of the two.  On a fast link (loopback, a
 LAN) the guest's compressor is the bottleneck and ``zstd -1`` finishes sooner than
 ``-3``; on a slow one every byte saved is time saved, and ``-9`` sends an eighth less
-than ``-3`` while the guest still outpaces a 20 Mbit/s link.  Measured on the
-Python standard library (250 MB; 48.4 MB at ``-3 --long=25``): loopback 2.5 s at
-``-1`` against 2.9 s at ``-3``; through a 20 Mbit/s proxy 19.7 s at ``-9`` against
-25.9 s at ``-3``.
+than ``-3``.  Measured on the Python standard library (250 MB; 48.4 MB at
+``-3 --long=25``, 42.4 MB at ``-9``), DEST on tmpfs: loopback 2.45-2.63 s at ``-1``
+against 2.64-3.03 s at ``-3``; through a 20 Mbit/s proxy, single runs, 22.0 s at
+``-3``, 21.2 s at ``-9``, 19.4 s at ``-12``.  Auto stops at ``-9``: zstd's memory grows
+with the level, per worker (``-T0``: one per guest core), from 18 MiB at ``-3`` to
+33 MiB at ``-9`` and 69 MiB at ``-12``, and a sandbox's memory is often capped.
 
 The level must be fixed when the producer starts (one zstd process keeps its window
 across the whole stream; cutting the stream into frames at other levels cost 5-16%
 more bytes), so it is chosen from what was measured *before* the archive's admission:
 
-1. the reads of this run so far, when they carried at least :data:`TRUSTED` bytes
-   (a big manifest);
-2. else the rate remembered for this link from an earlier pull (any DEST);
+1. this run's reads so far, when they carried at least :data:`TRUSTED` bytes (a huge
+   manifest: several reads in flight, like a pull's chunk reads);
+2. else the rate remembered for this link from an earlier pull that read that much
+   (any DEST);
 3. else this run's reads when they carried at least :data:`SAMPLE` bytes (a small
-   manifest: one read, its round trip included, so it under-rates a fast link and
-   errs toward compressing more);
+   manifest: one or two reads whose round trips count in full, so it under-rates a fast
+   link and errs toward compressing more);
 4. else :data:`DEFAULT`.
+
+The manifest run itself is always compressed at :data:`DEFAULT`: the no-op shortcut of
+an unchanged re-pull compares its compressed stream's digest with the last one's.
 
 The rate is the link's: read bytes over the time at least one read was in flight (a
 union of intervals), so four reads sharing a link do not each count a quarter of it,
-and time spent waiting for the guest to produce a chunk is not counted at all.
+and time spent waiting for the guest to produce a chunk is not counted at all.  The key
+of a link is the transport's description: the host (and user and port) for ``ssh://``,
+the sandbox itself for the cloud backends.
 
 Nothing here does I/O: :class:`LinkMeter` is fed timestamps, and the remembered rates
 are parsed from and rendered to bytes (:mod:`wsync.engine.linkmemo` stores them).
@@ -40,15 +48,19 @@ import math
 DEFAULT = 3
 #: bytes a run's reads must carry before their rate says anything
 SAMPLE = 64 * 1024
-#: bytes after which a run's own rate is preferred to a remembered one
-TRUSTED = 1024 * 1024
+#: bytes after which a run's own rate is preferred to a remembered one, and after which a
+#: pull's rate is remembered (fewer measure round trips more than the link)
+TRUSTED = 16 * 1024 * 1024
 #: zstd's levels without ``--ultra``
 LEVELS = range(1, 20)
-#: (at least this many bytes per second, level), fastest link first: the highest level
-#: whose output the guest still makes at twice the link's rate, so that a guest with
-#: fewer or busier cores keeps up too (zstd ``-T0 --long=25`` on two cores, output of a
-#: source tree: ``-1`` ~67 MB/s, ``-3`` ~48, ``-6`` ~21, ``-9`` ~17, ``-12`` ~7.5)
-LADDER = ((24e6, 1), (10e6, 3), (4e6, 6), (2e6, 9), (0.0, 12))
+#: (at least this many bytes per second, level), fastest link first: about the highest
+#: level whose output the guest still makes at twice the link's rate, so that a guest
+#: with fewer or busier cores keeps up too, rounded toward the faster levels (zstd
+#: ``-T0 --long=25`` on two cores, output of a source tree: ``-1`` ~67 MB/s, ``-3`` ~48,
+#: ``-6`` ~21, ``-9`` ~17); never above ``-9`` (memory, see the module docstring)
+LADDER = ((24e6, 1), (10e6, 3), (4e6, 6), (0.0, 9))
+#: gzip's levels stop at 9
+GZIP_MAX = 9
 #: links remembered at most (the oldest go first)
 REMEMBERED = 256
 
@@ -82,13 +94,18 @@ def parse_level(text: str) -> int | None:
 
 
 class LinkMeter:
-    """Bytes read over the time at least one read was in flight."""
+    """Bytes read over the time at least one read was in flight.
+
+    Only whole busy spans count: the bytes of reads that ended while others are still
+    in flight wait with their span, so :attr:`bytes` and the busy time always match.
+    """
 
     def __init__(self) -> None:
         self.bytes = 0
         self._busy = 0.0
         self._in_flight = 0
         self._since = 0.0
+        self._pending = 0
 
     def begin(self, now: float) -> None:
         if self._in_flight == 0:
@@ -100,9 +117,11 @@ class LinkMeter:
         if self._in_flight <= 0:
             raise ValueError("a read ended that never began")
         self._in_flight -= 1
-        self.bytes += nbytes
+        self._pending += nbytes
         if self._in_flight == 0:
             self._busy += max(0.0, now - self._since)
+            self.bytes += self._pending
+            self._pending = 0
 
     def rate(self) -> float | None:
         """Bytes per second over the busy time so far; None before :data:`SAMPLE` bytes."""
@@ -122,7 +141,7 @@ def parse_links(data: bytes) -> dict[str, tuple[float, float]]:
             if isinstance(key, str) and math.isfinite(rate) and rate > 0 and math.isfinite(when):
                 out[key] = (rate, when)
         return out
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
         return {}
 
 
