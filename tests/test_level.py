@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_exact, local, options, run_pull
+from wsync import chaos
 from wsync.daemon.config import SandboxConfig, load_config
 from wsync.engine import linkmemo
 from wsync.errors import StagingFailed, UsageError
@@ -84,6 +85,18 @@ def test_a_read_that_ends_while_others_run_waits_for_its_span() -> None:
     assert meter.bytes == 0 and meter.rate() is None
     meter.end(100.0, 0)
     assert meter.rate() == pytest.approx(10 * level.SAMPLE / 100.0)
+
+
+def test_each_span_loses_one_round_trip_but_never_all_of_it() -> None:
+    meter = LinkMeter()
+    meter.begin(0.0)
+    meter.end(0.1, level.SAMPLE)
+    meter.begin(5.0)
+    meter.end(5.1, level.SAMPLE)
+    assert meter.rate() == pytest.approx(2 * level.SAMPLE / 0.2)
+    assert meter.rate(0.09) == pytest.approx(2 * level.SAMPLE / 0.02)
+    # a round trip longer than the span: the floor, "very fast"
+    assert meter.rate(1.0) == pytest.approx(2 * level.SAMPLE / (0.2 * level.MIN_FLOWING))
 
 
 def test_a_failed_read_counts_its_time_not_bytes() -> None:
@@ -194,6 +207,22 @@ def test_gzip_stops_at_9_and_auto_gzip_stays_at_1(tmp_path: Path, compressible: 
     assert_exact(compressible, tmp_path / "out1")
     assert pinned.compress_level == 9 and auto.compress_level == 1
     assert pinned.bytes < auto.bytes
+
+
+def test_a_fast_link_that_answers_late_is_not_taken_for_a_slow_one(tmp_path: Path) -> None:
+    """Every call answers 0.25 s late (an HTTP exec backend's round trip) over a fast
+    pipe: the manifest's one read is mostly that wait, which the session's fastest call
+    bounds and the meter takes off; counted whole it would rate the link under
+    0.3 MB/s and compress at -9."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    rng = random.Random(7)
+    for _ in range(1500):  # a manifest of over SAMPLE bytes, compressed
+        (ws / rng.randbytes(60).hex()).write_bytes(b"")
+    transport = chaos.wrap(local(), "slow=0.25")
+    result = run_pull(transport, ws, tmp_path / "out", options(tmp_path))
+    assert_exact(ws, tmp_path / "out")
+    assert result.compress_level <= 3
 
 
 def test_a_small_pull_measures_but_does_not_remember(tmp_path: Path, compressible: Path) -> None:

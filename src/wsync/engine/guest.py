@@ -112,6 +112,13 @@ class GuestSession:
         self.deadlines = CallDeadlines(options.call_timeout)
         #: how fast reads came over the link (it picks the next run's compression level)
         self.meter = LinkMeter()
+        #: the fastest call of this session that did not wait on purpose, seconds: what
+        #: one round trip costs at most (the meter takes it off each span of reads)
+        self.latency: float | None = None
+
+    def link_rate(self) -> float | None:
+        """The link's rate as this session's reads measured it (bytes per second)."""
+        return self.meter.rate(self.latency or 0.0)
 
     def _wire(self, nonce: str) -> scripts.Wire:
         """The arguments every guest call after the probe shares."""
@@ -229,9 +236,10 @@ class GuestSession:
                     self.stats.faults["extra-bytes"] += 1
                 if observe is not None:
                     observe(None, received)
-                self.deadlines.observe(
-                    kind, received, max(0.0, time.monotonic() - started - patience)
-                )
+                took = time.monotonic() - started
+                self.deadlines.observe(kind, received, max(0.0, took - patience))
+                if not patience and (self.latency is None or took < self.latency):
+                    self.latency = took
                 return envelope
             except ProtocolError as exc:
                 last = exc.fault

@@ -228,13 +228,14 @@ class StreamRunner:
         if not self._remembered:
             key, state_dir = self.transport.description, self.options.state_dir
             self._remembered.append(await in_thread(lambda: remembered(state_dir, key)))
-        meter = self.session.meter
-        chosen = level.choose(meter.bytes, meter.rate(), self._remembered[0])
+        measured = self.session.link_rate()
+        chosen = level.choose(self.session.meter.bytes, measured, self._remembered[0])
         log.debug(
             "compression level",
             level=chosen,
-            measured=meter.rate(),
-            measured_bytes=meter.bytes,
+            measured=measured,
+            measured_bytes=self.session.meter.bytes,
+            latency=self.session.latency,
             remembered=self._remembered[0],
         )
         return chosen

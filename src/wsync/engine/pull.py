@@ -348,9 +348,8 @@ class _Pull(IncrementalRunner):
                         await self.session.cleanup()
                 except (WsyncError, TimeoutError) as exc:
                     self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
-        meter = self.session.meter
-        rate = meter.rate()
-        if rate is not None and meter.bytes >= level.TRUSTED:
+        rate = self.session.link_rate()
+        if rate is not None and self.session.meter.bytes >= level.TRUSTED:
             key, state_dir = self.transport.description, self.options.state_dir
             await in_thread(lambda: remember(state_dir, key, rate))
         try:
@@ -521,7 +520,7 @@ async def _pull(
         tree_bytes=runner.tree_bytes,
         changes=runner.changes,
         compress_level=runner.compress_level,
-        link_bytes_per_s=round(runner.session.meter.rate() or 0),
+        link_bytes_per_s=round(runner.session.link_rate() or 0),
     )
 
 
