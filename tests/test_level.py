@@ -49,6 +49,27 @@ def test_a_big_sample_of_this_run_beats_what_was_remembered() -> None:
     assert level.choose(0, None, None) == level.DEFAULT
 
 
+@pytest.mark.parametrize(
+    ("ceiling", "floor", "expected"),
+    [
+        (30 * MB, 7 * MB, level.DEFAULT),  # 100 Mbit/s: the bounds disagree
+        (1e9, 18 * MB, level.DEFAULT),  # loopback's one manifest read
+        (1e9, 1.6 * MB, level.DEFAULT),  # a fast link answering 100 ms late
+        (2.7 * MB, 2.2 * MB, 9),  # 20 Mbit/s: slow even by the fast bound
+        (5 * MB, 2.2 * MB, 6),  # slow by both: the fast bound's level
+        (1e9, 30 * MB, 1),  # fast even by the slow bound
+        (30 * MB, 26 * MB, 1),
+    ],
+)
+def test_a_small_sample_leaves_the_default_only_where_both_bounds_agree(
+    ceiling: float, floor: float, expected: int
+) -> None:
+    assert level.choose(level.SAMPLE, floor, None, run_ceiling=ceiling) == expected
+    # with a large sample the rate counted whole decides
+    big = level.choose(level.TRUSTED, floor, None, run_ceiling=ceiling)
+    assert big == level.level_for(floor)
+
+
 @pytest.mark.parametrize("text", ["auto", "AUTO", " auto "])
 def test_auto_is_no_level(text: str) -> None:
     assert level.parse_level(text) is None
@@ -211,9 +232,9 @@ def test_gzip_stops_at_9_and_auto_gzip_stays_at_1(tmp_path: Path, compressible: 
 
 def test_a_fast_link_that_answers_late_is_not_taken_for_a_slow_one(tmp_path: Path) -> None:
     """Every call answers 0.25 s late (an HTTP exec backend's round trip) over a fast
-    pipe: the manifest's one read is mostly that wait, which the session's fastest call
-    bounds and the meter takes off; counted whole it would rate the link under
-    0.3 MB/s and compress at -9."""
+    pipe: the manifest's one read is mostly that wait.  Counted whole it rates the link
+    under 0.3 MB/s (-9); with the session's fastest call taken off it is fast; the
+    bounds disagree, so the default stays."""
     ws = tmp_path / "ws"
     ws.mkdir()
     rng = random.Random(7)
@@ -222,7 +243,23 @@ def test_a_fast_link_that_answers_late_is_not_taken_for_a_slow_one(tmp_path: Pat
     transport = chaos.wrap(local(), "slow=0.25")
     result = run_pull(transport, ws, tmp_path / "out", options(tmp_path))
     assert_exact(ws, tmp_path / "out")
-    assert result.compress_level <= 3
+    assert result.compress_level == level.DEFAULT
+
+
+def test_a_narrow_link_is_taken_for_one_and_compressed_harder(tmp_path: Path) -> None:
+    """The other side of the same read: a link that carries 2.5 MB/s (20 Mbit/s) is
+    slow by both bounds, and its archive goes at -9 (and every level gives the tree)."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    rng = random.Random(7)
+    for _ in range(1500):
+        (ws / rng.randbytes(60).hex()).write_bytes(b"")
+    plan = chaos.FaultPlan.parse("bw=2500000")
+    assert plan.bw == 2_500_000
+    result = run_pull(chaos.wrap(local(), plan), ws, tmp_path / "out", options(tmp_path))
+    assert_exact(ws, tmp_path / "out")
+    assert result.compress_level == 9
+    assert 0.5 * MB < result.link_bytes_per_s <= 2.5 * MB
 
 
 def test_a_small_pull_measures_but_does_not_remember(tmp_path: Path, compressible: Path) -> None:

@@ -36,6 +36,9 @@ the transport then declares itself not binary-safe, so wsync sends base64 lines.
 ``slow=S,slow_from=N`` is no fault but a backend that got slower: from call N on, every
 exec answers honestly S seconds late (or times out if its deadline comes first), which
 a client that learns its deadlines must follow instead of failing.
+``bw=B`` is no fault either but a narrow link: every call's stdout crosses at B bytes
+per second, one budget shared by all calls in flight as a link's capacity is (what picks
+the compression level must tell it from a link that only answers late, ``slow``).
 
 This lives in the package, not in the tests, so ``wsync demo`` and the test
 suite exercise the same faults.
@@ -96,6 +99,8 @@ class FaultPlan:
     #: execs from call number ``slow_from`` (0-based) on answer this many seconds late
     slow: float = 0.0
     slow_from: int = 0
+    #: stdout of all calls together crosses at this many bytes per second (0: no limit)
+    bw: float = 0.0
 
     def __post_init__(self) -> None:
         bad = set(self.failure_map) - set(FAULT_CODES + CLEAN)
@@ -106,6 +111,18 @@ class FaultPlan:
         #: calls that went to a guest helper over a channel (the rest were execs)
         self.channel_calls = 0
         self.applied: dict[str, int] = {}
+        self._link_free_at = 0.0
+
+    async def carry(self, nbytes: int, timeout: float) -> None:
+        """Wait while ``nbytes`` of stdout cross a ``bw`` link (shared by every call)."""
+        if not self.bw or not nbytes:
+            return
+        now = time.monotonic()
+        self._link_free_at = max(now, self._link_free_at) + nbytes / self.bw
+        wait = self._link_free_at - now
+        await asyncio.sleep(min(timeout, wait))
+        if wait >= timeout:
+            raise TransportTimeout(timeout)
 
     @classmethod
     def parse(cls, spec: str) -> FaultPlan:
@@ -124,7 +141,7 @@ class FaultPlan:
                     plan["failure_map"] = value
                 elif key in ("seed", "ring", "flip", "cap", "slow_from"):
                     plan[key] = int(value)
-                elif key in ("hang", "close", "slow"):
+                elif key in ("hang", "close", "slow", "bw"):
                     plan[key] = float(value)
                 elif key == "text":
                     plan[key] = value not in ("", "0")
@@ -230,6 +247,7 @@ class ChaosTransport(Transport):
                 raise TransportTimeout(timeout)
         result = await self.inner.exec(argv, stdin=stdin, timeout=timeout, max_output=max_output)
         out = result.stdout
+        await plan.carry(len(out), timeout)
         if plan.ring and stdin is None and len(out) > plan.ring:
             out = out[-plan.ring :]
         if plan.cap:
@@ -293,8 +311,8 @@ class ChaosChannel(Channel):
     the channel ends, ``Z`` ends it at once, ``S`` adds bytes, ``B`` flips a bit,
     ``A`` adds bytes after the call's output (before the helper's end line),
     ``D`` drops the channel (before the request or mid-answer), ``W`` hangs until the
-    deadline, ``N`` is clean (a channel has no exit status to lose).  ``flip`` and
-    ``slow`` apply as they do to execs."""
+    deadline, ``N`` is clean (a channel has no exit status to lose).  ``flip``,
+    ``slow`` and ``bw`` apply as they do to execs."""
 
     def __init__(self, inner: Channel, plan: FaultPlan) -> None:
         self.inner = inner
@@ -329,6 +347,7 @@ class ChaosChannel(Channel):
             if plan.slow >= timeout:
                 raise TransportTimeout(timeout)
         data = await self.inner.receive(timeout)
+        await plan.carry(len(data), timeout)
         if data:
             data = plan.corrupt(data)
         if fault == "A" and self._first and DONE in data:

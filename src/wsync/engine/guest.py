@@ -44,6 +44,9 @@ from wsync.transports.base import Transport
 log = structlog.get_logger("wsync.guest")
 
 _SMALL = 1024 * 1024  # bound for probe/admit/status answers
+#: answers up to this size carry no transfer time worth the name: their call's duration
+#: is one round trip and the guest's work (the link meter's round trip, see link_ceiling)
+_SMALL_ANSWER = 4096
 #: a status poll's deadline before the pool of staged calls has learnt one, seconds
 #: (plus its long poll; doubled per stall): status answers at once on any backend
 _COLD_STATUS = 3.0
@@ -112,12 +115,17 @@ class GuestSession:
         self.deadlines = CallDeadlines(options.call_timeout)
         #: how fast reads came over the link (it picks the next run's compression level)
         self.meter = LinkMeter()
-        #: the fastest call of this session that did not wait on purpose, seconds: what
-        #: one round trip costs at most (the meter takes it off each span of reads)
+        #: the fastest call of this session with a small answer that did not wait on
+        #: purpose, seconds: one round trip at least (see wsync.protocol.level)
         self.latency: float | None = None
 
     def link_rate(self) -> float | None:
-        """The link's rate as this session's reads measured it (bytes per second)."""
+        """The link's rate as this session's reads measured it, counted whole (bytes per
+        second; for a few reads, an under-estimate)."""
+        return self.meter.rate()
+
+    def link_ceiling(self) -> float | None:
+        """The same with one round trip taken off each span of reads: an over-estimate."""
         return self.meter.rate(self.latency or 0.0)
 
     def _wire(self, nonce: str) -> scripts.Wire:
@@ -238,7 +246,8 @@ class GuestSession:
                     observe(None, received)
                 took = time.monotonic() - started
                 self.deadlines.observe(kind, received, max(0.0, took - patience))
-                if not patience and (self.latency is None or took < self.latency):
+                small = received <= _SMALL_ANSWER
+                if small and not patience and (self.latency is None or took < self.latency):
                     self.latency = took
                 return envelope
             except ProtocolError as exc:

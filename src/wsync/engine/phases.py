@@ -228,12 +228,15 @@ class StreamRunner:
         if not self._remembered:
             key, state_dir = self.transport.description, self.options.state_dir
             self._remembered.append(await in_thread(lambda: remembered(state_dir, key)))
-        measured = self.session.link_rate()
-        chosen = level.choose(self.session.meter.bytes, measured, self._remembered[0])
+        measured, ceiling = self.session.link_rate(), self.session.link_ceiling()
+        chosen = level.choose(
+            self.session.meter.bytes, measured, self._remembered[0], run_ceiling=ceiling
+        )
         log.debug(
             "compression level",
             level=chosen,
             measured=measured,
+            ceiling=ceiling,
             measured_bytes=self.session.meter.bytes,
             latency=self.session.latency,
             remembered=self._remembered[0],

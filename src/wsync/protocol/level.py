@@ -7,7 +7,7 @@ link; the pull takes as long as the slower of the two.  On a fast link (loopback
 LAN) the guest's compressor is the bottleneck and ``zstd -1`` finishes sooner than
 ``-3``; on a slow one every byte saved is time saved, and ``-9`` sends an eighth less
 than ``-3``.  Measured on the Python standard library (250 MB; 48.4 MB at
-``-3 --long=25``, 42.4 MB at ``-9``), DEST on tmpfs: loopback 2.45-2.63 s at ``-1``
+``-3 --long=25``, 42.4 MB at ``-9``), DEST on tmpfs: loopback 2.42-2.63 s at ``-1``
 against 2.64-3.03 s at ``-3``; through a 20 Mbit/s proxy, single runs, 22.0 s at
 ``-3``, 21.2 s at ``-9``, 19.4 s at ``-12``.  Auto stops at ``-9``: zstd's memory grows
 with the level, per worker (``-T0``: one per guest core), from 18 MiB at ``-3`` to
@@ -22,8 +22,11 @@ more bytes), so it is chosen from what was measured *before* the archive's admis
 2. else the rate remembered for this link from an earlier pull that read that much
    (any DEST);
 3. else this run's reads when they carried at least :data:`SAMPLE` bytes (a small
-   manifest: one or two reads whose round trips count in full, so it under-rates a fast
-   link and errs toward compressing more);
+   manifest: one or two reads).  Their time is mostly round trips, so the rate comes as
+   two bounds: counted whole it under-rates the link, with the round trip taken off (see
+   below) it over-rates it.  The level leaves :data:`DEFAULT` only where both bounds
+   agree: a link slow even by the fast bound gets the fast bound's level, one fast even
+   by the slow bound the slow bound's;
 4. else :data:`DEFAULT`.
 
 The manifest run itself is always compressed at :data:`DEFAULT`: the no-op shortcut of
@@ -31,14 +34,20 @@ an unchanged re-pull compares its compressed stream's digest with the last one's
 
 The rate is the link's: read bytes over the time at least one read was in flight (a
 union of intervals), so four reads sharing a link do not each count a quarter of it,
-and time spent waiting for the guest to produce a chunk is not counted at all.  Each
-busy span starts with one round trip in which no byte flows (the request, the guest's
-shell, the first byte back): the fastest call of the session bounds it from above and
-is taken off every span.  Without that, one manifest read on an HTTP exec backend
-(100 ms a call) would rate a 50 MB/s link at 1.6 MB/s and compress at ``-9`` what
-``-1`` sends sooner.  The key
-of a link is the transport's description: the host (and user and port) for ``ssh://``,
-the sandbox itself for the cloud backends.
+and time spent waiting for the guest to produce a chunk is not counted at all.  That
+rate, counted whole, is what is remembered and reported.  But each busy span starts
+with one round trip in which no byte flows (the request, the guest's shell, the first
+byte back), which for one or two reads is most of the time: counted whole, one manifest
+read on an HTTP exec backend (100 ms a call) rates a 50 MB/s link at 1.6 MB/s, which
+would compress at ``-9`` what ``-1`` sends sooner.  The session's fastest call with a
+small answer costs at least one round trip, and more where its guest work is heavier
+than a read's, so taking it off every span over-rates the link instead: the same read
+through a 100 Mbit/s loopback proxy (13 ms of transfer beside a 10-15 ms round trip)
+came out at 30 MB/s, and ``-1`` was 20% slower there than ``-3``.  Hence the two
+bounds of rule 3.
+
+The key of a link is the transport's description: the host (and user and port) for
+``ssh://``, the sandbox itself for the cloud backends.
 
 Nothing here does I/O: :class:`LinkMeter` is fed timestamps, and the remembered rates
 are parsed from and rendered to bytes (:mod:`wsync.engine.linkmemo` stores them).
@@ -80,14 +89,26 @@ def level_for(rate: float | None) -> int:
     return next(level for floor, level in LADDER if rate >= floor)
 
 
-def choose(run_bytes: int, run_rate: float | None, remembered: float | None) -> int:
-    """The level for the next producer run (see the module docstring for the order)."""
+def choose(
+    run_bytes: int,
+    run_rate: float | None,
+    remembered: float | None,
+    *,
+    run_ceiling: float | None = None,
+) -> int:
+    """The level for the next producer run (see the module docstring for the order).
+
+    ``run_rate`` is this run's rate counted whole (for a few reads, an under-estimate);
+    ``run_ceiling`` the same with each span's round trip taken off (an over-estimate;
+    None: take ``run_rate``).
+    """
     if run_rate is not None and run_bytes >= TRUSTED:
         return level_for(run_rate)
     if remembered is not None:
         return level_for(remembered)
     if run_rate is not None and run_bytes >= SAMPLE:
-        return level_for(run_rate)
+        fast = level_for(run_ceiling if run_ceiling is not None else run_rate)
+        return min(max(DEFAULT, fast), level_for(run_rate))
     return DEFAULT
 
 
