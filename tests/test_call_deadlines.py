@@ -62,6 +62,54 @@ def test_each_stall_doubles_the_patience_up_to_the_call_deadline() -> None:
     assert sum(policy.stalled(d) for d in deadlines) == 5
 
 
+def test_reads_sharing_the_link_each_get_their_share_of_it() -> None:
+    policy = CallDeadlines(60.0, factor=4.0, warmup=1)
+    policy.observe("read", MiB, 1.0)  # alone on the link
+    assert policy.deadline("read", MiB) == 4.0
+    assert policy.deadline("read", MiB, shared=4) == 16.0  # four at once: a quarter each
+    policy = CallDeadlines(60.0, factor=4.0, warmup=1)
+    policy.observe("read", MiB, 4.0, shared=4)  # took 4 s, sharing with three others
+    assert policy.deadline("read", MiB) == 4.0  # alone it would take 1 s
+    assert policy.deadline("read", MiB, shared=4) == 16.0
+    assert policy.deadline("read", MiB, shared=0) == 4.0  # never below one share
+
+
+def test_a_read_gets_the_patience_of_every_read_that_may_share_its_link(
+    tmp_path: Path,
+) -> None:
+    """Every exec answers 0.5 s late, and three reads alone teach that.  With
+    ``--parallel 1`` the next read gets the deadline of one read; with 4, that of four
+    sharing the link even when it starts first (a burst of chunks indexed together
+    starts its reads one after the other); and with peers already in flight on the
+    meter, at least theirs, whatever ``--parallel`` says."""
+    workspace = make_tree(tmp_path / "ws", big=1024, small=2)
+
+    async def deadlines(parallel: int, peers: int) -> float:
+        transport = Recording(FaultPlan.parse("slow=0.5"))
+        opts = options(tmp_path, parallel=parallel, helpers=False)
+        session = GuestSession(transport, opts, CallStats())
+        try:
+            plan = await session.probe(str(workspace))
+            await session.admit(f"s-share-{parallel}-{peers}", str(workspace), plan.compressor)
+            while (done := (await session.status(wait=1.0)).done) is None:
+                pass
+            for _ in range(3):
+                await session.read("data", 0, done.length)
+            for _ in range(peers):
+                session.meter.begin(0.0)
+            await session.read("data", 0, done.length)
+            await session.cleanup()
+        finally:
+            await transport.aclose()
+        return transport.deadlines[-2]  # the last read's (the cleanup's is last)
+
+    one = asyncio.run(deadlines(1, 0))
+    four = asyncio.run(deadlines(4, 0))
+    peers = asyncio.run(deadlines(1, 3))
+    assert one >= STALL_FLOOR
+    assert four >= 3.5 * one and peers >= 3.5 * one
+
+
 def test_nonsense_settings_are_refused() -> None:
     with pytest.raises(ValueError):
         CallDeadlines(0)

@@ -187,7 +187,13 @@ class GuestSession:
             size = {"asked": asked()} if asked is not None else {}
             bound = wire_length(max_length, mode) + 64 * 1024
             expect = wire_length(asked(), mode) if asked is not None else 0
-            learnt = self.deadlines.deadline(kind, expect, stalls, cold)
+            # a read shares the link: its sample counts the reads in flight as it starts
+            # (it has begun on the meter), its deadline all that may join it (a burst of
+            # newly indexed chunks starts right after the first)
+            read = what.startswith("read ")
+            shared = max(1, self.meter.in_flight) if read else 1
+            may_share = max(shared, self.options.parallel) if read else 1
+            learnt = self.deadlines.deadline(kind, expect, stalls, cold, may_share)
             deadline = learnt + patience
             started = time.monotonic()
             try:
@@ -245,7 +251,7 @@ class GuestSession:
                 if observe is not None:
                     observe(None, received)
                 took = time.monotonic() - started
-                self.deadlines.observe(kind, received, max(0.0, took - patience))
+                self.deadlines.observe(kind, received, max(0.0, took - patience), shared)
                 small = received <= _SMALL_ANSWER
                 if small and not patience and (self.latency is None or took < self.latency):
                     self.latency = took
@@ -583,10 +589,15 @@ class GuestSession:
         path = scripts.snapshot_dir(self.staging_root, self.snapshot) + "/data"
         started = time.monotonic()
         self.meter.begin(started)
+        shared = self.meter.in_flight
+        may_share = max(shared, self.options.parallel)
         data = b""
         try:
             data = await self.transport.read_file(
-                path, offset, length, timeout=self.deadlines.deadline("file", length)
+                path,
+                offset,
+                length,
+                timeout=self.deadlines.deadline("file", length, shared=may_share),
             )
             # a short answer (a body cut part-way, a short read): ask for the rest, a
             # few times; the hash below judges the whole, however many pieces it took
@@ -595,7 +606,10 @@ class GuestSession:
                     break
                 need = length - len(data)
                 more = await self.transport.read_file(
-                    path, offset + len(data), need, timeout=self.deadlines.deadline("file", need)
+                    path,
+                    offset + len(data),
+                    need,
+                    timeout=self.deadlines.deadline("file", need, shared=may_share),
                 )
                 self.stats.faults["file-api-short"] += 1
                 if not more:
@@ -619,7 +633,7 @@ class GuestSession:
             self.stats.faults["file-api-mismatch"] += 1
             return None
         self._direct_failures = 0
-        self.deadlines.observe("file", length, time.monotonic() - started)
+        self.deadlines.observe("file", length, time.monotonic() - started, shared)
         return data
 
     async def cleanup(self) -> None:

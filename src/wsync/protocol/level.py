@@ -137,6 +137,11 @@ class LinkMeter:
         self._pending = 0
         self._spans = 0
 
+    @property
+    def in_flight(self) -> int:
+        """Reads begun and not yet ended: they share the link."""
+        return self._in_flight
+
     def begin(self, now: float) -> None:
         if self._in_flight == 0:
             self._since = now

@@ -150,6 +150,15 @@ class CallDeadlines:
     doubled per stall (``stalls``) until it reaches ``ceiling``: a stall below the
     ceiling is not one of the call's attempts (the engine's part), so the attempts
     that end a pull are the same full-deadline ones as without this.
+
+    Reads in flight together share the link, each at its share of the rate: a sample is
+    kept as the time its call would have taken alone (its seconds over the reads in
+    flight when it started, ``shared``), and a call's deadline is scaled up by the reads
+    that may share the link with it (the engine gives its ``--parallel``: a burst of
+    chunks indexed at once starts its reads one after the other).  Without that, the
+    deadline learnt from the first chunks, read alone, cut off the 4 MiB reads that four
+    share on a 20 Mbit/s link: two stalls of 10 s each, retried from the start, in a
+    20 s pull.
     """
 
     def __init__(
@@ -171,18 +180,24 @@ class CallDeadlines:
         self._recent: dict[str, collections.deque[tuple[int, float]]] = {}
 
     def deadline(
-        self, kind: str, size: int = 0, stalls: int = 0, cold: float | None = None
+        self,
+        kind: str,
+        size: int = 0,
+        stalls: int = 0,
+        cold: float | None = None,
+        shared: int = 1,
     ) -> float:
-        """Seconds the next call of ``kind`` may take; it expects ``size`` bytes back
-        and its earlier attempts stalled ``stalls`` times.  ``cold``: what a call whose
-        time is known to be small (a status poll: a few files read, a small answer) gets
-        before its kind is warm, doubled per stall, instead of ``ceiling``."""
+        """Seconds the next call of ``kind`` may take; it expects ``size`` bytes back,
+        its earlier attempts stalled ``stalls`` times and ``shared`` calls (itself
+        included) share the link with it.  ``cold``: what a call whose time is known to
+        be small (a status poll: a few files read, a small answer) gets before its kind
+        is warm, doubled per stall, instead of ``ceiling``."""
         recent = self._recent.get(kind)
         if recent is None or len(recent) < self.warmup:
             if cold is not None:
                 return min(self.ceiling, cold * 2.0 ** min(stalls, 32))
             return self.ceiling
-        predicted = max(
+        predicted = max(1, shared) * max(
             seconds * max(1.0, size / max(done, _SCALE_GRAIN)) for done, seconds in recent
         )
         patience: float = max(self.floor, self.factor * predicted) * 2.0 ** min(stalls, 32)
@@ -193,9 +208,10 @@ class CallDeadlines:
         than timed out (a real attempt used up)."""
         return deadline < self.ceiling
 
-    def observe(self, kind: str, size: int, seconds: float) -> None:
-        """A call of ``kind`` succeeded with ``size`` bytes in ``seconds``."""
+    def observe(self, kind: str, size: int, seconds: float, shared: int = 1) -> None:
+        """A call of ``kind`` succeeded with ``size`` bytes in ``seconds``, having started
+        with ``shared`` calls (itself included) in flight on the link."""
         recent = self._recent.get(kind)
         if recent is None:
             recent = self._recent[kind] = collections.deque(maxlen=self.window)
-        recent.append((max(size, 0), max(seconds, 0.0)))
+        recent.append((max(size, 0), max(seconds, 0.0) / max(1, shared)))
