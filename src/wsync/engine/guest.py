@@ -193,9 +193,12 @@ class GuestSession:
             read = what.startswith("read ")
             shared = max(1, self.meter.in_flight) if read else 1
             may_share = max(shared, self.options.parallel) if read else 1
-            learnt = self.deadlines.deadline(kind, expect, stalls, cold, may_share)
+            learnt = self.deadlines.deadline(
+                kind, expect, stalls, cold, may_share, latency=self.latency or 0.0
+            )
             deadline = learnt + patience
             started = time.monotonic()
+            share0 = self.meter.virtual(started) if read else 0.0
             try:
                 # a helper carries no stdin for a call (see wsync.protocol.helper)
                 stdout: bytes | bytearray
@@ -250,8 +253,10 @@ class GuestSession:
                     self.stats.faults["extra-bytes"] += 1
                 if observe is not None:
                     observe(None, received)
-                took = time.monotonic() - started
-                self.deadlines.observe(kind, received, max(0.0, took - patience), shared)
+                ended = time.monotonic()
+                took = ended - started
+                alone = self.meter.virtual(ended) - share0 if read else took - patience
+                self.deadlines.observe(kind, received, max(0.0, alone))
                 small = received <= _SMALL_ANSWER
                 if small and not patience and (self.latency is None or took < self.latency):
                     self.latency = took
@@ -589,6 +594,7 @@ class GuestSession:
         path = scripts.snapshot_dir(self.staging_root, self.snapshot) + "/data"
         started = time.monotonic()
         self.meter.begin(started)
+        share0 = self.meter.virtual(started)
         shared = self.meter.in_flight
         may_share = max(shared, self.options.parallel)
         data = b""
@@ -597,7 +603,9 @@ class GuestSession:
                 path,
                 offset,
                 length,
-                timeout=self.deadlines.deadline("file", length, shared=may_share),
+                timeout=self.deadlines.deadline(
+                    "file", length, shared=may_share, latency=self.latency or 0.0
+                ),
             )
             # a short answer (a body cut part-way, a short read): ask for the rest, a
             # few times; the hash below judges the whole, however many pieces it took
@@ -609,7 +617,9 @@ class GuestSession:
                     path,
                     offset + len(data),
                     need,
-                    timeout=self.deadlines.deadline("file", need, shared=may_share),
+                    timeout=self.deadlines.deadline(
+                        "file", need, shared=may_share, latency=self.latency or 0.0
+                    ),
                 )
                 self.stats.faults["file-api-short"] += 1
                 if not more:
@@ -633,7 +643,7 @@ class GuestSession:
             self.stats.faults["file-api-mismatch"] += 1
             return None
         self._direct_failures = 0
-        self.deadlines.observe("file", length, time.monotonic() - started, shared)
+        self.deadlines.observe("file", length, self.meter.virtual(time.monotonic()) - share0)
         return data
 
     async def cleanup(self) -> None:

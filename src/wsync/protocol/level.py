@@ -136,6 +136,20 @@ class LinkMeter:
         self._since = 0.0
         self._pending = 0
         self._spans = 0
+        #: seconds of the link as one read alone would have had them: each second
+        #: counts 1/n while n reads are in flight (a read's share of the link)
+        self._virtual = 0.0
+        self._virtual_at = 0.0
+
+    def _advance(self, now: float) -> None:
+        if self._in_flight > 0:
+            self._virtual += max(0.0, now - self._virtual_at) / self._in_flight
+        self._virtual_at = now
+
+    def virtual(self, now: float) -> float:
+        """The link's share clock: a read's time alone is its difference over its life."""
+        self._advance(now)
+        return self._virtual
 
     @property
     def in_flight(self) -> int:
@@ -143,6 +157,7 @@ class LinkMeter:
         return self._in_flight
 
     def begin(self, now: float) -> None:
+        self._advance(now)
         if self._in_flight == 0:
             self._since = now
         self._in_flight += 1
@@ -151,6 +166,7 @@ class LinkMeter:
         """A read that began ends, having carried ``nbytes`` (0 if it failed)."""
         if self._in_flight <= 0:
             raise ValueError("a read ended that never began")
+        self._advance(now)
         self._in_flight -= 1
         self._pending += nbytes
         if self._in_flight == 0:

@@ -151,11 +151,13 @@ class CallDeadlines:
     ceiling is not one of the call's attempts (the engine's part), so the attempts
     that end a pull are the same full-deadline ones as without this.
 
-    Reads in flight together share the link, each at its share of the rate: a sample is
-    kept as the time its call would have taken alone (its seconds over the reads in
-    flight when it started, ``shared``), and a call's deadline is scaled up by the reads
-    that may share the link with it (the engine gives its ``--parallel``: a burst of
-    chunks indexed at once starts its reads one after the other).  Without that, the
+    Reads in flight together share the link, each at its share of the rate: a read's
+    sample is the time it would have taken alone (the engine measures it on the link
+    meter's share clock, :meth:`wsync.protocol.level.LinkMeter.virtual`), and its
+    deadline scales the part of the prediction above one round trip (``latency``: a
+    round trip is not shared) by the reads that may share the link with it (the engine
+    gives its ``--parallel``: a burst of chunks indexed at once starts its reads one
+    after the other).  Without that, the
     deadline learnt from the first chunks, read alone, cut off the 4 MiB reads that four
     share on a 20 Mbit/s link: two stalls of 10 s each, retried from the start, in a
     20 s pull.
@@ -186,6 +188,7 @@ class CallDeadlines:
         stalls: int = 0,
         cold: float | None = None,
         shared: int = 1,
+        latency: float = 0.0,
     ) -> float:
         """Seconds the next call of ``kind`` may take; it expects ``size`` bytes back,
         its earlier attempts stalled ``stalls`` times and ``shared`` calls (itself
@@ -197,9 +200,9 @@ class CallDeadlines:
             if cold is not None:
                 return min(self.ceiling, cold * 2.0 ** min(stalls, 32))
             return self.ceiling
-        predicted = max(1, shared) * max(
-            seconds * max(1.0, size / max(done, _SCALE_GRAIN)) for done, seconds in recent
-        )
+        alone = max(seconds * max(1.0, size / max(done, _SCALE_GRAIN)) for done, seconds in recent)
+        trip = min(max(0.0, latency), alone)
+        predicted = trip + max(1, shared) * (alone - trip)
         patience: float = max(self.floor, self.factor * predicted) * 2.0 ** min(stalls, 32)
         return min(self.ceiling, patience)
 
