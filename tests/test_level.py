@@ -120,6 +120,24 @@ def test_each_span_loses_one_round_trip_but_never_all_of_it() -> None:
     assert meter.rate(1.0) == pytest.approx(2 * level.SAMPLE / (0.2 * level.MIN_FLOWING))
 
 
+def test_the_share_clock_counts_each_second_once_among_the_reads_in_flight() -> None:
+    """A read's time alone on the link: two reads sharing two seconds had one each; a
+    read joined halfway by three others had 1 + 1/4 of its two seconds."""
+    meter = LinkMeter()
+    start = meter.virtual(0.0)
+    meter.begin(0.0)
+    meter.begin(0.0)
+    meter.end(2.0, 1)
+    meter.end(2.0, 1)
+    assert meter.virtual(2.0) - start == pytest.approx(1.0)
+    meter.begin(10.0)
+    start = meter.virtual(10.0)
+    for _ in range(3):
+        meter.begin(11.0)
+    assert meter.virtual(12.0) - start == pytest.approx(1.25)
+    assert meter.virtual(100.0) - meter.virtual(100.0) == 0.0
+
+
 def test_a_failed_read_counts_its_time_not_bytes() -> None:
     meter = LinkMeter()
     meter.begin(0.0)
