@@ -585,6 +585,7 @@ def test_a_host_limit_keeps_the_snapshot_for_the_next_run(tmp_path: Path, worksp
     result = run_pull(local(), workspace, dest, options(tmp_path, chunk_size=256 * 1024))
     assert_exact(workspace, dest)
     assert result.reconciled and result.snapshot == kept.name  # adopted, not tarred again
+    assert result.compress_level == 0  # the earlier run's producer: its level unknown here
 
 
 @pytest.mark.parametrize("long_window", [True, False])
