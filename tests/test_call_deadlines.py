@@ -68,11 +68,9 @@ def test_reads_sharing_the_link_each_get_their_share_of_it() -> None:
     policy.observe("read", MiB, 1.0)  # alone on the link
     assert policy.deadline("read", MiB) == 4.0
     assert policy.deadline("read", MiB, shared=4) == 16.0  # four at once: a quarter each
-    policy = CallDeadlines(60.0, factor=4.0, warmup=1)
-    policy.observe("read", MiB, 4.0, shared=4)  # took 4 s, sharing with three others
-    assert policy.deadline("read", MiB) == 4.0  # alone it would take 1 s
-    assert policy.deadline("read", MiB, shared=4) == 16.0
     assert policy.deadline("read", MiB, shared=0) == 4.0  # never below one share
+    # a round trip is not shared: 0.5 s of the 1 s once, the rest four times
+    assert policy.deadline("read", MiB, shared=4, latency=0.5) == 4.0 * (0.5 + 4 * 0.5)
 
 
 def test_a_read_gets_the_patience_of_every_read_that_may_share_its_link(

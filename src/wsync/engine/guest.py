@@ -33,10 +33,10 @@ from wsync.errors import (
     UsageError,
     WsyncError,
 )
-from wsync.protocol import level as level_mod
 from wsync.protocol import records, scripts
 from wsync.protocol.envelope import Envelope, EnvelopeParser, wire_length
 from wsync.protocol.hashing import ALGORITHMS, PROBE_ALGORITHM, PROBE_INPUT, Algorithm
+from wsync.protocol.level import DEFAULT as DEFAULT_LEVEL
 from wsync.protocol.level import LinkMeter
 from wsync.protocol.policy import SIZE_FAULTS, CallDeadlines, ReadSizer, backoff
 from wsync.transports.base import Transport
@@ -128,6 +128,15 @@ class GuestSession:
         """The same with one round trip taken off each span of reads: an over-estimate."""
         return self.meter.rate(self.latency or 0.0)
 
+    def _read_deadline(self, kind: str, size: int, stalls: int = 0) -> float:
+        """A read's learnt deadline: it may share the link with every read in flight (it
+        has begun on the meter) and with all that ``--parallel`` lets join it (a burst of
+        newly indexed chunks starts its reads right after the first)."""
+        shares = max(self.meter.in_flight, self.options.parallel)
+        return self.deadlines.deadline(
+            kind, size, stalls, shared=shares, latency=self.latency or 0.0
+        )
+
     def _wire(self, nonce: str) -> scripts.Wire:
         """The arguments every guest call after the probe shares."""
         assert self.algorithm is not None
@@ -187,15 +196,13 @@ class GuestSession:
             size = {"asked": asked()} if asked is not None else {}
             bound = wire_length(max_length, mode) + 64 * 1024
             expect = wire_length(asked(), mode) if asked is not None else 0
-            # a read shares the link: its sample counts the reads in flight as it starts
-            # (it has begun on the meter), its deadline all that may join it (a burst of
-            # newly indexed chunks starts right after the first)
+            # a read shares the link: its deadline counts the reads that may share it, its
+            # sample is its time alone (the meter's share clock)
             read = what.startswith("read ")
-            shared = max(1, self.meter.in_flight) if read else 1
-            may_share = max(shared, self.options.parallel) if read else 1
-            learnt = self.deadlines.deadline(
-                kind, expect, stalls, cold, may_share, latency=self.latency or 0.0
-            )
+            if read:
+                learnt = self._read_deadline(kind, expect, stalls)
+            else:
+                learnt = self.deadlines.deadline(kind, expect, stalls, cold)
             deadline = learnt + patience
             started = time.monotonic()
             share0 = self.meter.virtual(started) if read else 0.0
@@ -358,7 +365,7 @@ class GuestSession:
         workspace: str,
         compressor: str,
         *,
-        level: int = level_mod.DEFAULT,
+        level: int = DEFAULT_LEVEL,
         installed: bool = False,
         mode: str = "tar",
         prune: tuple[str, ...] = (),
@@ -595,17 +602,13 @@ class GuestSession:
         started = time.monotonic()
         self.meter.begin(started)
         share0 = self.meter.virtual(started)
-        shared = self.meter.in_flight
-        may_share = max(shared, self.options.parallel)
         data = b""
         try:
             data = await self.transport.read_file(
                 path,
                 offset,
                 length,
-                timeout=self.deadlines.deadline(
-                    "file", length, shared=may_share, latency=self.latency or 0.0
-                ),
+                timeout=self._read_deadline("file", length),
             )
             # a short answer (a body cut part-way, a short read): ask for the rest, a
             # few times; the hash below judges the whole, however many pieces it took
@@ -617,9 +620,7 @@ class GuestSession:
                     path,
                     offset + len(data),
                     need,
-                    timeout=self.deadlines.deadline(
-                        "file", need, shared=may_share, latency=self.latency or 0.0
-                    ),
+                    timeout=self._read_deadline("file", need),
                 )
                 self.stats.faults["file-api-short"] += 1
                 if not more:

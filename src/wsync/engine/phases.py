@@ -135,8 +135,6 @@ class StreamRunner:
         self.changes: list[str] = []
         #: the archive's compression level, once admitted
         self.compress_level = 0
-        #: this link's rate from an earlier pull, once looked up (a list: unset until then)
-        self._remembered: list[float | None] = []
 
     # -- progress ----------------------------------------------------------------
 
@@ -225,13 +223,11 @@ class StreamRunner:
             return level.DEFAULT
         if pinned is not None:
             return pinned
-        if not self._remembered:
-            key, state_dir = self.transport.description, self.options.state_dir
-            self._remembered.append(await in_thread(lambda: remembered(state_dir, key)))
+        # (looked up once a run: only the content run's admission gets here)
+        key, state_dir = self.transport.description, self.options.state_dir
+        known = await in_thread(lambda: remembered(state_dir, key))
         measured, ceiling = self.session.link_rate(), self.session.link_ceiling()
-        chosen = level.choose(
-            self.session.meter.bytes, measured, self._remembered[0], run_ceiling=ceiling
-        )
+        chosen = level.choose(self.session.meter.bytes, measured, known, run_ceiling=ceiling)
         log.debug(
             "compression level",
             level=chosen,
@@ -239,7 +235,7 @@ class StreamRunner:
             ceiling=ceiling,
             measured_bytes=self.session.meter.bytes,
             latency=self.session.latency,
-            remembered=self._remembered[0],
+            remembered=known,
         )
         return chosen
 

@@ -157,10 +157,9 @@ class CallDeadlines:
     deadline scales the part of the prediction above one round trip (``latency``: a
     round trip is not shared) by the reads that may share the link with it (the engine
     gives its ``--parallel``: a burst of chunks indexed at once starts its reads one
-    after the other).  Without that, the
-    deadline learnt from the first chunks, read alone, cut off the 4 MiB reads that four
-    share on a 20 Mbit/s link: two stalls of 10 s each, retried from the start, in a
-    20 s pull.
+    after the other).  Without that, the deadline learnt from the first chunks, read
+    alone, cut off the 4 MiB reads that four share on a 20 Mbit/s link: two stalls of
+    10 s each, retried from the start, in a 20 s pull.
     """
 
     def __init__(
@@ -211,10 +210,10 @@ class CallDeadlines:
         than timed out (a real attempt used up)."""
         return deadline < self.ceiling
 
-    def observe(self, kind: str, size: int, seconds: float, shared: int = 1) -> None:
-        """A call of ``kind`` succeeded with ``size`` bytes in ``seconds``, having started
-        with ``shared`` calls (itself included) in flight on the link."""
+    def observe(self, kind: str, size: int, seconds: float) -> None:
+        """A call of ``kind`` succeeded with ``size`` bytes in ``seconds`` (a read's: its
+        time alone on the link)."""
         recent = self._recent.get(kind)
         if recent is None:
             recent = self._recent[kind] = collections.deque(maxlen=self.window)
-        recent.append((max(size, 0), max(seconds, 0.0) / max(1, shared)))
+        recent.append((max(size, 0), max(seconds, 0.0)))
