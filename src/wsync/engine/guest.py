@@ -369,11 +369,13 @@ class GuestSession:
         installed: bool = False,
         mode: str = "tar",
         prune: tuple[str, ...] = (),
+        need_kb: int | None = None,
     ) -> bool:
         """Start (or adopt) the snapshot's producer.  True when adopted.
 
         The guest runs the installed producer only if it hashes to ours; when
-        it does not (or is missing) it is installed afresh, once.
+        it does not (or is missing) it is installed afresh, once.  ``need_kb``: the
+        workspace's size from this run's listing (see :func:`scripts.admit`).
         """
         assert self.algorithm is not None
         self.snapshot = snapshot
@@ -391,13 +393,21 @@ class GuestSession:
                 producer_hash=producer_hash,
                 mode=mode,
                 prune=prune,
+                need_kb=need_kb,
             ),
             max_length=_SMALL,
         )
         if not envelope.ok and envelope.text == "producer-missing" and not installed:
             await self.install_producer()
             return await self.admit(
-                snapshot, workspace, compressor, level=level, installed=True, mode=mode, prune=prune
+                snapshot,
+                workspace,
+                compressor,
+                level=level,
+                installed=True,
+                mode=mode,
+                prune=prune,
+                need_kb=need_kb,
             )
         if not envelope.ok:
             self._admission_failed(envelope.text, workspace)

@@ -132,6 +132,9 @@ class PullState:
         self.sandbox_key = sandbox_key
         self._loaded = False
         self._diffed = False
+        #: the regular files' bytes in the loaded manifest, in KiB rounded up (what a
+        #: whole-tree run needs in the guest staging, before compression)
+        self.listed_kb = 0
         #: the digest of the last scan of DEST into the scratch table, and the directory
         #: (device, inode) that :meth:`scan` scanned for the next diff, if any
         self.host_digest = ""
@@ -215,7 +218,7 @@ class PullState:
             self._hash_batch.clear()
             batch: list[tuple[object, ...]] = []
             insert = "INSERT OR REPLACE INTO s.man VALUES (?,?,?,?,?,?,?,?,?,?)"
-            count = 0
+            count = listed = 0
             for e in entries:
                 path = e.path
                 check_path(path)
@@ -224,6 +227,8 @@ class PullState:
                 count += 1
                 if max_entries is not None and count > max_entries:
                     raise LimitExceeded(f"the guest's manifest has more than {max_entries} entries")
+                if e.kind == "f":
+                    listed += e.size
                 parent = (path.rpartition(b"/")[0] or b".") if path != b"." else b""
                 batch.append(
                     (path, parent, e.kind, e.mode & 0o7777, e.size, e.mtime_ns,
@@ -244,6 +249,7 @@ class PullState:
                 if cur.rowcount <= 0:
                     break
             db.commit()
+        self.listed_kb = -(-listed // 1024)
         self._loaded = True
         self._diffed = False
 

@@ -181,6 +181,7 @@ class StreamRunner:
         snapshot: str,
         mode: str,
         prune: tuple[str, ...] = (),
+        need_kb: int | None = None,
     ) -> dict[int, tuple[str, Path]]:
         """Admit ``snapshot``'s producer run; return the journal's chunks still good."""
         # the counters are per producer run: a manifest's chunks are not the archive's
@@ -195,7 +196,13 @@ class StreamRunner:
         self.snapshots.append(snapshot)
         chosen = await self.choose_level(plan, manifest=journal is self.manifest_journal)
         self.reconciled = await self.session.admit(
-            snapshot, self.workspace, plan.compressor, level=chosen, mode=mode, prune=prune
+            snapshot,
+            self.workspace,
+            plan.compressor,
+            level=chosen,
+            mode=mode,
+            prune=prune,
+            need_kb=need_kb,
         )
         if journal is not self.manifest_journal:
             # an adopted producer kept the level an earlier run gave it

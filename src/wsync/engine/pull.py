@@ -158,7 +158,9 @@ class _Pull(IncrementalRunner):
         snapshot = self.choose_snapshot(plan, journal, run, extra)
         if run == "select":
             await self.session.upload_list(snapshot, listing)
-        journaled = await self.admit_phase(plan, journal, snapshot, run)
+        # a whole-tree run's room check in the guest takes the size the listing gave
+        need = inc.state.listed_kb if inc is not None and run == "tar" and inc.loaded else None
+        journaled = await self.admit_phase(plan, journal, snapshot, run, need_kb=need)
         replace = run == "select"
         tmp, tmp_fd, reused = await self.make_tmp(reuse=replace and self.keeps_prev)
         hook = None

@@ -189,16 +189,18 @@ stop() {
 """
 
 _ADMIT = r"""
+no() { emit err "$1"; exit 0; }
 root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$8 ph=$9 mode=${10}
-shift 10
+n=${11}
+shift 11
 # the probe checked the root and its ancestors; make sure it is still that
 lsn "$root"
-[ "$(cd -P "$root" && pwd -P)" = "$root" ] && [ "$u" = "$me" ] || { emit err "unsafe-root"; exit 0; }
-case $m in ?????w*|????????w*) emit err "unsafe-root"; exit 0 ;; esac
-[ -d "$ws" ] || { emit err "workspace-missing"; exit 0; }
+[ "$(cd -P "$root" && pwd -P)" = "$root" ] && [ "$u" = "$me" ] || no "unsafe-root"
+case $m in ?????w*|????????w*) no unsafe-root ;; esac
+[ -d "$ws" ] || no "workspace-missing"
 # run only the producer whose hash the host expects (else it is reinstalled)
 dg=$(h < "$prod")
-[ -f "$prod" ] && [ "${dg%% *}" = "$ph" ] || { emit err "producer-missing"; exit 0; }
+[ -f "$prod" ] && [ "${dg%% *}" = "$ph" ] || no "producer-missing"
 umask 077
 # garbage-collect stale snapshots: only wsync's own (an id-shaped name holding
 # a launch/ token), never anything else that happens to live in the root
@@ -209,20 +211,22 @@ for x in "$root"/s*; do
   stop "$x"
   rm -rf "$x"
 done
-d=$root/$id n= f=
+d=$root/$id f=
 if [ ! -d "$d/launch" ] && [ "$mode" = select ] && [ ! -f "$d/list" ]; then
-  emit err "list-missing"
-  exit 0
+  no list-missing
 fi
 if [ ! -d "$d/launch" ] && [ "$mode" = tar ]; then
-  # refuse what cannot fit even at 4x compression, before starting anything
-  # bounded: a retried admission must not walk a huge cold tree forever
-  if command -v timeout >/dev/null; then n=$(timeout 20 du -sk "$ws"); else n=$(du -sk "$ws"); fi
+  # refuse what cannot fit even at 4x compression, before starting anything: the
+  # size the host's listing gave (n, KiB), else du's, bounded (a retried admission
+  # must not walk a huge cold tree forever)
+  if [ -z "$n" ]; then
+    if command -v timeout >/dev/null; then n=$(timeout 20 du -sk "$ws"); else n=$(du -sk "$ws"); fi
+  fi
   n=${n%%[!0-9]*}
   f=$(df -Pk "$root" | awk 'NR == 2 { print $4 + 0 }')
-  [ -n "$n" ] && [ -n "$f" ] && [ $((f * 4)) -lt $((n + 256)) ] && { emit err "disk-full $f $n"; exit 0; }
+  [ -n "$n" ] && [ -n "$f" ] && [ $((f * 4)) -lt $((n + 256)) ] && no "disk-full $f $n"
 fi
-mkdir -p "$d" || { emit err "cannot create the staging directory"; exit 0; }
+mkdir -p "$d" || no "cannot create the staging directory"
 # nothing runs for a launched snapshot and nothing came of it: the admission that
 # launched was killed before its producer detached, or the producer died.  A launch
 # that may still be starting counts as running (and the producer's claim keeps a
@@ -241,8 +245,7 @@ a=reconciled go=1
 if mkdir "$d/launch"; then
   printf '%s %s' "$n" "$f" > "$d/launch/size"
 elif [ ! -d "$d/launch" ]; then
-  emit err "cannot create the admission token"
-  exit 0
+  no "cannot create the admission token"
 elif ! idle; then
   go=
   [ "$(cat "$d/launch/by")" = "$run" ] && a=admitted
@@ -251,7 +254,7 @@ if [ "$go" ]; then
   # launched, or launched again (a new stream: "admitted" even if another run began
   # it); who launched: a retry of this very run (its answer was lost) is no adoption
   a=admitted
-  printf '%s' "$run" > "$d/launch/by" || { emit err "cannot write the admission token"; exit 0; }
+  printf '%s' "$run" > "$d/launch/by" || no "cannot write the admission token"
   l=nohup
   command -v setsid >/dev/null && l=setsid
   $l sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" "$mode" "$@" </dev/null >/dev/null 2>&1 &
@@ -259,8 +262,7 @@ if [ "$go" ]; then
   # the producer records its own pid once it holds the snapshot
   echo $! > "$d/pid.launch" || {
     kill $!
-    emit err "cannot write the pid file"
-    exit 0
+    no "cannot write the pid file"
   }
   # answer once the launch has detached (the producer writes its pid in its own
   # session) or ended (another producer holds the snapshot): a backend that kills
@@ -493,10 +495,14 @@ def admit(
     producer_hash: str,
     mode: str = "tar",
     prune: tuple[str, ...] = (),
+    need_kb: int | None = None,
 ) -> list[str]:
     """``mode`` is the producer's: ``tar`` (the whole workspace), ``manifest`` (one record
     per entry, ``prune`` naming find ``-name`` globs left out in the guest) or ``select``
     (the entries of the list uploaded with :func:`upload`).
+
+    ``need_kb`` is the workspace's size as this run's listing gave it: a ``tar`` run's
+    check for room in the staging then takes it instead of walking the tree with ``du``.
 
     ``run`` identifies this wsync run: a retried admission it made itself
     answers ``admitted`` again; only another run's snapshot is ``reconciled``.
@@ -519,6 +525,7 @@ def admit(
         run,
         producer_hash,
         check_mode(mode),
+        str(need_kb) if need_kb is not None and need_kb >= 0 else "",
         *prune,
     )
     return render("admit", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
