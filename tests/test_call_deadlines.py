@@ -96,8 +96,8 @@ def test_a_read_gets_the_patience_of_every_read_that_may_share_its_link(
             for _ in range(4):
                 await session.read("data", 0, MiB)
             given = transport.deadlines[-1]
-            latency = session.latency or 0.0
-            alone = session.deadlines.deadline("staged", MiB, latency=latency)
+            latency = session.link.latency or 0.0
+            alone = session.link.deadlines.deadline("staged", MiB, latency=latency)
             await session.cleanup()
         finally:
             await transport.aclose()

@@ -23,6 +23,7 @@ import structlog
 
 from wsync.engine.api import PullOptions
 from wsync.engine.helpers import HelperPool
+from wsync.engine.link import Link
 from wsync.errors import (
     GuestToolsMissing,
     IntegrityFailed,
@@ -37,16 +38,12 @@ from wsync.protocol import records, scripts
 from wsync.protocol.envelope import Envelope, EnvelopeParser, wire_length
 from wsync.protocol.hashing import ALGORITHMS, PROBE_ALGORITHM, PROBE_INPUT, Algorithm
 from wsync.protocol.level import DEFAULT as DEFAULT_LEVEL
-from wsync.protocol.level import LinkMeter
-from wsync.protocol.policy import SIZE_FAULTS, CallDeadlines, ReadSizer, backoff
+from wsync.protocol.policy import SIZE_FAULTS, ReadSizer, backoff
 from wsync.transports.base import Transport
 
 log = structlog.get_logger("wsync.guest")
 
 _SMALL = 1024 * 1024  # bound for probe/admit/status answers
-#: answers up to this size carry no transfer time worth the name: their call's duration
-#: is one round trip and the guest's work (the link meter's round trip, see link_ceiling)
-_SMALL_ANSWER = 4096
 #: a status poll's deadline before the pool of staged calls has learnt one, seconds
 #: (plus its long poll; doubled per stall): status answers at once on any backend
 _COLD_STATUS = 3.0
@@ -111,31 +108,8 @@ class GuestSession:
         #: the guest has ``base64`` (the probe says): lists may go in argv parts
         self._base64 = False
         self._rng = random.Random()  # noqa: S311 - backoff jitter, not a secret
-        #: per-kind deadlines learnt from this backend's answers: a hang costs seconds
-        self.deadlines = CallDeadlines(options.call_timeout)
-        #: how fast reads came over the link (it picks the next run's compression level)
-        self.meter = LinkMeter()
-        #: the fastest call of this session with a small answer that did not wait on
-        #: purpose, seconds: one round trip at least (see wsync.protocol.level)
-        self.latency: float | None = None
-
-    def link_rate(self) -> float | None:
-        """The link's rate as this session's reads measured it, counted whole (bytes per
-        second; for a few reads, an under-estimate)."""
-        return self.meter.rate()
-
-    def link_ceiling(self) -> float | None:
-        """The same with one round trip taken off each span of reads: an over-estimate."""
-        return self.meter.rate(self.latency or 0.0)
-
-    def _read_deadline(self, kind: str, size: int, stalls: int = 0) -> float:
-        """A read's learnt deadline: it may share the link with every read in flight (it
-        has begun on the meter) and with all that ``--parallel`` lets join it (a burst of
-        newly indexed chunks starts its reads right after the first)."""
-        shares = max(self.meter.in_flight, self.options.parallel)
-        return self.deadlines.deadline(
-            kind, size, stalls, shared=shares, latency=self.latency or 0.0
-        )
+        #: the link's rate, round trip and learnt deadlines (a hang costs seconds)
+        self.link = Link(options.call_timeout, options.parallel)
 
     def _wire(self, nonce: str) -> scripts.Wire:
         """The arguments every guest call after the probe shares."""
@@ -169,11 +143,12 @@ class GuestSession:
         ``asked`` tells the size the last attempt asked for, for the logs: every
         retry is logged at info level (``-v``) with its fault kind and that size,
         every exec at debug level (``--debug``) with its nonce, byte counts and
-        duration, never the script text or its arguments.  Each attempt runs under
-        :class:`CallDeadlines`; one that stalls (ran out of a learnt deadline shorter
-        than ``--call-timeout``) is retried with double the patience and does not count
-        as an attempt.  ``patience`` is how long the script may wait on purpose (a long
-        poll): it is added to the deadline and left out of what the deadlines learn.
+        duration, never the script text or its arguments.  Each attempt runs under a
+        deadline the :class:`~wsync.engine.link.Link` learnt; one that stalls (ran out of a
+        learnt deadline shorter than ``--call-timeout``) is retried with double the
+        patience and does not count as an attempt.  ``patience`` is how long the script
+        may wait on purpose (a long poll): it is added to the deadline and left out of
+        what the deadlines learn.
         """
         last = "none"
         received = 0
@@ -199,13 +174,10 @@ class GuestSession:
             # a read shares the link: its deadline counts the reads that may share it, its
             # sample is its time alone (the meter's share clock)
             read = what.startswith("read ")
-            if read:
-                learnt = self._read_deadline(kind, expect, stalls)
-            else:
-                learnt = self.deadlines.deadline(kind, expect, stalls, cold)
+            learnt = self.link.deadline(kind, expect, stalls, cold, read=read)
             deadline = learnt + patience
             started = time.monotonic()
-            share0 = self.meter.virtual(started) if read else 0.0
+            share0 = self.link.clock(started, read=read)
             try:
                 # a helper carries no stdin for a call (see wsync.protocol.helper)
                 stdout: bytes | bytearray
@@ -260,20 +232,14 @@ class GuestSession:
                     self.stats.faults["extra-bytes"] += 1
                 if observe is not None:
                     observe(None, received)
-                ended = time.monotonic()
-                took = ended - started
-                alone = self.meter.virtual(ended) - share0 if read else took - patience
-                self.deadlines.observe(kind, received, max(0.0, alone))
-                small = received <= _SMALL_ANSWER
-                if small and not patience and (self.latency is None or took < self.latency):
-                    self.latency = took
+                self.link.answered(kind, received, started, share0, read=read, patience=patience)
                 return envelope
             except ProtocolError as exc:
                 last = exc.fault
                 detail = str(exc)
             except TransportTimeout as exc:
                 last, detail, received = "timeout", str(exc), 0
-                if self.deadlines.stalled(learnt):
+                if self.link.stalled(learnt):
                     last = "stall"
             except TransportError as exc:
                 last, detail, received = "transport", str(exc), 0
@@ -575,7 +541,8 @@ class GuestSession:
                 payload = received * 3 // 4 if self.b64 else received
                 sizer.loss(asked[0], 0 if fault == "hash-mismatch" else payload)
 
-        self.meter.begin(time.monotonic())
+        meter = self.link.meter
+        meter.begin(time.monotonic())
         got = 0
         try:
             envelope = await self.call(
@@ -594,7 +561,7 @@ class GuestSession:
             got = len(envelope.payload)
             return envelope.payload
         finally:
-            self.meter.end(time.monotonic(), got)
+            meter.end(time.monotonic(), got)
 
     async def read_direct(self, offset: int, length: int, digest: str) -> bytes | None:
         """``data[offset:offset+length]`` through the backend's file API, or None.
@@ -609,16 +576,17 @@ class GuestSession:
         if not self.direct or self.algorithm is None:
             return None
         path = scripts.snapshot_dir(self.staging_root, self.snapshot) + "/data"
+        link = self.link
         started = time.monotonic()
-        self.meter.begin(started)
-        share0 = self.meter.virtual(started)
+        link.meter.begin(started)
+        share0 = link.clock(started, read=True)
         data = b""
         try:
             data = await self.transport.read_file(
                 path,
                 offset,
                 length,
-                timeout=self._read_deadline("file", length),
+                timeout=link.read_deadline("file", length),
             )
             # a short answer (a body cut part-way, a short read): ask for the rest, a
             # few times; the hash below judges the whole, however many pieces it took
@@ -630,7 +598,7 @@ class GuestSession:
                     path,
                     offset + len(data),
                     need,
-                    timeout=self._read_deadline("file", need),
+                    timeout=link.read_deadline("file", need),
                 )
                 self.stats.faults["file-api-short"] += 1
                 if not more:
@@ -647,14 +615,14 @@ class GuestSession:
                 self.direct = False
             return None
         finally:
-            self.meter.end(time.monotonic(), len(data))
+            link.meter.end(time.monotonic(), len(data))
         self.stats.transferred += len(data)
         if len(data) != length or self.algorithm.digest(data) != digest:
             log.info("file API read damaged", fault="file-api-mismatch", asked=length)
             self.stats.faults["file-api-mismatch"] += 1
             return None
         self._direct_failures = 0
-        self.deadlines.observe("file", length, self.meter.virtual(time.monotonic()) - share0)
+        link.deadlines.observe("file", length, link.clock(time.monotonic(), read=True) - share0)
         return data
 
     async def cleanup(self) -> None:

@@ -233,15 +233,16 @@ class StreamRunner:
         # (looked up once a run: only the content run's admission gets here)
         key, state_dir = self.transport.description, self.options.state_dir
         known = await in_thread(lambda: remembered(state_dir, key))
-        measured, ceiling = self.session.link_rate(), self.session.link_ceiling()
-        chosen = level.choose(self.session.meter.bytes, measured, known, run_ceiling=ceiling)
+        link = self.session.link
+        measured, ceiling = link.rate(), link.ceiling()
+        chosen = level.choose(link.meter.bytes, measured, known, run_ceiling=ceiling)
         log.debug(
             "compression level",
             level=chosen,
             measured=measured,
             ceiling=ceiling,
-            measured_bytes=self.session.meter.bytes,
-            latency=self.session.latency,
+            measured_bytes=link.meter.bytes,
+            latency=link.latency,
             remembered=known,
         )
         return chosen

@@ -350,8 +350,8 @@ class _Pull(IncrementalRunner):
                         await self.session.cleanup()
                 except (WsyncError, TimeoutError) as exc:
                     self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
-        rate = self.session.link_rate()
-        if rate is not None and self.session.meter.bytes >= level.TRUSTED:
+        rate = self.session.link.rate()
+        if rate is not None and self.session.link.meter.bytes >= level.TRUSTED:
             key, state_dir = self.transport.description, self.options.state_dir
             await in_thread(lambda: remember(state_dir, key, rate))
         try:
@@ -522,7 +522,7 @@ async def _pull(
         tree_bytes=runner.tree_bytes,
         changes=runner.changes,
         compress_level=runner.compress_level,
-        link_bytes_per_s=round(runner.session.link_rate() or 0),
+        link_bytes_per_s=round(runner.session.link.rate() or 0),
     )
 
 
