@@ -103,38 +103,67 @@ def test_admission_uses_the_guests_df_and_du(tmp_path: Path, guest: str) -> None
     assert list(root.glob("s*")) == []
 
 
-def _recording_du(bindir: Path, marker: Path) -> None:
-    """A ``du`` that leaves ``marker`` behind and says nothing useful."""
+def _fake_tools(bindir: Path, marker: Path, *, free_kb: int | None, du_kb: int) -> dict[str, str]:
+    """A PATH where ``du`` leaves ``marker`` behind and says ``du_kb``, and ``df`` says
+    ``free_kb`` are free (the real ``df`` where None)."""
     bindir.mkdir(parents=True, exist_ok=True)
-    (bindir / "du").write_text(f"#!/bin/sh\n: > '{marker}'\nexit 1\n")
+    (bindir / "du").write_text(f"#!/bin/sh\n: > '{marker}'\necho '{du_kb} x'\n")
     (bindir / "du").chmod(0o755)
+    if free_kb is not None:
+        (bindir / "df").write_text(
+            "#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
+            f"echo 'fake 9999999 0 {free_kb} 1% /'\n"
+        )
+        (bindir / "df").chmod(0o755)
+    return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
 
 
-def test_a_listed_workspace_is_not_walked_again_by_du(tmp_path: Path) -> None:
-    """A first pull lists the workspace before its archive: the archive's room check
-    takes the listing's size (1 MiB here, against 100 KiB free) instead of ``du``, which
-    walks the whole tree again (0.34 s of a 59k-entry tree, warm)."""
+def test_a_listed_workspace_that_fits_is_not_walked_again_by_du(tmp_path: Path) -> None:
+    """A first pull lists the workspace before its archive: when the listing's size fits,
+    the archive is admitted without ``du``, which walks the whole tree again (0.2 s of a
+    59k-entry tree, warm)."""
     ws = workspace_of(tmp_path, 1)
-    bindir, marker = tmp_path / "fake", tmp_path / "du-ran"
-    _recording_du(bindir, marker)
-    (bindir / "df").write_text(
-        "#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
-        "echo 'fake 1000 900 100 90% /'\n"
-    )
-    (bindir / "df").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
-    root = tmp_path / "staging"
-    with pytest.raises(StagingFailed) as info:
-        run_pull(LocalTransport(env=env), ws, tmp_path / "out", options(tmp_path))
-    expect = SHAPE.format(path=re.escape(str(root)), need=r"1\.\d MiB")
-    assert re.search(expect.replace("[0-9.]+ [KMG]iB", "100 KiB"), str(info.value))
-    assert not marker.exists()  # the size came from the listing
-    # with room, the same guest pulls it whole, still without du
-    (bindir / "df").unlink()
+    marker = tmp_path / "du-ran"
+    env = _fake_tools(tmp_path / "fake", marker, free_kb=None, du_kb=1)
     result = run_pull(LocalTransport(env=env), ws, tmp_path / "out", options(tmp_path))
     assert result.mode == "full"
     assert (tmp_path / "out" / "random.bin").read_bytes() == (ws / "random.bin").read_bytes()
     assert not marker.exists()
+
+
+def test_when_the_listing_does_not_fit_du_decides(tmp_path: Path) -> None:
+    """The listing counts file bytes; a sparse file takes fewer blocks, which ``du``
+    counts: a listing that does not fit asks ``du`` before refusing (1 MiB listed, 100
+    KiB free: ``du`` saying 2048 KiB refuses, naming its figure)."""
+    ws = workspace_of(tmp_path, 1)
+    marker = tmp_path / "du-ran"
+    env = _fake_tools(tmp_path / "fake", marker, free_kb=100, du_kb=2048)
+    root = tmp_path / "staging"
+    with pytest.raises(StagingFailed) as info:
+        run_pull(LocalTransport(env=env), ws, tmp_path / "out", options(tmp_path))
+    expect = SHAPE.format(path=re.escape(str(root)), need=r"2\.0 MiB")
+    assert re.search(expect.replace("[0-9.]+ [KMG]iB", "100 KiB"), str(info.value))
+    assert marker.exists()
+    assert list(root.glob("s*")) == []
+
+
+def test_a_sparse_file_larger_than_the_staging_disk_is_pulled(
+    tmp_path: Path, small_disk: Path
+) -> None:
+    """64 MiB of holes on a 2 MiB staging disk: the listing says 64 MiB, ``du`` says
+    next to nothing, and the archive (zeros) compresses to a few KiB: admitted, pulled."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    with (ws / "sparse.img").open("wb") as f:
+        f.truncate(64 * 1024 * 1024)
+    (ws / "note.txt").write_text("hello\n")
+    dest = tmp_path / "out"
+    result = run_pull(
+        LocalTransport(), ws, dest, options(tmp_path, staging_root=str(small_disk / "s"))
+    )
+    assert result.mode == "full"
+    assert (dest / "sparse.img").stat().st_size == 64 * 1024 * 1024
+    assert (dest / "note.txt").read_text() == "hello\n"
 
 
 def test_a_guest_that_cannot_list_still_has_du_check_the_room(tmp_path: Path) -> None:

@@ -216,15 +216,18 @@ if [ ! -d "$d/launch" ] && [ "$mode" = select ] && [ ! -f "$d/list" ]; then
   no list-missing
 fi
 if [ ! -d "$d/launch" ] && [ "$mode" = tar ]; then
-  # refuse what cannot fit even at 4x compression, before starting anything: the
-  # size the host's listing gave (n, KiB), else du's, bounded (a retried admission
-  # must not walk a huge cold tree forever)
-  if [ -z "$n" ]; then
-    if command -v timeout >/dev/null; then n=$(timeout 20 du -sk "$ws"); else n=$(du -sk "$ws"); fi
-  fi
-  n=${n%%[!0-9]*}
+  # refuse what cannot fit even at 4x compression, before starting anything.  The
+  # size the host's listing gave (n, KiB of file bytes) admits at once; where there is
+  # none, or it does not fit, du's decides (sparse files take fewer blocks than bytes),
+  # bounded: a retried admission must not walk a huge cold tree forever
   f=$(df -Pk "$root" | awk 'NR == 2 { print $4 + 0 }')
-  [ -n "$n" ] && [ -n "$f" ] && [ $((f * 4)) -lt $((n + 256)) ] && no "disk-full $f $n"
+  full() { [ -n "$n" ] && [ -n "$f" ] && [ $((f * 4)) -lt $((n + 256)) ]; }
+  n=${n%%[!0-9]*}
+  if [ -z "$n" ] || full; then
+    if command -v timeout >/dev/null; then n=$(timeout 20 du -sk "$ws"); else n=$(du -sk "$ws"); fi
+    n=${n%%[!0-9]*}
+    full && no "disk-full $f $n"
+  fi
 fi
 mkdir -p "$d" || no "cannot create the staging directory"
 # nothing runs for a launched snapshot and nothing came of it: the admission that
