@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+from collections.abc import Sequence
 from pathlib import Path
 
 from wsync.engine.fsutil import host_io
@@ -25,6 +26,39 @@ STATE_COLUMNS = """
 """
 
 INSERT_HOST = "INSERT OR REPLACE INTO s.host VALUES (?,?,?,?,?,?,?)"
+
+#: SQLite's integers are signed 64-bit; a file's times in ns pass 2**63 in the year 2262
+#: (ext4 keeps times up to 2446, a ``touch -d 3000-01-01`` lands there), some filesystems'
+#: inode numbers pass it too, and a guest's manifest may claim anything it parses
+_INT64 = range(-(2**63), 2**63)
+
+
+def sql_int(value: int) -> int | bytes:
+    """``value`` as SQLite can hold it: itself, or past 64 bits a BLOB of its minimal two's
+    complement bytes (never equal to an integer, always equal to itself: the diff's
+    comparisons hold; :func:`py_int` reads it back)."""
+    if value in _INT64:
+        return value
+    return value.to_bytes(value.bit_length() // 8 + 1, "little", signed=True)
+
+
+def py_int(value: int | bytes) -> int:
+    """An integer column's value as :func:`sql_int` stored it."""
+    if isinstance(value, bytes):
+        return int.from_bytes(value, "little", signed=True)
+    return int(value)
+
+
+def insert_rows(db: sqlite3.Connection, sql: str, rows: Sequence[tuple[object, ...]]) -> None:
+    """``executemany`` of an ``INSERT OR REPLACE``, storing integers past 64 bits as
+    :func:`sql_int` says.  Such rows are rare, so a batch pays for them only when it has
+    one: the rows before it were stored and are simply replaced."""
+    try:
+        db.executemany(sql, rows)
+    except OverflowError:
+        wide = [tuple(sql_int(v) if type(v) is int else v for v in row) for row in rows]
+        db.executemany(sql, wide)
+
 
 PLAN = """
 INSERT INTO s.plan (path, kind, ino, act, hash)

@@ -69,6 +69,10 @@ HOLD = 100_000
 SCHEMA_VERSION = "1"
 #: one DEST entry as the scan digest sees it (path length, kind, mode, size, times, inode)
 _ROW = struct.Struct("<Ic4xQqqqQ")
+#: the same with every number taken modulo 2**64 (the bytes ``_ROW`` gives where it can):
+#: for a time or an inode past 64 signed bits
+_WIDE_ROW = struct.Struct("<Ic4xQQQQQ")
+_MASK = 2**64 - 1
 #: the meta keys of the no-op record (see :meth:`PullState.noop_matches`)
 _NOOP_KEYS = ("noop_key", "noop_manifest", "noop_host")
 
@@ -121,6 +125,13 @@ def check_path(path: bytes) -> None:
         bad = any(part in (b".", b"..") for part in path.split(b"/"))
     if bad:
         raise HostileArchive(f"the manifest names {path!r}, not a path inside the workspace")
+
+
+def _wide(item: hostscan.HostRow) -> bytes:
+    """A scan row's digest bytes when a number passes 64 signed bits (see ``_WIDE_ROW``)."""
+    path, kind, mode, size, mtime, ctime, ino = item
+    numbers = (n & _MASK for n in (mode, size, mtime, ctime, ino))
+    return _WIDE_ROW.pack(len(path), kind.encode(), *numbers)
 
 
 class PullState:
@@ -235,9 +246,9 @@ class PullState:
                      e.ctime_ns, e.ino, e.target, e.digest)
                 )  # fmt: skip
                 if len(batch) >= BATCH:
-                    db.executemany(insert, batch)
+                    incsql.insert_rows(db, insert, batch)
                     batch.clear()
-            db.executemany(insert, batch)
+            incsql.insert_rows(db, insert, batch)
             root = db.execute("SELECT kind FROM s.man WHERE path = ?", (b".",)).fetchone()
             if root is None or root[0] != "d":
                 raise StagingFailed("the guest's manifest has no root directory entry")
@@ -278,7 +289,7 @@ class PullState:
             if self._scanned != (st.st_dev, st.st_ino):
                 self._scan_host(dest_fd)
             self._scanned = None
-            self.db.executemany(incsql.INSERT_HOST, self._held)
+            incsql.insert_rows(self.db, incsql.INSERT_HOST, self._held)
             self._held = []
             db = self.db
             # "base" is the recorded state, or an empty one when it is not this sandbox's
@@ -333,20 +344,23 @@ class PullState:
         with host_io("reading DEST"):
             for item in hostscan.scan(dest_fd):
                 path, kind, mode, size, mtime, ctime, ino = item
-                digest.update(pack(len(path), kind.encode(), mode, size, mtime, ctime, ino))
+                try:
+                    digest.update(pack(len(path), kind.encode(), mode, size, mtime, ctime, ino))
+                except struct.error:
+                    digest.update(_wide(item))
                 digest.update(path)
                 batch.append(item)
                 if len(batch) % BATCH == 0:
                     if check_cancel is not None:
                         check_cancel()
                     if len(batch) >= limit:
-                        db.executemany(incsql.INSERT_HOST, batch)
+                        incsql.insert_rows(db, incsql.INSERT_HOST, batch)
                         batch.clear()
                         limit = BATCH
         if hold:
             self._held = batch
         else:
-            db.executemany(incsql.INSERT_HOST, batch)
+            incsql.insert_rows(db, incsql.INSERT_HOST, batch)
         self.host_digest = digest.hexdigest()
         return self.host_digest
 
@@ -395,7 +409,9 @@ class PullState:
         batch: list[tuple[bytes, int]] = []
         for path, kind, ino, recorded, target in rows:
             if kind == "f":
-                same = recorded is not None and hostscan.file_hash(dest_fd, path, ino) == recorded
+                same = recorded is not None and (
+                    hostscan.file_hash(dest_fd, path, incsql.py_int(ino)) == recorded
+                )
             elif kind == "l":
                 same = hostscan.link_target(dest_fd, path) == target
             else:
@@ -445,7 +461,7 @@ class PullState:
                 for batch in _batches(restat()):
                     gone = [(path,) for path, row in batch if row is None]
                     db.executemany("DELETE FROM s.host WHERE path = ?", gone)
-                    db.executemany(incsql.INSERT_HOST, [row for _, row in batch if row])
+                    incsql.insert_rows(db, incsql.INSERT_HOST, [row for _, row in batch if row])
             for path, digest in pairs:
                 self.add_hash(path, digest)
             self._flush_hashes()
@@ -546,10 +562,10 @@ class Diff:
             "ORDER BY path DESC"
         )
         for path, mode, mtime in rows:
-            yield DirMeta(bytes(path), int(mode), int(mtime))
+            yield DirMeta(bytes(path), int(mode), incsql.py_int(mtime))
         root = self.state.db.execute("SELECT mode, mtime FROM s.man WHERE path = x'2e'").fetchone()
         if root is not None:
-            yield DirMeta(b".", int(root[0]), int(root[1]))
+            yield DirMeta(b".", int(root[0]), incsql.py_int(root[1]))
 
     def itemize(self) -> Iterator[str]:
         """``rsync -i`` style lines: deletions first, then changes, paths escaped."""

@@ -44,6 +44,7 @@ import sqlite3
 import stat
 from collections.abc import Callable, Iterator
 
+from wsync.engine import incsql
 from wsync.engine.farm import CANCEL_EVERY, _Parents, _split, build_farm
 from wsync.engine.fsutil import remove_tree_at
 from wsync.engine.hostscan import HostRow, row, walk_dirs
@@ -54,6 +55,7 @@ from wsync.errors import HostIOError
 _BATCH = 5000
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
+_INSERT = "INSERT OR REPLACE INTO s.prev VALUES (?, ?, ?, ?, 0)"
 _TABLE = (
     "CREATE TABLE IF NOT EXISTS s.prev (path BLOB PRIMARY KEY, kind TEXT, ino INT, "
     "mode INT, ok INT) WITHOUT ROWID"
@@ -219,9 +221,9 @@ def reuse(
         for item in walk(tmp_fd, check_cancel):
             batch.append(item)
             if len(batch) >= _BATCH:
-                db.executemany("INSERT INTO s.prev VALUES (?, ?, ?, ?, 0)", batch)
+                incsql.insert_rows(db, _INSERT, batch)
                 batch.clear()
-        db.executemany("INSERT INTO s.prev VALUES (?, ?, ?, ?, 0)", batch)
+        incsql.insert_rows(db, _INSERT, batch)
         db.execute(_VERDICT)
         _close_narrowed(tmp_fd, [bytes(p) for (p,) in db.execute(_NARROWED)])
         stale = (bytes(p) for (p,) in db.execute(_STALE))

@@ -1,0 +1,95 @@
+"""Numbers past SQLite's 64 signed bits in the incremental state.
+
+A file's time in ns passes 2**63 in the year 2262: ext4 keeps times up to 2446, so
+``touch -d 3000-01-01`` lands there, and every pull of such a workspace stopped with
+"internal error: OverflowError: Python int too large to convert to SQLite INTEGER" (the
+manifest's load), or a ``struct.error`` in DEST's scan.  Some filesystems' inode numbers
+pass 2**63 too, and a guest's manifest may claim sizes up to 20 digits.  Such values are
+stored as BLOBs (:func:`wsync.engine.incsql.sql_int`): never equal to an integer, always
+equal to themselves, read back exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_exact, local, options, run_pull
+from wsync.engine import incsql
+
+#: 2500-06-01, in ns: past 2**63 (2262-04-11)
+FAR = 16_725_225_600 * 10**9
+
+
+@pytest.mark.parametrize(
+    "value",
+    [0, 1, -1, 2**63 - 1, -(2**63), 2**63, -(2**63) - 1, 2**64 - 1, 2**64, 10**29, -(10**29)],
+)
+def test_sql_int_round_trips_and_keeps_64_bit_values_as_integers(value: int) -> None:
+    stored = incsql.sql_int(value)
+    assert incsql.py_int(stored) == value
+    assert isinstance(stored, int) == (-(2**63) <= value < 2**63)
+
+
+def test_wide_values_compare_in_sql_as_the_diff_needs() -> None:
+    """Equal to themselves, different from every other value and from every integer."""
+    db = sqlite3.connect(":memory:")
+    values = [5, 2**63, 2**63 + 1, 2**64 - 1, -(2**63) - 1, 10**29]
+    for a in values:
+        for b in values:
+            same = db.execute("SELECT ? IS ?", (incsql.sql_int(a), incsql.sql_int(b))).fetchone()[0]
+            assert bool(same) == (a == b), (a, b)
+    # the two's complement bytes of 2**64 - 1 are not the integer -1
+    assert not db.execute("SELECT ? IS -1", (incsql.sql_int(2**64 - 1),)).fetchone()[0]
+
+
+def test_insert_rows_stores_a_batch_with_one_wide_value_whole() -> None:
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE t (k INT PRIMARY KEY, v INT)")
+    rows = [(1, 10), (2, 2**63 + 5), (3, 30)]
+    incsql.insert_rows(db, "INSERT OR REPLACE INTO t VALUES (?, ?)", rows)
+    got = {k: incsql.py_int(v) for k, v in db.execute("SELECT k, v FROM t")}
+    assert got == dict(rows)
+
+
+def _far_future(path: Path) -> None:
+    os.utime(path, ns=(FAR, FAR), follow_symlinks=False)
+    if os.lstat(path).st_mtime_ns < 2**63:
+        pytest.skip("this filesystem does not keep times past 2262")
+
+
+def test_a_workspace_with_times_past_2262_is_pulled_again_and_again(tmp_path: Path) -> None:
+    """A file and a directory dated 2500: the first pull, a no-op pull, an edit, a new
+    entry in the far-future directory, the same with ``--keep-prev``: each exact."""
+    ws = tmp_path / "ws"
+    (ws / "later").mkdir(parents=True)
+    (ws / "later" / "f.txt").write_text("one\n")
+    (ws / "now.txt").write_text("now\n")
+    _far_future(ws / "later" / "f.txt")
+    _far_future(ws / "later")
+    dest = tmp_path / "out"
+
+    first = run_pull(local(), ws, dest, options(tmp_path))
+    assert first.mode == "full"
+    assert_exact(ws, dest)
+    assert os.lstat(dest / "later").st_mtime_ns == os.lstat(ws / "later").st_mtime_ns
+
+    again = run_pull(local(), ws, dest, options(tmp_path))
+    assert (again.mode, again.changed_files) == ("incremental", 0)
+
+    (ws / "later" / "f.txt").write_text("two\n")
+    _far_future(ws / "later" / "f.txt")
+    (ws / "later" / "g.txt").write_text("new\n")
+    _far_future(ws / "later")
+    edited = run_pull(local(), ws, dest, options(tmp_path, keep_prev=True))
+    assert edited.mode == "incremental" and edited.changed_files >= 2
+    assert_exact(ws, dest)
+
+    (ws / "now.txt").write_text("later still\n")
+    kept = run_pull(local(), ws, dest, options(tmp_path, keep_prev=True))
+    assert kept.mode == "incremental"
+    assert_exact(ws, dest)
+    assert os.lstat(dest / "later").st_mtime_ns == os.lstat(ws / "later").st_mtime_ns
