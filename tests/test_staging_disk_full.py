@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import pytest
 
 from helpers import busybox_bin, options, run_pull
 from wsync.errors import StagingFailed
+from wsync.protocol import scripts
 from wsync.transports.local import LocalTransport
 
 SHAPE = (
@@ -145,6 +148,84 @@ def test_when_the_listing_does_not_fit_du_decides(tmp_path: Path) -> None:
     assert re.search(expect.replace("[0-9.]+ [KMG]iB", "100 KiB"), str(info.value))
     assert marker.exists()
     assert list(root.glob("s*")) == []
+
+
+def test_when_the_listing_does_not_fit_but_du_does_the_run_is_admitted(tmp_path: Path) -> None:
+    """The other way (a sparse file's holes): 1 MiB listed, 100 KiB free, ``du`` says
+    1 KiB: admitted, and pulled whole."""
+    ws = workspace_of(tmp_path, 1)
+    marker = tmp_path / "du-ran"
+    env = _fake_tools(tmp_path / "fake", marker, free_kb=100, du_kb=1)
+    result = run_pull(LocalTransport(env=env), ws, tmp_path / "out", options(tmp_path))
+    assert result.mode == "full"
+    assert (tmp_path / "out" / "random.bin").read_bytes() == (ws / "random.bin").read_bytes()
+    assert marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("mode", "need", "passed"),
+    [
+        ("tar", 0, "0"),
+        ("tar", 12345, "12345"),
+        ("tar", 2**50 - 1, str(2**50 - 1)),
+        ("tar", 2**50, ""),  # a hostile manifest's sizes: dash's $(( )) stops at 2**63
+        ("tar", 10**25, ""),
+        ("tar", -1, ""),
+        ("tar", None, ""),
+        ("select", 12345, ""),  # only a whole-tree run checks the room
+        ("manifest", 12345, ""),
+    ],
+)
+def test_the_listed_size_reaches_the_admission_only_when_it_can_be_used(
+    mode: str, need: int | None, passed: str
+) -> None:
+    argv = scripts.admit(
+        gate=False,
+        nonce="0" * 16,
+        algorithm="xxh128",
+        b64=False,
+        staging_root="/s",
+        snapshot="s1",
+        workspace="/w",
+        chunk_size=4 * 2**20,
+        compressor="zstd:3",
+        ttl_minutes=60,
+        run="r" * 16,
+        producer_hash="0" * 32,
+        mode=mode,
+        prune=("*.pyc",) if mode == "manifest" else (),
+        need_kb=need,
+    )
+    # sh -c SCRIPT wsync GATE NONCE HASH ENC, then the admission's own ten, then the size
+    assert argv[8 + 10] == passed
+    assert argv[8 + 11 :] == (["*.pyc"] if mode == "manifest" else [])
+
+
+def test_a_manifest_claiming_absurd_sizes_is_still_admitted(tmp_path: Path) -> None:
+    """A guest whose listing claims a file of 10**19 bytes (the manifest allows 20 digits):
+    the host never hands the guest's shell a number it cannot hold (dash stops with
+    "Illegal number" and no answer), so ``du`` decides and the pull goes on."""
+    ws = workspace_of(tmp_path, 1)
+    real = shutil.which("find")
+    assert real
+    bindir = tmp_path / "fake"
+    bindir.mkdir()
+    # find as the guest runs it, except that the manifest's file records claim 10**19 bytes
+    (bindir / "find").write_text(
+        f"#!{sys.executable}\n"
+        "import os, re, subprocess, sys\n"
+        f"args = [{real!r}, *sys.argv[1:]]\n"
+        "if not any('%y' in a for a in args):\n"
+        "    os.execv(args[0], args)\n"
+        "out = subprocess.run(args, stdout=subprocess.PIPE).stdout\n"
+        "out = re.sub(rb'(^|\\0)f (\\d+) \\d+ ', rb'\\1f \\2 10000000000000000000 ', out)\n"
+        "sys.stdout.buffer.write(out)\n"
+    )
+    (bindir / "find").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+    result = run_pull(LocalTransport(env=env), ws, tmp_path / "out", options(tmp_path))
+    assert result.mode == "full"
+    assert (tmp_path / "out" / "random.bin").read_bytes() == (ws / "random.bin").read_bytes()
 
 
 def test_a_sparse_file_larger_than_the_staging_disk_is_pulled(

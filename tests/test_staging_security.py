@@ -508,6 +508,7 @@ def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:
             ttl_minutes=1440,
             run="r" * 16,
             producer_hash="0" * 128,
+            need_kb=scripts.NEED_KB_MAX - 1,  # the longest size it is given
         ),
     ]
     for argv in calls:

@@ -482,6 +482,11 @@ def probe(*, gate: bool, nonce: str, b64: bool, workspace: str, staging_root: st
     return render("probe", gate=gate, nonce=nonce, algorithm="md5", b64=b64, args=args)
 
 
+#: listed sizes from here up (1 EiB) are not passed to the admission: none fits anyway,
+#: and ``du`` decides
+NEED_KB_MAX = 2**50
+
+
 def admit(
     *,
     gate: bool,
@@ -505,7 +510,10 @@ def admit(
     (the entries of the list uploaded with :func:`upload`).
 
     ``need_kb`` is the workspace's size as this run's listing gave it: a ``tar`` run's
-    check for room in the staging then takes it instead of walking the tree with ``du``.
+    check for room in the staging admits on it without walking the tree with ``du``
+    (which still decides before a refusal).  It goes only to a ``tar`` run and only
+    below :data:`NEED_KB_MAX`: a guest's manifest may claim any sizes, and the guest's
+    shell arithmetic must never see a number it cannot hold (dash stops at one).
 
     ``run`` identifies this wsync run: a retried admission it made itself
     answers ``admitted`` again; only another run's snapshot is ``reconciled``.
@@ -528,7 +536,9 @@ def admit(
         run,
         producer_hash,
         check_mode(mode),
-        str(need_kb) if need_kb is not None and need_kb >= 0 else "",
+        str(need_kb)
+        if mode == "tar" and need_kb is not None and 0 <= need_kb < NEED_KB_MAX
+        else "",
         *prune,
     )
     return render("admit", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
