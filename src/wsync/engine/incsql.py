@@ -34,9 +34,9 @@ _INT64 = range(-(2**63), 2**63)
 
 
 def sql_int(value: int) -> int | bytes:
-    """``value`` as SQLite can hold it: itself, or past 64 bits a BLOB of its minimal two's
-    complement bytes (never equal to an integer, always equal to itself: the diff's
-    comparisons hold; :func:`py_int` reads it back)."""
+    """``value`` as SQLite can hold it: itself, or past 64 bits a BLOB of its two's
+    complement bytes, always the same for one value (never equal to an integer, always
+    equal to itself: the diff's comparisons hold; :func:`py_int` reads it back)."""
     if value in _INT64:
         return value
     return value.to_bytes(value.bit_length() // 8 + 1, "little", signed=True)
@@ -53,6 +53,8 @@ def insert_rows(db: sqlite3.Connection, sql: str, rows: Sequence[tuple[object, .
     """``executemany`` of an ``INSERT OR REPLACE``, storing integers past 64 bits as
     :func:`sql_int` says.  Such rows are rare, so a batch pays for them only when it has
     one: the rows before it were stored and are simply replaced."""
+    if "OR REPLACE" not in sql:
+        raise ValueError("insert_rows retries a batch: only for INSERT OR REPLACE")
     try:
         db.executemany(sql, rows)
     except OverflowError:

@@ -69,9 +69,10 @@ HOLD = 100_000
 SCHEMA_VERSION = "1"
 #: one DEST entry as the scan digest sees it (path length, kind, mode, size, times, inode)
 _ROW = struct.Struct("<Ic4xQqqqQ")
-#: the same with every number taken modulo 2**64 (the bytes ``_ROW`` gives where it can):
-#: for a time or an inode past 64 signed bits
-_WIDE_ROW = struct.Struct("<Ic4xQQQQQ")
+#: a row with a time or an inode past 64 signed bits (``_ROW`` cannot pack it): each
+#: number as its low 64 bits and the rest, the kind in upper case (such rows stopped the
+#: scan before, so no recorded digest holds one)
+_WIDE_ROW = struct.Struct("<Ic4xQQQQQqqqqq")
 _MASK = 2**64 - 1
 #: the meta keys of the no-op record (see :meth:`PullState.noop_matches`)
 _NOOP_KEYS = ("noop_key", "noop_manifest", "noop_host")
@@ -130,8 +131,9 @@ def check_path(path: bytes) -> None:
 def _wide(item: hostscan.HostRow) -> bytes:
     """A scan row's digest bytes when a number passes 64 signed bits (see ``_WIDE_ROW``)."""
     path, kind, mode, size, mtime, ctime, ino = item
-    numbers = (n & _MASK for n in (mode, size, mtime, ctime, ino))
-    return _WIDE_ROW.pack(len(path), kind.encode(), *numbers)
+    numbers = (mode, size, mtime, ctime, ino)
+    low, high = (n & _MASK for n in numbers), (n >> 64 for n in numbers)
+    return _WIDE_ROW.pack(len(path), kind.upper().encode(), *low, *high)
 
 
 class PullState:
@@ -498,7 +500,8 @@ class PullState:
         """Bytes of the regular files recorded (after :meth:`commit`: the tree now in DEST)."""
         with self._errors():
             found = self.db.execute(
-                "SELECT coalesce(sum(hsize), 0) FROM main.state WHERE kind = 'f'"
+                # total(): a float that never overflows (sparse files can pass 2**63 bytes)
+                "SELECT total(hsize) FROM main.state WHERE kind = 'f'"
             ).fetchone()
         return int(found[0])
 
