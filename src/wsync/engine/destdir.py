@@ -87,7 +87,9 @@ def _openat2_beneath(root_fd: int, rel: str) -> int | None:
     if fd >= 0:
         return fd
     err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EPERM, errno.E2BIG):
+    # ENAMETOOLONG: a path past PATH_MAX (4096 bytes), which a workspace may hold and the
+    # extractor writes (by directory fds); the walk below opens it a component at a time
+    if err in (errno.ENOSYS, errno.EPERM, errno.E2BIG, errno.ENAMETOOLONG):
         return None
     raise OSError(err, os.strerror(err), rel)
 

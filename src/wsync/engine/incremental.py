@@ -53,6 +53,7 @@ from wsync.engine.excludes import Excludes
 from wsync.engine.farm import build_farm, set_dir_meta
 from wsync.engine.guest import GuestPlan
 from wsync.engine.incstate import Diff, PullState
+from wsync.engine.itemize import escape
 from wsync.errors import (
     GuestToolsMissing,
     HostileArchive,
@@ -60,6 +61,7 @@ from wsync.errors import (
     Interrupted,
     LimitExceeded,
     ProtocolError,
+    StagingFailed,
 )
 from wsync.protocol.manifest import Entry, ManifestParser
 
@@ -273,6 +275,7 @@ class Incremental:
             self.diff = self.state.diff(tmp_fd)
             self.run = "select"
             self.changed, self.deleted = self.diff.changed, 0
+            self._selectable(self.diff)
             return
         try:
             self.diff = self.state.diff(dest_fd)
@@ -287,6 +290,23 @@ class Incremental:
             self.state.record_noop(self.options_key(), self.manifest_digest, host)
         else:
             self.run = "select" if self.diff.fetch else "apply"
+            if self.run == "select" and not self._selectable(self.diff):
+                # the whole workspace, by tar's own walk (by directory fds: any depth)
+                self.mode, self.run = "full", "tar"
+
+    def _selectable(self, diff: Diff) -> bool:
+        """Whether a ``select`` run can name every entry to fetch (see
+        :meth:`Diff.longest_fetch`); where it cannot, a whole-tree run takes its place,
+        or with excludes (which only a ``select`` run applies) the pull stops here."""
+        longest = diff.longest_fetch()
+        if longest is None:
+            return True
+        if self.excludes:
+            raise StagingFailed(
+                f"{escape(longest[:200])}…: a path of {len(longest)} bytes, longer than the "
+                "guest's tar takes in a list; --exclude needs that list (pull without it)"
+            )
+        return False
 
     def select_list(self) -> bytes:
         """The NUL-separated, ``./``-prefixed list of entries to archive."""

@@ -74,6 +74,18 @@ _ROW = struct.Struct("<Ic4xQqqqQ")
 #: scan before, so no recorded digest holds one)
 _WIDE_ROW = struct.Struct("<Ic4xQQQQQqqqqq")
 _MASK = 2**64 - 1
+#: the plan's entries a content run fetches, and the longest of them past a length
+_FETCH_PATHS = (
+    "SELECT path FROM s.plan WHERE kind != 'd' "
+    "AND act IN ('new', 'changed', 'missing', 'tampered', 'linked') ORDER BY path"
+)
+_LONG_FETCH = (
+    "SELECT path FROM s.plan WHERE kind != 'd' "
+    "AND act IN ('new', 'changed', 'missing', 'tampered', 'linked') "
+    "AND length(path) + 2 >= ? LIMIT 1"
+)
+#: the longest path, NUL included, that Linux takes in one system call
+PATH_MAX = 4096
 #: the meta keys of the no-op record (see :meth:`PullState.noop_matches`)
 _NOOP_KEYS = ("noop_key", "noop_manifest", "noop_host")
 
@@ -541,12 +553,17 @@ class Diff:
 
     def fetch_paths(self) -> Iterator[bytes]:
         """Non-directory entries to fetch, sorted by path bytes (parents before children)."""
-        rows = self.state.db.execute(
-            "SELECT path FROM s.plan WHERE kind != 'd' AND act IN "
-            "('new', 'changed', 'missing', 'tampered', 'linked') ORDER BY path"
-        )
+        rows = self.state.db.execute(_FETCH_PATHS)
         for (path,) in rows:
             yield bytes(path)
+
+    def longest_fetch(self) -> bytes | None:
+        """A path to fetch that the guest's tools cannot name in one call (``./`` and the
+        path past PATH_MAX, 4096 bytes with its NUL), or None.  A ``select`` run hands the
+        guest's ``tar -T`` and ``[ -e ]`` such names: tar cannot open them, and the test
+        takes them for vanished, so the entry would be taken as deleted."""
+        row = self.state.db.execute(_LONG_FETCH, (PATH_MAX,)).fetchone()
+        return None if row is None else bytes(row[0])
 
     def keep(self) -> Iterator[tuple[bytes, str]]:
         """(path, kind) for the farm: every directory but the root, and the unchanged

@@ -133,9 +133,12 @@ tick() {
 changed() {
   (cd "$ws" && find . "$cn" "$D/m" ! -type d -print0) > chg || fail "cannot list changed files"
 }
+# (a name past PATH_MAX cannot be tested in one call and fails [ -e ] as if it were gone:
+# it counts as still there, so it is read again, and at worst ends up unstable, never
+# taken for deleted; ${#f} counts bytes under LC_ALL=C)
 exists() {
   [ -s "$1" ] || { : > "$2"; return; }
-  (cd "$ws" && xargs -0 sh -c 'for f; do if [ -e "$f" ] || [ -L "$f" ]; then printf "%s\0" "$f"; else printf "%s\0" "$f" >&3; fi; done' sh) < "$1" > "$2" 3>> gone || fail "cannot check changed files"
+  (cd "$ws" && xargs -0 sh -c 'for f; do if [ -e "$f" ] || [ -L "$f" ] || [ ${#f} -ge 4094 ]; then printf "%s\0" "$f"; else printf "%s\0" "$f" >&3; fi; done' sh) < "$1" > "$2" 3>> gone || fail "cannot check changed files"
 }
 rounds() {
   tick

@@ -1,0 +1,188 @@
+"""Paths longer than PATH_MAX (4096 bytes) in the workspace.
+
+Linux refuses such a path in one system call (``ENAMETOOLONG``), but a tree may hold it:
+every name is short, only the whole is long (deep generated trees, nested packages).  The
+extractor writes by directory fds, so the first pull always worked; every pull after it
+failed with "host write failed: building the new tree, …": the farm opened parents with
+one ``openat2`` of the whole relative path.  ``open_beneath`` now walks such a path a
+component at a time, as it does where ``openat2`` is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import local, options, run_pull
+from wsync.engine.destdir import open_beneath
+from wsync.engine.excludes import Excludes
+from wsync.errors import StagingFailed
+from wsync.transports.local import LocalTransport
+
+DEPTH = 40
+NAME = "d" * 120  # 40 x 124 bytes: about 5,000 bytes of path
+
+
+def _deep(root: Path) -> None:
+    """``root`` with a chain of DEPTH directories and a file at its bottom (made by
+    directory fds: the whole path is too long for one call)."""
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i in range(DEPTH):
+            os.mkdir(f"{NAME}{i}", dir_fd=fd)
+            nxt = os.open(f"{NAME}{i}", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        leaf = os.open("leaf.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        os.write(leaf, b"one\n")
+        os.close(leaf)
+    finally:
+        os.close(fd)
+
+
+def _append_to_leaf(root: Path, text: bytes) -> None:
+    top = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd = open_beneath(top, _chain())
+    finally:
+        os.close(top)
+    try:
+        leaf = os.open("leaf.txt", os.O_WRONLY | os.O_APPEND, dir_fd=fd)
+        os.write(leaf, text)
+        os.close(leaf)
+    finally:
+        os.close(fd)
+
+
+def _chain() -> tuple[str, ...]:
+    return tuple(f"{NAME}{i}" for i in range(DEPTH))
+
+
+def _tree(root: Path) -> dict[str, tuple[object, ...]]:
+    """Every entry below ``root`` (kind, mode, mtime, content hash), walked by fds."""
+    found: dict[str, tuple[object, ...]] = {}
+    for dirpath, dirnames, filenames, dirfd in os.fwalk(root):
+        rel = os.path.relpath(dirpath, root)
+        for name in dirnames + filenames:
+            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            digest = ""
+            if stat.S_ISREG(st.st_mode):
+                fd = os.open(name, os.O_RDONLY, dir_fd=dirfd)
+                with os.fdopen(fd, "rb") as f:
+                    digest = hashlib.sha256(f.read()).hexdigest()
+            key = os.path.normpath(os.path.join(rel, name))
+            # whole seconds: the guest's tar keeps no more (docs/fidelity.md)
+            found[key] = (
+                stat.S_IFMT(st.st_mode),
+                stat.S_IMODE(st.st_mode),
+                int(st.st_mtime),
+                digest,
+            )
+    return found
+
+
+@pytest.mark.parametrize("keep_prev", [False, True])
+def test_a_path_past_path_max_is_pulled_and_pulled_again(tmp_path: Path, keep_prev: bool) -> None:
+    """Changes beside the deep file go by a ``select`` run as always; a change of the deep
+    file itself makes the pull a whole-tree one (a ``select`` run cannot name it: before,
+    the guest took it for vanished and the pull removed it from DEST, reporting success)."""
+    ws = tmp_path / "ws"
+    _deep(ws)
+    (ws / "top.txt").write_text("top\n")
+    longest = max(len(p) for p in _tree(ws))
+    assert longest > 4096  # what this test is about
+    dest = tmp_path / "out"
+    opts = options(tmp_path, keep_prev=keep_prev)
+
+    assert run_pull(local(), ws, dest, opts).mode == "full"
+    assert _tree(dest) == _tree(ws)
+
+    (ws / "top.txt").write_text("top, again\n")
+    beside = run_pull(local(), ws, dest, opts)
+    assert (beside.mode, beside.changed_files) == ("incremental", 1)
+    assert _tree(dest) == _tree(ws)
+
+    for text in (b"two\n", b"three\n"):
+        _append_to_leaf(ws, text)
+        deep = run_pull(local(), ws, dest, opts)
+        assert deep.mode == "full"
+        assert _tree(dest) == _tree(ws)
+
+    again = run_pull(local(), ws, dest, opts)
+    assert (again.mode, again.changed_files) == ("incremental", 0)
+
+
+def test_with_excludes_a_deep_change_stops_the_pull_and_says_why(tmp_path: Path) -> None:
+    """Excludes are applied by a ``select`` run only: a deep entry to fetch cannot be, so
+    the pull stops with one clear line and DEST stays as it was."""
+    ws = tmp_path / "ws"
+    _deep(ws)
+    (ws / "skip.log").write_text("noise\n")
+    dest = tmp_path / "out"
+    opts = options(tmp_path, excludes=Excludes(("*.log",)))
+    with pytest.raises(StagingFailed, match="longer than the guest's tar takes"):
+        run_pull(local(), ws, dest, opts)
+    assert not dest.exists()
+
+
+def test_open_beneath_opens_a_directory_past_path_max(tmp_path: Path) -> None:
+    _deep(tmp_path / "ws")
+    root = os.open(tmp_path / "ws", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd = open_beneath(root, _chain())
+        try:
+            assert "leaf.txt" in os.listdir(fd)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(root)
+
+
+def test_a_deep_file_written_while_tar_reads_it_is_read_again_not_dropped(
+    tmp_path: Path,
+) -> None:
+    """The guest lists what changed while tar read (to read it again) and asks whether each
+    still exists; ``[ -e ]`` fails for a name past PATH_MAX as for a vanished one, so the
+    deep file went to the "gone" list and the pull dropped it from DEST, reporting
+    success.  A name that long now counts as still there: read again, kept."""
+    ws = tmp_path / "ws"
+    _deep(ws)
+    real = shutil.which("tar")
+    assert real
+    bindir = tmp_path / "wrapped"
+    bindir.mkdir()
+    count = tmp_path / "tar-count"
+    touch = (
+        "import os, sys\n"
+        "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+        "for part in sys.argv[2:]:\n"
+        "    nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)\n"
+        "    os.close(fd)\n"
+        "    fd = nxt\n"
+        "leaf = os.open('leaf.txt', os.O_WRONLY | os.O_APPEND, dir_fd=fd)\n"
+        "os.write(leaf, b'written while read\\n')\n"
+    )
+    (tmp_path / "touch.py").write_text(touch)
+    chain = " ".join(_chain())
+    # the first archive's read: the deep file changes while tar reads the tree
+    (bindir / "tar").write_text(
+        "#!/bin/sh\n"
+        f'case " $* " in *" --version "*) exec {real} "$@" ;; esac\n'
+        f"N=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo $N > {count}\n"
+        f'[ "$N" = 1 ] && {sys.executable} {tmp_path / "touch.py"} {ws} {chain}\n'
+        f'exec {real} "$@"\n'
+    )
+    (bindir / "tar").chmod(0o755)
+    guest = LocalTransport(env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
+    dest = tmp_path / "out"
+    result = run_pull(guest, ws, dest, options(tmp_path))
+    assert result.mode == "full"
+    assert int(count.read_text()) >= 2  # it was read again
+    assert _tree(dest) == _tree(ws)
