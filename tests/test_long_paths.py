@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import local, options, run_pull
+from helpers import busybox_bin, local, options, run_pull
 from wsync.engine.destdir import open_beneath
 from wsync.engine.excludes import Excludes
-from wsync.errors import StagingFailed
+from wsync.errors import StagingFailed, UsageError
 from wsync.transports.local import LocalTransport
 
 DEPTH = 40
@@ -118,6 +118,12 @@ def test_a_path_past_path_max_is_pulled_and_pulled_again(tmp_path: Path, keep_pr
     again = run_pull(local(), ws, dest, opts)
     assert (again.mode, again.changed_files) == ("incremental", 0)
 
+    # beside it once more: with --keep-prev this reuses a kept tree that holds the deep path
+    (ws / "top.txt").write_text("top, a third time\n")
+    last = run_pull(local(), ws, dest, opts)
+    assert (last.mode, last.changed_files) == ("incremental", 1)
+    assert _tree(dest) == _tree(ws)
+
 
 def test_with_excludes_a_deep_change_stops_the_pull_and_says_why(tmp_path: Path) -> None:
     """Excludes are applied by a ``select`` run only: a deep entry to fetch cannot be, so
@@ -127,8 +133,32 @@ def test_with_excludes_a_deep_change_stops_the_pull_and_says_why(tmp_path: Path)
     (ws / "skip.log").write_text("noise\n")
     dest = tmp_path / "out"
     opts = options(tmp_path, excludes=Excludes(("*.log",)))
-    with pytest.raises(StagingFailed, match="longer than the guest's tar takes"):
+    with pytest.raises(UsageError, match="longer than the guest's tar takes") as info:
         run_pull(local(), ws, dest, opts)
+    assert info.value.exit_code == 2
+    assert not dest.exists()
+    # a preview archives nothing: it lists the changes as they are
+    preview = run_pull(local(), ws, dest, options(tmp_path, excludes=opts.excludes, dry_run=True))
+    assert preview.ok and not dest.exists()
+
+
+def test_a_guest_whose_find_cannot_reach_a_deep_name_fails_clearly(tmp_path: Path) -> None:
+    """busybox ``find`` and ``stat`` (the listing's fallback where GNU find is missing)
+    cannot reach a name past PATH_MAX: they print an error and go on.  An entry left out
+    of the listing would be taken for deleted, so the listing fails instead (GNU tar here
+    would archive the tree)."""
+    ws = tmp_path / "ws"
+    _deep(ws)
+    bindir = busybox_bin(tmp_path / "bb")
+    for tool in ("stat", "readlink"):
+        (bindir / tool).symlink_to(shutil.which("busybox") or "busybox")
+    (bindir / "tar").unlink()
+    (bindir / "tar").symlink_to(shutil.which("tar") or "tar")
+    guest = LocalTransport(env={"PATH": str(bindir), "HOME": str(tmp_path)})
+    dest = tmp_path / "out"
+    # (the message is find's, cut at 300 bytes: the path alone is longer)
+    with pytest.raises(StagingFailed, match=r"tar exited 2: find: \./d"):
+        run_pull(guest, ws, dest, options(tmp_path))
     assert not dest.exists()
 
 
@@ -171,13 +201,18 @@ def test_a_deep_file_written_while_tar_reads_it_is_read_again_not_dropped(
     )
     (tmp_path / "touch.py").write_text(touch)
     chain = " ".join(_chain())
+    deep_name = "/".join([*_chain(), "leaf.txt"])
     # the first archive's read: the deep file changes while tar reads the tree
     (bindir / "tar").write_text(
         "#!/bin/sh\n"
         f'case " $* " in *" --version "*) exec {real} "$@" ;; esac\n'
         f"N=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo $N > {count}\n"
         f'[ "$N" = 1 ] && {sys.executable} {tmp_path / "touch.py"} {ws} {chain}\n'
-        f'exec {real} "$@"\n'
+        f'{real} "$@"\n'
+        "rc=$?\n"
+        # what GNU tar says of a file written while it read it (torn() reads this)
+        f'[ "$N" = 1 ] && echo "tar: ./{deep_name}: file changed as we read it" >&2\n'
+        "exit $rc\n"
     )
     (bindir / "tar").chmod(0o755)
     guest = LocalTransport(env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})

@@ -61,7 +61,7 @@ from wsync.errors import (
     Interrupted,
     LimitExceeded,
     ProtocolError,
-    StagingFailed,
+    UsageError,
 )
 from wsync.protocol.manifest import Entry, ManifestParser
 
@@ -298,11 +298,13 @@ class Incremental:
         """Whether a ``select`` run can name every entry to fetch (see
         :meth:`Diff.longest_fetch`); where it cannot, a whole-tree run takes its place,
         or with excludes (which only a ``select`` run applies) the pull stops here."""
+        if self.options.dry_run:
+            return True  # nothing is archived: the preview shows the changes as they are
         longest = diff.longest_fetch()
         if longest is None:
             return True
         if self.excludes:
-            raise StagingFailed(
+            raise UsageError(
                 f"{escape(longest[:200])}…: a path of {len(longest)} bytes, longer than the "
                 "guest's tar takes in a list; --exclude needs that list (pull without it)"
             )
