@@ -74,16 +74,6 @@ _ROW = struct.Struct("<Ic4xQqqqQ")
 #: scan before, so no recorded digest holds one)
 _WIDE_ROW = struct.Struct("<Ic4xQQQQQqqqqq")
 _MASK = 2**64 - 1
-#: the plan's entries a content run fetches, and the longest of them past a length
-_FETCH_PATHS = (
-    "SELECT path FROM s.plan WHERE kind != 'd' "
-    "AND act IN ('new', 'changed', 'missing', 'tampered', 'linked') ORDER BY path"
-)
-_LONG_FETCH = (
-    "SELECT path FROM s.plan WHERE kind != 'd' "
-    "AND act IN ('new', 'changed', 'missing', 'tampered', 'linked') "
-    "AND length(path) + 2 >= ? LIMIT 1"
-)
 #: the longest path, NUL included, that Linux takes in one system call
 PATH_MAX = 4096
 #: the meta keys of the no-op record (see :meth:`PullState.noop_matches`)
@@ -330,16 +320,18 @@ class PullState:
                 "AND act IN ('new', 'changed', 'missing', 'tampered', 'linked'))"
             )
             db.commit()
-            changed, fetch = db.execute(
-                "SELECT coalesce(sum(act != 'keep'), 0), coalesce(sum(kind != 'd' AND act IN "
-                "('new', 'changed', 'missing', 'tampered', 'linked')), 0) FROM s.plan"
+            # what to fetch, and the longest of its paths (in the same scan of the plan)
+            changed, fetch, longest = db.execute(
+                "SELECT coalesce(sum(act != 'keep'), 0), coalesce(sum(f), 0), "
+                "coalesce(max(f * length(path)), 0) FROM (SELECT act, path, kind != 'd' AND act "
+                "IN ('new', 'changed', 'missing', 'tampered', 'linked') AS f FROM s.plan)"
             ).fetchone()
             deleted = db.execute(
                 "SELECT count(*) FROM s.host h "
                 "WHERE NOT EXISTS (SELECT 1 FROM s.man m WHERE m.path = h.path)"
             ).fetchone()[0]
         self._diffed = True
-        return Diff(self, int(changed), int(deleted), int(fetch))
+        return Diff(self, int(changed), int(deleted), int(fetch), int(longest))
 
     def _scan_host(
         self, dest_fd: int, check_cancel: Callable[[], None] | None = None, *, hold: bool = False
@@ -546,6 +538,8 @@ class Diff:
     deleted: int
     #: entries :meth:`fetch_paths` yields (0 with changes: only a farm and a swap, no archive)
     fetch: int = 0
+    #: bytes of the longest path among them
+    longest: int = 0
 
     @property
     def nothing_to_do(self) -> bool:
@@ -553,7 +547,10 @@ class Diff:
 
     def fetch_paths(self) -> Iterator[bytes]:
         """Non-directory entries to fetch, sorted by path bytes (parents before children)."""
-        rows = self.state.db.execute(_FETCH_PATHS)
+        rows = self.state.db.execute(
+            "SELECT path FROM s.plan WHERE kind != 'd' AND act IN "
+            "('new', 'changed', 'missing', 'tampered', 'linked') ORDER BY path"
+        )
         for (path,) in rows:
             yield bytes(path)
 
@@ -562,8 +559,9 @@ class Diff:
         path past PATH_MAX, 4096 bytes with its NUL), or None.  A ``select`` run hands the
         guest's ``tar -T`` and ``[ -e ]`` such names: tar cannot open them, and the test
         takes them for vanished, so the entry would be taken as deleted."""
-        row = self.state.db.execute(_LONG_FETCH, (PATH_MAX,)).fetchone()
-        return None if row is None else bytes(row[0])
+        if self.longest + 2 < PATH_MAX:
+            return None  # the usual case: the diff's own scan measured them all
+        return next(path for path in self.fetch_paths() if len(path) + 2 >= PATH_MAX)
 
     def keep(self) -> Iterator[tuple[bytes, str]]:
         """(path, kind) for the farm: every directory but the root, and the unchanged

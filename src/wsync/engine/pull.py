@@ -159,7 +159,7 @@ class _Pull(IncrementalRunner):
         if run == "select":
             await self.session.upload_list(snapshot, listing)
         # a whole-tree run's room check in the guest takes the size the listing gave
-        need = inc.state.listed_kb if inc is not None and run == "tar" and inc.loaded else None
+        need = inc.state.listed_kb if inc is not None and inc.loaded else None
         journaled = await self.admit_phase(plan, journal, snapshot, run, need_kb=need)
         replace = run == "select"
         tmp, tmp_fd, reused = await self.make_tmp(reuse=replace and self.keeps_prev)
