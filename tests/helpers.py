@@ -117,3 +117,25 @@ def pids_with(env: str, arg: str | None = None) -> list[int]:
         if os.fsencode(env) in environ and (arg is None or os.fsencode(arg) in argv):
             found.append(int(entry.name))
     return found
+
+
+def writer_around_tar(tmp_path: Path, script: str, *, tar: str | None = None) -> LocalTransport:
+    """A guest whose real tar is wrapped by ``script`` (sh), which sees ``$WS`` (the
+    workspace), ``$FOLLOW`` (1 for a re-read round: tar was given ``-N``, a mark) and ``$N``
+    (how many times tar has run), and runs ``real_tar "$@"`` where it wants the read."""
+    bindir = tmp_path / "wrapped-tar"
+    bindir.mkdir(exist_ok=True)
+    real = tar or shutil.which("tar")
+    count = tmp_path / "tar-count"
+    wrapper = bindir / "tar"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'case " $* " in *" --version "*) exec ' + f'{real} "$@" ;; esac\n'
+        f'real_tar() {{ {real} "$@"; }}\n'
+        f"N=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo $N > {count}\n"
+        'FOLLOW=0; case " $* " in *" -N "*) FOLLOW=1 ;; esac\n'
+        f"WS={tmp_path / 'ws'}\n" + script + "\n"
+    )
+    wrapper.chmod(0o755)
+    path = f"{bindir}:{os.environ['PATH']}" if tar is None else f"{bindir}:{Path(real).parent}"
+    return LocalTransport(env={**os.environ, "PATH": path})

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import busybox_bin, local, options, run_pull
+from helpers import busybox_bin, local, options, run_pull, writer_around_tar
 from wsync.engine.destdir import open_beneath
 from wsync.engine.excludes import Excludes
 from wsync.errors import StagingFailed, UsageError
@@ -184,11 +184,7 @@ def test_a_deep_file_written_while_tar_reads_it_is_read_again_not_dropped(
     success.  A name that long now counts as still there: read again, kept."""
     ws = tmp_path / "ws"
     _deep(ws)
-    real = shutil.which("tar")
-    assert real
-    bindir = tmp_path / "wrapped"
-    bindir.mkdir()
-    count = tmp_path / "tar-count"
+    count = tmp_path / "tar-count"  # (writer_around_tar counts tar's runs there)
     touch = (
         "import os, sys\n"
         "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
@@ -202,20 +198,15 @@ def test_a_deep_file_written_while_tar_reads_it_is_read_again_not_dropped(
     (tmp_path / "touch.py").write_text(touch)
     chain = " ".join(_chain())
     deep_name = "/".join([*_chain(), "leaf.txt"])
-    # the first archive's read: the deep file changes while tar reads the tree
-    (bindir / "tar").write_text(
-        "#!/bin/sh\n"
-        f'case " $* " in *" --version "*) exec {real} "$@" ;; esac\n'
-        f"N=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo $N > {count}\n"
-        f'[ "$N" = 1 ] && {sys.executable} {tmp_path / "touch.py"} {ws} {chain}\n'
-        f'{real} "$@"\n'
-        "rc=$?\n"
-        # what GNU tar says of a file written while it read it (torn() reads this)
+    # the first archive's read: the deep file changes while tar reads the tree, and tar
+    # says so as GNU tar does of a file written while it read it (torn() reads this)
+    guest = writer_around_tar(
+        tmp_path,
+        f'[ "$N" = 1 ] && {sys.executable} {tmp_path / "touch.py"} "$WS" {chain}\n'
+        'real_tar "$@"; rc=$?\n'
         f'[ "$N" = 1 ] && echo "tar: ./{deep_name}: file changed as we read it" >&2\n'
-        "exit $rc\n"
+        "exit $rc",
     )
-    (bindir / "tar").chmod(0o755)
-    guest = LocalTransport(env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
     dest = tmp_path / "out"
     result = run_pull(guest, ws, dest, options(tmp_path))
     assert result.mode == "full"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,10 +19,17 @@ from pathlib import Path
 import pytest
 
 from extract_helpers import DIR, SYM, build, extract, make_root, member, snapshot
-from helpers import assert_exact, busybox_bin, local, make_tree, options, run_pull
+from helpers import (
+    assert_exact,
+    busybox_bin,
+    local,
+    make_tree,
+    options,
+    run_pull,
+    writer_around_tar,
+)
 from wsync.engine.settle import remove_gone
 from wsync.errors import HostileArchive, UnstableFiles
-from wsync.transports.local import LocalTransport
 
 
 @pytest.fixture
@@ -34,31 +40,9 @@ def workspace(tmp_path: Path) -> Path:
     return ws
 
 
-def _writer_around_tar(tmp_path: Path, script: str, *, tar: str | None = None) -> LocalTransport:
-    """A guest whose real tar is wrapped by ``script`` (sh), which sees ``$WS`` (the
-    workspace), ``$FOLLOW`` (1 for a re-read round: tar was given ``-N``, a mark) and ``$N``
-    (how many times tar has run), and runs ``real_tar "$@"`` where it wants the read."""
-    bindir = tmp_path / "wrapped-tar"
-    bindir.mkdir(exist_ok=True)
-    real = tar or shutil.which("tar")
-    count = tmp_path / "tar-count"
-    wrapper = bindir / "tar"
-    wrapper.write_text(
-        "#!/bin/sh\n"
-        'case " $* " in *" --version "*) exec ' + f'{real} "$@" ;; esac\n'
-        f'real_tar() {{ {real} "$@"; }}\n'
-        f"N=$(( $(cat {count} 2>/dev/null || echo 0) + 1 )); echo $N > {count}\n"
-        'FOLLOW=0; case " $* " in *" -N "*) FOLLOW=1 ;; esac\n'
-        f"WS={tmp_path / 'ws'}\n" + script + "\n"
-    )
-    wrapper.chmod(0o755)
-    path = f"{bindir}:{os.environ['PATH']}" if tar is None else f"{bindir}:{Path(real).parent}"
-    return LocalTransport(env={**os.environ, "PATH": path})
-
-
 def test_a_file_torn_by_a_writer_is_read_again(tmp_path: Path, workspace: Path) -> None:
     """The first read sees a half-written version; the file is read again once settled."""
-    transport = _writer_around_tar(
+    transport = writer_around_tar(
         tmp_path,
         'if [ $N = 1 ]; then printf TORN > "$WS/log.txt"; fi\n'
         'real_tar "$@"; rc=$?\n'
@@ -74,7 +58,7 @@ def test_a_file_torn_by_a_writer_is_read_again(tmp_path: Path, workspace: Path) 
 
 
 def test_a_file_that_never_settles_fails_with_exit_24(tmp_path: Path, workspace: Path) -> None:
-    transport = _writer_around_tar(
+    transport = writer_around_tar(
         tmp_path, 'real_tar "$@"; rc=$?\necho "write $N" >> "$WS/log.txt"\nexit $rc'
     )
     dest = tmp_path / "out"
@@ -91,7 +75,7 @@ def test_a_file_that_never_settles_fails_with_exit_24(tmp_path: Path, workspace:
 
 
 def test_best_effort_takes_the_last_read_and_lists_it(tmp_path: Path, workspace: Path) -> None:
-    transport = _writer_around_tar(
+    transport = writer_around_tar(
         tmp_path, 'real_tar "$@"; rc=$?\necho "write $N" >> "$WS/log.txt"\nexit $rc'
     )
     dest = tmp_path / "out"
@@ -107,7 +91,7 @@ def test_a_file_that_vanishes_after_a_torn_read_is_not_kept(
 ) -> None:
     """Changed during the first read, gone before the second: DEST must not keep the torn
     first version; the guest no longer has any."""
-    transport = _writer_around_tar(
+    transport = writer_around_tar(
         tmp_path,
         'if [ $FOLLOW = 1 ]; then rm -f "$WS/doomed.txt"; fi\n'
         'real_tar "$@"; rc=$?\n'
@@ -123,7 +107,7 @@ def test_a_file_that_vanishes_after_a_torn_read_is_not_kept(
 
 def test_busybox_guest_cannot_reread_so_it_fails_clearly(tmp_path: Path, workspace: Path) -> None:
     bb = busybox_bin(tmp_path / "bb")
-    transport = _writer_around_tar(
+    transport = writer_around_tar(
         tmp_path,
         'real_tar "$@"; rc=$?\nif [ $N = 1 ]; then echo more >> "$WS/log.txt"; fi\nexit $rc',
         tar=str(bb / "tar"),
@@ -178,7 +162,7 @@ def test_a_real_racing_writer_is_exact_or_fails_naming_the_file(
 
 def test_cli_exit_24_and_best_effort_json(tmp_path: Path, workspace: Path) -> None:
     bindir = tmp_path / "wrapped-tar"
-    _writer_around_tar(tmp_path, 'real_tar "$@"; rc=$?\necho "write $N" >> "$WS/log.txt"\nexit $rc')
+    writer_around_tar(tmp_path, 'real_tar "$@"; rc=$?\necho "write $N" >> "$WS/log.txt"\nexit $rc')
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
     dest = tmp_path / "out"
     base = [sys.executable, "-m", "wsync", "pull", f"local:{workspace}", str(dest)]
@@ -287,7 +271,7 @@ def test_a_torn_file_that_vanished_before_the_next_look_is_not_kept(
     """Written while read, then renamed away within milliseconds (an editor's temp file):
     no later ``find`` sees it, but tar named it, so it is left out of DEST."""
     (workspace / "x.tmp").write_text("half written")
-    transport = _writer_around_tar(
+    transport = writer_around_tar(
         tmp_path,
         'real_tar "$@"; rc=$?\n'
         "if [ $N = 1 ]; then\n"
@@ -308,7 +292,7 @@ def test_a_torn_and_vanished_file_named_only_escaped_fails_clearly(
     """tar can only give an odd name escaped: the guest cannot tell whether it is gone, so
     the pull fails naming it rather than keep a torn file."""
     (workspace / "odd\\name.tmp").write_text("half written")
-    transport = _writer_around_tar(
+    transport = writer_around_tar(
         tmp_path,
         'real_tar "$@"; rc=$?\n'
         "if [ $N = 1 ]; then\n"
