@@ -12,7 +12,9 @@ equal to themselves, read back exactly.
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,41 @@ def test_a_workspace_with_times_past_2262_is_pulled_again_and_again(
     assert kept.mode == "incremental"
     assert_exact(ws, dest)
     assert os.lstat(dest / "later").st_mtime_ns == os.lstat(ws / "later").st_mtime_ns
+
+
+def test_the_tree_bytes_of_a_dest_past_2_63_bytes_are_counted(tmp_path: Path) -> None:
+    """Two sparse files of 2**62 bytes (tmpfs takes them, holes only): the recorded tree
+    holds 2**63 bytes, which SQLite's ``sum()`` cannot add up ("integer overflow": the
+    pull then said its state was not recorded); ``total()`` can."""
+    from incr_helpers import Entry
+    from wsync.engine.excludes import Excludes
+    from wsync.engine.incstate import PullState
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no tmpfs at /dev/shm")
+    dest = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        try:
+            for name in ("a", "b"):
+                with (dest / name).open("wb") as f:
+                    f.truncate(2**62)
+        except OSError as exc:
+            pytest.skip(f"this tmpfs takes no 4 EiB file: {exc}")
+        st = os.lstat(dest)
+        listing = [Entry(b".", "d", 0o755, 0, st.st_mtime_ns, st.st_ctime_ns, 0, b"")]
+        for name in ("a", "b"):
+            s = os.lstat(dest / name)
+            listing.append(
+                Entry(name.encode(), "f", 0o644, s.st_size, s.st_mtime_ns, s.st_ctime_ns, 0, b"")
+            )
+        with PullState.open(tmp_path / "state", dest, "local:guest") as state:
+            state.load_manifest(iter(listing), Excludes.none())
+            fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                state.commit(fd, {})
+            finally:
+                os.close(fd)
+            assert state.tree_bytes() == 2**63
+    finally:
+        shutil.rmtree(dest)
