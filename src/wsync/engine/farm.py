@@ -11,7 +11,7 @@ would allow in-place writes but needs btrfs/XFS; hardlinks work on every Linux f
 
 Confinement, as in the extractor: both trees are reached only through directory fds, each
 parent opened from its root one component at a time without following a symlink
-(:func:`~wsync.engine.destdir.open_beneath`), and ``linkat`` is called without
+(:func:`~wsync.engine.beneath.open_beneath`), and ``linkat`` is called without
 ``AT_SYMLINK_FOLLOW``, so a symlink in DEST is linked as the link itself and no name can
 lead out of either tree.  An entry that DEST no longer holds as the diff saw it (the host
 changed DEST during the pull) fails the pull with a HostIOError; the next run rescans.
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from wsync.engine.destdir import open_beneath
+from wsync.engine.beneath import open_beneath
 from wsync.engine.extract import _clamp_time, _utime
 from wsync.engine.hostscan import parts_of
 from wsync.engine.itemize import escape

@@ -3,7 +3,7 @@
 DEST is written by wsync but lives on the host, where anyone with access may change it, and
 it holds the guest's data, symlinks included.  So DEST is only ever read through directory
 fds: each directory is opened from DEST's own fd one component at a time without following a
-symlink (:func:`~wsync.engine.destdir.open_beneath`), entries are ``lstat``'ed through it,
+symlink (:func:`~wsync.engine.beneath.open_beneath`), entries are ``lstat``'ed through it,
 and a file is opened ``O_NOFOLLOW`` in its directory and checked to be the inode the walk
 saw before its bytes are hashed.  A symlink is an entry (kind ``l``), never a way in.
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import xxhash
 
-from wsync.engine.destdir import open_beneath
+from wsync.engine.beneath import open_beneath
 
 #: bytes read per call while hashing
 _READ = 1024 * 1024

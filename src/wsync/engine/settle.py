@@ -20,7 +20,7 @@ import os
 import stat
 
 from wsync.engine.api import MiB
-from wsync.engine.destdir import open_beneath
+from wsync.engine.beneath import open_beneath
 from wsync.engine.fsutil import remove_tree_at
 from wsync.engine.guest import GuestSession
 from wsync.engine.tarstream import show_name
