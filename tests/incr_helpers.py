@@ -16,7 +16,8 @@ from wsync.engine.excludes import Excludes
 from wsync.engine.farm import build_farm, set_dir_meta
 from wsync.engine.fsutil import remove_tree_at, swap_at
 from wsync.engine.hostscan import kind_of
-from wsync.engine.incstate import Diff, PullState
+from wsync.engine.incdiff import Diff
+from wsync.engine.incstate import PullState
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

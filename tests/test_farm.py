@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from wsync.engine.farm import CANCEL_EVERY, build_farm, set_dir_meta
-from wsync.engine.incstate import DirMeta
+from wsync.engine.incdiff import DirMeta
 from wsync.errors import HostileArchive, HostIOError, Interrupted
 
 

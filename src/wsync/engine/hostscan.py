@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import struct
 from collections.abc import Callable, Iterator
 
 import xxhash
@@ -61,6 +62,44 @@ def row(path: bytes, st: os.stat_result) -> HostRow:
         st.st_ctime_ns,
         st.st_ino,
     )
+
+
+#: one DEST entry as the scan digest sees it (path length, kind, mode, size, times, inode)
+_ROW = struct.Struct("<Ic4xQqqqQ")
+#: a row with a time or an inode past 64 signed bits (``_ROW`` cannot pack it): each
+#: number as its low 64 bits and the rest, the kind in upper case (such rows stopped the
+#: scan before, so no recorded digest holds one)
+_WIDE_ROW = struct.Struct("<Ic4xQQQQQqqqqq")
+_MASK = 2**64 - 1
+
+
+class ScanDigest:
+    """The digest of a scan: every field of every row, in walk order (the same tree,
+    untouched, gives the same digest: the no-op shortcut of
+    :meth:`wsync.engine.incstate.PullState.noop_matches` compares two)."""
+
+    def __init__(self) -> None:
+        self._digest = xxhash.xxh3_128()
+        self._pack = _ROW.pack
+
+    def add(self, item: HostRow) -> None:
+        path, kind, mode, size, mtime, ctime, ino = item
+        try:
+            self._digest.update(self._pack(len(path), kind.encode(), mode, size, mtime, ctime, ino))
+        except struct.error:
+            self._digest.update(_wide(item))
+        self._digest.update(path)
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
+def _wide(item: HostRow) -> bytes:
+    """A row's digest bytes when a number passes 64 signed bits (see ``_WIDE_ROW``)."""
+    path, kind, mode, size, mtime, ctime, ino = item
+    numbers = (mode, size, mtime, ctime, ino)
+    low, high = (n & _MASK for n in numbers), (n >> 64 for n in numbers)
+    return _WIDE_ROW.pack(len(path), kind.upper().encode(), *low, *high)
 
 
 def parts_of(path: bytes) -> tuple[str, ...]:

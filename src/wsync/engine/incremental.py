@@ -52,7 +52,8 @@ from wsync.engine.destdir import DestDir
 from wsync.engine.excludes import Excludes
 from wsync.engine.farm import build_farm, set_dir_meta
 from wsync.engine.guest import GuestPlan
-from wsync.engine.incstate import Diff, PullState
+from wsync.engine.incdiff import Diff
+from wsync.engine.incstate import PullState
 from wsync.engine.itemize import escape
 from wsync.errors import (
     GuestToolsMissing,

@@ -39,22 +39,19 @@ against an empty state: every file is fetched and every directory created.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import os
 import sqlite3
-import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 import structlog
-import xxhash
 
 from wsync.engine import hostscan, incsql
 from wsync.engine.excludes import Excludes
 from wsync.engine.fsutil import host_io
-from wsync.engine.itemize import changed_flags, itemize_line
+from wsync.engine.incdiff import Diff
 from wsync.errors import HostileArchive, HostIOError, LimitExceeded, StagingFailed
 
 log = structlog.get_logger("wsync.incstate")
@@ -67,15 +64,6 @@ BATCH = 4096
 #: table (about 25 MB): a no-op pull (see :meth:`PullState.noop_matches`) never writes them
 HOLD = 100_000
 SCHEMA_VERSION = "1"
-#: one DEST entry as the scan digest sees it (path length, kind, mode, size, times, inode)
-_ROW = struct.Struct("<Ic4xQqqqQ")
-#: a row with a time or an inode past 64 signed bits (``_ROW`` cannot pack it): each
-#: number as its low 64 bits and the rest, the kind in upper case (such rows stopped the
-#: scan before, so no recorded digest holds one)
-_WIDE_ROW = struct.Struct("<Ic4xQQQQQqqqqq")
-_MASK = 2**64 - 1
-#: the longest path, NUL included, that Linux takes in one system call
-PATH_MAX = 4096
 #: the meta keys of the no-op record (see :meth:`PullState.noop_matches`)
 _NOOP_KEYS = ("noop_key", "noop_manifest", "noop_host")
 
@@ -103,15 +91,6 @@ class ManifestEntry(Protocol):
     def digest(self) -> str: ...
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class DirMeta:
-    """A directory's final mode and mtime, from the manifest."""
-
-    path: bytes
-    mode: int
-    mtime_ns: int
-
-
 def state_path(state_dir: Path, dest: Path) -> Path:
     real = os.path.realpath(dest)
     key = hashlib.sha256(os.fsencode(real)).hexdigest()
@@ -128,14 +107,6 @@ def check_path(path: bytes) -> None:
         bad = any(part in (b".", b"..") for part in path.split(b"/"))
     if bad:
         raise HostileArchive(f"the manifest names {path!r}, not a path inside the workspace")
-
-
-def _wide(item: hostscan.HostRow) -> bytes:
-    """A scan row's digest bytes when a number passes 64 signed bits (see ``_WIDE_ROW``)."""
-    path, kind, mode, size, mtime, ctime, ino = item
-    numbers = (mode, size, mtime, ctime, ino)
-    low, high = (n & _MASK for n in numbers), (n >> 64 for n in numbers)
-    return _WIDE_ROW.pack(len(path), kind.upper().encode(), *low, *high)
 
 
 class PullState:
@@ -331,7 +302,7 @@ class PullState:
                 "WHERE NOT EXISTS (SELECT 1 FROM s.man m WHERE m.path = h.path)"
             ).fetchone()[0]
         self._diffed = True
-        return Diff(self, int(changed), int(deleted), int(fetch), int(longest))
+        return Diff(self.db, int(changed), int(deleted), int(fetch), int(longest))
 
     def _scan_host(
         self, dest_fd: int, check_cancel: Callable[[], None] | None = None, *, hold: bool = False
@@ -344,17 +315,11 @@ class PullState:
         db.execute("DELETE FROM s.host")
         self._held = []
         batch: list[hostscan.HostRow] = []
-        digest = xxhash.xxh3_128()
-        pack = _ROW.pack
+        digest = hostscan.ScanDigest()
         limit = HOLD if hold else BATCH
         with host_io("reading DEST"):
             for item in hostscan.scan(dest_fd):
-                path, kind, mode, size, mtime, ctime, ino = item
-                try:
-                    digest.update(pack(len(path), kind.encode(), mode, size, mtime, ctime, ino))
-                except struct.error:
-                    digest.update(_wide(item))
-                digest.update(path)
+                digest.add(item)
                 batch.append(item)
                 if len(batch) % BATCH == 0:
                     if check_cancel is not None:
@@ -525,83 +490,3 @@ def _batches(rows: Iterator[_T]) -> Iterator[list[_T]]:
             batch = []
     if batch:
         yield batch
-
-
-@dataclasses.dataclass
-class Diff:
-    """The outcome of :meth:`PullState.diff`; its iterators stream from the scratch tables."""
-
-    state: PullState
-    #: entries of the new tree that are not kept as they are (directories included)
-    changed: int
-    #: entries of DEST that the new tree does not have
-    deleted: int
-    #: entries :meth:`fetch_paths` yields (0 with changes: only a farm and a swap, no archive)
-    fetch: int = 0
-    #: bytes of the longest path among them
-    longest: int = 0
-
-    @property
-    def nothing_to_do(self) -> bool:
-        return self.changed == 0 and self.deleted == 0
-
-    def fetch_paths(self) -> Iterator[bytes]:
-        """Non-directory entries to fetch, sorted by path bytes (parents before children)."""
-        rows = self.state.db.execute(
-            "SELECT path FROM s.plan WHERE kind != 'd' AND act IN "
-            "('new', 'changed', 'missing', 'tampered', 'linked') ORDER BY path"
-        )
-        for (path,) in rows:
-            yield bytes(path)
-
-    def longest_fetch(self) -> bytes | None:
-        """A path to fetch that the guest's tools cannot name in one call (``./`` and the
-        path past PATH_MAX, 4096 bytes with its NUL), or None.  A ``select`` run hands the
-        guest's ``tar -T`` and ``[ -e ]`` such names: tar cannot open them, and the test
-        takes them for vanished, so the entry would be taken as deleted."""
-        if self.longest + 2 < PATH_MAX:
-            return None  # the usual case: the diff's own scan measured them all
-        return next(path for path in self.fetch_paths() if len(path) + 2 >= PATH_MAX)
-
-    def keep(self) -> Iterator[tuple[bytes, str]]:
-        """(path, kind) for the farm: every directory but the root, and the unchanged
-        entries to link, sorted by path bytes, so a directory comes before its entries."""
-        rows = self.state.db.execute(
-            "SELECT path, kind FROM s.plan WHERE (kind = 'd' AND path != x'2e') "
-            "OR (kind != 'd' AND act = 'keep') ORDER BY path"
-        )
-        for path, kind in rows:
-            yield bytes(path), str(kind)
-
-    def dirs(self) -> Iterator[DirMeta]:
-        """Every directory of the manifest, descendants before ancestors, the root last."""
-        rows = self.state.db.execute(
-            "SELECT path, mode, mtime FROM s.man WHERE kind = 'd' AND path != x'2e' "
-            "ORDER BY path DESC"
-        )
-        for path, mode, mtime in rows:
-            yield DirMeta(bytes(path), int(mode), incsql.py_int(mtime))
-        root = self.state.db.execute("SELECT mode, mtime FROM s.man WHERE path = x'2e'").fetchone()
-        if root is not None:
-            yield DirMeta(b".", int(root[0]), incsql.py_int(root[1]))
-
-    def itemize(self) -> Iterator[str]:
-        """``rsync -i`` style lines: deletions first, then changes, paths escaped."""
-        db = self.state.db
-        gone = db.execute(
-            "SELECT path, kind FROM s.host h "
-            "WHERE NOT EXISTS (SELECT 1 FROM s.man m WHERE m.path = h.path) ORDER BY path DESC"
-        )
-        for path, kind in gone:
-            yield itemize_line("*deleting", bytes(path), str(kind) == "d", b"")
-        rows = db.execute(
-            "SELECT p.path, p.act, m.kind, m.mode, m.size, m.mtime, m.ctime, m.ino, m.target, "
-            "m.digest, o.kind, o.mode, o.size, o.mtime, o.ctime, o.ino, o.target, o.digest "
-            "FROM s.plan p JOIN s.man m USING (path) LEFT JOIN base o USING (path) "
-            "WHERE p.act != 'keep' ORDER BY p.path"
-        )
-        for path, act, *record in rows:
-            new, old = tuple(record[:8]), tuple(record[8:])
-            code = changed_flags(str(act), new, old)
-            target = bytes(new[6] or b"") if new[0] == "l" else b""
-            yield itemize_line(code, bytes(path), new[0] == "d", target)
