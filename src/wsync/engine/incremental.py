@@ -239,8 +239,10 @@ class Incremental:
                 os.close(dest_fd)
 
     def stop(self) -> None:
-        """Make a running :meth:`scan` stop at its next batch (the pull is failing)."""
+        """Make a running :meth:`scan` stop (the pull is failing): at its next batch, or at
+        once where a child process walks."""
         self._stop.set()
+        self.state.stop_scan()
 
     def _check_stop(self) -> None:
         if self._stop.is_set():
