@@ -239,10 +239,8 @@ class Incremental:
                 os.close(dest_fd)
 
     def stop(self) -> None:
-        """Make a running :meth:`scan` stop (the pull is failing): at its next batch, or at
-        once where a child process walks."""
+        """Make a running :meth:`scan` stop at its next batch (the pull is failing)."""
         self._stop.set()
-        self.state.stop_scan()
 
     def _check_stop(self) -> None:
         if self._stop.is_set():

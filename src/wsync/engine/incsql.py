@@ -25,9 +25,6 @@ STATE_COLUMNS = """
     hkind TEXT, hmode INT, hsize INT, hmtime INT, hctime INT, hino INT
 """
 
-#: one lstat of a DEST entry (:data:`wsync.engine.hostscan.HostRow`): the scratch ``s.host``
-#: and the file a child scan writes (:mod:`wsync.engine.scanproc`)
-HOST_COLUMNS = "path BLOB PRIMARY KEY, kind TEXT, mode INT, size INT, mtime INT, ctime INT, ino INT"
 INSERT_HOST = "INSERT OR REPLACE INTO s.host VALUES (?,?,?,?,?,?,?)"
 
 #: SQLite's integers are signed 64-bit; a file's times in ns pass 2**63 in the year 2262
@@ -138,7 +135,10 @@ def scratch(db: sqlite3.Connection) -> None:
         "CREATE TABLE s.man (path BLOB PRIMARY KEY, parent BLOB, kind TEXT, mode INT, size INT, "
         "mtime INT, ctime INT, ino INT, target BLOB, digest TEXT) WITHOUT ROWID"
     )
-    db.execute(f"CREATE TABLE s.host ({HOST_COLUMNS}) WITHOUT ROWID")
+    db.execute(
+        "CREATE TABLE s.host (path BLOB PRIMARY KEY, kind TEXT, mode INT, size INT, mtime INT, "
+        "ctime INT, ino INT) WITHOUT ROWID"
+    )
     db.execute(
         "CREATE TABLE s.plan (path BLOB PRIMARY KEY, kind TEXT, ino INT, act TEXT, hash TEXT) "
         "WITHOUT ROWID"

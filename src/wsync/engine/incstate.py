@@ -48,7 +48,7 @@ from typing import Protocol, TypeVar
 
 import structlog
 
-from wsync.engine import hostscan, incsql, scanproc
+from wsync.engine import hostscan, incsql
 from wsync.engine.excludes import Excludes
 from wsync.engine.fsutil import host_io
 from wsync.engine.incdiff import Diff
@@ -127,8 +127,6 @@ class PullState:
         self._scanned: tuple[int, int] | None = None
         #: rows of that scan not yet in ``s.host`` (at most HOLD)
         self._held: list[hostscan.HostRow] = []
-        #: the child process holding that scan's rows instead (:mod:`wsync.engine.scanproc`)
-        self._child: scanproc.ScanProcess | None = None
         self._hash_batch: list[tuple[bytes, str]] = []
 
     # -- opening ------------------------------------------------------------------------
@@ -150,11 +148,9 @@ class PullState:
                 db = incsql.connect(path)
             except sqlite3.Error as again:
                 raise HostIOError(f"incremental state {path}: {again}") from again
-        scanproc.remove_stale(path.parent, f"{path.stem}.")  # see _prefix
         return cls(path, db, sandbox_key)
 
     def close(self) -> None:
-        self._drop_child()
         with contextlib.suppress(sqlite3.Error):
             self.db.close()
 
@@ -248,76 +244,14 @@ class PullState:
     def scan(self, dest_fd: int, check_cancel: Callable[[], None] | None = None) -> str:
         """Scan DEST (open at ``dest_fd``) into the scratch table for the next :meth:`diff`,
         and return the scan's digest.  A pull runs this while the guest writes its
-        manifest: the two are independent, and the walk is most of a host's diff time.
-
-        The walk runs in a child process where one can run (:mod:`wsync.engine.scanproc`),
-        which keeps the rows until :meth:`diff` asks for them; :meth:`stop_scan` stops it.
-        """
+        manifest: the two are independent, and the walk is most of a host's diff time."""
         with self._errors():
             self._scanned = None
-            digest = self._scan_in_child(dest_fd, check_cancel)
-            if digest is None:
-                digest = self._scan_host(dest_fd, check_cancel, hold=True)
+            digest = self._scan_host(dest_fd, check_cancel, hold=True)
             self.db.commit()
         st = os.fstat(dest_fd)
         self._scanned = (st.st_dev, st.st_ino)
         return digest
-
-    def _scan_in_child(self, dest_fd: int, check_cancel: Callable[[], None] | None) -> str | None:
-        """:meth:`scan`'s walk in a child process; None where none could run it."""
-        self._drop_child()
-        child = scanproc.ScanProcess.start(dest_fd, self.path.parent, self._prefix)
-        if child is None:
-            return None
-        self._child = child  # before the check: stop_scan() either is seen or sees it
-        try:
-            if check_cancel is not None:
-                check_cancel()
-            digest = child.digest()
-        except BaseException:
-            self._drop_child()
-            raise
-        if digest is None:
-            self._child = None
-            if check_cancel is not None:
-                check_cancel()  # killed by stop_scan(), not failed to start
-            return None
-        self.db.execute("DELETE FROM s.host")
-        self._held = []
-        self.host_digest = digest
-        return digest
-
-    def _rows_of(self, child: scanproc.ScanProcess, dest_fd: int) -> None:
-        """Fill ``s.host`` from a child's whole scan (in this process if it gave none)."""
-        try:
-            digest = child.digest()
-        except BaseException:
-            child.close()
-            raise
-        if digest is None:
-            self._scan_host(dest_fd)
-            return
-        self.db.execute("DELETE FROM s.host")
-        self.db.commit()
-        child.copy_into(self.db, "s.host")
-        self.host_digest = digest
-
-    @property
-    def _prefix(self) -> str:
-        """The name prefix of this state's child scan files."""
-        return f"{self.path.stem}."
-
-    def stop_scan(self) -> None:
-        """Stop a child scan now (from any thread): :meth:`scan` then raises through its
-        ``check_cancel``."""
-        child = self._child
-        if child is not None:
-            child.kill()
-
-    def _drop_child(self) -> None:
-        child, self._child = self._child, None
-        if child is not None:
-            child.close()
 
     def diff(self, dest_fd: int) -> Diff:
         """Compare the loaded manifest and DEST (open at ``dest_fd``) with the state.
@@ -330,10 +264,6 @@ class PullState:
             if self._scanned != (st.st_dev, st.st_ino):
                 self._scan_host(dest_fd)
             self._scanned = None
-            child, self._child = self._child, None
-            if child is not None:
-                self.db.commit()
-                child.copy_into(self.db, "s.host")
             incsql.insert_rows(self.db, incsql.INSERT_HOST, self._held)
             self._held = []
             db = self.db
@@ -382,7 +312,6 @@ class PullState:
         :meth:`noop_matches`).  With ``hold`` the first HOLD rows stay in memory until a
         diff needs them."""
         db = self.db
-        self._drop_child()
         db.execute("DELETE FROM s.host")
         self._held = []
         batch: list[hostscan.HostRow] = []
@@ -497,13 +426,8 @@ class PullState:
         pairs = file_hashes.items() if isinstance(file_hashes, Mapping) else file_hashes
         with self._errors():
             db = self.db
-            child = None
             if restat is None or not self._diffed:
-                # in a child process where one runs, beside the hashes' insert below
-                self._drop_child()
-                child = scanproc.ScanProcess.start(dest_fd, self.path.parent, self._prefix)
-                if child is None:
-                    self._scan_host(dest_fd)
+                self._scan_host(dest_fd)
             else:
                 for batch in _batches(restat()):
                     gone = [(path,) for path, row in batch if row is None]
@@ -512,8 +436,6 @@ class PullState:
             for path, digest in pairs:
                 self.add_hash(path, digest)
             self._flush_hashes()
-            if child is not None:
-                self._rows_of(child, dest_fd)
             if not self._diffed:
                 db.execute("DELETE FROM s.plan")
             db.commit()
