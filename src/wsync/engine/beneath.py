@@ -6,8 +6,7 @@ with one ``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`` where the kernel has
 walk of ``O_NOFOLLOW | O_DIRECTORY`` opens, one component at a time.
 
 Its own module, with nothing but the standard library and :mod:`wsync.engine.fsutil` under
-it, so that a child process (:mod:`wsync.engine.scanproc`) can walk DEST without the
-startup cost of the rest of wsync.
+it: the DEST scan, the farm and the settle step use it without the DEST lock's machinery.
 """
 
 from __future__ import annotations
