@@ -7,7 +7,7 @@ import dataclasses
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import xxhash
@@ -91,8 +91,11 @@ def pull(
     *,
     key: str = "local:guest",
     excludes: Excludes | None = None,
+    during: Callable[[], None] | None = None,
 ) -> Applied:
-    """One pull of ``guest`` into ``dest``: manifest, diff, farm, copy, dir meta, swap, commit."""
+    """One pull of ``guest`` into ``dest``: manifest, diff, farm, copy, dir meta, swap, commit.
+    ``during`` runs after the farm and the copy, before the swap (the host at work in DEST
+    while the pull transfers)."""
     excludes = excludes or Excludes.none()
     dest.mkdir(exist_ok=True)
     with PullState.open(state_dir, dest, key) as state:
@@ -126,6 +129,8 @@ def pull(
                     else:
                         hashes[path] = hash_file(src)
             set_dir_meta(tmp_fd, diff.dirs())
+            if during is not None:
+                during()
         finally:
             os.close(tmp_fd)
             os.close(dest_fd)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from helpers import assert_exact, make_tree, options
+from helpers import assert_exact, make_tree, options, writer_around_tar
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.excludes import Excludes
 from wsync.engine.pull import pull
@@ -151,3 +152,75 @@ def test_adding_excludes_removes_what_an_earlier_pull_left(tmp_path: Path) -> No
     assert result.mode == "incremental" and result.deleted_files > 0
     assert not list(dest.rglob("*.txt")) and not (dest / "src" / "deep").exists()
     assert (dest / "blob.bin").exists()
+
+
+def test_hardlinks_joined_or_split_on_the_host_are_repaired(tmp_path: Path) -> None:
+    """DEST mirrors the guest's hardlink groups (docs/fidelity.md); the host joining two
+    files, splitting a linked pair, or putting an inode shared with a file outside DEST
+    under a name, is repaired by the next pull.  Before, each was re-hashed, found equal
+    and kept: DEST's groups stayed the host's for good."""
+    ws, dest, opts = tmp_path / "ws", tmp_path / "dest", options(tmp_path)
+    ws.mkdir()
+    for name in ("a", "b", "e"):
+        (ws / name).write_text("same bytes\n")
+    (ws / "c").write_text("linked\n")
+    os.link(ws / "c", ws / "d")
+    outside = tmp_path / "outside"
+    outside.write_text("same bytes\n")
+    go(ws, dest, opts)
+
+    def groups(root: Path) -> list[list[str]]:
+        by_ino: dict[int, list[str]] = {}
+        for name in sorted(os.listdir(root)):
+            by_ino.setdefault(os.lstat(root / name).st_ino, []).append(name)
+        return sorted(by_ino.values())
+
+    assert groups(dest) == groups(ws) == [["a"], ["b"], ["c", "d"], ["e"]]
+    os.unlink(dest / "b")
+    os.link(dest / "a", dest / "b")  # joined
+    data = (dest / "d").read_bytes()
+    os.unlink(dest / "d")
+    (dest / "d").write_bytes(data)  # split
+    os.unlink(dest / "e")
+    os.link(outside, dest / "e")  # shared with a file outside DEST
+    shutil.copystat(ws / "d", dest / "d")
+    result = go(ws, dest, opts)
+    assert result.mode == "incremental"
+    assert_exact(ws, dest)
+    assert groups(dest) == [["a"], ["b"], ["c", "d"], ["e"]]
+    assert os.stat(outside).st_nlink == 1  # DEST's e is not that inode any more
+    again = go(ws, dest, opts)
+    assert again.changed_files == again.deleted_files == 0
+
+
+def test_a_host_edit_during_a_pull_is_repaired_by_the_next(tmp_path: Path) -> None:
+    """The host edits a file of DEST while a pull transfers (here: from the guest's tar,
+    which runs after the diff and before the commit).  That pull ends with the edit in
+    DEST, as any edit made after a pull would; the next one must repair it.  Before, the
+    commit recorded the edited file's signature beside the hash the diff had verified,
+    and every later pull kept the edit."""
+    ws = make_tree(tmp_path / "ws", big=4096, small=5)
+    dest, opts = tmp_path / "dest", options(tmp_path)
+    go(ws, dest, opts)
+    victim = dest / "src" / "f3.txt"
+    wrapper = writer_around_tar(
+        tmp_path,
+        f"if [ $N = 1 ]; then printf 'host edit\\n' >> {shlex.quote(str(victim))}; "
+        f'chmod 600 {shlex.quote(str(dest / "tool.sh"))}; fi; real_tar "$@"',
+    )
+    (ws / "src" / "f1.txt").write_text("changed in the guest\n")  # a select run to wrap
+
+    async def run() -> PullResult:
+        try:
+            return await pull(wrapper, str(ws), dest, opts)
+        finally:
+            await wrapper.aclose()
+
+    during = asyncio.run(run())
+    assert during.ok, during.error
+    assert victim.read_bytes().endswith(b"host edit\n")  # made after the diff: not seen
+    after = go(ws, dest, opts)
+    assert after.changed_files == 2
+    assert_exact(ws, dest)
+    again = go(ws, dest, opts)
+    assert again.changed_files == again.deleted_files == 0

@@ -362,3 +362,58 @@ def test_a_commit_that_fails_midway_keeps_the_old_baseline(
             os.close(fd)
         assert st.db.execute("SELECT * FROM main.state ORDER BY path").fetchall() == before
         assert st.has_baseline()
+
+
+def test_a_host_edit_of_a_kept_file_during_the_pull_is_fetched_next_time(
+    env: tuple[Path, Path, Path],
+) -> None:
+    """The host edits DEST while a pull transfers (an editor saving, a chmod): the commit
+    scans DEST again after the old tree is gone, and used to record what it found beside
+    the hash the diff had verified, so every later pull took the edit for the guest's."""
+    state, guest, dest = env
+    pull(state, guest, dest)
+    (guest / "a.txt").write_text("changed in the guest\n")  # something to pull
+
+    def host_at_work() -> None:
+        with open(dest / "same.txt", "ab") as f:  # kept by this pull: linked, not fetched
+            f.write(b"host edit\n")
+        (dest / "tool.sh").chmod(0o600)
+        # a name replaced in the old tree only: the new one holds the linked inode
+        os.unlink(dest / "src" / "pkg" / "mod.py")
+        (dest / "src" / "pkg" / "mod.py").write_text("replaced\n")
+
+    during = pull(state, guest, dest, during=host_at_work)
+    assert b"same.txt" not in during.fetched  # the edit came after the diff
+    assert (dest / "src" / "pkg" / "mod.py").read_text() == "x = 1\n"
+    after = pull(state, guest, dest)
+    assert set(after.fetched) == {b"same.txt", b"tool.sh"}
+    exact(guest, dest)
+    assert pull(state, guest, dest).diff.nothing_to_do
+
+
+def test_hardlinks_made_or_broken_on_the_host_are_repaired(tmp_path: Path) -> None:
+    """An inode the host put under a name is verified by content only when it is alone:
+    linked to another name (in DEST or outside) it is fetched, and a guest hardlink group
+    split on the host is fetched whole.  Before, all four were kept as re-hashed."""
+    guest, state, dest = tmp_path / "guest", tmp_path / "state", tmp_path / "dest"
+    guest.mkdir()
+    for name in ("a", "b"):
+        (guest / name).write_text("same\n")
+    (guest / "c").write_text("linked\n")
+    os.link(guest / "c", guest / "d")
+    (guest / "e").write_text("alone\n")
+    outside = tmp_path / "outside"
+    outside.write_text("alone\n")
+    pull(state, guest, dest)
+    exact(guest, dest)
+    os.unlink(dest / "b")
+    os.link(dest / "a", dest / "b")  # two separate files joined
+    copy = (dest / "d").read_bytes()
+    os.unlink(dest / "d")
+    (dest / "d").write_bytes(copy)  # a linked pair split
+    os.unlink(dest / "e")
+    os.link(outside, dest / "e")  # the same bytes, an inode shared with a file outside
+    res = pull(state, guest, dest)  # (this helper copies files one by one: see the e2e test)
+    assert set(res.fetched) == {b"b", b"c", b"d", b"e"}
+    exact(guest, dest)
+    assert os.stat(dest / "e").st_nlink == 1 and os.stat(outside).st_nlink == 1

@@ -205,9 +205,10 @@ def scan(root_fd: int) -> Iterator[HostRow]:
                 yield item
 
 
-def file_hash(root_fd: int, path: bytes, ino: int) -> str | None:
+def file_hash(root_fd: int, path: bytes, ino: int, *, links: int | None = None) -> str | None:
     """xxh3_128 (hex) of the regular file ``path`` under ``root_fd``, if it is still inode
-    ``ino``; None when it is gone, not a regular file, or another inode now."""
+    ``ino`` (with ``links`` names, if given); None when it is gone, not a regular file,
+    another inode now, or has another number of links."""
     parts = parts_of(path)
     if not parts:
         return None
@@ -224,6 +225,8 @@ def file_hash(root_fd: int, path: bytes, ino: int) -> str | None:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_ino != ino:
+            return None
+        if links is not None and st.st_nlink != links:
             return None
         digest = xxhash.xxh3_128()
         while chunk := os.read(fd, _READ):

@@ -79,6 +79,8 @@ SELECT m.path, m.kind, m.ino,
     WHEN h.path IS NULL THEN 'missing'
     WHEN h.kind IS NOT o.hkind OR h.kind IS NOT m.kind OR h.mode IS NOT o.hmode
       OR h.size IS NOT o.hsize OR h.mtime IS NOT o.hmtime THEN 'tampered'
+    WHEN h.ino IS NOT o.hino AND m.kind = 'f' AND m.ino != 0 AND EXISTS (SELECT 1 FROM s.man g
+      WHERE g.ino = m.ino AND g.kind = 'f' AND g.path != m.path) THEN 'tampered'
     WHEN h.ino IS NOT o.hino OR h.ctime IS NOT o.hctime THEN 'check'
     ELSE 'keep'
   END,
@@ -86,6 +88,25 @@ SELECT m.path, m.kind, m.ino,
 FROM s.man m
 LEFT JOIN base o ON o.path = m.path
 LEFT JOIN s.host h ON h.path = m.path
+"""
+
+#: the diff's scan of the entries the farm links as they are (kept, not directories: the
+#: farm makes those afresh), before the commit scans DEST again (see KEPT_MOVED)
+KEPT = """
+INSERT INTO s.kept
+SELECT h.path, h.kind, h.mode, h.size, h.mtime, h.ino FROM s.host h JOIN s.plan p USING (path)
+WHERE p.act = 'keep' AND p.kind != 'd'
+"""
+
+#: a kept entry that DEST no longer holds as the diff saw it, at the commit's scan: changed
+#: on the host during the pull (the farm links the inode, so kind, mode, size, mtime and
+#: inode stay; only the ctime moves with the farm's link and the old tree's unlink).  Its
+#: recorded hash no longer describes it: it is left out of the state, fetched next time.
+KEPT_MOVED = """
+DELETE FROM s.host WHERE path IN (
+  SELECT n.path FROM s.host n JOIN s.kept d USING (path)
+  WHERE n.kind IS NOT d.kind OR n.mode IS NOT d.mode OR n.size IS NOT d.size
+    OR n.mtime IS NOT d.mtime OR n.ino IS NOT d.ino)
 """
 
 COMMIT = """
@@ -144,6 +165,10 @@ def scratch(db: sqlite3.Connection) -> None:
         "WITHOUT ROWID"
     )
     db.execute("CREATE TABLE s.verdict (path BLOB PRIMARY KEY, ok INT) WITHOUT ROWID")
+    db.execute(
+        "CREATE TABLE s.kept (path BLOB PRIMARY KEY, kind TEXT, mode INT, size INT, mtime INT, "
+        "ino INT) WITHOUT ROWID"
+    )
     db.execute("CREATE TABLE s.hashes (path BLOB PRIMARY KEY, hash TEXT) WITHOUT ROWID")
     db.execute(f"CREATE TABLE s.nostate ({STATE_COLUMNS}) WITHOUT ROWID")
 

@@ -369,19 +369,24 @@ class PullState:
 
     def _recheck(self, dest_fd: int) -> int:
         """Entries whose host inode or ctime moved: re-hash (re-read the link) and compare.
-        Returns how many were verified."""
+        Returns how many were verified.  (A file of a guest hardlink group whose host inode
+        moved is not checked but fetched, with its group: the plan says ``tampered``.)"""
         db = self.db
         db.execute("DELETE FROM s.verdict")
         rows = db.execute(
-            "SELECT p.path, p.kind, h.ino, o.hash, m.target FROM s.plan p "
+            "SELECT p.path, p.kind, h.ino, h.ino IS NOT o.hino, o.hash, m.target FROM s.plan p "
             "JOIN s.host h USING (path) JOIN base o USING (path) JOIN s.man m USING (path) "
             "WHERE p.act = 'check'"
         )
         batch: list[tuple[bytes, int]] = []
-        for path, kind, ino, recorded, target in rows:
+        for path, kind, ino, moved, recorded, target in rows:
             if kind == "f":
+                # another inode than the one recorded is the guest's file only alone: with a
+                # second link the host joined it to another name (in DEST or outside), and
+                # linking that inode into the new tree would carry the join over
+                links = 1 if moved else None
                 same = recorded is not None and (
-                    hostscan.file_hash(dest_fd, path, incsql.py_int(ino)) == recorded
+                    hostscan.file_hash(dest_fd, path, incsql.py_int(ino), links=links) == recorded
                 )
             elif kind == "l":
                 same = hostscan.link_target(dest_fd, path) == target
@@ -419,7 +424,8 @@ class PullState:
         DEST is scanned again, unless ``restat`` gives the lstat rows of every entry this
         pull made (:func:`wsync.engine.prevtree.restat`): then every other row is the one
         of the scan the diff used.  An older signature is never a missed change: anything
-        done to an entry since that scan differs from it next time.
+        done to an entry since that scan differs from it next time.  Scanned again, a kept
+        entry the host changed during the pull (see ``incsql.KEPT_MOVED``) is left out.
         """
         if not self._loaded:
             raise RuntimeError("load_manifest() first")
@@ -427,7 +433,12 @@ class PullState:
         with self._errors():
             db = self.db
             if restat is None or not self._diffed:
+                if self._diffed:
+                    db.execute("DELETE FROM s.kept")
+                    db.execute(incsql.KEPT)
                 self._scan_host(dest_fd)
+                if self._diffed:
+                    db.execute(incsql.KEPT_MOVED)
             else:
                 for batch in _batches(restat()):
                     gone = [(path,) for path, row in batch if row is None]
