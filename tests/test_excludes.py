@@ -197,7 +197,13 @@ def test_none_and_root() -> None:
 
 @pytest.mark.parametrize(
     "pattern",
-    ["", "!", "/", "//", "a\0b", "x[", "[", "a**b", "dir/***", "foo\\", "**x/y"],
+    [
+        *("", "!", "/", "//", "a\0b", "x[", "[", "a**b", "dir/***", "foo\\", "**x/y"),
+        # POSIX bracket classes: pathspec read "[[:digit:]]" as "[[:digt]" then "]" (matching
+        # "d]", not "5") while the guest's find -name pruned "5": a silently wrong DEST
+        *("[[:digit:]]", "a[[:space:]]b", "[![:alpha:]]", "x[ab[:upper:]]", "[[=a=]]"),
+        "[[.a.]]",
+    ],
 )
 def test_malformed_patterns_are_usage_errors(pattern: str) -> None:
     with pytest.raises(UsageError) as err:
@@ -205,6 +211,11 @@ def test_malformed_patterns_are_usage_errors(pattern: str) -> None:
     assert err.value.exit_code == 2
     assert "\n" not in str(err.value)
     assert "malformed exclude pattern" in str(err.value)
+
+
+@pytest.mark.parametrize("pattern", ["[:a:]", "[:]", "x[:]y", "[[]", "[]]"])
+def test_a_colon_in_a_plain_class_is_no_posix_class(pattern: str) -> None:
+    assert Excludes.from_options([pattern], []).patterns == (pattern,)
 
 
 def test_missing_exclude_from_file(tmp_path: Path) -> None:

@@ -20,7 +20,8 @@ and what a user replacing ``rsync -a --exclude`` expects:
 
 Refused with exit 2 (one line naming the pattern): empty patterns, NUL bytes, patterns that
 can never match (an unclosed ``[``, a lone ``/``), a ``**`` that is not a whole component and
-rsync's ``***`` (their meaning differs between the tools), and a trailing lone ``\\``.
+rsync's ``***`` (their meaning differs between the tools), POSIX bracket classes such as
+``[[:digit:]]`` (pathspec does not know them), and a trailing lone ``\\``.
 Negation (``!pattern``, re-include) is gitignore's; rsync has no such rule, so it is outside
 what the equivalence test covers.  Files given with ``--exclude-from`` hold one pattern per
 line; blank lines and lines starting with ``#`` or ``;`` are skipped, as rsync does.
@@ -45,6 +46,9 @@ if TYPE_CHECKING:
 _DIR_CACHE = 65536
 #: a negated class in a regex pathspec made (not an escaped literal "[")
 _NEGATED_CLASS = re.compile(r"(?<!\\)\[\^")
+#: a POSIX class, equivalence class or collating symbol inside a bracket expression: find's
+#: fnmatch and rsync know them, pathspec reads "[[:digit:]]" as the set "[[:digt]" then "]"
+_BRACKET_CLASS = re.compile(r"\[[!^]?[^\]]*\[([:=.]).*?\1\]")
 
 
 class Excludes:
@@ -204,6 +208,11 @@ def _malformed(pattern: str) -> str | None:
         return "only '/' (it would exclude the whole workspace)"
     if _trailing_escape(body):
         return "a trailing lone backslash"
+    if _BRACKET_CLASS.search(body):
+        return (
+            "POSIX bracket classes ('[[:digit:]]', '[[=a=]]', '[[.a.]]') are not supported: "
+            "the host's matcher and the guest's find read them differently (write '[0-9]')"
+        )
     for part in body.strip("/").split("/"):
         if "***" in part:
             return "rsync's '***' is not supported (write 'dir/' to exclude a directory)"
