@@ -8,6 +8,7 @@ short token file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -204,3 +205,38 @@ def test_a_plain_token_in_sandbox_options_is_refused(tmp_path: Path) -> None:
         SandboxConfig(uri="e2b://sbx/work", options={"e2b_token": "pasted-secret-value"})
     shown = format_validation_error(info.value)  # what the daemon prints
     assert "by reference" in shown and "pasted-secret-value" not in shown
+
+
+def test_a_dest_over_the_daemons_own_state_is_refused(tmp_path: Path) -> None:
+    """``dest_roots = ["~"]`` with the state directory under it is an ordinary setup; a
+    request naming the state (or a directory in it, or one holding it) as DEST would have
+    the pull replace the journals and the job store with what the guest sent."""
+    make_tree(tmp_path / "allowed" / "ws", seed=29)
+    roots = tmp_path / "roots"
+    roots.mkdir()
+    config = base_config(
+        tmp_path, api=f'allow_uris = true\nlocal_roots = ["{tmp_path}/allowed"]'
+    ).replace(f'state_dir = "{tmp_path}/state"', f'state_dir = "{roots}/.state"')
+    source = f"local:{tmp_path}/allowed/ws"
+    daemon = DaemonProcess(tmp_path, config)
+    daemon.state_dir = roots / ".state"
+    with contextlib.closing(daemon.start()):
+        for dest in (".state/engine/pulls", ".state", ".state/engine", ".state/x/y"):
+            status, body = _post(daemon, source, f"{roots}/{dest}")
+            assert status == 403 and "state directory" in body["error"], (dest, body)
+        status, job = _post(daemon, source, f"{roots}/copy")  # beside it: fine
+        assert status == 202, job
+        assert daemon.wait_job(job["id"])["result"]["ok"] is True
+    state = roots / ".state"
+    assert not list(state.rglob("blob.bin"))  # no file of the guest's tree in the state
+
+
+def test_a_configured_dest_over_the_state_is_a_config_error(tmp_path: Path) -> None:
+    from wsync.daemon.config import check_dest
+
+    roots = tmp_path / "roots"
+    state = roots / "st"
+    for dest in (state, state / "engine", roots):
+        with pytest.raises(Forbidden, match="state directory"):
+            check_dest(str(dest), [tmp_path], (state,))
+    assert check_dest(str(roots / "other"), [tmp_path], (state,)) == roots / "other"

@@ -398,3 +398,21 @@ def test_excludes_on_a_guest_that_cannot_list_fail_clearly(tmp_path: Path) -> No
     with pytest.raises(GuestToolsMissing):
         go(lambda w: (LocalTransport(env=env), str(w)), ws, dest, opts)
     assert not dest.exists()
+
+
+@pytest.mark.parametrize("where", ["state/pulls", "state", "holds-state"])
+def test_a_dest_over_the_state_directory_is_refused(tmp_path: Path, where: str) -> None:
+    """DEST being, inside or around --state-dir: the swap would put the guest's tree over
+    the journal (or move the state away), and the pull then failed after changing DEST."""
+    ws = tmp_path / "ws"
+    prepare(ws)
+    state = tmp_path / ("holds-state/.st" if where == "holds-state" else "state")
+    first = cli(f"local:{ws}", str(tmp_path / "a"), "--state-dir", str(state), "--json")
+    assert first.returncode == 0, first.stderr
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if "ws" not in p.parts)
+    dest = tmp_path / where
+    done = cli(f"local:{ws}", str(dest), "--state-dir", str(state), "--force", "--json")
+    assert done.returncode == 2, done.stderr
+    assert "state directory" in json.loads(done.stdout)["error"]
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if "ws" not in p.parts)
+    assert after == before

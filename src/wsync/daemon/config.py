@@ -30,7 +30,7 @@ import contextvars
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -321,7 +321,7 @@ class DaemonConfig(BaseSettings):
                 )
             if box.dest is not None:
                 try:
-                    check_dest(str(box.dest), self.dest_roots)
+                    check_dest(str(box.dest), self.dest_roots, self.own_dirs)
                 except UsageError as err:
                     raise ValueError(f"sandboxes.{name}.dest: {err}") from None
             if box.interval is not None and box.dest is None:
@@ -339,6 +339,11 @@ class DaemonConfig(BaseSettings):
                 "every daemon shares, so that a daemon taking over a job resumes its journal"
             )
         return self
+
+    @property
+    def own_dirs(self) -> tuple[Path, Path]:
+        """The daemon's state and the engine's (journals, registry): never a DEST."""
+        return self.state_dir, self.engine_state_dir
 
     @property
     def engine_state_dir(self) -> Path:
@@ -466,12 +471,15 @@ def check_uri(raw: str) -> SandboxURI:
     return uri
 
 
-def check_dest(raw: str, roots: list[Path]) -> Path:
+def check_dest(raw: str, roots: list[Path], keep_out: Sequence[Path] = ()) -> Path:
     """Return the resolved DEST if it lies inside an allowed root, else raise.
 
     Refuses relative paths and ``..`` components outright (422), then resolves
     symlinks in the existing part of the path so a link planted inside a root
-    cannot point the pull elsewhere (403, :class:`DestForbidden`).
+    cannot point the pull elsewhere (403, :class:`DestForbidden`).  A DEST that is,
+    holds or lies in one of ``keep_out`` (the daemon's own state: a pull replaces DEST
+    whole) is refused too (403), also inside a root: ``dest_roots = ["~"]`` with the
+    default state directory under it is an ordinary setup.
     """
     if not raw or "\x00" in raw:
         raise UsageError("dest is empty or contains a NUL byte")
@@ -483,6 +491,13 @@ def check_dest(raw: str, roots: list[Path]) -> Path:
     if not roots:
         raise DestForbidden("no dest_roots are configured, so no destination is allowed")
     resolved = path.resolve(strict=False)
+    for kept in keep_out:
+        real_kept = kept.resolve(strict=False)
+        if resolved.is_relative_to(real_kept) or real_kept.is_relative_to(resolved):
+            raise DestForbidden(
+                f"dest {raw!r} overlaps the daemon's state directory {kept}: "
+                "a pull replaces DEST whole"
+            )
     for root in roots:
         real_root = root.resolve(strict=False)
         if resolved != real_root and resolved.is_relative_to(real_root):

@@ -149,7 +149,7 @@ def resolve_request(config: DaemonConfig, sandbox: str, dest: str | None) -> tup
         raise UsageError(f"unknown sandbox {sandbox!r} (configured: {known})")
     if not dest:
         raise UsageError(f"dest is required for sandbox {sandbox!r} (it has no default dest)")
-    return name, uri, str(check_dest(dest, config.dest_roots))
+    return name, uri, str(check_dest(dest, config.dest_roots, config.own_dirs))
 
 
 def failure_summary(job: Job, err: WsyncError | None) -> dict[str, Any]:

@@ -90,6 +90,13 @@ def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOp
                 raise UsageError(f"DEST {dest} is inside the source workspace {source}")
             if real in source.parents:
                 raise UsageError(f"the source workspace {source} is inside DEST {dest}")
+        state = Path(options.state_dir).resolve()
+        if real == state or state in real.parents or real in state.parents:
+            # the swap would put the guest's tree over the journal, or move it away
+            raise UsageError(
+                f"DEST {dest} and wsync's state directory {state} (--state-dir) overlap; "
+                "a pull replaces DEST whole"
+            )
         target.lock()  # for the whole pull: a second pull into DEST fails here, at once
         st = target.stat()
         if st is not None and stat.S_ISLNK(st.st_mode):
