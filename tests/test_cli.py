@@ -226,3 +226,38 @@ def test_relative_local_paths_are_pinned_to_the_current_directory(tmp_path: Path
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["sandbox"] == f"local:{tmp_path / 'ws'}"
     assert_exact(tmp_path / "ws", tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--call-timeout", "0", "must be more than 0"),  # was: internal error (exit 1)
+        ("--timeout", "nan", "not a finite number"),  # was: "deadline of nans passed" (6)
+        ("--call-timeout", "nan", "not a finite number"),  # was: taken silently
+        ("--timeout", "1e400", "not a finite number"),
+        ("--call-timeout", "inf", "not a finite number"),
+    ],
+)
+def test_timeouts_that_are_not_finite_or_zero_are_usage_errors(
+    tmp_path: Path, flag: str, value: str, says: str
+) -> None:
+    ws = make_tree(tmp_path / "ws", big=1024, small=2)
+    done = wsync("pull", f"local:{ws}", str(tmp_path / "d"), flag, value)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--exclude", "["], ["--exclude-from", "/nonexistent/x"], ["--chunk-size", "100K"]],
+    ids=["pattern", "exclude-from", "chunk-size"],
+)
+def test_json_has_its_object_for_every_usage_error(tmp_path: Path, args: list[str]) -> None:
+    """These were checked before the JSON reporter was set up: stdout stayed empty."""
+    ws = make_tree(tmp_path / "ws", big=1024, small=2)
+    done = wsync("pull", f"local:{ws}", str(tmp_path / "d"), "--json", *args)
+    assert done.returncode == 2, done.stderr
+    result = json.loads(done.stdout)
+    assert result["ok"] is False and result["exit_code"] == 2
+    assert result["error_kind"] == "usage" and args[0] in result["error"]

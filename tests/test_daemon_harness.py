@@ -358,3 +358,16 @@ def test_log_redaction_masks_secret_keys_registered_values_and_url_passwords() -
     assert event["uri"] == f"ssh://agent:{REDACTED}@host/work"
     assert event["argv"] == ["x", REDACTED]
     assert event["event"] == "pull.start"
+
+
+@pytest.mark.parametrize("line", ["pull_timeout = inf", "call_timeout = nan", "call_timeout = inf"])
+def test_endless_or_nan_limits_are_config_errors(tmp_path: Path, line: str) -> None:
+    from wsync.daemon.config import ConfigError, load_config
+
+    cfg = tmp_path / "c.toml"
+    text = base_config(tmp_path)
+    key = line.split()[0]
+    text = text.replace("call_timeout = 20", line) if key == "call_timeout" else text + line
+    cfg.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match=line.split()[0]):
+        load_config(cfg)

@@ -13,15 +13,19 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import sys
 import time
 import traceback
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, TextIO, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar, cast
 
 from wsync import __version__, interrupts
 from wsync.errors import EXIT_CODES, Interrupted, UsageError, WsyncError
+
+if TYPE_CHECKING:
+    from wsync.engine.api import PullOptions
 
 T = TypeVar("T")
 
@@ -77,8 +81,17 @@ def seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value):  # "nan" and "inf" parse as floats
+        raise argparse.ArgumentTypeError(f"not a finite number of seconds: {text!r}")
     if value < 0:
         raise argparse.ArgumentTypeError(f"must not be negative: {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    value = seconds(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0: {text!r}")
     return value
 
 
@@ -257,7 +270,11 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         help="overall deadline (3600; 0=none)",
     )
     p.add_argument(
-        "--call-timeout", type=seconds, default=60.0, metavar="S", help="deadline of one exec (60)"
+        "--call-timeout",
+        type=positive_seconds,
+        default=60.0,
+        metavar="S",
+        help="deadline of one exec (60)",
     )
     p.add_argument(
         "--retries", type=positive_int, default=12, metavar="N", help="attempts per call (12)"
@@ -538,11 +555,10 @@ def run_async(coro_factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
             stopper.set_target(None)
 
 
-def cmd_pull(args: argparse.Namespace) -> int:
-    from wsync.engine.api import ExtractLimits, PullOptions, PullResult, default_state_dir
+def pull_options(args: argparse.Namespace) -> PullOptions:
+    """The engine's options from ``wsync pull``'s arguments; UsageError for a bad one."""
+    from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
     from wsync.engine.excludes import Excludes
-    from wsync.engine.pull import pull_uri
-    from wsync.progress import describe_faults, human_bytes, plural, progress_display
 
     options = PullOptions(
         state_dir=args.state_dir or default_state_dir(),
@@ -566,10 +582,20 @@ def cmd_pull(args: argparse.Namespace) -> int:
     )
     if options.chunk_size % (64 * 1024):
         raise UsageError("--chunk-size must be a multiple of 64K")
+    return options
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from wsync.engine.api import PullResult
+    from wsync.engine.pull import pull_uri
+    from wsync.progress import describe_faults, human_bytes, plural, progress_display
+
     # --json: stdout holds exactly the result, stderr only errors and warnings
-    bar = progress_display(sys.stderr, enabled=not (args.json or args.no_progress))
+    bar = None
     started = time.monotonic()
     try:
+        options = pull_options(args)  # its usage errors get the JSON result too
+        bar = progress_display(sys.stderr, enabled=not (args.json or args.no_progress))
         result = run_async(
             lambda: pull_uri(
                 args.sandbox, args.dest, options, transport_options(args), on_progress=bar

@@ -64,7 +64,8 @@ class ConfigError(UsageError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # TOML has inf and nan: an endless timeout or interval is a typo, never a setting
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ApiConfig(_Strict):
@@ -240,6 +241,7 @@ class DaemonConfig(BaseSettings):
         env_nested_delimiter="__",
         extra="forbid",
         frozen=True,
+        allow_inf_nan=False,
     )
 
     #: jobs database, engine journals and the daemon's address file
