@@ -287,6 +287,26 @@ def test_cli_status_and_jobs(
     assert tree_of(daemon.root / "ws") == tree_of(daemon.root / "roots" / "cli")
 
 
+def test_cli_tables_show_caller_text_escaped(
+    daemon: DaemonProcess, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's dest comes from whoever called the API: a title change, a clear screen or a
+    line break in it reached the terminal of whoever ran ``wsync jobs``."""
+    monkeypatch.setenv("WSYNC_API_TOKEN", TOKEN)
+    hostile = f"{daemon.root}/roots/e\x1b]0;pwned\x07\x1b[2J\nfake-row"
+    job = daemon.pull("ws", hostile)
+    assert status_main(["--url", daemon.url, job["id"], "--wait"]) == 0
+    shown = capsys.readouterr().out
+    assert jobs_main(["--url", daemon.url]) == 0
+    shown += capsys.readouterr().out
+    assert "\x1b" not in shown and "\x07" not in shown
+    assert "\\x1b]0;pwned" in shown and "\\nfake-row" in shown
+    assert not any(line.startswith("fake-row") for line in shown.splitlines())
+    assert status_main(["--url", daemon.url, "j-nope"]) == 2
+    err = capsys.readouterr().err
+    assert "404" in err and "b'" not in err  # the body's message, not a bytes repr
+
+
 def test_logs_are_json_lines_with_job_context(daemon: DaemonProcess) -> None:
     job = daemon.pull("ws", f"{daemon.root}/roots/logs")
     daemon.wait_job(job["id"])

@@ -30,6 +30,8 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from wsync.protocol.records import printable
+
 DEFAULT_URL = "http://127.0.0.1:8477"
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
@@ -106,8 +108,11 @@ class DaemonClient:
         except ValueError:
             raise ClientError(f"the daemon at {self.where} sent non-JSON", 3) from None
         if response.status >= 400:
-            message = payload.get("error") if isinstance(payload, dict) else None
-            raise ClientError(f"daemon: HTTP {response.status}: {message or raw[:200]!r}", 2)
+            message = None
+            if isinstance(payload, dict):  # our {"error"}, or a framework's {"detail"}
+                message = payload.get("error") or payload.get("detail")
+            shown = printable(str(message) if message else raw, 200)
+            raise ClientError(f"daemon: HTTP {response.status}: {shown}", 2)
         return payload
 
 
@@ -281,6 +286,9 @@ def _summary(job: dict[str, Any]) -> str:
 
 
 def _table(rows: list[list[str]]) -> str:
+    # a job's dest, sandbox and error come from whoever called the API: no terminal
+    # escapes, no line breaks
+    rows = [[printable(cell, 1000) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     return "\n".join(line.rstrip() for line in lines)
@@ -290,9 +298,9 @@ def _print_job(job: dict[str, Any]) -> None:
     keys = ("id", "state", "sandbox", "uri", "dest", "trigger", "attempts", "exit_code", "error")
     for key in keys:
         if job.get(key) is not None:
-            print(f"{key:<10} {job[key]}")
+            print(f"{key:<10} {printable(str(job[key]), 1000)}")
     print(f"{'created':<10} {_age(job.get('created_at'))} ago")
-    print(f"{'summary':<10} {_summary(job)}")
+    print(f"{'summary':<10} {printable(_summary(job), 1000)}")
     faults = (job.get("result") or job.get("progress") or {}).get("faults") or {}
     if faults:
         print(f"{'faults':<10} " + ", ".join(f"{k}={v}" for k, v in sorted(faults.items())))
