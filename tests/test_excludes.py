@@ -202,7 +202,7 @@ def test_none_and_root() -> None:
         # POSIX bracket classes: pathspec read "[[:digit:]]" as "[[:digt]" then "]" (matching
         # "d]", not "5") while the guest's find -name pruned "5": a silently wrong DEST
         *("[[:digit:]]", "a[[:space:]]b", "[![:alpha:]]", "x[ab[:upper:]]", "[[=a=]]"),
-        "[[.a.]]",
+        *("[[.a.]]", "[]a[:digit:]]", "[!]a[:digit:]]"),  # a leading ']' is a member
     ],
 )
 def test_malformed_patterns_are_usage_errors(pattern: str) -> None:
@@ -213,7 +213,7 @@ def test_malformed_patterns_are_usage_errors(pattern: str) -> None:
     assert "malformed exclude pattern" in str(err.value)
 
 
-@pytest.mark.parametrize("pattern", ["[:a:]", "[:]", "x[:]y", "[[]", "[]]"])
+@pytest.mark.parametrize("pattern", ["[:a:]", "[:]", "x[:]y", "[[]", "[]]", "\\[[:a:]]"])
 def test_a_colon_in_a_plain_class_is_no_posix_class(pattern: str) -> None:
     assert Excludes.from_options([pattern], []).patterns == (pattern,)
 

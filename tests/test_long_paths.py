@@ -212,3 +212,26 @@ def test_a_deep_file_written_while_tar_reads_it_is_read_again_not_dropped(
     assert result.mode == "full"
     assert int(count.read_text()) >= 2  # it was read again
     assert _tree(dest) == _tree(ws)
+
+
+@pytest.mark.parametrize("keep_prev", [False, True])
+def test_after_a_whole_tree_run_in_place_of_a_select_nothing_is_fetched_again(
+    tmp_path: Path, keep_prev: bool
+) -> None:
+    """The whole-tree run writes every entry afresh (new inodes): the commit must not
+    compare them with the diff's kept entries, which left all of them out of the state
+    and made the next pull fetch the whole workspace again (found in review)."""
+    ws = tmp_path / "ws"
+    _deep(ws)
+    for i in range(20):
+        (ws / f"f{i}.txt").write_text(f"{i}\n")
+    dest, opts = tmp_path / "out", options(tmp_path, keep_prev=keep_prev)
+    assert run_pull(local(), ws, dest, opts).mode == "full"
+    (ws / "f0.txt").write_text("x\n")
+    one = run_pull(local(), ws, dest, opts)
+    assert (one.mode, one.changed_files) == ("incremental", 1)
+    _append_to_leaf(ws, b"two\n")
+    assert run_pull(local(), ws, dest, opts).mode == "full"
+    again = run_pull(local(), ws, dest, opts)
+    assert (again.mode, again.changed_files) == ("incremental", 0)
+    assert _tree(ws) == _tree(dest)

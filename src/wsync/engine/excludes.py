@@ -48,7 +48,7 @@ _DIR_CACHE = 65536
 _NEGATED_CLASS = re.compile(r"(?<!\\)\[\^")
 #: a POSIX class, equivalence class or collating symbol inside a bracket expression: find's
 #: fnmatch and rsync know them, pathspec reads "[[:digit:]]" as the set "[[:digt]" then "]"
-_BRACKET_CLASS = re.compile(r"\[[!^]?[^\]]*\[([:=.]).*?\1\]")
+_BRACKET_CLASS = re.compile(r"(?<!\\)\[[!^]?\]?[^\]]*\[([:=.]).*?\1\]")
 
 
 class Excludes:

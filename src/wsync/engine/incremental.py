@@ -292,8 +292,10 @@ class Incremental:
         else:
             self.run = "select" if self.diff.fetch else "apply"
             if self.run == "select" and not self._selectable(self.diff):
-                # the whole workspace, by tar's own walk (by directory fds: any depth)
+                # the whole workspace, by tar's own walk (by directory fds: any depth):
+                # every entry is written afresh, none kept from DEST
                 self.mode, self.run = "full", "tar"
+                self.state.drop_plan()
 
     def _selectable(self, diff: Diff) -> bool:
         """Whether a ``select`` run can name every entry to fetch (see

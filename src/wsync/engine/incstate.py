@@ -304,6 +304,12 @@ class PullState:
         self._diffed = True
         return Diff(self.db, int(changed), int(deleted), int(fetch), int(longest))
 
+    def drop_plan(self) -> None:
+        """The content run will not build on the diff (a whole-tree run took the place of
+        the ``select`` run): the commit records what the extractor wrote, as after a full
+        pull, instead of comparing kept entries the run never linked."""
+        self._diffed = False
+
     def _scan_host(
         self, dest_fd: int, check_cancel: Callable[[], None] | None = None, *, hold: bool = False
     ) -> str:
