@@ -224,3 +224,36 @@ def test_a_host_edit_during_a_pull_is_repaired_by_the_next(tmp_path: Path) -> No
     assert_exact(ws, dest)
     again = go(ws, dest, opts)
     assert again.changed_files == again.deleted_files == 0
+
+
+@pytest.mark.parametrize("keep_prev", [False, True])
+def test_a_fetched_file_changed_after_the_swap_is_repaired_by_the_next_pull(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep_prev: bool
+) -> None:
+    """A file this pull fetched, edited on the host between the swap and the state's
+    commit (the old tree's removal lies between them): the commit recorded the
+    extractor's hash beside what it found in DEST, and every later pull kept the edit."""
+    from wsync.engine.incremental import Incremental
+
+    ws = make_tree(tmp_path / "ws", big=4096, small=5)
+    dest, opts = tmp_path / "dest", options(tmp_path, keep_prev=keep_prev)
+    go(ws, dest, opts)
+    (ws / "src" / "f1.txt").write_text("changed in the guest\n")
+    (ws / "src" / "f2.txt").write_text("changed too\n")
+    real = Incremental.commit
+
+    def edited_first(self: Incremental) -> None:
+        with open(dest / "src" / "f1.txt", "ab") as f:
+            f.write(b"host edit\n")
+        os.chmod(dest / "src" / "f2.txt", 0o600)
+        real(self)
+
+    monkeypatch.setattr(Incremental, "commit", edited_first)
+    during = go(ws, dest, opts)
+    assert during.changed_files == 2
+    monkeypatch.setattr(Incremental, "commit", real)
+    after = go(ws, dest, opts)
+    assert after.changed_files == 2
+    assert_exact(ws, dest)
+    again = go(ws, dest, opts)
+    assert again.changed_files == again.deleted_files == 0

@@ -84,7 +84,7 @@ from wsync.engine.api import ExtractLimits, MiB
 from wsync.engine.tarstream import TarReader, show_name
 from wsync.errors import HostileArchive, HostIOError, LimitExceeded, WsyncError
 
-__all__ = ["ExtractStats", "FileHook", "extract_tar_stream"]
+__all__ = ["ExtractStats", "FileHook", "Written", "extract_tar_stream"]
 
 #: longest member name or link target, in bytes
 _MAX_NAME = 64 * 1024
@@ -148,8 +148,9 @@ def extract_tar_stream(
     as before: the farm's directories are real directories created fresh, its links are
     never followed (``O_NOFOLLOW`` walk, ``rename`` replaces the link itself).
 
-    ``on_file(path, xxh3_128_hex)`` hears every regular file (and hardlink) written, with
-    the hash of the bytes as written: the incremental state records it.
+    ``on_file(path, xxh3_128_hex, written)`` hears every regular file (and hardlink)
+    written, with the hash of the bytes as written and the (inode, mode, size, mtime) they
+    have then: the incremental state records the hash, where DEST still holds that file.
 
     ``root`` is a path or an already-open directory fd (which stays open; the pull passes
     one so that nothing is resolved by path after its checks).  Raises
@@ -244,8 +245,10 @@ def _utime(
         )
 
 
-#: hears (path, xxh3_128 hex) of every regular file written
-FileHook = Callable[[bytes, str], None]
+#: what the filesystem holds of a file once written: (inode, permission bits, size, mtime_ns)
+Written = tuple[int, int, int, int]
+#: hears (path, xxh3_128 hex, what was written) of every regular file written
+FileHook = Callable[[bytes, str, Written], None]
 
 
 def _hash_at(dir_fd: int, leaf: bytes, shown: str) -> str:
@@ -472,6 +475,7 @@ class _Extractor:
             if self.umask is None or mode & self.umask:
                 os.fchmod(fd, mode)
             _utime(fd, self.atime_ns, mtime_ns)
+            st = os.fstat(fd) if digest is not None else None
         except OSError as exc:
             raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
         finally:
@@ -482,8 +486,9 @@ class _Extractor:
         self.stats.bytes += size
         if leaf is parts[-1] or not self._replace(parent, leaf, parts[-1], name):
             self.stats.files += 1
-        if self.on_file is not None and digest is not None:
-            self.on_file(b"/".join(parts), digest.hexdigest())
+        if self.on_file is not None and digest is not None and st is not None:
+            written = (st.st_ino, stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns)
+            self.on_file(b"/".join(parts), digest.hexdigest(), written)
 
     def _dir(self, name: bytes, mode: int, mtime_ns: int) -> None:
         parts = _split(name, is_dir=True)
@@ -563,7 +568,9 @@ class _Extractor:
             if leaf is parts[-1] or not self._replace(parent, leaf, parts[-1], name):
                 self.stats.hardlinks += 1
             if self.on_file is not None:
-                self.on_file(b"/".join(parts), _hash_at(tparent, tparts[-1], shown))
+                # the linked inode's
+                written = (st.st_ino, stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns)
+                self.on_file(b"/".join(parts), _hash_at(tparent, tparts[-1], shown), written)
         finally:
             os.close(tparent)
 

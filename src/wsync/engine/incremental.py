@@ -50,6 +50,7 @@ from wsync.engine import prevtree
 from wsync.engine.api import PullOptions
 from wsync.engine.destdir import DestDir
 from wsync.engine.excludes import Excludes
+from wsync.engine.extract import Written
 from wsync.engine.farm import build_farm, set_dir_meta
 from wsync.engine.guest import GuestPlan
 from wsync.engine.incdiff import Diff
@@ -123,8 +124,8 @@ def open_dest(target: DestDir) -> int | None:
 
 
 class HashLog:
-    """The extractor's (path, xxh3_128) pairs, on disk: a million files must not be held
-    in memory until the commit.  Written by the extractor thread, read once after."""
+    """The extractor's (path, xxh3_128, written) records, on disk: a million files must not
+    be held in memory until the commit.  Written by the extractor thread, read once after."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -134,23 +135,36 @@ class HashLog:
         self.close()
         self._file = self.path.open("wb")
 
-    def add(self, path: bytes, digest: str) -> None:
+    def add(self, path: bytes, digest: str, written: Written) -> None:
         if self._file is not None:
-            self._file.write(_LEN.pack(len(path)) + path + digest.encode().ljust(32)[:32])
+            ino, mode, size, mtime = written
+            self._file.write(
+                _LEN.pack(len(path))
+                + path
+                + digest.encode().ljust(32)[:32]
+                + ino.to_bytes(8, "little")
+                + mode.to_bytes(4, "little")
+                + size.to_bytes(8, "little")
+                + mtime.to_bytes(16, "little", signed=True)  # times pass 64 bits in 2262
+            )
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
 
-    def __iter__(self) -> Iterator[tuple[bytes, str]]:
+    def __iter__(self) -> Iterator[tuple[bytes, str, Written]]:
         self.close()
         with contextlib.suppress(FileNotFoundError), self.path.open("rb") as f:
             while head := f.read(_LEN.size):
                 (n,) = _LEN.unpack(head)
                 path = f.read(n)
                 digest = f.read(32).decode().rstrip()
-                yield path, digest
+                tail = f.read(36)
+                numbers = (tail[:8], tail[8:12], tail[12:20])
+                ino, mode, size = (int.from_bytes(n, "little") for n in numbers)
+                mtime = int.from_bytes(tail[20:], "little", signed=True)
+                yield path, digest, (ino, mode, size, mtime)
 
 
 class Incremental:

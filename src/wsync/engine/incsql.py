@@ -109,6 +109,10 @@ DELETE FROM s.host WHERE path IN (
     OR n.mtime IS NOT d.mtime OR n.ino IS NOT d.ino)
 """
 
+#: the new state: each entry of the manifest that DEST holds with the manifest's kind, with
+#: the hash the extractor wrote, or the one the diff verified for a kept file; a file the
+#: extractor wrote that DEST holds with another inode, mode, size or mtime now (changed on the
+#: host between the swap and this commit) is left out, fetched next time
 COMMIT = """
 INSERT INTO main.state
 SELECT m.path, m.kind, m.mode, m.size, m.mtime, m.ctime, m.ino, m.target, m.digest,
@@ -118,6 +122,8 @@ FROM s.man m
 JOIN s.host h ON h.path = m.path AND h.kind = m.kind
 LEFT JOIN s.hashes fh ON fh.path = m.path
 LEFT JOIN s.plan p ON p.path = m.path
+WHERE fh.ino IS NULL
+  OR (h.ino IS fh.ino AND h.mode IS fh.mode AND h.size IS fh.size AND h.mtime IS fh.mtime)
 """
 
 
@@ -169,7 +175,10 @@ def scratch(db: sqlite3.Connection) -> None:
         "CREATE TABLE s.kept (path BLOB PRIMARY KEY, kind TEXT, mode INT, size INT, mtime INT, "
         "ino INT) WITHOUT ROWID"
     )
-    db.execute("CREATE TABLE s.hashes (path BLOB PRIMARY KEY, hash TEXT) WITHOUT ROWID")
+    db.execute(
+        "CREATE TABLE s.hashes (path BLOB PRIMARY KEY, hash TEXT, ino INT, mode INT, size INT, "
+        "mtime INT) WITHOUT ROWID"
+    )
     db.execute(f"CREATE TABLE s.nostate ({STATE_COLUMNS}) WITHOUT ROWID")
 
 

@@ -50,6 +50,7 @@ import structlog
 
 from wsync.engine import hostscan, incsql
 from wsync.engine.excludes import Excludes
+from wsync.engine.extract import Written
 from wsync.engine.fsutil import host_io
 from wsync.engine.incdiff import Diff
 from wsync.errors import HostileArchive, HostIOError, LimitExceeded, StagingFailed
@@ -127,7 +128,8 @@ class PullState:
         self._scanned: tuple[int, int] | None = None
         #: rows of that scan not yet in ``s.host`` (at most HOLD)
         self._held: list[hostscan.HostRow] = []
-        self._hash_batch: list[tuple[bytes, str]] = []
+        #: (path, hash, inode, mode, size, mtime) of files the extractor wrote, not yet stored
+        self._hash_batch: list[tuple[object, ...]] = []
 
     # -- opening ------------------------------------------------------------------------
 
@@ -415,7 +417,7 @@ class PullState:
     def commit(
         self,
         dest_fd: int,
-        file_hashes: Mapping[bytes, str] | Iterable[tuple[bytes, str]],
+        file_hashes: Mapping[bytes, str] | Iterable[tuple[bytes, str, Written]],
         restat: Callable[[], Iterator[tuple[bytes, hostscan.HostRow | None]]] | None = None,
     ) -> None:
         """Record the tree now in DEST (open at ``dest_fd``) as this sandbox's baseline.
@@ -435,7 +437,12 @@ class PullState:
         """
         if not self._loaded:
             raise RuntimeError("load_manifest() first")
-        pairs = file_hashes.items() if isinstance(file_hashes, Mapping) else file_hashes
+        if isinstance(file_hashes, Mapping):
+            records: Iterable[tuple[bytes, str, Written | None]] = (
+                (path, digest, None) for path, digest in file_hashes.items()
+            )
+        else:
+            records = file_hashes
         with self._errors():
             db = self.db
             if restat is None or not self._diffed:
@@ -450,8 +457,8 @@ class PullState:
                     gone = [(path,) for path, row in batch if row is None]
                     db.executemany("DELETE FROM s.host WHERE path = ?", gone)
                     incsql.insert_rows(db, incsql.INSERT_HOST, [row for _, row in batch if row])
-            for path, digest in pairs:
-                self.add_hash(path, digest)
+            for path, digest, written in records:
+                self.add_hash(path, digest, written)
             self._flush_hashes()
             if not self._diffed:
                 db.execute("DELETE FROM s.plan")
@@ -470,16 +477,21 @@ class PullState:
                 db.execute("ROLLBACK")
                 raise
 
-    def add_hash(self, path: bytes, digest: str) -> None:
-        """Note the xxh3_128 of a file the extractor wrote (``on_file`` can be this method):
-        kept in the scratch database, not in memory, so a million files cost no RSS."""
-        self._hash_batch.append((path, digest))
+    def add_hash(self, path: bytes, digest: str, written: Written | None = None) -> None:
+        """Note the xxh3_128 of a file the extractor wrote (``on_file`` can be this method),
+        and what it wrote (inode, mode, size, mtime): the commit records the hash only where DEST
+        still holds that.  Kept in the scratch database, not in memory, so a million files
+        cost no RSS."""
+        ino, mode, size, mtime = written if written is not None else (None, None, None, None)
+        self._hash_batch.append((path, digest, ino, mode, size, mtime))
         if len(self._hash_batch) >= BATCH:
             with self._errors():
                 self._flush_hashes()
 
     def _flush_hashes(self) -> None:
-        self.db.executemany("INSERT OR REPLACE INTO s.hashes VALUES (?, ?)", self._hash_batch)
+        incsql.insert_rows(
+            self.db, "INSERT OR REPLACE INTO s.hashes VALUES (?, ?, ?, ?, ?, ?)", self._hash_batch
+        )
         self._hash_batch.clear()
 
     def tree_bytes(self) -> int:
