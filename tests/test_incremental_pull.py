@@ -267,6 +267,41 @@ def test_busybox_only_guest_pulls_incrementally(tmp_path: Path) -> None:
     assert again.mode == "incremental" and again.changed_files == 0
 
 
+def _busybox_guest(tmp_path: Path) -> Callable[[Path], tuple[Transport, str]]:
+    from helpers import busybox_bin, tool_dir
+
+    path = busybox_bin(tmp_path / "bb")
+    tool_dir(path, ("stat", "readlink"), target=shutil.which("busybox"))
+    env = {"PATH": str(path), "HOME": str(tmp_path)}
+    return lambda ws: (LocalTransport(env=env), str(ws))
+
+
+def test_a_busybox_select_run_keeps_hardlink_groups_across_its_batches(tmp_path: Path) -> None:
+    """busybox tar takes the list through xargs, one archive per batch: two names of one
+    inode in two batches arrived as two files, and every later pull kept them apart (the
+    names were recorded as fetched).  The host joins them from the manifest's inodes."""
+    bb = _busybox_guest(tmp_path)
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    ws.mkdir()
+    (ws / "base").write_text("base\n")
+    opts = options(tmp_path)
+    assert go(bb, ws, dest, opts).mode == "full"
+    (ws / "aaa_first").write_text("shared\n")
+    long = "x" * 120
+    for i in range(1500):  # ~190 KB of names: more than one xargs batch
+        (ws / f"m_{long}_{i:05d}").write_text(str(i))
+    os.link(ws / "aaa_first", ws / "zzz_last")
+    os.link(ws / "aaa_first", ws / f"m_{long}_00700b")
+    result = go(bb, ws, dest, opts)
+    assert result.mode == "incremental" and result.changed_files == 1504  # and the root
+    assert_exact(ws, dest)
+    names = ("aaa_first", "zzz_last", f"m_{long}_00700b")
+    assert len({os.lstat(dest / n).st_ino for n in names}) == 1
+    assert os.lstat(dest / "aaa_first").st_nlink == 3
+    again = go(bb, ws, dest, opts)
+    assert again.changed_files == again.deleted_files == 0
+
+
 def test_only_a_directory_changed_is_an_empty_select_run(tmp_path: Path) -> None:
     ws, dest = tmp_path / "ws", tmp_path / "out"
     prepare(ws)

@@ -27,7 +27,7 @@ import errno
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from wsync.engine.beneath import open_beneath
@@ -123,6 +123,52 @@ def build_farm(
         dest.close()
         tmp.close()
     return made
+
+
+def join_groups(
+    tmp_fd: int, groups: Iterable[list[bytes]]
+) -> Iterator[tuple[bytes, bytes, os.stat_result]]:
+    """Make each group's names in the tree at ``tmp_fd`` one inode again, the first name
+    that is a regular file leading; yields ``(name, leader, leader's lstat)`` for each
+    name linked anew.
+
+    Why: a guest's ``tar`` writes a hardlink only within one archive, and a busybox guest
+    archives a long list in batches (``xargs``, one ``tar`` each): two names of one guest
+    inode in two batches arrive as two files.  The manifest says they are one inode (its
+    hardlink groups are what DEST must mirror), so they are linked here, like the
+    extractor's own hardlinks (``linkat`` to a fresh name, renamed over the name: the
+    tree may share inodes with the live DEST only through the farm's links, never an
+    inode written in place)."""
+    tmp = _Parents(tmp_fd)
+    try:
+        for group in groups:
+            leader: tuple[bytes, int, bytes, os.stat_result] | None = None
+            for path in group:
+                parent, leaf = _split(path)
+                try:
+                    pfd = tmp.get(parent)
+                    st = os.stat(leaf, dir_fd=pfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # gone in the guest while read: not in the tree
+                except OSError as exc:
+                    raise HostIOError(f"{escape(path)}: {exc.strerror or exc}") from exc
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                if leader is None:
+                    leader = (path, pfd, leaf, st)
+                    continue
+                if st.st_ino == leader[3].st_ino:
+                    continue
+                fresh = b".wsync-link-" + os.urandom(8).hex().encode()
+                try:
+                    lfd = tmp.get(_split(leader[0])[0])
+                    os.link(leader[2], fresh, src_dir_fd=lfd, dst_dir_fd=pfd, follow_symlinks=False)
+                    os.rename(fresh, leaf, src_dir_fd=pfd, dst_dir_fd=pfd)
+                except OSError as exc:
+                    raise HostIOError(f"{escape(path)}: {exc.strerror or exc}") from exc
+                yield path, leader[0], leader[3]
+    finally:
+        tmp.close()
 
 
 def _farm_error(path: bytes, exc: OSError) -> HostIOError:

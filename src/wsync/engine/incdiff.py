@@ -52,6 +52,26 @@ class Diff:
         for (path,) in rows:
             yield bytes(path)
 
+    def fetched_groups(self) -> Iterator[list[bytes]]:
+        """The names of each guest hardlink group this pull fetches (a fetched inode is
+        fetched under every name: the diff's ``linked``), sorted, groups by guest inode."""
+        rows = self.db.execute(
+            "SELECT m.ino, p.path FROM s.plan p JOIN s.man m USING (path) WHERE p.kind = 'f' "
+            "AND m.ino != 0 AND p.act IN ('new', 'changed', 'missing', 'tampered', 'linked') "
+            "AND m.ino IN (SELECT ino FROM s.man WHERE kind = 'f' AND ino != 0 "
+            "GROUP BY ino HAVING count(*) > 1) ORDER BY m.ino, p.path"
+        )
+        group: list[bytes] = []
+        last: object = None
+        for ino, path in rows:
+            if group and ino != last:
+                yield group
+                group = []
+            group.append(bytes(path))
+            last = ino
+        if len(group) > 1:
+            yield group
+
     def longest_fetch(self) -> bytes | None:
         """A path to fetch that the guest's tools cannot name in one call (``./`` and the
         path past PATH_MAX, 4096 bytes with its NUL), or None.  A ``select`` run hands the

@@ -38,6 +38,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -46,12 +47,12 @@ from typing import BinaryIO, TypeVar
 
 import structlog
 
-from wsync.engine import prevtree
+from wsync.engine import hostscan, prevtree
 from wsync.engine.api import PullOptions
 from wsync.engine.destdir import DestDir
 from wsync.engine.excludes import Excludes
 from wsync.engine.extract import Written
-from wsync.engine.farm import build_farm, set_dir_meta
+from wsync.engine.farm import build_farm, join_groups, set_dir_meta
 from wsync.engine.guest import GuestPlan
 from wsync.engine.incdiff import Diff
 from wsync.engine.incstate import PullState
@@ -134,6 +135,11 @@ class HashLog:
     def start(self) -> None:
         self.close()
         self._file = self.path.open("wb")
+
+    def reopen(self) -> None:
+        """Append after a close: a later record of a path replaces an earlier one."""
+        self.close()
+        self._file = self.path.open("ab")
 
     def add(self, path: bytes, digest: str, written: Written) -> None:
         if self._file is not None:
@@ -363,6 +369,25 @@ class Incremental:
         """After the swap, before :meth:`commit`: drop from the kept old tree what the new
         DEST does not share (old versions, deleted entries)."""
         return prevtree.prune(self.state.db, prev_fd, self._check_stop)
+
+    def join_groups(self, tmp_fd: int) -> int:
+        """After a ``select`` run: give the guest's hardlink groups one inode each in the
+        new tree (:func:`wsync.engine.farm.join_groups`), recording every name linked anew
+        with its leader's hash and signature; returns how many."""
+        assert self.diff is not None
+        joined = 0
+        self.hashes.reopen()
+        try:
+            for path, leader, st in join_groups(tmp_fd, self.diff.fetched_groups()):
+                digest = hostscan.file_hash(tmp_fd, leader, st.st_ino)
+                if digest is None:
+                    raise HostIOError(f"{escape(leader)}: changed while its names were joined")
+                written = (st.st_ino, stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns)
+                self.hashes.add(path, digest, written)
+                joined += 1
+        finally:
+            self.hashes.close()
+        return joined
 
     def dir_meta(self, tmp_fd: int) -> None:
         assert self.diff is not None

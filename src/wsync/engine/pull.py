@@ -208,6 +208,7 @@ class _Pull(IncrementalRunner):
             )
             if inc is not None and replace:
                 self.emit("apply")
+                await in_thread(owned(tmp_fd, lambda fd: inc.locked(lambda: inc.join_groups(fd))))
                 await in_thread(owned(tmp_fd, lambda fd: inc.locked(lambda: inc.dir_meta(fd))))
             old = self.swap_in(tmp, tmp_fd)
             self.outcome = (stats, chunks, length, old)
