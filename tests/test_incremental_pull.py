@@ -17,7 +17,7 @@ import pytest
 from helpers import assert_exact, make_tree, options
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.pull import pull
-from wsync.errors import Fenced
+from wsync.errors import Fenced, StagingFailed
 from wsync.testing.sshd import SshdServer
 from wsync.transports.base import Transport
 from wsync.transports.local import LocalTransport
@@ -267,20 +267,21 @@ def test_busybox_only_guest_pulls_incrementally(tmp_path: Path) -> None:
     assert again.mode == "incremental" and again.changed_files == 0
 
 
-def _busybox_guest(tmp_path: Path) -> Callable[[Path], tuple[Transport, str]]:
+def _busybox_guest(tmp_path: Path) -> tuple[Callable[[Path], tuple[Transport, str]], Path]:
+    """A guest of busybox applets (find, tar, stat, readlink...): its maker and its PATH."""
     from helpers import busybox_bin, tool_dir
 
     path = busybox_bin(tmp_path / "bb")
     tool_dir(path, ("stat", "readlink"), target=shutil.which("busybox"))
     env = {"PATH": str(path), "HOME": str(tmp_path)}
-    return lambda ws: (LocalTransport(env=env), str(ws))
+    return (lambda ws: (LocalTransport(env=env), str(ws))), path
 
 
 def test_a_busybox_select_run_keeps_hardlink_groups_across_its_batches(tmp_path: Path) -> None:
     """busybox tar takes the list through xargs, one archive per batch: two names of one
     inode in two batches arrived as two files, and every later pull kept them apart (the
     names were recorded as fetched).  The host joins them from the manifest's inodes."""
-    bb = _busybox_guest(tmp_path)
+    bb, _ = _busybox_guest(tmp_path)
     ws, dest = tmp_path / "ws", tmp_path / "out"
     ws.mkdir()
     (ws / "base").write_text("base\n")
@@ -300,6 +301,36 @@ def test_a_busybox_select_run_keeps_hardlink_groups_across_its_batches(tmp_path:
     assert os.lstat(dest / "aaa_first").st_nlink == 3
     again = go(bb, ws, dest, opts)
     assert again.changed_files == again.deleted_files == 0
+
+
+def test_a_busybox_listing_that_cannot_read_a_directory_fails(tmp_path: Path) -> None:
+    """A guest user who may not open a directory: busybox find says so and goes on, and
+    xargs's status hid find's, so the listing lacked the directory's entries and the pull
+    deleted them from DEST (exit 0, one warning).  It fails now, as with GNU find (exit 5),
+    DEST untouched.  (Tests run as root, who opens anything: a find wrapper says it.)"""
+    bb, bindir = _busybox_guest(tmp_path)
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path)
+    go(bb, ws, dest, opts)
+    before = {p.relative_to(dest) for p in dest.rglob("*")}
+    (bindir / "find").unlink()
+    (bindir / "find").write_text(
+        f"#!{sys.executable}\n"
+        "import subprocess, sys\n"
+        f"out = subprocess.run([{shutil.which('busybox')!r}, 'find', *sys.argv[1:]],"
+        " stdout=subprocess.PIPE).stdout\n"
+        "sys.stdout.buffer.write(b'\\0'.join(p for p in out.split(b'\\0')"
+        " if not p.startswith(b'./src/')))\n"
+        "sys.stderr.write('find: ./src: Permission denied\\n')\n"
+        "sys.exit(1)\n"
+    )
+    (bindir / "find").chmod(0o755)
+    (ws / "README.md").write_text("something to pull\n")
+    with pytest.raises(StagingFailed, match=r"find: \./src: Permission denied") as failed:
+        go(bb, ws, dest, opts)
+    assert failed.value.exit_code == 5
+    assert {p.relative_to(dest) for p in dest.rglob("*")} == before
 
 
 def test_only_a_directory_changed_is_an_empty_select_run(tmp_path: Path) -> None:

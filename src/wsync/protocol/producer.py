@@ -213,10 +213,12 @@ manifest() {
       done' sh) 2>>tar.err
   fi
   rc=$?
-  # busybox find and stat cannot reach a name past PATH_MAX: they say so and go on, and
-  # an entry left out of the listing would be taken for deleted; a failure instead (an
-  # entry that vanished while listed stays a skip, as with GNU find's readdir race)
-  [ -n "$(sed -n '/File name too long/p' tar.err | head -n 1)" ] && rc=2
+  # busybox find and stat say what they cannot read (a name past PATH_MAX, a directory
+  # this user may not open) and go on, and xargs's status hides find's: an entry left
+  # out of the listing would be taken for deleted, so any such line fails it (an entry
+  # that vanished while listed stays a skip, as with GNU find's readdir race)
+  [ -n "$(sed -n -e '/No such file or directory/d' -e '/Not a directory/d' \
+    -e '/^find: /p' -e '/^stat: /p' -e '/^readlink: /p' tar.err | head -n 1)" ] && rc=2
   [ $rc = 0 ] || rc=2
   echo $rc > tar.rc
 }
