@@ -712,6 +712,9 @@ def _main(argv: list[str]) -> int:
 
 def _delegate(command: str, rest: list[str]) -> int:
     if command == "daemon":
+        from wsync.daemon import hold_sighup
+
+        hold_sighup()  # before the server's imports: a reload must not kill a starting daemon
         from wsync.daemon.server import main as daemon_main
 
         return daemon_main(rest)

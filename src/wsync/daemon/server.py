@@ -38,7 +38,7 @@ import structlog
 import uvicorn
 
 import wsync
-from wsync.daemon import logs
+from wsync.daemon import logs, sighup_held
 from wsync.daemon.api import AppState, create_app
 from wsync.daemon.config import (
     ConfigError,
@@ -219,6 +219,8 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        if sighup_held():  # one came while starting: reload now that it can
+            self._on_sighup()
         serving = loop.create_task(server.serve(sockets=[sock]), name="http")
         while not server.started and not serving.done():  # noqa: ASYNC110 - uvicorn has no event
             await asyncio.sleep(0.01)
