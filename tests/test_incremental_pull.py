@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -331,6 +332,27 @@ def test_a_busybox_listing_that_cannot_read_a_directory_fails(tmp_path: Path) ->
         go(bb, ws, dest, opts)
     assert failed.value.exit_code == 5
     assert {p.relative_to(dest) for p in dest.rglob("*")} == before
+
+
+def test_a_busybox_guest_pulls_files_dated_in_the_future(tmp_path: Path) -> None:
+    """Without -cnewer only mtimes tell what changed during the read, and a file dated in
+    the future (clock skew, an unpacked archive) is newer than any mark: it was unstable
+    in every pull, --full included (exit 24).  Whole-tree and select runs both pull it."""
+    bb, _ = _busybox_guest(tmp_path)
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    future = time.time() + 5 * 365 * 86400
+    os.utime(ws / "f2d", (future, future))
+    os.symlink("f2d", ws / "ahead")
+    os.utime(ws / "ahead", (future, future), follow_symlinks=False)
+    opts = options(tmp_path)
+    assert go(bb, ws, dest, opts).mode == "full"
+    assert_exact(ws, dest)
+    (ws / "later.txt").write_text("later\n")
+    os.utime(ws / "later.txt", (future, future))
+    result = go(bb, ws, dest, opts)
+    assert result.mode == "incremental" and not result.unstable_files
+    assert_exact(ws, dest)
 
 
 def test_only_a_directory_changed_is_an_empty_select_run(tmp_path: Path) -> None:

@@ -130,8 +130,16 @@ tick() {
   : > m && : > tick.t || fail "cannot write a mark"
   until [ -n "$(find tick.t -newer m)" ]; do sleep 0.01 2>/dev/null || sleep 1; : > tick.t; done
 }
+# without -cnewer (busybox) only mtimes tell, and a file dated in the future is newer than
+# any mark: "changed during the read" is then newer than the mark and not than an end mark
+# set after the read (else such a file was unstable in every pull, --full included)
 changed() {
-  (cd "$ws" && find . "$cn" "$D/m" ! -type d -print0) > chg || fail "cannot list changed files"
+  : > end.t || fail "cannot write a mark"
+  if [ "$cn" = -newer ]; then
+    (cd "$ws" && find . -newer "$D/m" ! -newer "$D/end.t" ! -type d -print0) > chg
+  else
+    (cd "$ws" && find . "$cn" "$D/m" ! -type d -print0) > chg
+  fi || fail "cannot list changed files"
 }
 # (a name past PATH_MAX cannot be tested in one call and fails [ -e ] as if it were gone:
 # it counts as still there, so it is read again, and at worst ends up unstable, never
@@ -231,7 +239,10 @@ manifest() {
 lchanged() {
   : > chg || fail "cannot list changed files"
   [ -s "$1" ] || return 0
-  (cd "$ws" && xargs -0 sh -c 'c=$0 m=$1; shift; find "$@" -prune ! -type d "$c" "$m" -print0' "$cn" "$D/m") < "$1" > chg 2>/dev/null
+  : > end.t || fail "cannot write a mark"
+  (cd "$ws" && xargs -0 sh -c 'c=$0 m=$1 e=$2; shift 2; if [ "$c" = -newer ]; then
+    find "$@" -prune ! -type d -newer "$m" ! -newer "$e" -print0; else
+    find "$@" -prune ! -type d "$c" "$m" -print0; fi' "$cn" "$D/m" "$D/end.t") < "$1" > chg 2>/dev/null
   return 0
 }
 # an empty list is an empty archive (two zero blocks); busybox tar has no -T in some
