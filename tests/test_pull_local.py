@@ -653,3 +653,29 @@ def test_a_stop_that_lands_just_after_the_swap_is_a_success(
     assert result.ok and "stopped while cleaning up; DEST is complete" in result.warnings
     assert_exact(ws, tmp_path / "out")
     assert not list((tmp_path / "state" / "pulls").glob("*/meta.json"))  # journal gone
+
+
+def test_closing_the_transport_stays_within_the_overall_deadline(
+    tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend's close waits for its kills of the guest's readers (docker up to 12 s):
+    a pull that failed at --timeout returned 6-11 s after it.  The close gets what is left
+    of the deadline, at least a second; the connection dies with the process anyway."""
+    import asyncio
+
+    from wsync.engine.pull import pull_uri
+
+    closing: list[float] = []
+
+    async def slow_close(self: LocalTransport) -> None:
+        started = time.monotonic()
+        try:
+            await asyncio.sleep(60)
+        finally:
+            closing.append(time.monotonic() - started)
+
+    monkeypatch.setattr(LocalTransport, "aclose", slow_close)
+    opts = options(tmp_path, timeout=1.0)  # a deadline that has passed by the close
+    with contextlib.suppress(Exception):
+        asyncio.run(pull_uri(f"local:{workspace}", tmp_path / "out2", opts))
+    assert len(closing) == 1 and closing[0] < 5  # one second's grace, not the ten before

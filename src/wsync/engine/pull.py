@@ -543,16 +543,21 @@ async def pull_uri(
     on_progress: ProgressCallback | None = None,
 ) -> PullResult:
     """Open the transport named by ``uri`` and pull its workspace into ``dest``."""
+    started = time.monotonic()
     parsed, transport = open_transport(uri, transport_options)
     try:
         return await pull(
             transport, parsed.path, dest, options, sandbox=parsed.raw, on_progress=on_progress
         )
     finally:
-        # bounded: a close that hangs (a dead ssh connection) must not hold a
-        # finished or cancelled pull; the connection dies with its process
+        # bounded: a close that hangs (a dead ssh connection, a backend's kill of the
+        # guest's readers) must not hold a finished or cancelled pull, nor run past the
+        # overall deadline by more than a second; the connection dies with its process
+        budget = _CLOSE_S
+        if options.timeout > 0:
+            budget = min(budget, max(1.0, options.timeout - (time.monotonic() - started)))
         try:
-            async with asyncio.timeout(_CLOSE_S):
+            async with asyncio.timeout(budget):
                 await transport.aclose()
         except TimeoutError:
             log.warning("closing the transport timed out", sandbox=parsed.raw)
