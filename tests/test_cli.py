@@ -261,3 +261,18 @@ def test_json_has_its_object_for_every_usage_error(tmp_path: Path, args: list[st
     result = json.loads(done.stdout)
     assert result["ok"] is False and result["exit_code"] == 2
     assert result["error_kind"] == "usage" and args[0] in result["error"]
+
+
+def test_json_of_a_failed_pull_counts_what_it_did(tmp_path: Path) -> None:
+    """A pull that gives up: its retries and faults are what an operator needs, and the
+    result said 0 and {} (it was built afresh from the error)."""
+    ws = make_tree(tmp_path / "ws", big=1024, small=2)
+    done = wsync(
+        "pull", f"local:{ws}", str(tmp_path / "d"), "--json", "--retries", "3",
+        "--chaos", "all=1.0,seed=3", "--state-dir", str(tmp_path / "st"),
+    )  # fmt: skip
+    assert done.returncode == 6, done.stderr
+    result = json.loads(done.stdout)
+    assert result["ok"] is False and result["retries"] == 3
+    assert sum(result["faults"].values()) == 3 and result["execs"] >= 1
+    assert result["transferred_bytes"] > 0

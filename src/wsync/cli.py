@@ -538,8 +538,10 @@ def run_async(coro_factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
             stopper.set_target(cancel)
         try:
             return await coro_factory()
-        except asyncio.CancelledError:
-            raise Interrupted("stopped by a signal; run the same command again to resume") from None
+        except asyncio.CancelledError as exc:
+            stop = Interrupted("stopped by a signal; run the same command again to resume")
+            stop.so_far = getattr(exc, "so_far", None) or {}  # what the pull did till then
+            raise stop from None
 
     try:
         return asyncio.run(main())
@@ -547,7 +549,9 @@ def run_async(coro_factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
         raise Interrupted("stopped by the user; run the same command again to resume") from None
     except Exception as exc:
         if stopper is not None and stopper.received and not isinstance(exc, Interrupted):
-            raise Interrupted("stopped by a signal; run the same command again to resume") from exc
+            stop = Interrupted("stopped by a signal; run the same command again to resume")
+            stop.so_far = getattr(exc, "so_far", None) or {}
+            raise stop from exc
         raise
     finally:
         if stopper is not None:

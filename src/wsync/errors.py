@@ -41,6 +41,8 @@ class WsyncError(Exception):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.args = args
+        #: what the failed pull did so far (retries, faults, execs...), for its result
+        self.so_far: dict[str, Any] = {}
 
     def __str__(self) -> str:
         return self.template.format(*self.args)

@@ -172,11 +172,14 @@ class PullResult:
     def from_error(
         cls, sandbox: str, dest: Path | str, error: BaseException, elapsed: float
     ) -> PullResult:
-        """The ``--json`` shape of a failed pull."""
+        """The ``--json`` shape of a failed pull, with what it did so far where the engine
+        told (``so_far`` on the error: retries, faults, execs, bytes read, snapshot)."""
+        so_far = getattr(error, "so_far", None) or {}
         if isinstance(error, asyncio.CancelledError):
             error = Interrupted("cancelled")
         code = error.exit_code if isinstance(error, WsyncError) else 1
         kind = error.kind if isinstance(error, WsyncError) else "internal"
+        known = {f.name for f in dataclasses.fields(cls)}
         return cls(
             ok=False,
             sandbox=sandbox,
@@ -185,6 +188,7 @@ class PullResult:
             error=str(error),
             error_kind=kind,
             exit_code=code,
+            **{k: v for k, v in so_far.items() if k in known},
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -470,19 +470,24 @@ async def _pull(
                 stats, chunks, length, old = await _attempt(runner)
     except TimeoutError:
         journal.close()
-        raise IntegrityFailed(
+        late = IntegrityFailed(
             f"the overall deadline of {options.timeout:.0f}s passed; run again to resume"
-        ) from None
-    except asyncio.CancelledError:
+        )
+        late.so_far = _so_far(runner)
+        raise late from None
+    except asyncio.CancelledError as exc:
         if runner.outcome is None:
             journal.close()
+            exc.so_far = _so_far(runner)  # type: ignore[attr-defined]
             raise
         # stopped between the swap and the cleanup (the ticker being put away): DEST is
         # complete, so this is the success below, as a stop during the cleanup is
         stats, chunks, length, old = runner.outcome
         stopped = True
-    except BaseException:
+    except BaseException as exc:
         journal.close()
+        with contextlib.suppress(AttributeError, TypeError):  # a few built-ins take none
+            exc.so_far = _so_far(runner)  # type: ignore[attr-defined]
         raise
     else:
         stopped = False
@@ -532,6 +537,19 @@ async def _pull(
         compress_level=runner.compress_level,
         link_bytes_per_s=round(runner.session.link.rate() or 0),
     )
+
+
+def _so_far(runner: _Pull) -> dict[str, Any]:
+    """What a failed pull did, for its ``--json`` result (an operator wants the retries
+    and faults of a pull that gave up more than of one that succeeded)."""
+    return {
+        "snapshot": runner.progress.snapshot,
+        "transferred_bytes": runner.stats.transferred,
+        "execs": runner.stats.execs,
+        "resumed_chunks": runner.progress.resumed_chunks,
+        "retries": runner.stats.retries,
+        "faults": dict(runner.stats.faults),
+    }
 
 
 async def pull_uri(
