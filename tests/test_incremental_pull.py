@@ -243,13 +243,22 @@ def test_no_stdin_backends_take_the_list_in_argv_parts(
     assert_exact(ws, dest)
 
 
-def test_busybox_only_guest_pulls_incrementally(tmp_path: Path) -> None:
-    """busybox find has no -printf: the manifest goes through stat -c, whole seconds."""
+@pytest.mark.parametrize("batches", [True, False], ids=["stat-batches", "stat-each"])
+def test_busybox_only_guest_pulls_incrementally(tmp_path: Path, batches: bool) -> None:
+    """busybox find has no -printf: the manifest goes through stat -c, whole seconds, one
+    stat per batch of names; where a batch fails (a name vanished: here a stat that
+    refuses more than one name) a stat per name, the listing the same."""
     from helpers import busybox_bin, tool_dir
 
     path = busybox_bin(tmp_path / "bb")
     busybox = shutil.which("busybox")
     tool_dir(path, ("stat", "readlink"), target=busybox)
+    if not batches:
+        (path / "stat").unlink()
+        (path / "stat").write_text(
+            f'#!{busybox} sh\n[ $# -le 4 ] || exit 1\nexec {busybox} stat "$@"\n'
+        )
+        (path / "stat").chmod(0o755)
     env = {"PATH": str(path), "HOME": str(tmp_path)}
 
     def bb(ws: Path) -> tuple[Transport, str]:
