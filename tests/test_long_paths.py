@@ -157,7 +157,7 @@ def test_a_guest_whose_find_cannot_reach_a_deep_name_fails_clearly(tmp_path: Pat
     guest = LocalTransport(env={"PATH": str(bindir), "HOME": str(tmp_path)})
     dest = tmp_path / "out"
     # (the message is find's, cut at 300 bytes: the path alone is longer)
-    with pytest.raises(StagingFailed, match=r"tar exited 2: find: \./d"):
+    with pytest.raises(StagingFailed, match=r"the listing \(find\) exited 2: find: \./d"):
         run_pull(guest, ws, dest, options(tmp_path))
     assert not dest.exists()
 

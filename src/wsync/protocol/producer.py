@@ -360,9 +360,10 @@ wait "$pp"
 trc=$(cat tar.rc) || fail "tar exit status missing"
 crc=$(cat comp.rc) || fail "compressor exit status missing"
 [ "$crc" = 0 ] || fail "compressor exited $crc: $(head -c 300 comp.err | tr '\n' ' ')"
+case $mode in manifest) what="the listing (find)" ;; *) what=tar ;; esac
 case $trc in
   0|1) ;;
-  *) fail "tar exited $trc: $(head -c 300 tar.err | tr '\n' ' ')" ;;
+  *) fail "$what exited $trc: $(head -c 300 tar.err | tr '\n' ' ')" ;;
 esac
 index_upto final
 len=$(wc -c < data) || fail "cannot read the data size"
