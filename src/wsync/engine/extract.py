@@ -84,7 +84,7 @@ from wsync.engine.api import ExtractLimits, MiB
 from wsync.engine.tarstream import TarReader, show_name
 from wsync.errors import HostileArchive, HostIOError, LimitExceeded, WsyncError
 
-__all__ = ["ExtractStats", "FileHook", "Written", "extract_tar_stream"]
+__all__ = ["ExtractStats", "FileHook", "Written", "extract_tar_stream", "written"]
 
 #: longest member name or link target, in bytes
 _MAX_NAME = 64 * 1024
@@ -249,6 +249,11 @@ def _utime(
 Written = tuple[int, int, int, int]
 #: hears (path, xxh3_128 hex, what was written) of every regular file written
 FileHook = Callable[[bytes, str, Written], None]
+
+
+def written(st: os.stat_result) -> Written:
+    """A file's :data:`Written` from its ``stat``."""
+    return st.st_ino, stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns
 
 
 def _hash_at(dir_fd: int, leaf: bytes, shown: str) -> str:
@@ -487,8 +492,7 @@ class _Extractor:
         if leaf is parts[-1] or not self._replace(parent, leaf, parts[-1], name):
             self.stats.files += 1
         if self.on_file is not None and digest is not None and st is not None:
-            written = (st.st_ino, stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns)
-            self.on_file(b"/".join(parts), digest.hexdigest(), written)
+            self.on_file(b"/".join(parts), digest.hexdigest(), written(st))
 
     def _dir(self, name: bytes, mode: int, mtime_ns: int) -> None:
         parts = _split(name, is_dir=True)
@@ -567,10 +571,8 @@ class _Extractor:
                 raise _refuse_os(exc, show_name(name)) from exc
             if leaf is parts[-1] or not self._replace(parent, leaf, parts[-1], name):
                 self.stats.hardlinks += 1
-            if self.on_file is not None:
-                # the linked inode's
-                written = (st.st_ino, stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns)
-                self.on_file(b"/".join(parts), _hash_at(tparent, tparts[-1], shown), written)
+            if self.on_file is not None:  # what was written is the linked inode's
+                self.on_file(b"/".join(parts), _hash_at(tparent, tparts[-1], shown), written(st))
         finally:
             os.close(tparent)
 

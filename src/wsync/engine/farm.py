@@ -142,7 +142,8 @@ def join_groups(
     tmp = _Parents(tmp_fd)
     try:
         for group in groups:
-            leader: tuple[bytes, int, bytes, os.stat_result] | None = None
+            #: the group's first regular file: (path, its parent's path, name, lstat)
+            leader: tuple[bytes, bytes, bytes, os.stat_result] | None = None
             for path in group:
                 parent, leaf = _split(path)
                 try:
@@ -155,13 +156,13 @@ def join_groups(
                 if not stat.S_ISREG(st.st_mode):
                     continue
                 if leader is None:
-                    leader = (path, pfd, leaf, st)
+                    leader = (path, parent, leaf, st)
                     continue
                 if st.st_ino == leader[3].st_ino:
                     continue
                 fresh = b".wsync-link-" + os.urandom(8).hex().encode()
                 try:
-                    lfd = tmp.get(_split(leader[0])[0])
+                    lfd = tmp.get(leader[1])  # its fd may have left the cache since
                     os.link(leader[2], fresh, src_dir_fd=lfd, dst_dir_fd=pfd, follow_symlinks=False)
                     os.rename(fresh, leaf, src_dir_fd=pfd, dst_dir_fd=pfd)
                 except OSError as exc:

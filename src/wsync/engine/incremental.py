@@ -38,7 +38,6 @@ import contextlib
 import hashlib
 import json
 import os
-import stat
 import struct
 import threading
 from collections.abc import Callable, Iterator
@@ -51,7 +50,7 @@ from wsync.engine import hostscan, prevtree
 from wsync.engine.api import PullOptions
 from wsync.engine.destdir import DestDir
 from wsync.engine.excludes import Excludes
-from wsync.engine.extract import Written
+from wsync.engine.extract import Written, written
 from wsync.engine.farm import build_farm, join_groups, set_dir_meta
 from wsync.engine.guest import GuestPlan
 from wsync.engine.incdiff import Diff
@@ -75,6 +74,8 @@ _R = TypeVar("_R")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = 1 << 20
 _LEN = struct.Struct(">I")
+#: a hash log record's inode, mode and size (its mtime follows in 16 bytes)
+_WRITTEN = struct.Struct("<QIQ")
 
 
 def can_list(plan: GuestPlan) -> bool:
@@ -148,9 +149,7 @@ class HashLog:
                 _LEN.pack(len(path))
                 + path
                 + digest.encode().ljust(32)[:32]
-                + ino.to_bytes(8, "little")
-                + mode.to_bytes(4, "little")
-                + size.to_bytes(8, "little")
+                + _WRITTEN.pack(ino, mode, size)
                 + mtime.to_bytes(16, "little", signed=True)  # times pass 64 bits in 2262
             )
 
@@ -166,10 +165,8 @@ class HashLog:
                 (n,) = _LEN.unpack(head)
                 path = f.read(n)
                 digest = f.read(32).decode().rstrip()
-                tail = f.read(36)
-                numbers = (tail[:8], tail[8:12], tail[12:20])
-                ino, mode, size = (int.from_bytes(n, "little") for n in numbers)
-                mtime = int.from_bytes(tail[20:], "little", signed=True)
+                ino, mode, size = _WRITTEN.unpack(f.read(_WRITTEN.size))
+                mtime = int.from_bytes(f.read(16), "little", signed=True)
                 yield path, digest, (ino, mode, size, mtime)
 
 
@@ -382,8 +379,7 @@ class Incremental:
                 digest = hostscan.file_hash(tmp_fd, leader, st.st_ino)
                 if digest is None:
                     raise HostIOError(f"{escape(leader)}: changed while its names were joined")
-                written = (st.st_ino, stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns)
-                self.hashes.add(path, digest, written)
+                self.hashes.add(path, digest, written(st))
                 joined += 1
         finally:
             self.hashes.close()
