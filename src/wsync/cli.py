@@ -539,9 +539,7 @@ def run_async(coro_factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
         try:
             return await coro_factory()
         except asyncio.CancelledError as exc:
-            stop = Interrupted("stopped by a signal; run the same command again to resume")
-            stop.so_far = getattr(exc, "so_far", None) or {}  # what the pull did till then
-            raise stop from None
+            raise _stopped(exc) from None
 
     try:
         return asyncio.run(main())
@@ -549,14 +547,19 @@ def run_async(coro_factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
         raise Interrupted("stopped by the user; run the same command again to resume") from None
     except Exception as exc:
         if stopper is not None and stopper.received and not isinstance(exc, Interrupted):
-            stop = Interrupted("stopped by a signal; run the same command again to resume")
-            stop.so_far = getattr(exc, "so_far", None) or {}
-            raise stop from exc
+            raise _stopped(exc) from exc
         raise
     finally:
         if stopper is not None:
             # from here a signal has nothing to cancel: it exits at once
             stopper.set_target(None)
+
+
+def _stopped(exc: BaseException) -> Interrupted:
+    """A stop by signal, carrying what the pull had done till then (its ``so_far``)."""
+    stop = Interrupted("stopped by a signal; run the same command again to resume")
+    stop.so_far = getattr(exc, "so_far", None) or {}
+    return stop
 
 
 def pull_options(args: argparse.Namespace) -> PullOptions:

@@ -516,16 +516,11 @@ async def _pull(
         ok=True,
         sandbox=sandbox,
         dest=str(real),
-        snapshot=runner.progress.snapshot,
         reconciled=runner.reconciled,
         files=files,
         bytes=length,
-        transferred_bytes=runner.stats.transferred,
-        execs=runner.stats.execs,
         chunks=chunks,
-        resumed_chunks=runner.progress.resumed_chunks,
-        retries=runner.stats.retries,
-        faults=dict(runner.stats.faults),
+        **_so_far(runner),
         elapsed_s=time.monotonic() - started,
         warnings=runner.warnings,
         unstable_files=runner.unstable,
@@ -540,8 +535,9 @@ async def _pull(
 
 
 def _so_far(runner: _Pull) -> dict[str, Any]:
-    """What a failed pull did, for its ``--json`` result (an operator wants the retries
-    and faults of a pull that gave up more than of one that succeeded)."""
+    """What a pull did: part of its result, and of a failed one's ``--json`` result too
+    (an operator wants the retries and faults of a pull that gave up more than of one
+    that succeeded)."""
     return {
         "snapshot": runner.progress.snapshot,
         "transferred_bytes": runner.stats.transferred,
