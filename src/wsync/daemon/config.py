@@ -46,6 +46,7 @@ from pydantic_settings import (
 from wsync.daemon.confine import Forbidden
 from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
 from wsync.engine.excludes import Excludes, check_pattern
+from wsync.engine.fsutil import overlaps
 from wsync.errors import UsageError
 from wsync.transports.registry import SCHEMES
 from wsync.uri import SandboxURI, parse
@@ -330,7 +331,7 @@ class DaemonConfig(BaseSettings):
                 raise ValueError(f"sandboxes.{name}: a scheduled sandbox (interval) needs a dest")
         if self.engine_dir is not None:
             for root in self.dest_roots:
-                if self.engine_dir.is_relative_to(root) or root.is_relative_to(self.engine_dir):
+                if overlaps(self.engine_dir, root):
                     # a request naming the journals as its DEST would replace them
                     raise ValueError(
                         f"engine_dir: must lie outside every dest root (it overlaps {root})"
@@ -480,8 +481,8 @@ def check_dest(raw: str, roots: list[Path], keep_out: Sequence[Path] = ()) -> Pa
     symlinks in the existing part of the path so a link planted inside a root
     cannot point the pull elsewhere (403, :class:`DestForbidden`).  A DEST that is,
     holds or lies in one of ``keep_out`` (the daemon's own state: a pull replaces DEST
-    whole) is refused too (403), also inside a root: ``dest_roots = ["~"]`` with the
-    default state directory under it is an ordinary setup.
+    whole) is refused too (403), also inside a root: ``dest_roots = ["/home/agent"]``
+    with the default state directory under it is an ordinary setup.
     """
     if not raw or "\x00" in raw:
         raise UsageError("dest is empty or contains a NUL byte")
@@ -494,8 +495,7 @@ def check_dest(raw: str, roots: list[Path], keep_out: Sequence[Path] = ()) -> Pa
         raise DestForbidden("no dest_roots are configured, so no destination is allowed")
     resolved = path.resolve(strict=False)
     for kept in keep_out:
-        real_kept = kept.resolve(strict=False)
-        if resolved.is_relative_to(real_kept) or real_kept.is_relative_to(resolved):
+        if overlaps(resolved, kept.resolve(strict=False)):
             raise DestForbidden(
                 f"dest {raw!r} overlaps the daemon's state directory {kept}: "
                 "a pull replaces DEST whole"

@@ -45,6 +45,12 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _WINDOW = 32
 
 
+def overlaps(a: Path, b: Path) -> bool:
+    """One of two paths is the other or lies inside it: a pull into one would replace or
+    move the other (paths as given: resolve them first where symlinks may be on the way)."""
+    return a.is_relative_to(b) or b.is_relative_to(a)
+
+
 @contextlib.contextmanager
 def host_io(what: str) -> Iterator[None]:
     """Translate OSError into HostIOError naming what was being done."""

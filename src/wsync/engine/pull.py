@@ -42,7 +42,7 @@ from wsync.engine.api import ProgressCallback, PullOptions, PullResult
 from wsync.engine.destdir import DestDir
 from wsync.engine.extract import ExtractStats
 from wsync.engine.feed import ChunkFeed, extract_feed
-from wsync.engine.fsutil import EarlyFlush, host_io, syncfs
+from wsync.engine.fsutil import EarlyFlush, host_io, overlaps, syncfs
 from wsync.engine.helpers import HelperPool
 from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
@@ -91,7 +91,7 @@ def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOp
             if real in source.parents:
                 raise UsageError(f"the source workspace {source} is inside DEST {dest}")
         state = Path(options.state_dir).resolve()
-        if real == state or state in real.parents or real in state.parents:
+        if overlaps(real, state):
             # the swap would put the guest's tree over the journal, or move it away
             raise UsageError(
                 f"DEST {dest} and wsync's state directory {state} (--state-dir) overlap; "
