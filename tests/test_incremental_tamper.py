@@ -19,9 +19,9 @@ from wsync.engine.pull import pull
 from wsync.transports.local import LocalTransport
 
 
-def go(ws: Path, dest: Path, opts: PullOptions) -> PullResult:
+def go(ws: Path, dest: Path, opts: PullOptions, guest: LocalTransport | None = None) -> PullResult:
     async def run() -> PullResult:
-        transport = LocalTransport()
+        transport = guest or LocalTransport()
         try:
             return await pull(transport, str(ws), dest, opts)
         finally:
@@ -210,14 +210,7 @@ def test_a_host_edit_during_a_pull_is_repaired_by_the_next(tmp_path: Path) -> No
     )
     (ws / "src" / "f1.txt").write_text("changed in the guest\n")  # a select run to wrap
 
-    async def run() -> PullResult:
-        try:
-            return await pull(wrapper, str(ws), dest, opts)
-        finally:
-            await wrapper.aclose()
-
-    during = asyncio.run(run())
-    assert during.ok, during.error
+    go(ws, dest, opts, wrapper)
     assert victim.read_bytes().endswith(b"host edit\n")  # made after the diff: not seen
     after = go(ws, dest, opts)
     assert after.changed_files == 2
