@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -251,3 +252,47 @@ def test_a_pull_killed_while_it_reuses_the_kept_tree_finishes_exactly(tmp_path: 
     assert_exact(ws, dest)
     assert os.stat(dest).st_ino == kept
     assert os.stat(prev).st_ino != kept
+
+
+@pytest.mark.parametrize("at", ["manifest", "content-admission"])
+def test_a_rerun_that_delivers_the_killed_runs_listing_says_so(tmp_path: Path, at: str) -> None:
+    """The rerun of a killed pull finishes that pull: DEST is the workspace as the killed
+    run listed it (a change made after the kill comes with the next pull).  Whether the
+    listing comes back adopted from the guest (killed in the manifest run) or replayed
+    from the journal (killed in the content run's admission, before the guest launched
+    it), the result must say so (``reconciled``: the CLI's "finished an interrupted
+    pull"), as a fresh one would not; a red team saw 7 of 60 such reruns without it."""
+    ws, dest, opts = _pulled_then_a_changed(tmp_path)
+    if at == "manifest":  # the manifest producer runs on: the rerun adopts it
+        _killed(tmp_path, ws, dest, "status", ws / "a")
+    else:  # the content run's journal is written, its admission never answered
+        _killed(tmp_path, ws, dest, "admit", tmp_path / "state/pulls/*/phase-select/meta.json")
+    time.sleep(0.01)  # a new mtime for c, whatever the filesystem's granularity
+    (ws / "c").write_text("c two, after the kill\n")
+    again = run_pull(LocalTransport(), ws, dest, opts)
+    assert again.ok and again.reconciled, again
+    assert (dest / "a").read_text() == "a two\n"
+    final = run_pull(LocalTransport(), ws, dest, opts)
+    assert final.ok and not final.reconciled, final
+    assert_exact(ws, dest)
+
+
+def test_a_journal_that_fails_after_the_swap_is_a_warning_not_the_pulls_error(
+    tmp_path: Path,
+) -> None:
+    """Once DEST is swapped, an error promises what is false ("DEST untouched"): the
+    journal's listing, cleared right after the swap, is gone with the state dir here (a
+    red team removed it mid-pull), and the pull must end ok, with a warning."""
+    ws, dest, opts = _pulled_then_a_changed(tmp_path)
+
+    def gone() -> None:  # just before the swap, as a tmp cleaner would
+        for phase in opts.state_dir.glob("pulls/*/phase-manifest"):
+            shutil.rmtree(phase)
+
+    result = run_pull(LocalTransport(), ws, dest, dataclasses.replace(opts, fence=gone))
+    assert result.ok, result.error
+    assert any("listing was not cleared" in w for w in result.warnings), result.warnings
+    assert_exact(ws, dest)
+    (ws / "b").write_text("b two, longer\n")
+    assert run_pull(LocalTransport(), ws, dest, opts).ok
+    assert_exact(ws, dest)

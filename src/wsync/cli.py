@@ -628,7 +628,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     else:
-        note = " (adopted a running snapshot)" if result.reconciled else ""
+        note = (
+            " (finished an interrupted pull: DEST is the workspace as that pull listed it;"
+            " changes since come with the next pull)"
+            if result.reconciled
+            else ""
+        )
         resumed = f", {result.resumed_chunks} resumed" if result.resumed_chunks else ""
         faults = f" ({describe_faults(result.faults)})" if result.faults else ""
         if result.mode == "incremental":

@@ -137,6 +137,7 @@ class IncrementalRunner(StreamRunner):
             # between would count as fetched, and no later pull would fetch it), so the
             # journaled listing is used again, not a fresh one
             log.info("manifest replayed from the journal", snapshot=snapshot)
+            self.earlier_run = True
             self.listed(plan, inc, snapshot, done)
             if not skip:
                 await self.replay(plan, inc)

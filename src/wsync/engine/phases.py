@@ -110,7 +110,12 @@ class StreamRunner:
         #: counted into by the extractor thread while it runs (progress reads it)
         self.extracted = ExtractStats()
         self.warnings: list[str] = []
+        #: the latest admission adopted a snapshot an earlier run had started
         self.reconciled = False
+        #: this pull delivers an interrupted earlier run's work: it adopted a snapshot, or
+        #: used a listing again from the journal (the tree is the workspace as listed then;
+        #: what changed since comes with the next pull, and the result must say so)
+        self.earlier_run = False
         self.last_emit = 0.0
         self.done: DoneRecord | None = None
         #: files taken as last read although they kept changing (best effort only)
@@ -204,6 +209,7 @@ class StreamRunner:
             prune=prune,
             need_kb=need_kb,
         )
+        self.earlier_run = self.earlier_run or self.reconciled
         if journal is not self.manifest_journal:
             # an adopted producer kept the level an earlier run gave it
             self.compress_level = 0 if self.reconciled else chosen

@@ -253,8 +253,13 @@ class _Pull(IncrementalRunner):
         self.swapped = True
         if self.manifest_journal is not None:
             # its listing is in DEST now: a rerun after a kill from here on lists afresh
-            # (and finds the state committed, or diffs the new DEST against the old state)
-            self.manifest_journal.forget()
+            # (and finds the state committed, or diffs the new DEST against the old state).
+            # DEST is the new tree already: a failure from here on is a warning, never the
+            # pull's error (an error promises DEST untouched)
+            try:
+                self.manifest_journal.forget()
+            except WsyncError as exc:
+                self.warnings.append(f"the journal's listing was not cleared: {exc}")
         return old
 
     async def apply_only(
@@ -516,7 +521,7 @@ async def _pull(
         ok=True,
         sandbox=sandbox,
         dest=str(real),
-        reconciled=runner.reconciled,
+        reconciled=runner.earlier_run,
         files=files,
         bytes=length,
         chunks=chunks,
