@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import os
 import subprocess
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -239,6 +240,71 @@ def test_lock_survives_a_holder_that_unlinks_on_release(tmp_path: Path) -> None:
         b.close()
         os.close(stale)
     assert beside(dest) == []
+
+
+def test_nested_dests_exclude_each_other_in_either_order(tmp_path: Path) -> None:
+    """A pull replaces DEST whole: a pull beneath it (``D/sub``) or above it (D's parent)
+    meanwhile would be swept away with the old tree, so whichever comes second fails at
+    once, naming why; siblings share their parent freely."""
+    (tmp_path / "top" / "D" / "sub").mkdir(parents=True)
+    top, d = tmp_path / "top", tmp_path / "top" / "D"
+
+    def held(path: Path) -> DestDir:
+        target = DestDir.open(path)
+        target.lock()
+        return target
+
+    def refused(path: Path, why: str) -> None:
+        target = DestDir.open(path)
+        with pytest.raises(UsageError, match=why) as info:
+            target.lock()
+        target.close()
+        assert info.value.exit_code == 2
+
+    inner = held(d / "sub")
+    refused(d, f"writing into a directory inside DEST {d}")
+    refused(top, "writing into a directory inside DEST")
+    sibling = held(tmp_path / "top" / "E")
+    inner.close()
+    outer = held(d)
+    refused(d / "sub", f"lies in {d}, which another wsync pull is replacing")
+    refused(d / "sub" / "deeper", f"lies in {d}, which")
+    refused(top, "writing into a directory inside DEST")
+    outer.close()
+    sibling.close()
+    for path in (top, d, d / "sub"):
+        held(path).close()  # all released
+
+
+def test_a_pull_into_a_subdirectory_is_never_swept_away_by_a_pull_of_dest(tmp_path: Path) -> None:
+    """The race a red team found: a pull into ``D/inner`` runs; a pull into ``D`` starts and
+    swaps a new ``D`` in.  The inner pull then swapped its tree into the old ``D`` (thrown
+    away) and said it succeeded (or, a moment later, failed after its whole transfer).
+    Now the pull into ``D`` fails at once."""
+    ws_outer = small_tree(tmp_path / "ws1", "outer\n")
+    ws_inner = small_tree(tmp_path / "ws2", "inner\n")
+    dest = tmp_path / "D"
+    opts = options(tmp_path)
+    run_pull(local(), ws_outer, dest, opts)
+    outcome: list[BaseException | PullResult] = []
+
+    def outer() -> None:
+        try:
+            outcome.append(run_pull(local(), ws_outer, dest, opts))
+        except UsageError as exc:
+            outcome.append(exc)
+
+    def outer_pull() -> None:  # just before the inner pull's swap, on a loop of its own
+        thread = threading.Thread(target=outer)
+        thread.start()
+        thread.join(120)
+
+    inner = dest / "inner"  # a directory of its own in D (D/sub holds the outer guest's)
+    done = run_pull(local(), ws_inner, inner, dataclasses.replace(opts, fence=outer_pull))
+    assert done.ok
+    assert_exact(ws_inner, inner)
+    (refusal,) = outcome
+    assert isinstance(refusal, UsageError) and "inside DEST" in str(refusal), refusal
 
 
 # -- item 13: DEST on a mount point is refused before any transfer ------------------------------

@@ -21,7 +21,12 @@ is opened once.
 The same object holds the DEST lock: ``flock`` on ``.NAME.wsync-lock`` beside
 DEST, for the whole pull, so two pulls of different sandboxes into one DEST
 cannot both succeed (item 13); holding it also makes every left-over
-``.NAME.wsync-tmp-*`` stale, so those are removed.  DEST on a mount point is
+``.NAME.wsync-tmp-*`` stale, so those are removed.  A pull replaces DEST's whole tree,
+so it also excludes pulls *beneath* DEST and above it: it holds a shared ``flock`` on
+every directory from DEST's parent up to ``/`` and an exclusive one on DEST's directory
+itself (the inodes, not names).  A pull into ``D/sub`` while another replaces ``D``
+would otherwise swap its tree into the ``D`` that is about to be thrown away, and say
+it succeeded.  DEST on a mount point is
 refused at the start: the swap renames, and a mount point cannot be renamed.
 """
 
@@ -73,6 +78,8 @@ class DestDir:
         self.root = root
         self._rel = rel
         self._lock_fd: int | None = None
+        #: the tree locks (DEST's directory, its ancestors): see the module docstring
+        self._tree_fds: list[int] = []
         self._tmp_fd: int | None = None
 
     # -- opening ----------------------------------------------------------------------
@@ -160,9 +167,56 @@ class DestDir:
                     os.ftruncate(fd, 0)
                     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
                 self._lock_fd = fd
+                self._lock_tree()
                 return
             os.close(fd)
         raise HostIOError(f"could not take the lock {name} beside DEST {self.path}")
+
+    def _lock_tree(self) -> None:
+        """DEST's directory exclusively, every directory above it shared (module docstring).
+
+        Where a lock cannot be taken for another reason than a holder (a filesystem
+        without ``flock`` on directories, an ancestor this user may not read), the walk
+        stops there: the name lock beside DEST still holds."""
+        try:
+            fd = os.open(self.name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
+        except OSError:
+            fd = -1  # no DEST yet (or not a directory, refused later): nothing beneath it
+        if fd >= 0:
+            self._tree_fds.append(fd)
+            if not self._flock(fd, fcntl.LOCK_EX):
+                raise Busy(
+                    f"another wsync pull is writing into a directory inside DEST {self.path}; "
+                    "a pull replaces DEST whole: wait for that one to finish"
+                )
+        fd, above = os.dup(self.parent_fd), self.path.parent
+        self._tree_fds.append(fd)
+        while True:
+            if not self._flock(fd, fcntl.LOCK_SH):
+                raise Busy(
+                    f"DEST {self.path} lies in {above}, which another wsync pull is replacing; "
+                    "wait for that one to finish"
+                )
+            try:
+                up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            except OSError:
+                return
+            if os.path.samestat(os.fstat(up), os.fstat(fd)):
+                os.close(up)
+                return
+            fd, above = up, above.parent
+            self._tree_fds.append(fd)
+
+    @staticmethod
+    def _flock(fd: int, how: int) -> bool:
+        """False when another holder has it; True when taken, or when it cannot be had."""
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError as exc:  # e.g. NFS: flock on a directory fd is EBADF there
+            log.debug("tree lock not taken", error=exc.strerror or str(exc))
+        return True
 
     def _open_lock(self, name: str) -> int:
         flags = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -361,6 +415,8 @@ class DestDir:
                 if self._names_fd(self.lock_name, fd):
                     os.unlink(self.lock_name, dir_fd=self.parent_fd)
             os.close(fd)
+        while self._tree_fds:
+            os.close(self._tree_fds.pop())
         if self.parent_fd >= 0:
             os.close(self.parent_fd)
             self.parent_fd = -1
