@@ -101,6 +101,7 @@ def pull(
     with PullState.open(state_dir, dest, key) as state:
         state.load_manifest(manifest(guest), excludes)
         dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+        found = os.fstat(dest_fd)
         try:
             diff = state.diff(dest_fd)
         finally:
@@ -134,7 +135,7 @@ def pull(
         finally:
             os.close(tmp_fd)
             os.close(dest_fd)
-        old = swap_at(parent, tmp_name, dest.name, str(dest))
+        old = swap_at(parent, tmp_name, dest.name, str(dest), (found.st_dev, found.st_ino))
         if old is not None:
             remove_tree_at(parent, old)
         os.close(parent)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import shutil
 import subprocess
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -22,7 +23,7 @@ from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.destdir import DestDir, open_beneath
 from wsync.engine.journal import Journal
 from wsync.engine.pull import pull
-from wsync.errors import UsageError
+from wsync.errors import HostIOError, UsageError
 from wsync.transports.local import LocalTransport
 
 Hook = Callable[[int], Awaitable[None]]
@@ -398,3 +399,60 @@ def test_discard_reports_a_failed_removal_and_never_raises(tmp_path: Path) -> No
         )
     finally:
         target.close()
+
+
+@pytest.mark.parametrize("was", ["none", "a tree"])
+def test_a_directory_put_at_dest_during_the_pull_is_never_thrown_away(
+    tmp_path: Path, was: str
+) -> None:
+    """The swap replaces only the DEST the pull started from: another directory put there
+    meanwhile (another program; a daemon job into ``D/inner`` whose confinement created
+    ``D``) stays, and the pull fails saying so.  A red team lost a succeeded job's tree
+    this way.  A DEST removed meanwhile is no loss: the new tree goes there."""
+    ws = small_tree(tmp_path / "ws", "guest\n")
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    if was == "a tree":
+        run_pull(local(), ws, dest, opts)
+        (ws / "sub" / "file").write_text("guest, changed\n")
+
+    def other_program() -> None:  # just before the swap
+        if dest.exists():
+            dest.rename(tmp_path / "moved-away")
+        (dest / "inner").mkdir(parents=True)
+        (dest / "inner" / "theirs").write_text("keep me\n")
+
+    with pytest.raises(HostIOError, match="replaced or created by another program") as info:
+        run_pull(local(), ws, dest, dataclasses.replace(opts, fence=other_program))
+    assert info.value.exit_code == 8
+    assert (dest / "inner" / "theirs").read_text() == "keep me\n"
+    assert sorted(p.name for p in dest.iterdir()) == ["inner"]
+    assert beside(dest) == []
+    shutil.rmtree(dest)
+
+    def removed() -> None:
+        shutil.rmtree(dest, ignore_errors=True)
+
+    run_pull(local(), ws, dest, dataclasses.replace(opts, force=True))
+    (ws / "sub" / "file").write_text("guest, changed again\n")
+    run_pull(local(), ws, dest, dataclasses.replace(opts, fence=removed))
+    assert_exact(ws, dest)
+
+
+@pytest.mark.parametrize(
+    "name", [".agent1.wsync-lock", ".agent1.wsync-prev", ".a.wsync-old", ".a.b.wsync-tmp-0123"]
+)
+def test_a_dest_named_like_wsyncs_own_entries_beside_a_dest_is_refused(
+    tmp_path: Path, name: str
+) -> None:
+    """A red team pulled into ``.agent1.wsync-lock`` through the daemon: every later pull
+    of ``agent1`` failed ("locking DEST: Is a directory") until someone removed it."""
+    ws = small_tree(tmp_path / "ws", "guest\n")
+    with pytest.raises(UsageError, match="wsync's own") as info:
+        run_pull(local(), ws, tmp_path / name, options(tmp_path))
+    assert info.value.exit_code == 2
+    assert not (tmp_path / name).exists()
+    # names that only look alike are DESTs like any other
+    for fine in ("agent1.wsync-lock", ".agent1.wsync-locked", ".wsync-prev"):
+        run_pull(local(), ws, tmp_path / fine, options(tmp_path))
+        assert_exact(ws, tmp_path / fine)

@@ -51,6 +51,8 @@ log = structlog.get_logger("wsync.destdir")
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _LOCK_TRIES = 16
+#: the names wsync gives entries beside a DEST NAME (lock, kept tree, tmp and old trees)
+_RESERVED = re.compile(r"\..+\.wsync-(lock|prev|old|tmp-.*)", re.DOTALL)
 
 
 def _mount_points() -> set[str]:
@@ -80,6 +82,9 @@ class DestDir:
         self._lock_fd: int | None = None
         #: the tree locks (DEST's directory, its ancestors): see the module docstring
         self._tree_fds: list[int] = []
+        #: DEST's ``(st_dev, st_ino)`` when it was locked (None: no DEST then); the swap
+        #: replaces only that directory
+        self.found: tuple[int, int] | None = None
         self._tmp_fd: int | None = None
 
     # -- opening ----------------------------------------------------------------------
@@ -90,6 +95,14 @@ class DestDir:
         dest = Path(os.path.abspath(dest))
         if dest == dest.parent:
             raise UsageError("DEST cannot be the filesystem root")
+        if _RESERVED.fullmatch(dest.name):
+            # a pull into ".X.wsync-lock" would leave a directory where the pulls of X
+            # take their lock (they would fail for good), into ".X.wsync-prev" one that
+            # X's next pull takes over or removes
+            raise UsageError(
+                f"DEST {dest}: names like .NAME.wsync-lock, -prev, -old and -tmp-* are "
+                "wsync's own, beside a DEST; choose another name"
+            )
         if root is None:
             with _refusing(dest, None, dest.parent):
                 fd = os.open(dest.parent, _DIR_FLAGS)
@@ -184,6 +197,8 @@ class DestDir:
             fd = -1  # no DEST yet (or not a directory, refused later): nothing beneath it
         if fd >= 0:
             self._tree_fds.append(fd)
+            st = os.fstat(fd)
+            self.found = (st.st_dev, st.st_ino)
             if not self._flock(fd, fcntl.LOCK_EX):
                 raise Busy(
                     f"another wsync pull is writing into a directory inside DEST {self.path}; "
@@ -371,7 +386,7 @@ class DestDir:
         """Swap the tmp tree into DEST; return the name now holding the old tree (or None)."""
         self.verify()
         self.close_tmp()
-        return swap_at(self.parent_fd, tmp, self.name, str(self.path))
+        return swap_at(self.parent_fd, tmp, self.name, str(self.path), self.found)
 
     def remove(self, name: str) -> None:
         """Remove entry ``name`` beside DEST, whole tree; HostIOError naming what stayed."""

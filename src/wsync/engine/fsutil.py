@@ -32,6 +32,7 @@ from pathlib import Path
 
 from wsync.errors import HostIOError
 
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _libc: ctypes.CDLL | None
 try:
@@ -131,11 +132,11 @@ class EarlyFlush:
         self._stop.set()
 
 
-def exchange_at(dir_fd: int, a: str, b: str) -> bool:
-    """Atomically swap names ``a`` and ``b`` in ``dir_fd``; False when the platform cannot."""
+def _renameat2(dir_fd: int, a: str, b: str, flags: int) -> bool:
+    """``renameat2`` within ``dir_fd``; False when the platform cannot (OSError otherwise)."""
     if _libc is None or not hasattr(_libc, "renameat2"):
         return False
-    rc = _libc.renameat2(dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_EXCHANGE)
+    rc = _libc.renameat2(dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), flags)
     if rc == 0:
         return True
     err = ctypes.get_errno()
@@ -144,20 +145,51 @@ def exchange_at(dir_fd: int, a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), b)
 
 
-def swap_at(dir_fd: int, new: str, dest: str, shown: str) -> str | None:
+def exchange_at(dir_fd: int, a: str, b: str) -> bool:
+    """Atomically swap names ``a`` and ``b`` in ``dir_fd``; False when the platform cannot."""
+    return _renameat2(dir_fd, a, b, _RENAME_EXCHANGE)
+
+
+class DestReplaced(HostIOError):
+    """DEST is not the directory the pull started from (another program put one there)."""
+
+    template = "{}"
+
+
+def swap_at(
+    dir_fd: int, new: str, dest: str, shown: str, expect: tuple[int, int] | None
+) -> str | None:
     """Make directory ``new`` appear as ``dest`` (both names in ``dir_fd``) atomically.
 
-    Returns the name now holding the *old* tree (to be removed by the caller),
-    or None when ``dest`` did not exist.  ``shown`` names DEST in errors.
+    ``expect`` is DEST's ``(st_dev, st_ino)`` when the pull started, None when there was
+    no DEST: the pull built its tree from that one (or from nothing), so another directory
+    put at DEST meanwhile (another program, a pull into a directory beneath DEST through a
+    parent it created) is never thrown away with the old tree: :class:`DestReplaced`,
+    DEST left as it is.  Returns the name now holding the *old* tree (to be removed by
+    the caller), or None when ``dest`` did not exist.  ``shown`` names DEST in errors.
     """
+    changed = DestReplaced(
+        f"DEST {shown} was replaced or created by another program during the pull; "
+        "it was left as it is: run the pull again"
+    )
     with host_io(f"replacing {shown}"):
         try:
-            os.stat(dest, dir_fd=dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            os.rename(new, dest, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            st = os.stat(dest, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:  # none then, or removed since: nothing is lost
+            try:
+                if not _renameat2(dir_fd, new, dest, _RENAME_NOREPLACE):
+                    os.rename(new, dest, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except FileExistsError:
+                raise changed from None
             os.fsync(dir_fd)
             return None
+        if (st.st_dev, st.st_ino) != expect:
+            raise changed
         if exchange_at(dir_fd, new, dest):
+            st = os.stat(new, dir_fd=dir_fd, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) != expect:  # replaced between the check and the swap
+                exchange_at(dir_fd, new, dest)
+                raise changed
             os.fsync(dir_fd)
             return new
         old = f".{dest}.wsync-old"
