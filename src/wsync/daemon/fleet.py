@@ -328,8 +328,10 @@ class FleetManager:
             for name, box in config.sandboxes.items()
             if box.max_concurrent is not None
         }
+        # DESTs are stored resolved (check_dest), so the roots must be too: a root that
+        # is or passes through a symlink would otherwise never match, its jobs never run
         return await self.store.claim(
-            [str(root) for root in config.dest_roots],
+            [str(root.resolve(strict=False)) for root in config.dest_roots],
             limits,
             config.limits.per_sandbox,
             config.limits.fleet_max_concurrent,
