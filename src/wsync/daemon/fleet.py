@@ -5,8 +5,9 @@ Several ``wsync daemon`` processes configured with the same ``store =
 event loop, and each pull on its own thread, as a single daemon does:
 
 * the **dispatcher** claims jobs (:meth:`PgStore.claim`) while this daemon is
-  under ``limits.max_concurrent``; placement, dedupe and the per-sandbox and
-  fleet-wide limits are decided by the claim's SQL, not here;
+  under ``limits.max_concurrent``; placement (DEST under this daemon's roots,
+  and a sandbox it has configured, or an ad-hoc URI if it allows URIs), dedupe
+  and the per-sandbox and fleet-wide limits are decided by the claim's SQL, not here;
 * the **renewer** extends every lease it holds every ``lease_seconds / 4`` (at
   most :data:`RENEW_EVERY` seconds apart, so that ``GET`` on any daemon shows
   fresh progress), saving progress with it; a renewal that finds the fence changed means
@@ -332,6 +333,8 @@ class FleetManager:
         # is or passes through a symlink would otherwise never match, its jobs never run
         return await self.store.claim(
             [str(root.resolve(strict=False)) for root in config.dest_roots],
+            sorted(config.sandboxes),
+            config.api.allow_uris,
             limits,
             config.limits.per_sandbox,
             config.limits.fleet_max_concurrent,

@@ -302,6 +302,8 @@ class PgStore:
     async def claim(
         self,
         roots: Sequence[str],
+        sandboxes: Sequence[str],
+        adhoc: bool,
         per_sandbox: Mapping[str, int],
         default_per_sandbox: int,
         fleet_max: int,
@@ -310,7 +312,12 @@ class PgStore:
 
         Claimable: ``queued`` (past any back-off), or ``running`` with a lease
         that ran out (a takeover).  DEST must lie under one of ``roots``; the
-        job's sandbox must be under its limit and the fleet under ``fleet_max``
+        job's sandbox must be one of ``sandboxes`` (the names this daemon has
+        configured), or an ad-hoc URI (its ``sandbox`` is the URI, so it has a
+        ``:``, which no configured name has) when ``adhoc`` (``api.allow_uris``).
+        A job is pulled with the claiming daemon's excludes, options and secrets,
+        so a daemon that does not know the sandbox must leave it to one that does.
+        The sandbox must be under its limit and the fleet under ``fleet_max``
         (0: no cap), counting only running jobs with a live lease.
         """
         prefixes = [r.rstrip("/") + "/" for r in roots]
@@ -328,6 +335,7 @@ SELECT j.id, j.state AS was FROM wsync_jobs j LEFT JOIN live ON live.sandbox = j
 WHERE (j.state = 'queued' AND (j.not_before IS NULL OR j.not_before <= now())
        OR j.state = 'running' AND j.lease_until <= now())
   AND EXISTS (SELECT 1 FROM unnest(%(prefixes)s::text[]) p WHERE starts_with(j.dest, p))
+  AND (j.sandbox = ANY(%(sandboxes)s::text[]) OR %(adhoc)s AND strpos(j.sandbox, ':') > 0)
   AND coalesce(live.n, 0) < coalesce((%(limits)s::jsonb ->> j.sandbox)::int, %(default)s)
   AND (%(fleet)s = 0 OR (SELECT n FROM total) < %(fleet)s)
 ORDER BY j.created_at, j.id
@@ -336,6 +344,8 @@ FOR UPDATE OF j SKIP LOCKED
 """,
                     {
                         "prefixes": prefixes,
+                        "sandboxes": list(sandboxes),
+                        "adhoc": adhoc,
                         "limits": json.dumps(dict(per_sandbox)),
                         "default": default_per_sandbox,
                         "fleet": fleet_max,
