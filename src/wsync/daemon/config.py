@@ -44,6 +44,7 @@ from pydantic_settings import (
 )
 
 from wsync.daemon.confine import Forbidden
+from wsync.daemon.dsn import check_store_url
 from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
 from wsync.engine.excludes import Excludes, check_pattern
 from wsync.engine.fsutil import overlaps
@@ -297,6 +298,8 @@ class DaemonConfig(BaseSettings):
     def _check_store(cls, value: str | None) -> str | None:
         if value is not None and value and not value.startswith(("postgresql://", "postgres://")):
             raise ValueError("must be a postgresql:// URL (unset: SQLite in the state dir)")
+        if value:
+            check_store_url(value)  # never echoes the value: it may hold the password
         return value or None
 
     @field_validator("engine_dir")

@@ -48,6 +48,7 @@ from wsync.daemon.config import (
     secret_values,
     shadowed_keys,
 )
+from wsync.daemon.dsn import store_secrets
 from wsync.daemon.jobs import JobManager
 from wsync.daemon.metrics import Metrics
 from wsync.daemon.service import JobService, LocalJobs
@@ -134,6 +135,9 @@ class Daemon:
 
     def _register_secrets(self, config: DaemonConfig) -> None:
         logs.register_secret(self.token)
+        # psycopg_pool logs its connection errors itself, beyond wsync's own care
+        for value in store_secrets(config.store):
+            logs.register_secret(value)
         for box in config.sandboxes.values():
             for value in secret_values(box):
                 logs.register_secret(value)
