@@ -65,9 +65,9 @@ from wsync.daemon.jobs import (
 from wsync.daemon.metrics import Metrics
 from wsync.daemon.pgstore import CHANNEL, Claimed, PgStore, StoreDown, new_owner_id
 from wsync.daemon.pullthread import PullCancelled, PullThread
-from wsync.daemon.store import FINAL_STATES, Job, new_job_id
+from wsync.daemon.store import FINAL_STATES, Job, StoreUnavailable, new_job_id
 from wsync.engine.api import PullResult
-from wsync.errors import Busy, Fenced, HostIOError, InternalError, WsyncError
+from wsync.errors import Busy, Fenced, InternalError, WsyncError
 
 log = structlog.get_logger("wsync.daemon")
 T = TypeVar("T")
@@ -143,7 +143,10 @@ class FleetManager:
             except StoreDown as err:
                 self.metrics.store_errors.inc()
                 if time.monotonic() > deadline:
-                    raise HostIOError(f"job store unreachable at start-up: {err}") from None
+                    raise StoreUnavailable(
+                        f"unreachable at start-up, gave up after {START_TIMEOUT:.0f} s "
+                        f"(check store / WSYNC_STORE and that PostgreSQL is up): {err.args[0]}"
+                    ) from None
                 log.warning("store.unreachable", error=str(err), retry_in=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX)

@@ -167,8 +167,11 @@ class PgStore:
         self.dsn = dsn
         self.owner = owner
         self.lease_seconds = lease_seconds
-        self.pool = AsyncConnectionPool(
-            dsn,
+        self.pool = self._new_pool()
+
+    def _new_pool(self) -> AsyncConnectionPool:
+        return AsyncConnectionPool(
+            self.dsn,
             min_size=1,
             max_size=6,
             open=False,
@@ -181,7 +184,15 @@ class PgStore:
         )
 
     async def open(self) -> None:
-        """Open the pool and create or migrate the schema (under an advisory lock)."""
+        """Open a pool and create or migrate the schema (under an advisory lock).
+
+        Each call opens a new pool: psycopg_pool closes a pool whose first
+        connection did not come within the wait, and a closed pool cannot be
+        opened again, so retrying on the same one would fail at once for good
+        (a database down longer than one wait at start-up was fatal).
+        """
+        await self.pool.close()  # the previous attempt's, if any (a no-op when never opened)
+        self.pool = self._new_pool()
         try:
             await self.pool.open(wait=True, timeout=10.0)
         except Exception as err:

@@ -232,12 +232,23 @@ class Daemon:
             await self.manager.close()
             log.error("http.start_failed")
             return 1
+        # a fleet daemon waits here up to a minute for its store: a stop must end that wait
+        starting = loop.create_task(self.manager.start(), name="start")
+        stop = loop.create_task(self._stop.wait(), name="stop")
+        await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            log.info("daemon.stopped_while_starting")
+            await self._stop_http(server, serving)
+            await self.manager.close()
+            _unlink_socket(address)
+            return 0
         try:
-            resumed = await self.manager.start()
+            resumed = starting.result()
         except WsyncError:
-            server.should_exit = True
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(serving), HTTP_GRACE + 2)
+            stop.cancel()
+            await self._stop_http(server, serving)
             await self.manager.close()
             raise
         self.app_state.ready = True
@@ -247,16 +258,13 @@ class Daemon:
         status = f"listening on {address}; {resumed} job(s) resumed"
         sd_notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
         watchdog = loop.create_task(self._watchdog(), name="watchdog")
-        stop = loop.create_task(self._stop.wait(), name="stop")
         await asyncio.wait({serving, stop}, return_when=asyncio.FIRST_COMPLETED)
 
         log.info("daemon.stopping")
         sd_notify("STOPPING=1")
         self.app_state.ready = False
         await self.manager.shutdown(self.config.shutdown_grace)
-        server.should_exit = True
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(serving), HTTP_GRACE + 2)
+        await self._stop_http(server, serving)
         for task in (watchdog, stop, serving):
             task.cancel()
         await asyncio.gather(watchdog, stop, serving, return_exceptions=True)
@@ -272,11 +280,16 @@ class Daemon:
             )
         with contextlib.suppress(OSError):
             info.unlink()
-        if address.startswith("unix:"):
-            with contextlib.suppress(OSError):
-                os.unlink(address[len("unix:") :])
+        _unlink_socket(address)
         log.info("daemon.stopped")
         return 0
+
+    @staticmethod
+    async def _stop_http(server: _Server, serving: asyncio.Task[None]) -> None:
+        """Ask uvicorn to stop and give open connections :data:`HTTP_GRACE` seconds."""
+        server.should_exit = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(serving), HTTP_GRACE + 2)
 
     def _service(self) -> JobService:
         """SQLite in the state dir (one daemon), or a fleet on PostgreSQL (``store``)."""
@@ -299,6 +312,13 @@ class Daemon:
 def _say(message: str) -> None:
     """One plain line on stderr for a person at a terminal, beside the JSON log line."""
     print(f"wsync daemon: {message}", file=sys.stderr, flush=True)
+
+
+def _unlink_socket(address: str) -> None:
+    """Remove our unix socket on the way out (a TCP address has nothing to remove)."""
+    if address.startswith("unix:"):
+        with contextlib.suppress(OSError):
+            os.unlink(address[len("unix:") :])
 
 
 def _holder(state_dir: Path) -> str:
@@ -428,6 +448,7 @@ def main(argv: list[str]) -> int:
         code = asyncio.run(daemon.run())
     except WsyncError as err:
         log.error("daemon.failed", error=str(err), kind=err.kind)
+        _say(str(err))
         return err.exit_code
     if daemon.abandoned:
         # interpreter exit would join the pulls' worker threads (thread pools
