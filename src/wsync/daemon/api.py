@@ -5,7 +5,8 @@ become a 422 with the field named, and the OpenAPI document
 (``/openapi.json``) is generated from the same code, so it cannot drift.
 
 Every ``/v1`` route needs ``Authorization: Bearer <token>`` (compared in
-constant time); ``/healthz``, ``/readyz``, ``/metrics`` and ``/openapi.json``
+constant time, by :class:`~wsync.daemon.guard.Guard` before any body is read;
+bodies over 64 KiB get 413); ``/healthz``, ``/readyz``, ``/metrics`` and ``/openapi.json``
 are open so probes and scrapers need no secret.  Error bodies are always
 ``{"error": "<one line>", "kind": "<kind>"}``.
 """
@@ -13,7 +14,6 @@ are open so probes and scrapers need no secret.  Error bodies are always
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 import wsync
 from wsync.daemon.confine import Forbidden
+from wsync.daemon.guard import Guard, token_ok
 from wsync.daemon.jobs import JobFinished, NotAccepting, UnknownJob
 from wsync.daemon.metrics import Metrics
 from wsync.daemon.service import JobService
@@ -135,6 +136,8 @@ def create_app(state: AppState) -> FastAPI:
         503: {"model": ErrorOut},
     }
 
+    app.add_middleware(Guard, token=lambda: state.token)
+
     @app.exception_handler(WsyncError)
     async def _wsync_error(_request: Request, err: WsyncError) -> JSONResponse:
         return _error(_status_for(err), str(err), err.kind)
@@ -151,11 +154,8 @@ def create_app(state: AppState) -> FastAPI:
         return _error(422, "; ".join(parts) or "invalid request", "usage")
 
     def auth(authorization: Annotated[str | None, Header()] = None) -> None:
-        scheme, _, given = (authorization or "").partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(
-            given.strip().encode(), state.token.encode()
-        )
-        if not ok:
+        # Guard checked it already, before the body was read; kept for the OpenAPI doc
+        if not token_ok(authorization, state.token):
             raise Unauthorized()
 
     @app.exception_handler(Unauthorized)

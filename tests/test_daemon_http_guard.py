@@ -1,0 +1,115 @@
+"""The HTTP API's door and error shapes, over raw loopback sockets to one real daemon.
+
+Raw sockets because what is tested is what happens *before* a whole request
+exists: a body announced but not (yet) sent, a chunked body that keeps coming.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from test_daemon_harness import TOKEN, DaemonProcess, base_config, make_tree
+
+CAP = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    tmp = tmp_path_factory.mktemp("guard")
+    (tmp / "roots").mkdir()
+    make_tree(tmp / "ws", seed=11)
+    box = f'[sandboxes.ws]\nuri = "local:{tmp}/ws"\ndest = "{tmp}/roots/ws"\n'
+    proc = DaemonProcess(tmp, base_config(tmp, box))
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.signal(signal.SIGTERM)
+        code = proc.wait_exit()
+        proc.close()
+        assert code == 0, proc.log()
+
+
+def _connect(daemon: DaemonProcess) -> socket.socket:
+    host, _, port = daemon.address.rpartition(":")
+    return socket.create_connection((host, int(port)), timeout=20)
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """Read one HTTP/1.1 answer with a Content-Length (what the daemon's errors have)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before an answer: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers.get("content-length", "0")):
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed mid-answer"
+        body += chunk
+    return status, headers, body
+
+
+def _head(method: str, path: str, token: str | None, extra: str) -> bytes:
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    return (
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{auth}{extra}\r\n"
+    ).encode()
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token-0123456789"])
+def test_a_request_without_the_token_is_refused_before_its_body_is_read(
+    daemon: DaemonProcess, token: str | None
+) -> None:
+    """A 300 MiB body is announced and only 1 KiB of it sent: the 401 must come from the
+    headers alone (before: the daemon read and parsed the whole body first, so here it
+    waited for bytes that never came, and with them grew to ~1 GB)."""
+    with _connect(daemon) as sock:
+        sock.sendall(_head("POST", "/v1/pulls", token, f"Content-Length: {300 << 20}\r\n"))
+        sock.sendall(b"{" + b" " * 1023)
+        status, headers, body = _answer(sock)
+    assert status == 401, body
+    assert json.loads(body) == {"error": "missing or wrong bearer token", "kind": "auth"}
+    assert headers.get("www-authenticate") == "Bearer"
+
+
+def test_an_announced_body_over_the_cap_is_refused_with_413(daemon: DaemonProcess) -> None:
+    with _connect(daemon) as sock:
+        sock.sendall(_head("POST", "/v1/pulls", TOKEN, f"Content-Length: {300 << 20}\r\n"))
+        sock.sendall(b"{" + b" " * 1023)
+        status, _, body = _answer(sock)
+    assert status == 413, body
+    answer = json.loads(body)
+    assert set(answer) == {"error", "kind"} and answer["kind"] == "too-large", answer
+
+
+def test_a_chunked_body_is_counted_and_refused_once_past_the_cap(daemon: DaemonProcess) -> None:
+    """No Content-Length: the body is counted as it comes (before: read whole, then 422)."""
+    piece = b" " * 8192
+    with _connect(daemon) as sock:
+        sock.sendall(_head("POST", "/v1/pulls", TOKEN, "Transfer-Encoding: chunked\r\n"))
+        sock.sendall(b"1\r\n{\r\n")
+        for _ in range(CAP // len(piece) + 1):
+            sock.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+        status, _, body = _answer(sock)
+    assert status == 413, body
+    assert json.loads(body)["kind"] == "too-large"
+
+
+def test_a_small_chunked_body_still_queues_a_pull(daemon: DaemonProcess) -> None:
+    """The cap changes nothing for real requests: a chunked, authenticated POST works."""
+    payload = json.dumps({"sandbox": "ws"}).encode()
+    with _connect(daemon) as sock:
+        sock.sendall(_head("POST", "/v1/pulls", TOKEN, "Transfer-Encoding: chunked\r\n"))
+        sock.sendall(f"{len(payload):x}\r\n".encode() + payload + b"\r\n0\r\n\r\n")
+        status, _, body = _answer(sock)
+    assert status == 202, body
+    daemon.wait_job(json.loads(body)["id"], timeout=60)
