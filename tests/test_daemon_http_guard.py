@@ -113,3 +113,35 @@ def test_a_small_chunked_body_still_queues_a_pull(daemon: DaemonProcess) -> None
         status, _, body = _answer(sock)
     assert status == 202, body
     daemon.wait_job(json.loads(body)["id"], timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "raw", "status"),
+    [
+        ("GET", "/v1/nope", None, 404),
+        ("GET", "/nope", None, 404),
+        ("PUT", "/v1/pulls", b"{}", 405),
+        # nested deeper than the JSON parser recurses, yet under the body cap
+        ("POST", "/v1/pulls", b"[" * 30000, 400),
+    ],
+)
+def test_starlette_and_body_parse_errors_have_the_documented_shape(
+    daemon: DaemonProcess, method: str, path: str, raw: bytes | None, status: int
+) -> None:
+    """Before: ``{"detail": "Not Found"}`` and the like, from Starlette and FastAPI's own
+    handlers; the docs promise ``{"error", "kind"}`` for every error."""
+    got, body = daemon.request(method, path, raw=raw)
+    assert got == status, body
+    assert isinstance(body, dict) and set(body) == {"error", "kind"}, body
+    assert body["kind"] == "usage" and body["error"], body
+
+
+def test_a_dest_that_is_a_dest_root_itself_is_refused_as_such(daemon: DaemonProcess) -> None:
+    """Before: "resolves outside the allowed roots", which it does not."""
+    root = daemon.root / "roots"
+    for dest in (str(root), f"{root}/", f"{root}/."):
+        status, body = daemon.request("POST", "/v1/pulls", {"sandbox": "ws", "dest": dest})
+        assert status == 403, body
+        assert body["kind"] == "forbidden", body
+        assert "is a dest root itself" in body["error"], body
+        assert "outside" not in body["error"], body

@@ -23,6 +23,7 @@ from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import wsync
 from wsync.daemon.confine import Forbidden
@@ -141,6 +142,13 @@ def create_app(state: AppState) -> FastAPI:
     @app.exception_handler(WsyncError)
     async def _wsync_error(_request: Request, err: WsyncError) -> JSONResponse:
         return _error(_status_for(err), str(err), err.kind)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own answers (no such route: 404, wrong method: 405) and FastAPI's
+        # body-parse 400 would otherwise be {"detail": ...}, not the documented shape
+        kind = "usage" if err.status_code < 500 else "internal"
+        return _error(err.status_code, str(err.detail), kind, **(err.headers or {}))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, err: RequestValidationError) -> JSONResponse:

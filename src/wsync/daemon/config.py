@@ -507,6 +507,11 @@ def check_dest(raw: str, roots: list[Path], keep_out: Sequence[Path] = ()) -> Pa
         real_root = root.resolve(strict=False)
         if resolved != real_root and resolved.is_relative_to(real_root):
             return resolved
+    if any(resolved == root.resolve(strict=False) for root in roots):
+        raise DestForbidden(
+            f"dest {raw!r} is a dest root itself: a pull replaces DEST whole, "
+            "so name a directory inside the root"
+        )
     allowed = ", ".join(str(r) for r in roots)
     raise DestForbidden(f"dest {raw!r} resolves outside the allowed roots ({allowed})")
 
