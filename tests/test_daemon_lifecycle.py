@@ -132,3 +132,44 @@ chaos = "all,seed=5"
             assert "STOPPING=1" in rest, rest
         finally:
             daemon.close()
+
+
+def test_a_reload_that_removes_a_root_names_the_running_pulls_left_outside(
+    tmp_path: Path,
+) -> None:
+    """A pull already running into a root that a reload removes keeps writing there (it
+    was confined when it started); before, nothing said so.  Now the reload logs a warning
+    naming that job, and not the one whose root stays."""
+    for name in ("gone", "kept", "new"):
+        (tmp_path / name).mkdir()
+    make_tree(tmp_path / "ws", seed=30, big=2 * 1024 * 1024)
+    # every exec answers 2 s late: pulls that are still running when the reload comes
+    boxes = "".join(
+        f'[sandboxes.{n}]\nuri = "local:{tmp_path}/ws"\nchaos = "slow=2"\n' for n in ("a", "b")
+    )
+
+    def config(roots: str) -> str:
+        text = base_config(tmp_path, boxes, max_concurrent=2)
+        return text.replace(f'dest_roots = ["{tmp_path}/roots"]', f"dest_roots = [{roots}]")
+
+    daemon = DaemonProcess(tmp_path, config(f'"{tmp_path}/gone", "{tmp_path}/kept"'))
+    daemon.start()
+    try:
+        gone = daemon.pull("a", f"{tmp_path}/gone/a")["id"]
+        kept = daemon.pull("b", f"{tmp_path}/kept/b")["id"]
+        for job_id in (gone, kept):
+            daemon.wait_job(job_id, states=("running",), timeout=30)
+        daemon.config_path.write_text(config(f'"{tmp_path}/kept", "{tmp_path}/new"'))
+        daemon.signal(signal.SIGHUP)
+        daemon.wait_until(lambda: "config.reloaded" in daemon.log(), what="the reload")
+        assert {daemon.job(gone)["state"], daemon.job(kept)["state"]} == {"running"}
+        lines = [
+            line
+            for line in daemon.log_path.read_text().splitlines()
+            if "config.reload_running_outside_roots" in line
+        ]
+    finally:
+        daemon.close()
+    assert len(lines) == 1, lines
+    assert gone in lines[0] and f"{tmp_path}/gone/a" in lines[0], lines[0]
+    assert kept not in lines[0], lines[0]

@@ -196,6 +196,9 @@ class FleetManager:
         self.config = config
         self._wake.set()
 
+    def running_jobs(self) -> list[Job]:
+        return [run.job for run in self._running.values()]
+
     # -- submission and queries --------------------------------------------
 
     async def submit(

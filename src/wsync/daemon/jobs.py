@@ -300,6 +300,9 @@ class JobManager:
         """Pull threads still alive (after :meth:`shutdown`: ones that outlived the grace)."""
         return sum(1 for t in self._threads if t.is_alive())
 
+    def running_jobs(self) -> list[Job]:
+        return [run.job for run in self._running.values()]
+
     def reload(self, config: DaemonConfig) -> None:
         """Adopt a new configuration: limits, roots, token, sandboxes and schedules."""
         self.config = config

@@ -48,6 +48,7 @@ from wsync.daemon.config import (
     secret_values,
     shadowed_keys,
 )
+from wsync.daemon.confine import find_root
 from wsync.daemon.dsn import store_secrets
 from wsync.daemon.jobs import JobManager
 from wsync.daemon.metrics import Metrics
@@ -168,7 +169,29 @@ class Daemon:
         logs.configure(new.log_level)
         self.metrics.reloads.labels("ok").inc()
         log.info("config.reloaded", sandboxes=sorted(new.sandboxes))
+        self._warn_outside_roots(new)
         return {"reloaded": True, "sandboxes": sorted(new.sandboxes)}
+
+    def _warn_outside_roots(self, config: DaemonConfig) -> None:
+        """Name the running pulls whose DEST the new ``dest_roots`` no longer hold.
+
+        New requests and queued jobs are checked against the new roots, but a
+        pull already running was confined when it started and goes on writing
+        (and swaps DEST) where it is; saying so is the least an operator who
+        just removed a root needs, to cancel those jobs if they must not land.
+        """
+        outside = [
+            {"job_id": job.id, "sandbox": job.sandbox, "dest": job.dest}
+            for job in self.manager.running_jobs()
+            if find_root(Path(job.dest), config.dest_roots, strict=True) is None
+        ]
+        if outside:
+            log.warning(
+                "config.reload_running_outside_roots",
+                jobs=outside,
+                note="these pulls started under the old dest_roots and keep writing there "
+                "until they end; cancel them (DELETE /v1/pulls/ID) if they must not land",
+            )
 
     def _on_sighup(self) -> None:
         with contextlib.suppress(ConfigError):

@@ -41,6 +41,10 @@ class JobService(Protocol):
 
     def reload(self, config: DaemonConfig) -> None: ...
 
+    def running_jobs(self) -> list[Job]:
+        """The jobs this daemon's own pulls run right now."""
+        ...
+
     async def submit(
         self, sandbox: str, dest: str | None, trigger: str = "api"
     ) -> tuple[Job, bool]: ...
@@ -84,6 +88,9 @@ class LocalJobs:
 
     def reload(self, config: DaemonConfig) -> None:
         self.manager.reload(config)
+
+    def running_jobs(self) -> list[Job]:
+        return self.manager.running_jobs()
 
     async def submit(
         self, sandbox: str, dest: str | None, trigger: str = "api"
