@@ -21,7 +21,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar, cast
 
-from wsync import __version__, interrupts
+from wsync import __version__, interrupts, stdstreams
 from wsync.errors import EXIT_CODES, Interrupted, UsageError, WsyncError
 
 if TYPE_CHECKING:
@@ -663,6 +663,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     word and status -2).  Called with an explicit ``argv`` (in-process) it
     returns, and gives the caller its own signal handlers back.
     """
+    if argv is None:  # the process's own streams (not a caller's, in-process); idempotent
+        stdstreams.tame()
     args = list(sys.argv[1:] if argv is None else argv)
     installed = interrupts.install_for_cli(args)
     if argv is not None:

@@ -1,0 +1,92 @@
+"""stdout and stderr that a command never dies of.
+
+A pull's outcome is DEST and its exit code; what it prints about it is a
+courtesy to whoever reads.  Two ways the reader can be gone, both seen by a red
+team as an "internal error" (exit 1):
+
+* a pipe whose reader exited: ``wsync pull --json | true`` swapped DEST in,
+  then died of ``BrokenPipeError`` printing the result, and exited 1 after a
+  success; ``2>&1 >/dev/null | head -1`` aborted the pull itself on a
+  progress line;
+* a stream closed before the start (``2>&-``): Python sets ``sys.stderr`` to
+  None, the first progress line raised ``AttributeError``, and every
+  ``print(..., file=sys.stderr)`` wrote to *stdout* (``print`` takes
+  ``file=None`` for stdout), into the ``--json`` object.
+
+:func:`tame` makes each of the two a stream that swallows what cannot be
+delivered: a missing one writes to ``/dev/null``; a write to a broken pipe
+points the file descriptor at ``/dev/null`` (the recipe of Python's signal
+documentation, so the interpreter's own last flush cannot fail either) and the
+text is dropped.  The exit code stays the command's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+from typing import TextIO
+
+
+def _mute(stream: TextIO) -> None:
+    """Point ``stream``'s descriptor at /dev/null: the reader is gone for good."""
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, stream.fileno())
+        finally:
+            os.close(null)
+
+
+class _Tolerant:
+    """A text stream delegating to ``inner`` whose writes never raise on a gone reader."""
+
+    def __init__(self, inner: TextIO) -> None:
+        self._inner = inner
+
+    def write(self, text: str) -> int:
+        try:
+            return self._inner.write(text)
+        except OSError as exc:
+            if exc.errno != errno.EPIPE:
+                raise
+            _mute(self._inner)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._inner.flush()
+        except OSError as exc:
+            if exc.errno != errno.EPIPE:
+                raise
+            _mute(self._inner)
+            with contextlib.suppress(OSError):
+                self._inner.flush()  # what the buffer held now goes to /dev/null
+
+    def __getattr__(self, name: str) -> object:  # isatty, fileno, encoding, ...
+        return getattr(self._inner, name)
+
+
+def tame() -> None:
+    """Make ``sys.stdout`` and ``sys.stderr`` tolerant (see the module docstring); once
+    per process, at the command's entry point, before anything opens a file.
+
+    A closed descriptor 0, 1 or 2 is first given ``/dev/null``: otherwise the next file
+    opened takes its number, and whatever writes to "stderr" by number (a ``local:``
+    guest's scripts, a C library) writes into that file, a journal chunk say."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:  # the lowest free number: fd itself, unless a lower one is free too
+                os.dup2(null, fd)
+                os.close(null)
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        stream = getattr(sys, name)
+        if isinstance(stream, _Tolerant):
+            continue
+        if stream is None:
+            stream = open(fd, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
+        setattr(sys, name, _Tolerant(stream))
