@@ -276,3 +276,34 @@ def test_json_of_a_failed_pull_counts_what_it_did(tmp_path: Path) -> None:
     assert result["ok"] is False and result["retries"] == 3
     assert sum(result["faults"].values()) == 3 and result["execs"] >= 1
     assert result["transferred_bytes"] > 0
+
+
+def test_a_journaled_chunk_damaged_on_disk_is_fetched_again_not_called_hostile(
+    tmp_path: Path,
+) -> None:
+    """A red team flipped one byte of a journaled chunk between a kill -9 and the rerun:
+    the decompressor called the stream undecodable, the pull ended "archive refused"
+    (exit 7) and threw away the guest's snapshot and every journaled chunk.  The rerun
+    now checks its journaled chunks against their hashes and fetches a damaged one again."""
+    rng = random.Random(11)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for i in range(4):
+        (ws / f"blob{i}").write_bytes(rng.randbytes(2 * 1024 * 1024))
+    dest, state = tmp_path / "out", tmp_path / "state"
+    args = pull_argv(ws, dest, state, tmp_path / "stage", "256K")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_chunks(proc, state, 6)
+    proc.kill()
+    proc.communicate()
+    killed_with = _chunks_on_disk(state)
+    assert killed_with >= 6 and not dest.exists()
+    (damaged,) = state.glob("pulls/*/chunks/00000002.*")
+    data = bytearray(damaged.read_bytes())
+    data[1000] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+
+    again = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert_exact(ws, dest)
+    assert json.loads(again.stdout)["resumed_chunks"] == killed_with - 1

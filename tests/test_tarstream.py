@@ -13,6 +13,7 @@ import os
 import subprocess
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zstandard
@@ -24,7 +25,7 @@ from extract_helpers import small_archive as build_small_archive
 from wsync.engine.api import MiB
 from wsync.engine.extract import extract_tar_stream
 from wsync.engine.tarstream import Member, TarReader, parse_header
-from wsync.errors import HostileArchive, HostIOError
+from wsync.errors import HostileArchive, HostIOError, HostOutOfMemory
 
 NS = 1_000_000_000
 
@@ -289,3 +290,29 @@ def test_pax_size_with_too_many_digits_is_refused(root: Path, digits: int) -> No
     data = build(member("f", data=b"x", pax={"size": "1" * digits}), fmt=tarfile.PAX_FORMAT)
     with pytest.raises(HostileArchive, match="malformed pax size"):
         extract(data, root)
+
+
+def test_a_host_out_of_memory_is_not_a_hostile_archive() -> None:
+    """MemoryError (a ``ulimit -v``) or zstd's "Allocation error" while decoding is the
+    host's limit, not the guest's archive: HostOutOfMemory (exit 8), which keeps the
+    snapshot for the next run, where HostileArchive (exit 7) would throw it away."""
+
+    class Starved(io.RawIOBase):
+        def __init__(self, error: Exception) -> None:
+            self.error = error
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer: Any) -> int:
+            raise self.error
+
+    for error in (MemoryError(), zstandard.ZstdError("Allocation error : not enough memory")):
+        reader = TarReader(Starved(error), lambda _: None)
+        with pytest.raises(HostOutOfMemory) as info:
+            reader.read(512, "a header")
+        assert info.value.exit_code == 8
+    with pytest.raises(HostileArchive):
+        TarReader(Starved(zstandard.ZstdError("Unknown frame descriptor")), lambda _: None).read(
+            512, "a header"
+        )

@@ -117,6 +117,13 @@ class HostIOError(WsyncError):
     template = "host write failed: {}"
 
 
+class HostOutOfMemory(HostIOError):
+    """The host ran out of memory (a ``ulimit -v``, a container's limit): the snapshot is
+    not at fault, so it is kept and the next run resumes it."""
+
+    template = "the host ran out of memory {}; the journal is kept: run the pull again"
+
+
 class UnstableFiles(WsyncError):
     """Files changed every time the guest read them: DEST would hold a version that never
     existed (a torn read), so the pull fails naming them, like rsync's exit 24.

@@ -31,13 +31,18 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import structlog
 
 from wsync.engine.destdir import DestDir
 from wsync.engine.fsutil import fsync_dir, host_io, rmtree, write_atomic
 from wsync.errors import Busy, HostIOError
 from wsync.protocol.records import DoneRecord
+
+log = structlog.get_logger("wsync.journal")
 
 
 def _key(*parts: str) -> str:
@@ -210,6 +215,25 @@ class Journal:
                     found[int(seq)] = (digest, Path(entry.path))
                 else:  # temp files of a killed run
                     os.unlink(entry.path)
+        return found
+
+    @staticmethod
+    def intact(
+        found: dict[int, tuple[str, Path]], digest: Callable[[bytes], str]
+    ) -> dict[int, tuple[str, Path]]:
+        """The chunks of ``found`` (from :meth:`chunks`) whose bytes still hash to their
+        names (worker thread, once a run: a resume reads its chunks back anyway).  A chunk
+        damaged on disk since it was journaled would otherwise reach the decompressor,
+        which can only call the stream undecodable: the pull ended as a hostile archive
+        and threw the whole snapshot away.  A damaged one is removed here and fetched
+        again."""
+        found = dict(found)
+        with host_io("reading the journal"):
+            for seq, (want, path) in list(found.items()):
+                if digest(path.read_bytes()) != want:
+                    log.warning("journaled chunk damaged on disk; fetching it again", seq=seq)
+                    os.unlink(path)
+                    del found[seq]
         return found
 
     def chunk_path(self, seq: int, digest: str) -> Path:

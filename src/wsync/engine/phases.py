@@ -220,6 +220,9 @@ class StreamRunner:
             log.info("guest staging restarted; discarding journaled chunks", n=len(journaled))
             journal.clear_chunks()
             journaled = {}
+        if journaled:
+            found = journaled
+            journaled = await in_thread(lambda: Journal.intact(found, plan.algorithm.digest))
         return journaled
 
     async def choose_level(self, plan: GuestPlan, *, manifest: bool) -> int:

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from wsync.engine.api import MiB
-from wsync.errors import HostileArchive, HostIOError, WsyncError
+from wsync.errors import HostileArchive, HostIOError, HostOutOfMemory, WsyncError
 
 __all__ = ["BLOCK", "Member", "TarReader", "parse_header", "show_name"]
 
@@ -231,7 +231,11 @@ class TarReader:
             raise
         except OSError as exc:
             raise HostIOError(f"reading the archive stream: {exc}") from exc
+        except MemoryError as exc:
+            raise HostOutOfMemory("decoding the archive stream") from exc
         except Exception as exc:  # the decompressor is foreign code: corrupt input lands here
+            if "Allocation error" in str(exc):  # zstd's own word for a failed malloc
+                raise HostOutOfMemory(f"decoding the archive stream ({exc})") from exc
             raise HostileArchive(
                 f"undecodable archive stream: {type(exc).__name__}: {exc}"
             ) from exc
