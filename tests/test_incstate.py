@@ -417,3 +417,18 @@ def test_hardlinks_made_or_broken_on_the_host_are_repaired(tmp_path: Path) -> No
     assert set(res.fetched) == {b"b", b"c", b"d", b"e"}
     exact(guest, dest)
     assert os.stat(dest / "e").st_nlink == 1 and os.stat(outside).st_nlink == 1
+
+
+def test_a_full_disk_under_the_hash_log_is_a_host_write_error() -> None:
+    """The extractor's hash log lies in the state directory; a red team filled that
+    (ENOSPC) and got "internal error: OSError" (exit 1) instead of exit 8.  /dev/full
+    fails every write with ENOSPC, as a full filesystem does."""
+    from wsync.engine.incremental import HashLog
+
+    log = HashLog(Path("/dev/full"))
+    log.start()
+    with pytest.raises(HostIOError, match="No space left on device") as info:
+        for i in range(10_000):  # past the file's buffer, or at the latest its close
+            log.add(f"f{i}".encode(), "0" * 32, (i, 0o100644, 1, 0))
+        log.close()
+    assert info.value.exit_code == 8

@@ -24,6 +24,7 @@ import structlog
 
 from wsync.engine import incremental
 from wsync.engine.feed import ChunkFeed, consume_feed
+from wsync.engine.fsutil import host_io
 from wsync.engine.guest import GuestPlan
 from wsync.engine.incremental import Incremental
 from wsync.engine.incstate import state_path
@@ -109,9 +110,10 @@ class IncrementalRunner(StreamRunner):
     def decide(self, inc: Incremental, plan: GuestPlan, empty: Path) -> None:
         """Diff (in a thread); a full pull with excludes or a dry run without a baseline
         diffs against an empty directory of the journal."""
-        with contextlib.suppress(FileExistsError):
-            empty.mkdir(mode=0o700)
-        fd = os.open(empty, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with host_io(f"writing {empty}"):
+            with contextlib.suppress(FileExistsError):
+                empty.mkdir(mode=0o700)
+            fd = os.open(empty, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             inc.decide(plan, stdin=self.session.gate, tmp_fd=fd)
             if self.options.dry_run and inc.diff is None:

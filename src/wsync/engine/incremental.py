@@ -52,6 +52,7 @@ from wsync.engine.destdir import DestDir
 from wsync.engine.excludes import Excludes
 from wsync.engine.extract import Written, written
 from wsync.engine.farm import build_farm, join_groups, set_dir_meta
+from wsync.engine.fsutil import host_io
 from wsync.engine.guest import GuestPlan
 from wsync.engine.incdiff import Diff
 from wsync.engine.incstate import PullState
@@ -135,32 +136,49 @@ class HashLog:
 
     def start(self) -> None:
         self.close()
-        self._file = self.path.open("wb")
+        with host_io(f"writing {self.path}"):
+            self._file = self.path.open("wb")
 
     def reopen(self) -> None:
         """Append after a close: a later record of a path replaces an earlier one."""
         self.close()
-        self._file = self.path.open("ab")
+        with host_io(f"writing {self.path}"):
+            self._file = self.path.open("ab")
 
     def add(self, path: bytes, digest: str, written: Written) -> None:
         if self._file is not None:
             ino, mode, size, mtime = written
-            self._file.write(
-                _LEN.pack(len(path))
-                + path
-                + digest.encode().ljust(32)[:32]
-                + _WRITTEN.pack(ino, mode, size)
-                + mtime.to_bytes(16, "little", signed=True)  # times pass 64 bits in 2262
-            )
+            try:  # once per file: no context manager on this path
+                self._file.write(
+                    _LEN.pack(len(path))
+                    + path
+                    + digest.encode().ljust(32)[:32]
+                    + _WRITTEN.pack(ino, mode, size)
+                    + mtime.to_bytes(16, "little", signed=True)  # times pass 64 bits in 2262
+                )
+            except OSError as exc:  # a full state directory: exit 8, not an internal error
+                with contextlib.suppress(HostIOError):
+                    self.close()  # the log is of no use now; its descriptor goes
+                raise HostIOError(f"writing {self.path}: {exc.strerror or exc}") from exc
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            with host_io(f"writing {self.path}"):
+                try:
+                    file.close()
+                except OSError:  # its flush failed: the descriptor is still open
+                    with contextlib.suppress(OSError):
+                        file.raw.close()  # type: ignore[attr-defined]
+                    raise
 
     def __iter__(self) -> Iterator[tuple[bytes, str, Written]]:
         self.close()
-        with contextlib.suppress(FileNotFoundError), self.path.open("rb") as f:
+        with (
+            host_io(f"reading {self.path}"),
+            contextlib.suppress(FileNotFoundError),
+            self.path.open("rb") as f,
+        ):
             while head := f.read(_LEN.size):
                 (n,) = _LEN.unpack(head)
                 path = f.read(n)
