@@ -307,3 +307,21 @@ def test_a_journaled_chunk_damaged_on_disk_is_fetched_again_not_called_hostile(
     assert again.returncode == 0, again.stderr
     assert_exact(ws, dest)
     assert json.loads(again.stdout)["resumed_chunks"] == killed_with - 1
+
+
+def test_min_free_is_a_host_condition_that_keeps_the_journal(tmp_path: Path) -> None:
+    """Free space below the reserve is the host's condition, on DEST's filesystem or the
+    state directory's alike (a red team saw exit 7 "archive refused" for one, exit 8 for
+    the other): exit 8 naming ``--min-free``, DEST untouched, and the same command with
+    room made (here: the reserve lowered) finishes; ``--min-free`` was the daemon's only."""
+    ws = tmp_path / "ws"
+    make_tree(ws, seed=5)
+    dest, state = tmp_path / "out", tmp_path / "state"
+    base = [f"local:{ws}", str(dest), "--json", "--state-dir", str(state)]
+    starved = wsync("pull", *base, "--min-free", "1000000G")
+    assert starved.returncode == 8, starved.stderr
+    assert "--min-free" in json.loads(starved.stdout)["error"]
+    assert not dest.exists()
+    done = wsync("pull", *base, "--min-free", "0")
+    assert done.returncode == 0, done.stderr
+    assert_exact(ws, dest)

@@ -66,6 +66,11 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def size_or_zero(text: str) -> int:
+    """:func:`parse_size`, where 0 means "none" (``--min-free 0``)."""
+    return 0 if text.strip() == "0" else parse_size(text)
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -372,6 +377,14 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         metavar="SIZE",
         help="refuse archives that unpack to more than this (256G; exit 7)",
     )
+    p.add_argument(
+        "--min-free",
+        type=size_or_zero,
+        default=256 * 1024**2,
+        metavar="SIZE",
+        help="stop (exit 8, resumable) before DEST's or the state directory's filesystem "
+        "drops below this much free space (256M; 0 = none)",
+    )
     add_transport_options(p)
 
     d = sub.add_parser(
@@ -582,7 +595,9 @@ def pull_options(args: argparse.Namespace) -> PullOptions:
         keep_prev=args.keep_prev,
         compressor="gzip" if args.gzip else "zstd",
         compress_level=args.compress_level,
-        limits=ExtractLimits(max_files=args.max_files, max_bytes=args.max_bytes),
+        limits=ExtractLimits(
+            max_files=args.max_files, max_bytes=args.max_bytes, min_free_bytes=args.min_free
+        ),
         full=args.full,
         excludes=Excludes.from_options(args.exclude, args.exclude_from),
         dry_run=args.dry_run,

@@ -117,6 +117,14 @@ class HostIOError(WsyncError):
     template = "host write failed: {}"
 
 
+class DiskLow(HostIOError):
+    """A write would take DEST's or the state directory's filesystem below the free-space
+    reserve (``--min-free``): the host's condition, not the archive's, so the snapshot
+    and the journal are kept and the same command resumes once there is room."""
+
+    template = "{}"
+
+
 class HostOutOfMemory(HostIOError):
     """The host ran out of memory (a ``ulimit -v``, a container's limit): the snapshot is
     not at fault, so it is kept and the next run resumes it."""

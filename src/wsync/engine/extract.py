@@ -82,7 +82,7 @@ import xxhash
 
 from wsync.engine.api import ExtractLimits, MiB
 from wsync.engine.tarstream import TarReader, show_name
-from wsync.errors import HostileArchive, HostIOError, LimitExceeded, WsyncError
+from wsync.errors import DiskLow, HostileArchive, HostIOError, LimitExceeded, WsyncError
 
 __all__ = ["ExtractStats", "FileHook", "Written", "extract_tar_stream", "written"]
 
@@ -392,9 +392,10 @@ class _Extractor:
             raise HostIOError(f"statvfs of the extraction root: {exc.strerror}") from exc
         free = st.f_bavail * st.f_frsize
         if free - upcoming < self.limits.min_free_bytes:
-            raise LimitExceeded(
-                f"host filesystem would drop below {self.limits.min_free_bytes} free bytes"
-                f" ({free} free, {upcoming} about to be written)"
+            raise DiskLow(
+                f"DEST's filesystem would drop below {self.limits.min_free_bytes} free bytes"
+                f" ({free} free, {upcoming} about to be written); make room, or lower the"
+                " reserve with --min-free (the daemon's limits.min_free_bytes)"
             )
         self.unchecked_bytes = 0
         self.unchecked_members = 0

@@ -39,7 +39,7 @@ import structlog
 
 from wsync.engine.destdir import DestDir
 from wsync.engine.fsutil import fsync_dir, host_io, rmtree, write_atomic
-from wsync.errors import Busy, HostIOError
+from wsync.errors import Busy, DiskLow, HostIOError
 from wsync.protocol.records import DoneRecord
 
 log = structlog.get_logger("wsync.journal")
@@ -245,9 +245,10 @@ class Journal:
         with host_io("checking free space in the state directory"):
             st = os.statvfs(self.chunks_dir)
         if st.f_bavail * st.f_frsize - len(data) < self.min_free:
-            raise HostIOError(
-                f"not enough free space for the journal in {self.chunks_dir} "
-                f"(keeping {self.min_free} bytes free)"
+            raise DiskLow(
+                f"the state directory's filesystem would drop below {self.min_free} free bytes"
+                f" (journal in {self.chunks_dir}); make room, or lower the reserve with"
+                " --min-free (the daemon's limits.min_free_bytes)"
             )
         try:
             write_atomic(path, data)
