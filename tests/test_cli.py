@@ -325,3 +325,26 @@ def test_min_free_is_a_host_condition_that_keeps_the_journal(tmp_path: Path) -> 
     done = wsync("pull", *base, "--min-free", "0")
     assert done.returncode == 0, done.stderr
     assert_exact(ws, dest)
+
+
+@pytest.mark.parametrize("relative", ["dest", "sandbox", "state-dir"])
+def test_a_relative_path_from_a_removed_current_directory_is_a_usage_error(
+    tmp_path: Path, relative: str
+) -> None:
+    """A red team ran wsync from a directory removed meanwhile: "internal error:
+    FileNotFoundError" (exit 1) for a relative DEST (getcwd fails); now exit 2, saying so."""
+    ws = tmp_path / "ws"
+    make_tree(ws, seed=3)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    sandbox = "local:ws" if relative == "sandbox" else f"local:{ws}"
+    dest = "out" if relative == "dest" else str(tmp_path / "out")
+    state = "state" if relative == "state-dir" else str(tmp_path / "state")
+    script = 'cd "$1" && rmdir "$1" && shift && exec "$@"'
+    argv = ["bash", "-c", script, "bash", str(gone), sys.executable, "-m", "wsync"]
+    argv += ["pull", sandbox, dest, "--state-dir", state]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "current directory no longer exists" in done.stderr
+    assert "internal error" not in done.stderr
+    assert not (tmp_path / "out").exists()

@@ -14,6 +14,7 @@ import argparse
 import io
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -732,11 +733,26 @@ def _main(argv: list[str]) -> int:
     except Exception as exc:
         if args.debug:
             traceback.print_exc()
+        if isinstance(exc, FileNotFoundError) and _cwd_gone():
+            print(
+                "wsync: error: the current directory no longer exists, and a relative path "
+                "was given (or defaulted); cd somewhere that does, or give absolute paths",
+                file=sys.stderr,
+            )
+            return UsageError.exit_code
         print(
             f"wsync: internal error: {type(exc).__name__}: {exc} (re-run with --debug)",
             file=sys.stderr,
         )
         return 1
+
+
+def _cwd_gone() -> bool:
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return True
+    return False
 
 
 def _delegate(command: str, rest: list[str]) -> int:

@@ -92,7 +92,13 @@ class DestDir:
     @classmethod
     def open(cls, dest: Path, root: Path | None = None) -> DestDir:
         """Open DEST's parent (beneath ``root`` without symlinks when given); UsageError if not."""
-        dest = Path(os.path.abspath(dest))
+        try:
+            dest = Path(os.path.abspath(dest))
+        except FileNotFoundError:  # getcwd() of a removed directory
+            raise UsageError(
+                f"DEST {dest} is relative and the current directory no longer exists; "
+                "cd somewhere that does, or name DEST by its absolute path"
+            ) from None
         if dest == dest.parent:
             raise UsageError("DEST cannot be the filesystem root")
         if _RESERVED.fullmatch(dest.name):
