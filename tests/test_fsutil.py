@@ -194,3 +194,21 @@ def test_the_early_flush_uses_its_own_open_of_the_tree_and_lets_it_go(tmp_path: 
         os.fstat(tree)  # still open
     finally:
         os.close(tree)
+
+
+def test_a_durable_write_that_fails_leaves_no_part_behind(tmp_path: Path) -> None:
+    """A red team filled the state directory's disk: each failed write kept its temp
+    file (up to a whole 4 MiB chunk), on the disk that was full.  Here the file-size
+    limit fails the write (EFBIG; Python ignores SIGXFSZ) as a full disk would."""
+    from wsync.engine.fsutil import write_atomic
+    from wsync.errors import HostIOError
+
+    path = tmp_path / "chunk"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(HostIOError, match="File too large"):
+            write_atomic(path, b"x" * 100_000)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert list(tmp_path.iterdir()) == []

@@ -75,13 +75,19 @@ def write_atomic(path: Path, data: bytes) -> None:
     with host_io(f"writing {path}"):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            # a full disk must not keep the part written (up to a whole chunk) either
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         fsync_dir(path.parent)
 
 
