@@ -348,3 +348,24 @@ def test_a_relative_path_from_a_removed_current_directory_is_a_usage_error(
     assert "current directory no longer exists" in done.stderr
     assert "internal error" not in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("home", ["/nonexistent-wsync-home", "", None])
+def test_no_usable_home_for_the_default_state_dir_is_a_usage_error(
+    tmp_path: Path, home: str | None
+) -> None:
+    """Run as root with HOME=/nonexistent (a service account), a red team saw wsync
+    create /nonexistent/.local/state/wsync, and with HOME= /.local/state/wsync."""
+    ws = tmp_path / "ws"
+    make_tree(ws, seed=4)
+    env = {k: v for k, v in os.environ.items() if k not in ("HOME", "XDG_STATE_HOME")}
+    if home is not None:
+        env["HOME"] = home
+    argv = [sys.executable, "-m", "wsync", "pull", f"local:{ws}", str(tmp_path / "out")]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "--state-dir" in done.stderr and "internal error" not in done.stderr
+    assert not Path("/nonexistent-wsync-home").exists()
+    env["XDG_STATE_HOME"] = str(tmp_path / "xdg")  # the other way to name it
+    assert subprocess.run(argv, env=env, timeout=300).returncode == 0
+    assert_exact(ws, tmp_path / "out")

@@ -581,6 +581,14 @@ def pull_options(args: argparse.Namespace) -> PullOptions:
     from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
     from wsync.engine.excludes import Excludes
 
+    if args.state_dir is None and not os.environ.get("XDG_STATE_HOME"):
+        # as root, HOME=/nonexistent made /nonexistent/.local/state, HOME= /.local/state
+        home = os.environ.get("HOME", "")
+        if not os.path.isabs(home) or not os.path.isdir(home):
+            raise UsageError(
+                f"no home directory for the default state directory (HOME={home!r}); "
+                "pass --state-dir DIR or set XDG_STATE_HOME"
+            )
     options = PullOptions(
         state_dir=args.state_dir or default_state_dir(),
         parallel=args.parallel,
