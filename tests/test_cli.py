@@ -369,3 +369,45 @@ def test_no_usable_home_for_the_default_state_dir_is_a_usage_error(
     env["XDG_STATE_HOME"] = str(tmp_path / "xdg")  # the other way to name it
     assert subprocess.run(argv, env=env, timeout=300).returncode == 0
     assert_exact(ws, tmp_path / "out")
+
+
+def test_a_low_open_file_limit_still_records_the_state(tmp_path: Path) -> None:
+    """At ``ulimit -n 48`` DEST's scan kept 64 directory fds open: every pull's state
+    commit failed ("Too many open files", a warning) and every pull was a full one."""
+    import resource
+
+    ws = tmp_path / "ws"
+    for d in range(40):
+        for s in range(3):
+            (ws / f"d{d}" / f"s{s}").mkdir(parents=True)
+            (ws / f"d{d}" / f"s{s}" / "f").write_text(f"{d} {s}\n")
+    args = [
+        sys.executable, "-m", "wsync", "pull", f"local:{ws}", str(tmp_path / "out"), "--json",
+        "--state-dir", str(tmp_path / "state"), "--staging-dir", str(tmp_path / "stage"),
+    ]  # fmt: skip
+
+    def low() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+
+    results = []
+    for _ in range(2):
+        done = subprocess.run(args, capture_output=True, text=True, timeout=300, preexec_fn=low)
+        assert done.returncode == 0, done.stderr
+        results.append(json.loads(done.stdout))
+    assert results[0]["warnings"] == [] and results[1]["mode"] == "incremental"
+    assert results[1]["changed_files"] == 0
+    assert_exact(ws, tmp_path / "out")
+
+
+def test_out_of_file_descriptors_is_the_hosts_limit_not_a_transport_fault() -> None:
+    """Starting a guest command with no descriptor left was retried twelve times and
+    ended "integrity not established" (exit 6), the cause shown only with -v."""
+    import errno
+
+    from wsync.errors import HostOutOfFiles, TransportError
+    from wsync.transports.local import _cannot_start
+
+    full = _cannot_start("sh", OSError(errno.EMFILE, "Too many open files"))
+    assert isinstance(full, HostOutOfFiles) and full.exit_code == 8
+    assert "ulimit -n" in str(full)
+    assert isinstance(_cannot_start("sh", OSError(errno.EAGAIN, "again")), TransportError)

@@ -132,6 +132,13 @@ class HostOutOfMemory(HostIOError):
     template = "the host ran out of memory {}; the journal is kept: run the pull again"
 
 
+class HostOutOfFiles(HostIOError):
+    """The host's open-file limit (``ulimit -n``) stops the pull: retrying cannot help,
+    raising the limit does (the journal is kept)."""
+
+    template = "too many open files on the host: {}; raise the limit (ulimit -n) and run again"
+
+
 class UnstableFiles(WsyncError):
     """Files changed every time the guest read them: DEST would hold a version that never
     existed (a torn read), so the pull fails naming them, like rsync's exit 24.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import stat
 import struct
 from collections.abc import Callable, Iterator
@@ -26,7 +27,8 @@ from wsync.engine.beneath import open_beneath
 
 #: bytes read per call while hashing
 _READ = 1024 * 1024
-#: directory fds the walk keeps open for their subdirectories
+#: directory fds the walk keeps open for their subdirectories, at most (an eighth of
+#: the open-file limit: at ``ulimit -n 48`` 64 of them failed every pull's commit)
 _FD_CACHE = 64
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -122,6 +124,7 @@ class _DirFds:
     def __init__(self, root_fd: int) -> None:
         self.root_fd = root_fd
         self.fds: dict[bytes, int] = {}
+        self.most = max(4, min(_FD_CACHE, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8))
 
     def open(self, path: bytes) -> int:
         """A new fd on directory ``path`` (the caller closes it); OSError if impossible."""
@@ -134,7 +137,7 @@ class _DirFds:
         return open_beneath(self.root_fd, parts_of(path))
 
     def keep(self, path: bytes, fd: int) -> None:
-        if len(self.fds) >= _FD_CACHE:
+        if len(self.fds) >= self.most:
             oldest = next(iter(self.fds))
             os.close(self.fds.pop(oldest))
         self.fds[path] = fd

@@ -28,11 +28,18 @@ import contextlib
 import dataclasses
 import errno
 import os
+import resource
 import signal
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from wsync.errors import TransportError, TransportTimeout, UsageError
+from wsync.errors import (
+    HostOutOfFiles,
+    TransportError,
+    TransportTimeout,
+    UsageError,
+    WsyncError,
+)
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
     BoundedBuffer,
@@ -256,8 +263,8 @@ class LocalTransport(Transport):
                 exit_status=code,
                 notes=(f"exec failed: {exc.strerror}",),
             )
-        except OSError as exc:  # EMFILE, EAGAIN from fork, ENOMEM: transient
-            raise TransportError(f"local: cannot start {argv[0]!r}: {exc}") from exc
+        except OSError as exc:  # EAGAIN from fork, ENOMEM: transient
+            raise _cannot_start(argv[0], exc) from exc
 
         finished = False
         try:
@@ -308,7 +315,7 @@ class LocalTransport(Transport):
                 start_new_session=True,
             )
         except OSError as exc:
-            raise TransportError(f"local: cannot start {argv[0]!r}: {exc}") from exc
+            raise _cannot_start(argv[0], exc) from exc
         protocol.transport = transport
         return _LocalChannel(transport, protocol)
 
@@ -348,3 +355,13 @@ class LocalTransport(Transport):
 
     async def aclose(self) -> None:
         """Nothing to release: each exec owns and reaps its own process."""
+
+
+def _cannot_start(name: str, exc: OSError) -> WsyncError:
+    """A guest command that could not be started: out of file descriptors is the host's
+    limit, which twelve retries only hid behind "integrity not established" (exit 6);
+    anything else (EAGAIN, ENOMEM from fork) may pass, and is retried."""
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return HostOutOfFiles(f"cannot start {name!r} (ulimit -n is {soft})")
+    return TransportError(f"local: cannot start {name!r}: {exc}")
