@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -411,3 +412,34 @@ def test_out_of_file_descriptors_is_the_hosts_limit_not_a_transport_fault() -> N
     assert isinstance(full, HostOutOfFiles) and full.exit_code == 8
     assert "ulimit -n" in str(full)
     assert isinstance(_cannot_start("sh", OSError(errno.EAGAIN, "again")), TransportError)
+
+
+def test_a_full_sqlite_temporary_directory_is_named_in_the_warning(tmp_path: Path) -> None:
+    """SQLite keeps the diff's scratch tables in its temporary directory ($TMPDIR): full,
+    the state was not recorded and the warning blamed the state file in --state-dir,
+    whose filesystem had room."""
+    ws = tmp_path / "ws"
+    (ws / "s").mkdir(parents=True)
+    for i in range(500):
+        (ws / "s" / f"f{i}").write_text(f"{i}\n")
+    tiny = tmp_path / "tmp"
+    tiny.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with contextlib.suppress(OSError):
+            (tiny / "fill").write_bytes(b"\0" * 1024 * 1024)  # as full as it gets
+        base = ["pull", f"local:{ws}", str(tmp_path / "out"), "--json"]
+        base += ["--state-dir", str(tmp_path / "state")]
+        assert wsync(*base).returncode == 0
+        (ws / "s" / "f1").write_text("changed\n")
+        env = {**os.environ, "TMPDIR": str(tiny)}
+        argv = [sys.executable, "-m", "wsync", *base]
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    finally:
+        subprocess.run(["umount", "-l", str(tiny)], check=False)
+    assert done.returncode == 0, done.stderr
+    (warning,) = json.loads(done.stdout)["warnings"]
+    assert f"SQLite's temporary directory, {tiny}, is full" in warning
+    assert_exact(ws, tmp_path / "out")

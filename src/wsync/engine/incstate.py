@@ -181,7 +181,12 @@ class PullState:
         try:
             yield
         except sqlite3.Error as exc:
-            raise HostIOError(f"incremental state {self.path}: {exc}") from exc
+            where = ""
+            if isinstance(exc, sqlite3.OperationalError) and "full" in str(exc):
+                # the scratch tables and SQLite's sorts live in its temporary directory
+                tmp = os.environ.get("SQLITE_TMPDIR") or os.environ.get("TMPDIR") or "/var/tmp"
+                where = f" (or SQLite's temporary directory, {tmp}, is full)"
+            raise HostIOError(f"incremental state {self.path}: {exc}{where}") from exc
 
     # -- the manifest -------------------------------------------------------------------
 
@@ -474,7 +479,11 @@ class PullState:
                 )
                 db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                # after SQLITE_FULL or an I/O error SQLite has rolled back already: a second
+                # ROLLBACK would raise "no transaction is active" in place of the real error
+                if db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        db.execute("ROLLBACK")
                 raise
 
     def add_hash(self, path: bytes, digest: str, written: Written | None = None) -> None:
