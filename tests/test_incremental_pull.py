@@ -18,7 +18,7 @@ import pytest
 from helpers import assert_exact, make_tree, options
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.pull import pull
-from wsync.errors import Fenced, StagingFailed
+from wsync.errors import Fenced, HostIOError, StagingFailed
 from wsync.testing.sshd import SshdServer
 from wsync.transports.base import Transport
 from wsync.transports.local import LocalTransport
@@ -515,3 +515,30 @@ def test_a_dest_over_the_state_directory_is_refused(tmp_path: Path, where: str) 
     assert "state directory" in json.loads(done.stdout)["error"]
     after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if "ws" not in p.parts)
     assert after == before
+
+
+def test_an_immutable_file_in_dest_says_what_to_do(tmp_path: Path) -> None:
+    """A DEST file made immutable (``chattr +i``) cannot be hard-linked into the new tree:
+    a red team got "building the new tree, a: Operation not permitted" on every pull.  It
+    says why and what lifts it now; DEST stays as it was, and --full works."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "a").write_text("a\n")
+    (ws / "b").write_text("b\n")
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    asyncio.run(pull(LocalTransport(), str(ws), dest, opts))
+    if subprocess.run(["chattr", "+i", str(dest / "a")], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here")
+    try:
+        (ws / "b").write_text("b, changed\n")
+        with pytest.raises(HostIOError, match=r"chattr -i.*--full") as info:
+            asyncio.run(pull(LocalTransport(), str(ws), dest, opts))
+        assert info.value.exit_code == 8
+        assert (dest / "b").read_text() == "b\n"
+        full = asyncio.run(pull(LocalTransport(), str(ws), dest, options(tmp_path, full=True)))
+        assert full.ok, full.error
+    finally:
+        for leftover in [dest / "a", *tmp_path.glob(".out.wsync-*/a")]:
+            subprocess.run(["chattr", "-i", str(leftover)], capture_output=True)
+    assert_exact(ws, dest)

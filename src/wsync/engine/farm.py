@@ -178,6 +178,11 @@ def _farm_error(path: bytes, exc: OSError) -> HostIOError:
         return HostIOError(
             f"{shown}: DEST changed during the pull ({exc.strerror}); run the pull again"
         )
+    if exc.errno == errno.EPERM:
+        return HostIOError(
+            f"{shown}: DEST's file cannot be hard-linked into the new tree (immutable or "
+            "append-only? lsattr shows it; chattr -i -a lifts it), or pull with --full"
+        )
     if exc.errno == errno.EMLINK:
         return HostIOError(
             f"{shown}: too many hard links to link it into the new tree; pull with --full"
