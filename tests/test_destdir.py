@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import os
 import shutil
 import subprocess
@@ -244,37 +245,57 @@ def test_lock_survives_a_holder_that_unlinks_on_release(tmp_path: Path) -> None:
 
 
 def test_nested_dests_exclude_each_other_in_either_order(tmp_path: Path) -> None:
-    """A pull replaces DEST whole: a pull beneath it (``D/sub``) or above it (D's parent)
-    meanwhile would be swept away with the old tree, so whichever comes second fails at
-    once, naming why; siblings share their parent freely."""
+    """A pull replaces DEST whole: a pull beneath it (``D/sub``) or above it (D's parent,
+    when that is a DEST too) meanwhile would be swept away with the old tree, so whichever
+    comes second fails at once, naming why; siblings share their parent freely."""
     (tmp_path / "top" / "D" / "sub").mkdir(parents=True)
     top, d = tmp_path / "top", tmp_path / "top" / "D"
+    dests = {top, d, d / "sub"}  # as the registry of the pulls' state directory says
 
     def held(path: Path) -> DestDir:
         target = DestDir.open(path)
-        target.lock()
+        target.lock(dests.__contains__)
         return target
 
     def refused(path: Path, why: str) -> None:
         target = DestDir.open(path)
         with pytest.raises(UsageError, match=why) as info:
-            target.lock()
+            target.lock(dests.__contains__)
         target.close()
         assert info.value.exit_code == 2
 
     inner = held(d / "sub")
-    refused(d, f"writing into a directory inside DEST {d}")
-    refused(top, "writing into a directory inside DEST")
+    refused(d, f"DEST {d} is locked by another process")
+    refused(top, "is locked by another process")
     sibling = held(tmp_path / "top" / "E")
     inner.close()
     outer = held(d)
-    refused(d / "sub", f"lies in {d}, which another wsync pull is replacing")
-    refused(d / "sub" / "deeper", f"lies in {d}, which")
-    refused(top, "writing into a directory inside DEST")
+    refused(d / "sub", f"lies in the DEST {d}, which another process")
+    refused(d / "sub" / "deeper", f"lies in the DEST {d}")
+    refused(top, "is locked by another process")
     outer.close()
     sibling.close()
     for path in (top, d, d / "sub"):
         held(path).close()  # all released
+
+
+def test_a_lock_on_a_directory_that_is_no_dest_stops_no_pull(tmp_path: Path) -> None:
+    """``flock`` on a directory needs only read access: with a shared lock on every
+    ancestor, any local user holding ``/`` (or /home) exclusively stopped every pull (a
+    reviewer's experiment made a whole test run fail with "lies in /").  Only ancestors
+    that are DESTs are locked now."""
+    ws = small_tree(tmp_path / "ws", "guest\n")
+    holders = []
+    for directory in (Path("/"), tmp_path):
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        holders.append(fd)
+    try:
+        run_pull(local(), ws, tmp_path / "out", options(tmp_path))
+    finally:
+        for fd in holders:
+            os.close(fd)
+    assert_exact(ws, tmp_path / "out")
 
 
 def test_a_pull_into_a_subdirectory_is_never_swept_away_by_a_pull_of_dest(tmp_path: Path) -> None:
@@ -305,7 +326,7 @@ def test_a_pull_into_a_subdirectory_is_never_swept_away_by_a_pull_of_dest(tmp_pa
     assert done.ok
     assert_exact(ws_inner, inner)
     (refusal,) = outcome
-    assert isinstance(refusal, UsageError) and "inside DEST" in str(refusal), refusal
+    assert isinstance(refusal, UsageError) and "locked by another process" in str(refusal), refusal
 
 
 # -- item 13: DEST on a mount point is refused before any transfer ------------------------------
@@ -428,6 +449,11 @@ def test_a_directory_put_at_dest_during_the_pull_is_never_thrown_away(
     assert (dest / "inner" / "theirs").read_text() == "keep me\n"
     assert sorted(p.name for p in dest.iterdir()) == ["inner"]
     assert beside(dest) == []
+    # and the rerun does not take it for wsync's tree (the reviewer's catch: the pull
+    # had recorded DEST as its own before the swap found it was not)
+    with pytest.raises(UsageError, match="did not write"):
+        run_pull(local(), ws, dest, opts)
+    assert (dest / "inner" / "theirs").read_text() == "keep me\n"
     shutil.rmtree(dest)
 
     def removed() -> None:

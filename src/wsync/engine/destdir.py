@@ -22,9 +22,9 @@ The same object holds the DEST lock: ``flock`` on ``.NAME.wsync-lock`` beside
 DEST, for the whole pull, so two pulls of different sandboxes into one DEST
 cannot both succeed (item 13); holding it also makes every left-over
 ``.NAME.wsync-tmp-*`` stale, so those are removed.  A pull replaces DEST's whole tree,
-so it also excludes pulls *beneath* DEST and above it: it holds a shared ``flock`` on
-every directory from DEST's parent up to ``/`` and an exclusive one on DEST's directory
-itself (the inodes, not names).  A pull into ``D/sub`` while another replaces ``D``
+so it also excludes pulls *beneath* DEST and above it: it holds an exclusive ``flock``
+on DEST's directory and a shared one on each directory above it that is a DEST wsync
+wrote (the inodes, not names).  A pull into ``D/sub`` while another replaces ``D``
 would otherwise swap its tree into the ``D`` that is about to be thrown away, and say
 it succeeded.  DEST on a mount point is
 refused at the start: the swap renames, and a mount point cannot be renamed.
@@ -160,8 +160,9 @@ class DestDir:
     def lock_name(self) -> str:
         return f".{self.name}.wsync-lock"
 
-    def lock(self) -> None:
-        """Hold the DEST lock until :meth:`close`; UsageError naming the holder if taken."""
+    def lock(self, is_dest: Callable[[Path], bool] = lambda path: False) -> None:
+        """Hold the DEST lock until :meth:`close`; UsageError naming the holder if taken.
+        ``is_dest`` says which directories above DEST are DESTs (:meth:`_lock_tree`)."""
         name = self.lock_name
         for _ in range(_LOCK_TRIES):
             with host_io(f"locking DEST {self.path}"):
@@ -186,17 +187,24 @@ class DestDir:
                     os.ftruncate(fd, 0)
                     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
                 self._lock_fd = fd
-                self._lock_tree()
+                self._lock_tree(is_dest)
                 return
             os.close(fd)
         raise HostIOError(f"could not take the lock {name} beside DEST {self.path}")
 
-    def _lock_tree(self) -> None:
-        """DEST's directory exclusively, every directory above it shared (module docstring).
+    def _lock_tree(self, is_dest: Callable[[Path], bool]) -> None:
+        """DEST's directory exclusively, and shared each directory above it that is a DEST
+        wsync wrote (``is_dest``: the registry of this pull's state directory): see the
+        module docstring.
 
-        Where a lock cannot be taken for another reason than a holder (a filesystem
-        without ``flock`` on directories, an ancestor this user may not read), the walk
-        stops there: the name lock beside DEST still holds."""
+        Only those: ``flock`` on a directory needs nothing but read access, so a shared
+        lock on every ancestor let any local user stop every pull by holding ``/``
+        exclusively (a reviewer did, and a test run failed with "lies in /").  A
+        directory that is no registered DEST cannot be replaced by a pull without
+        ``--force``; a pull that would replace one created meanwhile is stopped at its
+        swap (:func:`wsync.engine.fsutil.swap_at`).  Where a lock cannot be taken for
+        another reason than a holder (a filesystem without ``flock`` on directories), it
+        is skipped: the name lock beside DEST still holds."""
         try:
             fd = os.open(self.name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
         except OSError:
@@ -207,26 +215,27 @@ class DestDir:
             self.found = (st.st_dev, st.st_ino)
             if not self._flock(fd, fcntl.LOCK_EX):
                 raise Busy(
-                    f"another wsync pull is writing into a directory inside DEST {self.path}; "
-                    "a pull replaces DEST whole: wait for that one to finish"
+                    f"DEST {self.path} is locked by another process (a wsync pull into a "
+                    "directory inside it?); a pull replaces DEST whole: wait for that one"
                 )
         fd, above = os.dup(self.parent_fd), self.path.parent
-        self._tree_fds.append(fd)
-        while True:
-            if not self._flock(fd, fcntl.LOCK_SH):
-                raise Busy(
-                    f"DEST {self.path} lies in {above}, which another wsync pull is replacing; "
-                    "wait for that one to finish"
-                )
-            try:
-                up = os.open("..", _DIR_FLAGS, dir_fd=fd)
-            except OSError:
-                return
-            if os.path.samestat(os.fstat(up), os.fstat(fd)):
-                os.close(up)
-                return
-            fd, above = up, above.parent
-            self._tree_fds.append(fd)
+        try:
+            while above != above.parent:  # the walk follows the held inodes, not names
+                if is_dest(above):
+                    self._tree_fds.append(os.dup(fd))
+                    if not self._flock(self._tree_fds[-1], fcntl.LOCK_SH):
+                        raise Busy(
+                            f"DEST {self.path} lies in the DEST {above}, which another "
+                            "process (a wsync pull replacing it?) holds: wait for that one"
+                        )
+                try:
+                    up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                except OSError:
+                    return  # an ancestor this user may not read: nothing to lock above
+                os.close(fd)
+                fd, above = up, above.parent
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _flock(fd: int, how: int) -> bool:

@@ -176,7 +176,7 @@ def swap_at(
     """
     changed = DestReplaced(
         f"DEST {shown} was replaced or created by another program during the pull; "
-        "it was left as it is: run the pull again"
+        "it was left as it is (move it away, or pass --force to replace it)"
     )
     with host_io(f"replacing {shown}"):
         try:

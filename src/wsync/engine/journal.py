@@ -275,3 +275,11 @@ class DestRegistry:
         with host_io("recording DEST in the state directory"):
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_atomic(self._marker(dest), os.fsencode(dest) + b"\n")
+
+    def forget(self, dest: Path) -> None:
+        """DEST is not wsync's tree (another program put its own there): the next pull
+        must not replace it without ``--force``."""
+        with host_io("forgetting DEST in the state directory"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._marker(dest))
+            fsync_dir(self.dir)

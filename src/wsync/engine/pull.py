@@ -42,7 +42,7 @@ from wsync.engine.api import ProgressCallback, PullOptions, PullResult
 from wsync.engine.destdir import DestDir
 from wsync.engine.extract import ExtractStats
 from wsync.engine.feed import ChunkFeed, extract_feed
-from wsync.engine.fsutil import EarlyFlush, host_io, overlaps, syncfs
+from wsync.engine.fsutil import DestReplaced, EarlyFlush, host_io, overlaps, syncfs
 from wsync.engine.helpers import HelperPool
 from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
@@ -97,7 +97,10 @@ def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOp
                 f"DEST {dest} and wsync's state directory {state} (--state-dir) overlap; "
                 "a pull replaces DEST whole"
             )
-        target.lock()  # for the whole pull: a second pull into DEST fails here, at once
+        registry = DestRegistry(options.state_dir)
+        # for the whole pull: a second pull into DEST, or into a DEST inside it or around
+        # it, fails here, at once
+        target.lock(registry.owns)
         st = target.stat()
         if st is not None and stat.S_ISLNK(st.st_mode):
             raise UsageError(f"DEST is a symlink; name the directory itself: {dest}")
@@ -248,8 +251,13 @@ class _Pull(IncrementalRunner):
             self.options.fence()  # last word of a daemon fleet's lease before the swap
         # recorded before the swap: a kill right after it must not make
         # the next run refuse a DEST that wsync itself just wrote
-        DestRegistry(self.options.state_dir).record(self.dest)
-        old = self.target.swap(tmp)
+        registry = DestRegistry(self.options.state_dir)
+        registry.record(self.dest)
+        try:
+            old = self.target.swap(tmp)
+        except DestReplaced:
+            registry.forget(self.dest)  # what is there now is not ours
+            raise
         self.swapped = True
         if self.manifest_journal is not None:
             # its listing is in DEST now: a rerun after a kill from here on lists afresh
