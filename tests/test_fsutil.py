@@ -7,6 +7,7 @@ import fcntl
 import os
 import resource
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,16 +200,24 @@ def test_the_early_flush_uses_its_own_open_of_the_tree_and_lets_it_go(tmp_path: 
 def test_a_durable_write_that_fails_leaves_no_part_behind(tmp_path: Path) -> None:
     """A red team filled the state directory's disk: each failed write kept its temp
     file (up to a whole 4 MiB chunk), on the disk that was full.  Here the file-size
-    limit fails the write (EFBIG; Python ignores SIGXFSZ) as a full disk would."""
-    from wsync.engine.fsutil import write_atomic
-    from wsync.errors import HostIOError
-
-    path = tmp_path / "chunk"
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
-    try:
-        with pytest.raises(HostIOError, match="File too large"):
-            write_atomic(path, b"x" * 100_000)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    limit fails the write (EFBIG; Python ignores SIGXFSZ) as a full disk would, in a
+    process of its own (the limit would reach every thread of this one)."""
+    script = (
+        "import resource, sys\n"
+        "from pathlib import Path\n"
+        "from wsync.engine.fsutil import write_atomic\n"
+        "from wsync.errors import HostIOError\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    write_atomic(Path(sys.argv[1]), b'x' * 100_000)\n"
+        "except HostIOError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "chunk")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "File too large" in done.stdout, (done.stdout, done.stderr)
     assert list(tmp_path.iterdir()) == []

@@ -316,3 +316,22 @@ def test_a_host_out_of_memory_is_not_a_hostile_archive() -> None:
         TarReader(Starved(zstandard.ZstdError("Unknown frame descriptor")), lambda _: None).read(
             512, "a header"
         )
+
+
+def test_a_host_out_of_memory_on_the_manifest_path_is_not_hostile_either() -> None:
+    """The manifest is decoded by ``consume_feed`` itself (no tar reader): the same
+    mapping, so a listing that cannot be decoded for want of memory keeps its snapshot."""
+    from wsync.engine.feed import ChunkFeed, consume_feed
+    from wsync.protocol.hashing import PROBE_ALGORITHM
+
+    def starved(stream: Any) -> None:
+        raise MemoryError
+
+    def allocation(stream: Any) -> None:
+        raise zstandard.ZstdError("zstd decompress error: Allocation error : not enough memory")
+
+    for use in (starved, allocation):
+        feed = ChunkFeed(PROBE_ALGORITHM)
+        feed.finish(0)
+        with pytest.raises(HostOutOfMemory):
+            consume_feed(feed, "zstd", use)

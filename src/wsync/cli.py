@@ -15,6 +15,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -68,8 +69,13 @@ def parse_size(text: str) -> int:
 
 
 def size_or_zero(text: str) -> int:
-    """:func:`parse_size`, where 0 means "none" (``--min-free 0``)."""
-    return 0 if text.strip() == "0" else parse_size(text)
+    """:func:`parse_size`, where 0 (``0``, ``0M``, ...) means "none" (``--min-free 0``)."""
+    try:
+        return parse_size(text)
+    except argparse.ArgumentTypeError:
+        if re.fullmatch(r"0+(\.0*)?[kmgt]?(i?b)?", text.strip().lower()):
+            return 0
+        raise
 
 
 def positive_int(text: str) -> int:
@@ -582,8 +588,11 @@ def pull_options(args: argparse.Namespace) -> PullOptions:
     from wsync.engine.excludes import Excludes
 
     if args.state_dir is None and not os.environ.get("XDG_STATE_HOME"):
-        # as root, HOME=/nonexistent made /nonexistent/.local/state, HOME= /.local/state
-        home = os.environ.get("HOME", "")
+        # as root, HOME=/nonexistent made /nonexistent/.local/state, HOME= /.local/state;
+        # an unset HOME is the passwd entry's (a root service without User=)
+        home = os.environ.get("HOME")
+        if home is None:
+            home = os.path.expanduser("~")
         if not os.path.isabs(home) or not os.path.isdir(home):
             raise UsageError(
                 f"no home directory for the default state directory (HOME={home!r}); "

@@ -3,7 +3,9 @@
 import sys
 
 from wsync.daemon import hold_sighup
+from wsync.stdstreams import tame
 
+tame()  # as `wsync daemon` does: a closed fd 2 gets /dev/null, a gone reader costs no job
 hold_sighup()
 
 from wsync.daemon.server import main  # noqa: E402 - after the signal is held

@@ -101,7 +101,9 @@ class DestDir:
             ) from None
         if dest == dest.parent:
             raise UsageError("DEST cannot be the filesystem root")
-        if _RESERVED.fullmatch(dest.name):
+        if any(_RESERVED.fullmatch(part) for part in dest.parts):
+            # any component: a daemon's confinement creates missing parents, and a tree
+            # made in ".X.wsync-prev/..." is X's next pull's to reuse or remove
             # a pull into ".X.wsync-lock" would leave a directory where the pulls of X
             # take their lock (they would fail for good), into ".X.wsync-prev" one that
             # X's next pull takes over or removes

@@ -124,7 +124,9 @@ class _DirFds:
     def __init__(self, root_fd: int) -> None:
         self.root_fd = root_fd
         self.fds: dict[bytes, int] = {}
-        self.most = max(4, min(_FD_CACHE, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        unlimited = soft == resource.RLIM_INFINITY
+        self.most = _FD_CACHE if unlimited else max(4, min(_FD_CACHE, soft // 8))
 
     def open(self, path: bytes) -> int:
         """A new fd on directory ``path`` (the caller closes it); OSError if impossible."""
