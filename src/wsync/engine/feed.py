@@ -25,6 +25,7 @@ import zstandard
 
 from wsync.engine.api import ExtractLimits
 from wsync.engine.extract import ExtractStats, FileHook, extract_tar_stream
+from wsync.engine.tarstream import out_of_memory
 from wsync.errors import HostileArchive, HostOutOfMemory, Interrupted
 from wsync.protocol.hashing import Algorithm
 
@@ -157,11 +158,9 @@ def consume_feed(feed: ChunkFeed, compressor: str, use: Callable[[BinaryIO], T])
             stream = cast(BinaryIO, gzip.GzipFile(fileobj=raw, mode="rb"))
         try:
             result = use(stream)
-        except MemoryError as exc:  # the host's limit, not the archive's fault
-            raise HostOutOfMemory("decompressing a stream") from exc
-        except (zstandard.ZstdError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
-            if "Allocation error" in str(exc):  # zstd's own word for a failed malloc
-                raise HostOutOfMemory(f"decompressing a stream ({exc})") from exc
+        except (MemoryError, zstandard.ZstdError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
+            if out_of_memory(exc):
+                raise HostOutOfMemory(f"decompressing a stream ({exc!r})") from exc
             raise HostileArchive(f"the archive does not decompress: {exc}") from exc
         while raw.read(1 << 20):
             pass

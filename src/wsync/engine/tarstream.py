@@ -41,7 +41,7 @@ from typing import Any, BinaryIO
 from wsync.engine.api import MiB
 from wsync.errors import HostileArchive, HostIOError, HostOutOfMemory, WsyncError
 
-__all__ = ["BLOCK", "Member", "TarReader", "parse_header", "show_name"]
+__all__ = ["BLOCK", "Member", "TarReader", "out_of_memory", "parse_header", "show_name"]
 
 BLOCK = 512
 _ZERO_BLOCK = bytes(BLOCK)
@@ -188,6 +188,12 @@ def _pax_time_ns(value: bytes, name: bytes) -> int:
     return ns
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether a decompressor's failure is the host running out of memory (a ``ulimit
+    -v``, a container's limit): not the archive's fault, so its snapshot is kept."""
+    return isinstance(exc, MemoryError) or "Allocation error" in str(exc)  # zstd's word
+
+
 class TarReader:
     """The tar stream through one reused buffer; every short read is an error.
 
@@ -231,11 +237,9 @@ class TarReader:
             raise
         except OSError as exc:
             raise HostIOError(f"reading the archive stream: {exc}") from exc
-        except MemoryError as exc:
-            raise HostOutOfMemory("decoding the archive stream") from exc
         except Exception as exc:  # the decompressor is foreign code: corrupt input lands here
-            if "Allocation error" in str(exc):  # zstd's own word for a failed malloc
-                raise HostOutOfMemory(f"decoding the archive stream ({exc})") from exc
+            if out_of_memory(exc):
+                raise HostOutOfMemory(f"decoding the archive stream ({exc!r})") from exc
             raise HostileArchive(
                 f"undecodable archive stream: {type(exc).__name__}: {exc}"
             ) from exc
