@@ -122,6 +122,15 @@ class DiskLow(HostIOError):
     reserve (``--min-free``): the host's condition, not the archive's, so the snapshot
     and the journal are kept and the same command resumes once there is room."""
 
+    template = (
+        "{}; make room, or lower the reserve with --min-free (the daemon's limits.min_free_bytes)"
+    )
+
+
+class DestReplaced(HostIOError):
+    """DEST is not the directory the pull started from (another program put one there):
+    it is left as it is, and is no longer taken for wsync's (see ``fsutil.swap_at``)."""
+
     template = "{}"
 
 

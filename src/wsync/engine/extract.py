@@ -394,8 +394,7 @@ class _Extractor:
         if free - upcoming < self.limits.min_free_bytes:
             raise DiskLow(
                 f"DEST's filesystem would drop below {self.limits.min_free_bytes} free bytes"
-                f" ({free} free, {upcoming} about to be written); make room, or lower the"
-                " reserve with --min-free (the daemon's limits.min_free_bytes)"
+                f" ({free} free, {upcoming} about to be written)"
             )
         self.unchecked_bytes = 0
         self.unchecked_members = 0

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from wsync.errors import HostIOError
+from wsync.errors import DestReplaced, HostIOError
 
 _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
@@ -154,12 +154,6 @@ def _renameat2(dir_fd: int, a: str, b: str, flags: int) -> bool:
 def exchange_at(dir_fd: int, a: str, b: str) -> bool:
     """Atomically swap names ``a`` and ``b`` in ``dir_fd``; False when the platform cannot."""
     return _renameat2(dir_fd, a, b, _RENAME_EXCHANGE)
-
-
-class DestReplaced(HostIOError):
-    """DEST is not the directory the pull started from (another program put one there)."""
-
-    template = "{}"
 
 
 def swap_at(

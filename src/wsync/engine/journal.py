@@ -247,8 +247,7 @@ class Journal:
         if st.f_bavail * st.f_frsize - len(data) < self.min_free:
             raise DiskLow(
                 f"the state directory's filesystem would drop below {self.min_free} free bytes"
-                f" (journal in {self.chunks_dir}); make room, or lower the reserve with"
-                " --min-free (the daemon's limits.min_free_bytes)"
+                f" (journal in {self.chunks_dir})"
             )
         try:
             write_atomic(path, data)

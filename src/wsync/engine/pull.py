@@ -42,7 +42,7 @@ from wsync.engine.api import ProgressCallback, PullOptions, PullResult
 from wsync.engine.destdir import DestDir
 from wsync.engine.extract import ExtractStats
 from wsync.engine.feed import ChunkFeed, extract_feed
-from wsync.engine.fsutil import DestReplaced, EarlyFlush, host_io, overlaps, syncfs
+from wsync.engine.fsutil import EarlyFlush, host_io, overlaps, syncfs
 from wsync.engine.helpers import HelperPool
 from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
@@ -54,6 +54,7 @@ from wsync.engine.winddown import (
     raise_if_cancelled,
 )
 from wsync.errors import (
+    DestReplaced,
     HostileArchive,
     HostIOError,
     IntegrityFailed,
