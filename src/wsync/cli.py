@@ -750,6 +750,8 @@ def _main(argv: list[str]) -> int:
     except Exception as exc:
         if args.debug:
             traceback.print_exc()
+        # a relative DEST, local: path or --state-dir made absolute (getcwd() fails): one
+        # place for all of them
         if isinstance(exc, FileNotFoundError) and _cwd_gone():
             print(
                 "wsync: error: the current directory no longer exists, and a relative path "

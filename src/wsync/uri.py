@@ -64,12 +64,7 @@ def parse(raw: str) -> SandboxURI:
         if scheme == "local":
             # the guest is this machine: pin a relative path to the current
             # directory now, so the journal key and the guest agree on it
-            try:
-                rest = os.path.abspath(os.path.expanduser(rest))
-            except FileNotFoundError:  # getcwd() of a removed directory
-                raise UsageError(
-                    f"{raw!r}: a relative path, and the current directory no longer exists"
-                ) from None
+            rest = os.path.abspath(os.path.expanduser(rest))
             raw = f"local:{rest}"
         return SandboxURI(scheme=scheme, path=rest, raw=raw)
     parts = urllib.parse.urlsplit(raw)

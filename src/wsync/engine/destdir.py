@@ -92,21 +92,14 @@ class DestDir:
     @classmethod
     def open(cls, dest: Path, root: Path | None = None) -> DestDir:
         """Open DEST's parent (beneath ``root`` without symlinks when given); UsageError if not."""
-        try:
-            dest = Path(os.path.abspath(dest))
-        except FileNotFoundError:  # getcwd() of a removed directory
-            raise UsageError(
-                f"DEST {dest} is relative and the current directory no longer exists; "
-                "cd somewhere that does, or name DEST by its absolute path"
-            ) from None
+        dest = Path(os.path.abspath(dest))
         if dest == dest.parent:
             raise UsageError("DEST cannot be the filesystem root")
         if any(_RESERVED.fullmatch(part) for part in dest.parts):
-            # any component: a daemon's confinement creates missing parents, and a tree
-            # made in ".X.wsync-prev/..." is X's next pull's to reuse or remove
-            # a pull into ".X.wsync-lock" would leave a directory where the pulls of X
-            # take their lock (they would fail for good), into ".X.wsync-prev" one that
-            # X's next pull takes over or removes
+            # a pull into ".X.wsync-lock" would leave a directory where the pulls of X take
+            # their lock (they would fail for good); a tree in ".X.wsync-prev" (or below
+            # it: a daemon's confinement creates missing parents) is X's next pull's to
+            # take over or remove
             raise UsageError(
                 f"DEST {dest}: names like .NAME.wsync-lock, -prev, -old and -tmp-* are "
                 "wsync's own, beside a DEST; choose another name"

@@ -109,11 +109,7 @@ def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOp
             raise UsageError(f"DEST exists and is not a directory: {dest}")
         if st is not None:
             target.check_not_mount(st)
-            if (
-                not target.is_empty()
-                and not options.force
-                and not DestRegistry(options.state_dir).owns(real)
-            ):
+            if not target.is_empty() and not options.force and not registry.owns(real):
                 raise UsageError(
                     f"DEST {dest} is a non-empty directory that wsync did not write; "
                     "it would be replaced entirely (pass --force to allow this)"
