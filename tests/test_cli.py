@@ -140,22 +140,29 @@ def wait_for_chunks(proc: subprocess.Popen[Any], state: Path, n: int) -> None:
         time.sleep(0.005)
 
 
+def killed_after(tmp_path: Path, blobs: list[bytes], chunks: int) -> tuple[Path, list[str], int]:
+    """A slow pull of a workspace of ``blobs`` into ``tmp_path/out``, killed (-9) once
+    ``chunks`` chunks are journaled; returns the workspace, the command, the chunks left."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for i, blob in enumerate(blobs):
+        (ws / f"blob{i}").write_bytes(blob)
+    state = tmp_path / "state"
+    args = pull_argv(ws, tmp_path / "out", state, tmp_path / "stage", "256K")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_chunks(proc, state, chunks)
+    proc.kill()
+    proc.communicate()
+    return ws, args, _chunks_on_disk(state)
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_kill_9_at_a_random_point_then_resume(tmp_path: Path, seed: int) -> None:
     """kill -9 costs at most the reads in flight; the rerun never refetches a chunk."""
     rng = random.Random(seed)
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    for i in range(6):
-        (ws / f"blob{i}").write_bytes(rng.randbytes(3 * 1024 * 1024))
-    dest, state = tmp_path / "out", tmp_path / "state"
-    args = pull_argv(ws, dest, state, tmp_path / "stage", "256K")
-    target = rng.randrange(1, 40)
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    wait_for_chunks(proc, state, target)
-    proc.kill()
-    proc.communicate()
-    killed_with = _chunks_on_disk(state)
+    blobs = [rng.randbytes(3 * 1024 * 1024) for _ in range(6)]
+    dest = tmp_path / "out"
+    ws, args, killed_with = killed_after(tmp_path, blobs, rng.randrange(1, 40))
     assert not dest.exists()
 
     again = subprocess.run(args, capture_output=True, text=True, timeout=300)
@@ -287,17 +294,9 @@ def test_a_journaled_chunk_damaged_on_disk_is_fetched_again_not_called_hostile(
     (exit 7) and threw away the guest's snapshot and every journaled chunk.  The rerun
     now checks its journaled chunks against their hashes and fetches a damaged one again."""
     rng = random.Random(11)
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    for i in range(4):
-        (ws / f"blob{i}").write_bytes(rng.randbytes(2 * 1024 * 1024))
+    blobs = [rng.randbytes(2 * 1024 * 1024) for _ in range(4)]
     dest, state = tmp_path / "out", tmp_path / "state"
-    args = pull_argv(ws, dest, state, tmp_path / "stage", "256K")
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    wait_for_chunks(proc, state, 6)
-    proc.kill()
-    proc.communicate()
-    killed_with = _chunks_on_disk(state)
+    ws, args, killed_with = killed_after(tmp_path, blobs, 6)
     assert killed_with >= 6 and not dest.exists()
     damaged = sorted(p for p in state.glob("pulls/*/chunks/*") if "." in p.name)[1]
     data = bytearray(damaged.read_bytes())

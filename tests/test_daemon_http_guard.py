@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from test_daemon_harness import TOKEN, DaemonProcess, base_config, make_tree
+from test_daemon_harness import TOKEN, DaemonProcess, base_config, make_tree, running
 
 CAP = 64 * 1024
 
@@ -24,15 +24,10 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     (tmp / "roots").mkdir()
     make_tree(tmp / "ws", seed=11)
     box = f'[sandboxes.ws]\nuri = "local:{tmp}/ws"\ndest = "{tmp}/roots/ws"\n'
-    proc = DaemonProcess(tmp, base_config(tmp, box))
-    proc.start()
-    try:
+    with running(tmp, base_config(tmp, box)) as proc:
         yield proc
-    finally:
         proc.signal(signal.SIGTERM)
-        code = proc.wait_exit()
-        proc.close()
-        assert code == 0, proc.log()
+        assert proc.wait_exit() == 0, proc.log()
 
 
 def _connect(daemon: DaemonProcess) -> socket.socket:
