@@ -10,6 +10,7 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import xxhash
 
 from wsync.engine.excludes import Excludes
@@ -18,6 +19,7 @@ from wsync.engine.fsutil import remove_tree_at, swap_at
 from wsync.engine.hostscan import kind_of
 from wsync.engine.incdiff import Diff
 from wsync.engine.incstate import PullState
+from wsync.engine.prefarm import Prefarm
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -145,3 +147,23 @@ def pull(
         finally:
             os.close(dest_fd)
         return Applied(diff, fetched, made, lines)
+
+
+class EarlyFarms:
+    """Counts the early farm's builds and finishes (wsync.engine.prefarm; the real
+    methods run)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.built = self.finished = 0
+        build, finish = Prefarm.build, Prefarm.finish
+
+        def built(farm: Prefarm, *args: object) -> None:
+            self.built += 1
+            build(farm, *args)  # type: ignore[arg-type]
+
+        def finished(farm: Prefarm, *args: object) -> int:
+            self.finished += 1
+            return finish(farm, *args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Prefarm, "build", built)
+        monkeypatch.setattr(Prefarm, "finish", finished)

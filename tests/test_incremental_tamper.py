@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_exact, make_tree, options, writer_around_tar
+from incr_helpers import EarlyFarms
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.excludes import Excludes
 from wsync.engine.pull import pull
@@ -154,11 +155,16 @@ def test_adding_excludes_removes_what_an_earlier_pull_left(tmp_path: Path) -> No
     assert (dest / "blob.bin").exists()
 
 
-def test_hardlinks_joined_or_split_on_the_host_are_repaired(tmp_path: Path) -> None:
+@pytest.mark.parametrize("guest_changed", [False, True])
+def test_hardlinks_joined_or_split_on_the_host_are_repaired(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, guest_changed: bool
+) -> None:
     """DEST mirrors the guest's hardlink groups (docs/fidelity.md); the host joining two
     files, splitting a linked pair, or putting an inode shared with a file outside DEST
     under a name, is repaired by the next pull.  Before, each was re-hashed, found equal
-    and kept: DEST's groups stayed the host's for good."""
+    and kept: DEST's groups stayed the host's for good.  With a change in the guest too,
+    the early farm has linked every DEST file while the diff re-checks them: its own link
+    is counted, the host's joins still are not kept."""
     ws, dest, opts = tmp_path / "ws", tmp_path / "dest", options(tmp_path)
     ws.mkdir()
     for name in ("a", "b", "e"):
@@ -184,10 +190,14 @@ def test_hardlinks_joined_or_split_on_the_host_are_repaired(tmp_path: Path) -> N
     os.unlink(dest / "e")
     os.link(outside, dest / "e")  # shared with a file outside DEST
     shutil.copystat(ws / "d", dest / "d")
+    farms = EarlyFarms(monkeypatch)
+    if guest_changed:
+        (ws / "new").write_text("new in the guest\n")
     result = go(ws, dest, opts)
     assert result.mode == "incremental"
+    assert farms.finished == (1 if guest_changed else 0)
     assert_exact(ws, dest)
-    assert groups(dest) == [["a"], ["b"], ["c", "d"], ["e"]]
+    assert groups(dest) == sorted([["a"], ["b"], ["c", "d"], ["e"], *([["new"]] * guest_changed)])
     assert os.stat(outside).st_nlink == 1  # DEST's e is not that inode any more
     again = go(ws, dest, opts)
     assert again.changed_files == again.deleted_files == 0

@@ -104,25 +104,30 @@ def build_farm(
         for path, kind in keep:
             if made % CANCEL_EVERY == 0:
                 check_cancel()
-            parent, leaf = _split(path)
+            leaf = _split(path)[1]
             if not leaf or leaf in (b".", b".."):
                 raise HostileArchive(f"{escape(path)}: not a path inside the workspace")
-            try:
-                tparent = tmp.get(parent)
-                if kind == "d":
-                    os.mkdir(leaf, 0o700, dir_fd=tparent)
-                else:
-                    dparent = dest.get(parent)
-                    os.link(
-                        leaf, leaf, src_dir_fd=dparent, dst_dir_fd=tparent, follow_symlinks=False
-                    )
-            except OSError as exc:
-                raise _farm_error(path, exc) from exc
+            make_entry(dest, tmp, path, is_dir=kind == "d")
             made += 1
     finally:
         dest.close()
         tmp.close()
     return made
+
+
+def make_entry(dest: _Parents, tmp: _Parents, path: bytes, *, is_dir: bool) -> None:
+    """One entry of the farm: a fresh 0700 directory, or DEST's entry at the same path
+    linked as itself (a symlink is never followed); HostIOError saying why not."""
+    parent, leaf = _split(path)
+    try:
+        into = tmp.get(parent)
+        if is_dir:
+            os.mkdir(leaf, 0o700, dir_fd=into)
+        else:
+            source = dest.get(parent)
+            os.link(leaf, leaf, src_dir_fd=source, dst_dir_fd=into, follow_symlinks=False)
+    except OSError as exc:
+        raise _farm_error(path, exc) from exc
 
 
 def join_groups(

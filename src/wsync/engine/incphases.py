@@ -11,6 +11,12 @@ When the last pull found nothing to do, the manifest stream is only verified and
 journaled, not parsed: if its digest and the scan's are the recorded ones the pull is a
 no-op (:meth:`~wsync.engine.incremental.Incremental.nothing_changed`); otherwise it is
 parsed from the journal (:meth:`IncrementalRunner.replay_manifest`) and diffed as always.
+
+Once the manifest's bytes are in, if they differ from the listing the last pull diffed,
+the tmp tree is made and DEST's scan linked into it while the manifest loads and the diff
+runs (:mod:`wsync.engine.prefarm`); the content run takes that tree
+(:meth:`IncrementalRunner.take_early_farm`), any other outcome removes it
+(:meth:`IncrementalRunner.drop_early_farm`).
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ from wsync.engine.fsutil import host_io
 from wsync.engine.guest import GuestPlan
 from wsync.engine.incremental import Incremental
 from wsync.engine.incstate import state_path
-from wsync.engine.phases import StreamRunner
-from wsync.engine.winddown import in_thread
+from wsync.engine.journal import Journal
+from wsync.engine.phases import _WIND_DOWN_S, StreamRunner
+from wsync.engine.prefarm import Prefarm
+from wsync.engine.winddown import in_thread, owned
 from wsync.errors import GuestToolsMissing, HostIOError, WsyncError
 from wsync.protocol.records import DoneRecord
 
@@ -41,10 +49,18 @@ def _listing(snapshot: str, done: DoneRecord) -> str:
     return f"{snapshot}:{done.digest}"
 
 
+def _manifest_digest(plan: GuestPlan, done: DoneRecord) -> str:
+    """What the state records of a manifest stream (the no-op record, the last listing)."""
+    return f"{plan.algorithm.name}:{plan.compressor}:{done.length}:{done.digest}"
+
+
 class IncrementalRunner(StreamRunner):
     """The incremental phases of one pull (see the module docstring)."""
 
     scan_task: asyncio.Task[None] | None = None
+    #: the early farm and the task making it (tmp name and fd when done), until taken
+    early: Prefarm | None = None
+    early_task: asyncio.Task[tuple[str, int] | None] | None = None
     #: this run's listing, ``SNAPSHOT:DIGEST``: a content run's journal names the one it
     #: was admitted after, and is resumed only under that very listing
     listing: str | None = None
@@ -114,8 +130,10 @@ class IncrementalRunner(StreamRunner):
             with contextlib.suppress(FileExistsError):
                 empty.mkdir(mode=0o700)
             fd = os.open(empty, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        early = self.early
         try:
-            inc.decide(plan, stdin=self.session.gate, tmp_fd=fd)
+            own_links = early.links_to if early is not None else None
+            inc.decide(plan, stdin=self.session.gate, tmp_fd=fd, own_links=own_links)
             if self.options.dry_run and inc.diff is None:
                 inc.diff = inc.state.diff(fd)
         finally:
@@ -179,7 +197,92 @@ class IncrementalRunner(StreamRunner):
         """This run's listing is ``snapshot``'s stream, ``done`` (fetched or replayed)."""
         self.done = done
         self.listing = _listing(snapshot, done)
-        inc.manifest_digest = f"{plan.algorithm.name}:{plan.compressor}:{done.length}:{done.digest}"
+        inc.manifest_digest = _manifest_digest(plan, done)
+
+    # -- the early farm (wsync.engine.prefarm) ------------------------------------------
+
+    def fetched(self, plan: GuestPlan, journal: Journal) -> None:
+        """The manifest's bytes are in: start the early farm if a farm is likely needed."""
+        inc, scan = self.inc, self.scan_task
+        if journal is not self.manifest_journal or inc is None or self.done is None:
+            return
+        if scan is None or self.options.keep_prev or self.options.dry_run:
+            return  # no baseline or no DEST, a kept previous tree is the start, or no farm
+        if not inc.baseline(plan, stdin=self.session.gate):
+            return
+        if inc.last_listing == _manifest_digest(plan, self.done):
+            return  # the guest lists what it listed last time: most likely nothing to do
+        self.early = Prefarm()
+        self.early_task = asyncio.create_task(self._early_farm(inc, scan, self.early))
+
+    async def _early_farm(
+        self, inc: Incremental, scan: asyncio.Task[None], farm: Prefarm
+    ) -> tuple[str, int] | None:
+        """Once DEST's scan is done: the tmp tree (name, fd), DEST's scan linked into it;
+        None when the scan is not at hand (failed, too large to hold, or diffed already)."""
+        try:
+            return await self._early_tree(inc, scan, farm)
+        finally:
+            farm.settle()  # whatever happened, the diff must not wait for a build
+
+    async def _early_tree(
+        self, inc: Incremental, scan: asyncio.Task[None], farm: Prefarm
+    ) -> tuple[str, int] | None:
+        await asyncio.wait({scan})
+        if scan.cancelled() or scan.exception() is not None:
+            return None
+        rows = inc.state.held_scan()
+        if rows is None:
+            return None
+        tmp, tmp_fd, _ = await self.make_tmp(reuse=False)
+        try:
+            dest_fd = incremental.open_dest(self.target)
+            if dest_fd is None:
+                farm.broken = "DEST is gone"
+                return tmp, tmp_fd
+
+            def build(fd: int) -> None:
+                try:
+                    farm.build(rows, dest_fd, fd)
+                finally:
+                    os.close(dest_fd)
+
+            log.debug("early farm", entries=len(rows))
+            await in_thread(owned(tmp_fd, build))
+            log.debug("early farm built", broken=farm.broken)
+        except (WsyncError, OSError) as exc:
+            farm.broken = str(exc)
+        return tmp, tmp_fd
+
+    async def take_early_farm(self) -> tuple[str, int, Prefarm] | None:
+        """The early farm's tmp tree (name, fd) and its record, once it is built; None
+        when there is none (or its tmp tree could not be made: the caller makes one)."""
+        task, farm = self.early_task, self.early
+        self.early_task = self.early = None
+        if task is None or farm is None:
+            return None
+        try:
+            made = await task
+        except (WsyncError, OSError) as exc:
+            log.debug("no early farm", error=str(exc))
+            return None
+        return None if made is None else (*made, farm)
+
+    async def drop_early_farm(self) -> None:
+        """Stop the early farm and remove its tree (nothing to do, a whole-tree run, a
+        failure).  Bounded: a tree left behind is removed by the next run's make_tmp."""
+        task, farm = self.early_task, self.early
+        self.early_task = self.early = None
+        if task is None or farm is None:
+            return
+        farm.stop()
+        farm.settle()
+        done, _ = await asyncio.wait({task}, timeout=_WIND_DOWN_S)
+        if not done or task.cancelled() or task.exception() is not None:
+            return
+        made = task.result()
+        if made is not None:
+            await self.remove_tmp(made[0])
 
     async def replayable(self, plan: GuestPlan, snapshot: str, done: DoneRecord) -> bool:
         """Whether the journaled listing ``done`` is to be used again: a content run

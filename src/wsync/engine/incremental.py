@@ -23,13 +23,14 @@ still scanned every time, so any change made to it on the host changes the scan'
 and takes the full diff, which repairs it.
 
 The new tree is built in the usual tmp dir beside DEST: a hardlink farm of DEST's
-unchanged entries (:func:`~wsync.engine.farm.build_farm`; with ``--keep-prev``, the previous
-pull's old tree, kept beside DEST and brought to the same farm at a cost of what changed:
-:mod:`~wsync.engine.prevtree`), the archive applied in the extractor's replace mode (no
-inode of the live DEST is ever written), gone entries removed, directory modes and mtimes
-set from the manifest, then the usual flush and swap.  The old tree is removed (or kept for
-the next pull, minus what the new DEST does not share), and the state is committed with the
-extractor's file hashes.
+unchanged entries (:func:`~wsync.engine.farm.build_farm`; or DEST's scan linked by a worker
+process while the diff runs, then brought to the same farm: :mod:`~wsync.engine.prefarm`;
+with ``--keep-prev``, the previous pull's old tree, kept beside DEST and brought to the same
+farm at a cost of what changed: :mod:`~wsync.engine.prevtree`), the archive applied in the
+extractor's replace mode (no inode of the live DEST is ever written), gone entries removed,
+directory modes and mtimes set from the manifest, then the usual flush and swap.  The old
+tree is removed (or kept for the next pull, minus what the new DEST does not share), and
+the state is committed with the extractor's file hashes.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from typing import BinaryIO, TypeVar
 
 import structlog
 
-from wsync.engine import hostscan, prevtree
+from wsync.engine import hostscan, prefarm, prevtree
 from wsync.engine.api import PullOptions
 from wsync.engine.destdir import DestDir
 from wsync.engine.excludes import Excludes
@@ -57,6 +58,7 @@ from wsync.engine.guest import GuestPlan
 from wsync.engine.incdiff import Diff
 from wsync.engine.incstate import PullState
 from wsync.engine.itemize import escape
+from wsync.engine.prefarm import Prefarm
 from wsync.errors import (
     GuestToolsMissing,
     HostileArchive,
@@ -202,6 +204,8 @@ class Incremental:
         #: (read once here: the loop thread must not wait for a worker using the state)
         self.recorded = self.state.has_baseline()
         self.noop_recorded = self.recorded and self.state.has_noop_record()
+        #: the manifest digest of the last pull that diffed DEST (the early farm's trigger)
+        self.last_listing = self.state.last_listing() if self.recorded else None
         self.hashes = hashes
         #: "full" or "incremental"
         self.mode = "full"
@@ -272,6 +276,7 @@ class Incremental:
                 self.host_digest = self.state.scan(dest_fd, self._check_stop)
             finally:
                 os.close(dest_fd)
+        log.debug("DEST scanned")
 
     def stop(self) -> None:
         """Make a running :meth:`scan` stop at its next batch (the pull is failing)."""
@@ -291,10 +296,18 @@ class Incremental:
         self.changed = self.deleted = 0
         return True
 
-    def decide(self, plan: GuestPlan, *, stdin: bool, tmp_fd: int | None = None) -> None:
+    def decide(
+        self,
+        plan: GuestPlan,
+        *,
+        stdin: bool,
+        tmp_fd: int | None = None,
+        own_links: Callable[[bytes], int | None] | None = None,
+    ) -> None:
         """Diff and choose the content run (see the module docstring).  Runs in a thread.
 
-        ``tmp_fd`` is an empty directory to diff against when there is no baseline.
+        ``tmp_fd`` is an empty directory to diff against when there is no baseline;
+        ``own_links`` counts the early farm's links (see :meth:`PullState.diff`).
         """
         selectable = can_select(plan, stdin=stdin)
         baseline = self.baseline(plan, stdin=stdin)
@@ -314,7 +327,7 @@ class Incremental:
             self._selectable(self.diff)
             return
         try:
-            self.diff = self.state.diff(dest_fd)
+            self.diff = self.state.diff(dest_fd, own_links)
         finally:
             os.close(dest_fd)
         self.mode = "incremental"
@@ -359,13 +372,28 @@ class Incremental:
         only a diff against DEST gives what to keep."""
         return self.mode == "incremental" and self.diff is not None
 
-    def farm(self, tmp_fd: int, check_cancel: Callable[[], None], *, reused: bool = False) -> int:
+    def farm(
+        self,
+        tmp_fd: int,
+        check_cancel: Callable[[], None],
+        *,
+        reused: bool = False,
+        early: Prefarm | None = None,
+    ) -> int:
         """Link DEST's unchanged entries and create every directory in the tmp tree (a
-        reused tree: remove what does not belong first); returns the entries made."""
+        reused tree: remove what does not belong first; an ``early`` farm: bring it to
+        the diff's); returns the entries made."""
         assert self.diff is not None
         dest_fd = open_dest(self.target) if self.mode == "incremental" else None
         source = dest_fd if dest_fd is not None else tmp_fd
         try:
+            if early is not None:
+                if early.broken is None and dest_fd is not None:
+                    made = early.finish(dest_fd, tmp_fd, self.diff.keep(), check_cancel)
+                    log.debug("early farm finished", touched=made)
+                    return made
+                log.debug("early farm unusable, farming afresh", reason=early.broken)
+                prefarm.clear(tmp_fd)
             if reused and dest_fd is not None:
                 try:
                     removed, made = prevtree.reuse(self.state.db, dest_fd, tmp_fd, check_cancel)
@@ -415,7 +443,7 @@ class Incremental:
         db = self.state.db
         restat = (lambda: prevtree.restat(db, dest_fd)) if self.reused else None
         try:
-            self.state.commit(dest_fd, iter(self.hashes), restat)
+            self.state.commit(dest_fd, iter(self.hashes), restat, listing=self.manifest_digest)
         finally:
             os.close(dest_fd)
 

@@ -67,6 +67,8 @@ HOLD = 100_000
 SCHEMA_VERSION = "1"
 #: the meta keys of the no-op record (see :meth:`PullState.noop_matches`)
 _NOOP_KEYS = ("noop_key", "noop_manifest", "noop_host")
+#: the meta key of the last listing a pull diffed (see :meth:`PullState.last_listing`)
+_LISTING = "listing"
 
 
 class ManifestEntry(Protocol):
@@ -126,8 +128,10 @@ class PullState:
         #: (device, inode) that :meth:`scan` scanned for the next diff, if any
         self.host_digest = ""
         self._scanned: tuple[int, int] | None = None
-        #: rows of that scan not yet in ``s.host`` (at most HOLD)
+        #: rows of that scan not yet in ``s.host`` (at most HOLD), and whether they are
+        #: all of it
         self._held: list[hostscan.HostRow] = []
+        self._held_whole = False
         #: (path, hash, inode, mode, size, mtime) of files the extractor wrote, not yet stored
         self._hash_batch: list[tuple[object, ...]] = []
 
@@ -260,10 +264,19 @@ class PullState:
         self._scanned = (st.st_dev, st.st_ino)
         return digest
 
-    def diff(self, dest_fd: int) -> Diff:
+    def held_scan(self) -> list[hostscan.HostRow] | None:
+        """All rows of the last :meth:`scan`, parents before children, while they are
+        still in memory only (no more than HOLD, and no diff since): what an early farm
+        (:mod:`wsync.engine.prefarm`) links.  The list is never changed afterwards."""
+        held = self._held  # first: a diff in another thread replaces the list, then the flags
+        return held if self._held_whole and self._scanned is not None else None
+
+    def diff(self, dest_fd: int, own_links: Callable[[bytes], int | None] | None = None) -> Diff:
         """Compare the loaded manifest and DEST (open at ``dest_fd``) with the state.
 
-        DEST is scanned here unless :meth:`scan` scanned this directory since the last diff."""
+        DEST is scanned here unless :meth:`scan` scanned this directory since the last diff.
+        ``own_links(path)`` says how many links to DEST's entry this pull made itself (the
+        early farm's: :meth:`wsync.engine.prefarm.Prefarm.links_to`), None if unknown."""
         if not self._loaded:
             raise RuntimeError("load_manifest() first")
         st = os.fstat(dest_fd)
@@ -273,6 +286,7 @@ class PullState:
             self._scanned = None
             incsql.insert_rows(self.db, incsql.INSERT_HOST, self._held)
             self._held = []
+            self._held_whole = False
             db = self.db
             # "base" is the recorded state, or an empty one when it is not this sandbox's
             db.execute("DROP VIEW IF EXISTS temp.base")
@@ -282,7 +296,7 @@ class PullState:
                 db.execute("CREATE TEMP VIEW base AS SELECT * FROM s.nostate")
             db.execute("DELETE FROM s.plan")
             db.execute(incsql.PLAN)
-            if self._recheck(dest_fd) and self.has_baseline():
+            if self._recheck(dest_fd, own_links) and self.has_baseline():
                 # verified by their bytes: record where they are now, so the next pull
                 # does not hash them again (the hash recorded stays the same)
                 db.execute(
@@ -327,6 +341,7 @@ class PullState:
         db = self.db
         db.execute("DELETE FROM s.host")
         self._held = []
+        self._held_whole = False
         batch: list[hostscan.HostRow] = []
         digest = hostscan.ScanDigest()
         limit = HOLD if hold else BATCH
@@ -343,6 +358,7 @@ class PullState:
                         limit = BATCH
         if hold:
             self._held = batch
+            self._held_whole = limit == HOLD
         else:
             incsql.insert_rows(db, incsql.INSERT_HOST, batch)
         self.host_digest = digest.hexdigest()
@@ -365,6 +381,12 @@ class PullState:
                 self._meta(k) == v for k, v in zip(_NOOP_KEYS, (key, manifest, host), strict=True)
             )
 
+    def last_listing(self) -> str | None:
+        """The manifest digest of the last pull that diffed DEST (committed, or found
+        nothing to do); None when no pull recorded one."""
+        with self._errors():
+            return self._meta(_LISTING)
+
     def has_noop_record(self) -> bool:
         with self._errors():
             return self._meta(_NOOP_KEYS[1]) is not None
@@ -376,11 +398,11 @@ class PullState:
         with self._errors():
             self.db.executemany(
                 "INSERT OR REPLACE INTO main.meta VALUES (?, ?)",
-                list(zip(_NOOP_KEYS, (key, manifest, host), strict=True)),
+                [*zip(_NOOP_KEYS, (key, manifest, host), strict=True), (_LISTING, manifest)],
             )
             self.db.commit()
 
-    def _recheck(self, dest_fd: int) -> int:
+    def _recheck(self, dest_fd: int, own_links: Callable[[bytes], int | None] | None = None) -> int:
         """Entries whose host inode or ctime moved: re-hash (re-read the link) and compare.
         Returns how many were verified.  (A file of a guest hardlink group whose host inode
         moved is not checked but fetched, with its group: the plan says ``tampered``.)"""
@@ -396,10 +418,19 @@ class PullState:
             if kind == "f":
                 # another inode than the one recorded is the guest's file only alone: with a
                 # second link the host joined it to another name (in DEST or outside), and
-                # linking that inode into the new tree would carry the join over
-                links = 1 if moved else None
-                same = recorded is not None and (
-                    hostscan.file_hash(dest_fd, path, incsql.py_int(ino), links=links) == recorded
+                # linking that inode into the new tree would carry the join over (a link the
+                # early farm made is this pull's own, counted; one it cannot vouch for fails)
+                links: int | None = None
+                if moved:
+                    own = 0 if own_links is None else own_links(bytes(path))
+                    links = None if own is None else 1 + own
+                same = (
+                    (not moved or links is not None)
+                    and recorded is not None
+                    and (
+                        hostscan.file_hash(dest_fd, path, incsql.py_int(ino), links=links)
+                        == recorded
+                    )
                 )
             elif kind == "l":
                 same = hostscan.link_target(dest_fd, path) == target
@@ -424,6 +455,8 @@ class PullState:
         dest_fd: int,
         file_hashes: Mapping[bytes, str] | Iterable[tuple[bytes, str, Written]],
         restat: Callable[[], Iterator[tuple[bytes, hostscan.HostRow | None]]] | None = None,
+        *,
+        listing: str = "",
     ) -> None:
         """Record the tree now in DEST (open at ``dest_fd``) as this sandbox's baseline.
 
@@ -439,6 +472,7 @@ class PullState:
         of the scan the diff used.  An older signature is never a missed change: anything
         done to an entry since that scan differs from it next time.  Scanned again, a kept
         entry the host changed during the pull (see ``incsql.KEPT_MOVED``) is left out.
+        ``listing`` is the manifest's stream digest (:meth:`last_listing`).
         """
         if not self._loaded:
             raise RuntimeError("load_manifest() first")
@@ -471,12 +505,13 @@ class PullState:
             db.execute("BEGIN IMMEDIATE")
             try:
                 db.execute("DELETE FROM main.state")
-                db.executemany("DELETE FROM main.meta WHERE k = ?", [(k,) for k in _NOOP_KEYS])
+                keys = [(k,) for k in (*_NOOP_KEYS, _LISTING)]
+                db.executemany("DELETE FROM main.meta WHERE k = ?", keys)
                 db.execute(incsql.COMMIT)
-                db.executemany(
-                    "INSERT OR REPLACE INTO main.meta VALUES (?, ?)",
-                    [("sandbox", self.sandbox_key), ("version", SCHEMA_VERSION)],
-                )
+                meta = [("sandbox", self.sandbox_key), ("version", SCHEMA_VERSION)]
+                if listing:
+                    meta.append((_LISTING, listing))
+                db.executemany("INSERT OR REPLACE INTO main.meta VALUES (?, ?)", meta)
                 db.execute("COMMIT")
             except BaseException:
                 # after SQLITE_FULL or an I/O error SQLite has rolled back already: a second

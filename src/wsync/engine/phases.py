@@ -38,6 +38,7 @@ from wsync.engine.winddown import (
     raise_if_cancelled,
 )
 from wsync.errors import (
+    HostIOError,
     IntegrityFailed,
     LimitExceeded,
     ProducerVanished,
@@ -279,6 +280,7 @@ class StreamRunner:
         self.chunk_journal = journal
         try:
             chunks, length = await self.fetch_all(plan, feed, journaled, thread)
+            self.fetched(plan, journal)
             if journal is not self.manifest_journal:
                 self.emit("extract")
             await await_thread(thread, None)
@@ -299,6 +301,10 @@ class StreamRunner:
             raise
         finally:
             feed.close()
+
+    def fetched(self, plan: GuestPlan, journal: Journal) -> None:
+        """Every chunk of ``journal``'s stream is in (``self.done`` says what it is), and
+        its consumer may still be at work: a hook for work that can overlap the rest."""
 
     async def wind_down(self, feed: ChunkFeed, thread: threading.Thread) -> None:
         """After a failure or a cancel: stop the consumer thread and the journal writers.
@@ -326,6 +332,19 @@ class StreamRunner:
             if not await await_future(write, deadline - loop.time()):
                 log.warning("a journal write is still running")
                 break
+
+    async def make_tmp(self, *, reuse: bool) -> tuple[str, int, bool]:
+        """The tree beside DEST that becomes DEST (stale ones of earlier runs go): its
+        name, fd, and whether it is a reused earlier tree (``reuse``: an incremental pull)."""
+        tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
+        tmp_fd, warnings, reused, stale = self.target.make_tmp(tmp, reuse=reuse)
+        self.warnings.extend(warnings)
+        for name in stale:
+            try:
+                await in_thread(self.target.removal(name))
+            except (HostIOError, OSError) as exc:
+                self.warnings.append(f"a left-over of an earlier pull was not removed: {exc}")
+        return tmp, tmp_fd, reused
 
     async def remove_tmp(self, tmp: str) -> None:
         """Remove the partial tree beside DEST (bounded; the next run removes what stays).

@@ -32,7 +32,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,11 +48,9 @@ from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
 from wsync.engine.journal import DestRegistry, Journal
 from wsync.engine.linkmemo import remember
+from wsync.engine.prefarm import Prefarm
 from wsync.engine.settle import apply_lists
-from wsync.engine.winddown import (
-    in_thread,
-    raise_if_cancelled,
-)
+from wsync.engine.winddown import in_thread, owned, raise_if_cancelled
 from wsync.errors import (
     DestReplaced,
     HostileArchive,
@@ -148,7 +146,10 @@ class _Pull(IncrementalRunner):
                 self.changes = await in_thread(lambda: inc.locked(lambda: list(diff.itemize())))
             run = inc.run
             if not run or self.options.dry_run:
+                await self.drop_early_farm()
                 return None
+            if run == "tar" or inc.mode != "incremental":
+                await self.drop_early_farm()  # a whole-tree run starts from an empty tree
         if run == "apply":
             return await self.apply_only(inc)
         journal = self.journal if run == "tar" else self.journal.phase("select")
@@ -169,7 +170,7 @@ class _Pull(IncrementalRunner):
         need = inc.state.listed_kb if inc is not None and inc.loaded else None
         journaled = await self.admit_phase(plan, journal, snapshot, run, need_kb=need)
         replace = run == "select"
-        tmp, tmp_fd, reused = await self.make_tmp(reuse=replace and self.keeps_prev)
+        tmp, tmp_fd, reused, early = await self.farm_tmp(reuse=replace and self.keeps_prev)
         hook = None
         if inc is not None:
             inc.hashes.start()
@@ -183,7 +184,8 @@ class _Pull(IncrementalRunner):
             fd = work_fds.pop()
             try:
                 if inc is not None and replace:
-                    inc.locked(lambda: inc.farm(fd, feed.check_cancel, reused=reused))
+                    check = feed.check_cancel
+                    inc.locked(lambda: inc.farm(fd, check, reused=reused, early=early))
                 limits = self.options.limits
                 return extract_feed(
                     feed, plan.compressor, fd, limits, self.extracted, replace=replace, on_file=hook
@@ -226,19 +228,6 @@ class _Pull(IncrementalRunner):
         against DEST to say what in it to keep)."""
         return self.options.keep_prev and self.inc is not None and self.inc.reuses
 
-    async def make_tmp(self, *, reuse: bool) -> tuple[str, int, bool]:
-        """The tree beside DEST that becomes DEST (stale ones of earlier runs go): its
-        name, fd, and whether it is a reused earlier tree (``reuse``: an incremental pull)."""
-        tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
-        tmp_fd, warnings, reused, stale = self.target.make_tmp(tmp, reuse=reuse)
-        self.warnings.extend(warnings)
-        for name in stale:
-            try:
-                await in_thread(self.target.removal(name))
-            except (HostIOError, OSError) as exc:
-                self.warnings.append(f"a left-over of an earlier pull was not removed: {exc}")
-        return tmp, tmp_fd, reused
-
     def swap_in(self, tmp: str, tmp_fd: int) -> str | None:
         """Flush the finished tree, then make it DEST; returns the old tree's name."""
         self.emit("swap")
@@ -267,13 +256,22 @@ class _Pull(IncrementalRunner):
                 self.warnings.append(f"the journal's listing was not cleared: {exc}")
         return old
 
+    async def farm_tmp(self, *, reuse: bool) -> tuple[str, int, bool, Prefarm | None]:
+        """:meth:`make_tmp`, or the early farm's tree when there is one (with its record)."""
+        taken = await self.take_early_farm()
+        if taken is not None:
+            tmp, tmp_fd, early = taken
+            return tmp, tmp_fd, False, early
+        tmp, tmp_fd, reused = await self.make_tmp(reuse=reuse)
+        return tmp, tmp_fd, reused, None
+
     async def apply_only(
         self, inc: Incremental | None
     ) -> tuple[ExtractStats, int, int, str | None]:
         """Changes without an entry to fetch (deletions, directory modes or mtimes, a
         host-side chmod of a directory): the new tree is the farm alone, no producer run."""
         assert inc is not None
-        tmp, tmp_fd, reused = await self.make_tmp(reuse=self.keeps_prev)
+        tmp, tmp_fd, reused, early = await self.farm_tmp(reuse=self.keeps_prev)
         inc.hashes.start()
         inc.hashes.close()
         stop = threading.Event()
@@ -285,7 +283,10 @@ class _Pull(IncrementalRunner):
         try:
             self.emit("apply")
             await in_thread(
-                owned(tmp_fd, lambda fd: inc.locked(lambda: inc.farm(fd, check, reused=reused)))
+                owned(
+                    tmp_fd,
+                    lambda fd: inc.locked(lambda: inc.farm(fd, check, reused=reused, early=early)),
+                )
             )
             await in_thread(owned(tmp_fd, lambda fd: inc.locked(lambda: inc.dir_meta(fd))))
             old = self.swap_in(tmp, tmp_fd)
@@ -378,21 +379,6 @@ class _Pull(IncrementalRunner):
             self.warnings.append(f"journal not removed: {exc}")
 
 
-def owned(fd: int, work: Callable[[int], _T]) -> Callable[[], _T]:
-    """``work`` on a copy of ``fd`` that the worker thread closes itself: a wait given up
-    on (cancelled) leaves the thread at work, and the caller's fd may be closed, its number
-    reused by the process meanwhile; the copy keeps naming the same directory."""
-    own = os.dup(fd)
-
-    def run() -> _T:
-        try:
-            return work(own)
-        finally:
-            os.close(own)
-
-    return run
-
-
 #: failures that the same snapshot would repeat on every run: it is discarded at once
 _PERMANENT = (StagingFailed, HostileArchive, UnstableFiles)
 
@@ -402,6 +388,7 @@ async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
         try:
             done = await runner.run()
         except _PERMANENT as exc:
+            await runner.drop_early_farm()  # a no-op once the run took its tree
             # a host limit (disk space, --max-bytes) is not the snapshot's fault: the
             # next run, with room made or the limit raised, resumes it
             if not isinstance(exc, LimitExceeded):
@@ -410,6 +397,7 @@ async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
                 runner.inc.close()
             raise
         except BaseException:
+            await runner.drop_early_farm()
             if runner.inc is not None:
                 runner.inc.close()
             raise

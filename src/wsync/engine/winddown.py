@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
@@ -105,3 +106,18 @@ def raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+def owned(fd: int, work: Callable[[int], _R]) -> Callable[[], _R]:
+    """``work`` on a copy of ``fd`` that the worker thread closes itself: a wait given up
+    on (cancelled) leaves the thread at work, and the caller's fd may be closed, its number
+    reused by the process meanwhile; the copy keeps naming the same directory."""
+    own = os.dup(fd)
+
+    def run() -> _R:
+        try:
+            return work(own)
+        finally:
+            os.close(own)
+
+    return run
