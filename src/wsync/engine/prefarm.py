@@ -92,11 +92,6 @@ class Prefarm:
             self.settle()
 
     def _build(self, rows: Sequence[HostRow], dest_fd: int, tmp_fd: int) -> None:
-        records = b"".join(
-            (b"d" if kind == "d" else b"n") + path + b"\0"
-            for path, kind, *_ in rows
-            if path != b"."
-        )
         try:
             with self._lock:
                 if self._stopped:
@@ -111,7 +106,7 @@ class Prefarm:
                     stderr=subprocess.PIPE,
                     pass_fds=(dest_fd, tmp_fd),
                 )
-            out, err = self._child.communicate(records)
+            out, err = _talk(self._child, rows)
         except OSError as exc:
             self.broken = f"its worker process: {exc.strerror or exc}"
             return
@@ -179,6 +174,34 @@ class Prefarm:
             dest.close()
             tmp.close()
         return touched
+
+
+def _talk(child: subprocess.Popen[bytes], rows: Sequence[HostRow]) -> tuple[bytes, bytes]:
+    """Send the worker its records (a batch at a time: a whole 100k-entry scan at once
+    would be a second copy of it in memory), then read what it said."""
+    assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+    batch: list[bytes] = []
+    try:
+        try:
+            with child.stdin:
+                for path, kind, *_ in rows:
+                    if path != b".":
+                        batch.append((b"d" if kind == "d" else b"n") + path + b"\0")
+                    if len(batch) >= 4096:
+                        child.stdin.write(b"".join(batch))
+                        batch.clear()
+                child.stdin.write(b"".join(batch))
+        except BrokenPipeError:
+            pass  # it ended before reading them all: what it says (or its status) tells why
+        # it writes its answer only after its last record, and to stderr only if it crashed
+        return child.stdout.read(), child.stderr.read()
+    except BaseException:
+        child.kill()
+        raise
+    finally:
+        child.stdout.close()
+        child.stderr.close()
+        child.wait()
 
 
 def _forget_below(parents: _Parents, path: bytes) -> None:
