@@ -285,3 +285,24 @@ def test_a_broken_early_farm_falls_back_to_a_fresh_one(
     assert (counted.built, counted.finished) == (1, 0)
     assert_exact(ws, dest)
     assert leftovers(dest) == []
+
+
+def test_the_worker_gets_no_secrets_from_our_environment(
+    trees: tuple[Path, int, Path, int], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A daemon's environment may hold tokens; the worker needs only to find Python."""
+    dest, dfd, _, tfd = trees
+    (dest / "a").write_text("a")
+    seen = tmp_path / "seen-env"
+    spy = tmp_path / "python"
+    spy.write_text(f"#!/bin/sh\nenv > {seen}\nexit 3\n")
+    spy.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(spy))
+    monkeypatch.setenv("WSYNC_API_TOKEN", "s3cret-token-value")
+    monkeypatch.setenv("PYTHONPATH", "/some/where")
+    farm = Prefarm()
+    farm.build(scan(dest), dfd, tfd)
+    assert farm.broken is not None and "ended with 3" in farm.broken
+    env = seen.read_text()
+    assert "s3cret-token-value" not in env
+    assert "PYTHONPATH=/some/where" in env

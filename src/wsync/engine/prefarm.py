@@ -105,6 +105,7 @@ class Prefarm:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     pass_fds=(dest_fd, tmp_fd),
+                    env=_worker_env(),
                 )
             out, err = _talk(self._child, rows)
         except OSError as exc:
@@ -174,6 +175,13 @@ class Prefarm:
             dest.close()
             tmp.close()
         return touched
+
+
+def _worker_env() -> dict[str, str]:
+    """What the worker needs of our environment to find its interpreter and wsync; no
+    more (a daemon's environment may hold tokens, and the worker needs none)."""
+    keep = ("PATH", "PYTHONPATH", "PYTHONHOME")
+    return {name: os.environ[name] for name in keep if name in os.environ}
 
 
 def _talk(child: subprocess.Popen[bytes], rows: Sequence[HostRow]) -> tuple[bytes, bytes]:
