@@ -4,11 +4,13 @@ build_farm makes; on real trees, and through real pulls."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import shutil
 import stat
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.excludes import Excludes
 from wsync.engine.farm import build_farm
 from wsync.engine.prefarm import Prefarm
+from wsync.engine.pull import pull
 from wsync.errors import HostIOError
 from wsync.transports.local import LocalTransport
 
@@ -306,3 +309,42 @@ def test_the_worker_gets_no_secrets_from_our_environment(
     env = seen.read_text()
     assert "s3cret-token-value" not in env
     assert "PYTHONPATH=/some/where" in env
+
+
+def test_a_pull_stopped_while_it_farms_early_leaves_nothing(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled while the worker links (the diff done or not): DEST untouched, the tmp
+    tree removed, the worker stopped."""
+    ws, dest, opts = pulled
+    entered, stopped = threading.Event(), threading.Event()
+    build, stop = Prefarm.build, Prefarm.stop
+
+    def slow_build(farm: Prefarm, *args: object) -> None:
+        entered.set()
+        stopped.wait(60)  # until drop_early_farm stops it
+        build(farm, *args)  # type: ignore[arg-type]
+
+    def stopping(farm: Prefarm) -> None:
+        stopped.set()
+        stop(farm)
+
+    monkeypatch.setattr(Prefarm, "build", slow_build)
+    monkeypatch.setattr(Prefarm, "stop", stopping)
+    change(ws)
+    before = os.stat(dest).st_ino
+
+    async def go_and_cancel() -> None:
+        task = asyncio.create_task(pull(LocalTransport(), str(ws), dest, opts))
+        assert await asyncio.to_thread(entered.wait, 60)
+        await asyncio.sleep(0.2)  # the diff may be done, or waiting
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go_and_cancel())
+    assert stopped.is_set()
+    assert os.stat(dest).st_ino == before
+    assert leftovers(dest) == []
+    assert go(ws, dest, opts).ok
+    assert_exact(ws, dest)

@@ -258,14 +258,15 @@ class IncrementalRunner(StreamRunner):
         """The early farm's tmp tree (name, fd) and its record, once it is built; None
         when there is none (or its tmp tree could not be made: the caller makes one)."""
         task, farm = self.early_task, self.early
-        self.early_task = self.early = None
         if task is None or farm is None:
             return None
         try:
-            made = await task
+            # shielded: a pull stopped while it waits leaves the task to drop_early_farm
+            made = await asyncio.shield(task)
         except (WsyncError, OSError) as exc:
             log.debug("no early farm", error=str(exc))
-            return None
+            made = None
+        self.early_task = self.early = None
         return None if made is None else (*made, farm)
 
     async def drop_early_farm(self) -> None:
