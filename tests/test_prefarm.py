@@ -18,10 +18,11 @@ import pytest
 
 from helpers import assert_exact, make_tree, options, run_pull
 from incr_helpers import EarlyFarms
-from wsync.engine import hostscan, prefarm
+from wsync.engine import hostscan, linker, prefarm
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.excludes import Excludes
 from wsync.engine.farm import build_farm
+from wsync.engine.incstate import PullState
 from wsync.engine.prefarm import Prefarm
 from wsync.engine.pull import pull
 from wsync.errors import HostIOError
@@ -276,6 +277,69 @@ def test_an_early_farm_that_is_not_needed_is_removed(
     assert not (dest / "cache").exists()
 
 
+class Rehashes:
+    """Counts the files the diff re-hashes (a moved ctime or inode costs one)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        real = hostscan.file_hash
+
+        def counted(*args: object, **kwargs: object) -> str | None:
+            self.count += 1
+            return real(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(hostscan, "file_hash", counted)
+
+
+def test_an_unneeded_early_farm_costs_the_next_pull_no_rehash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its links and unlinks moved the ctime of every file of DEST; they are recorded
+    again, so the next pull (nothing changed anywhere) re-hashes nothing.  (Found by
+    review: it re-hashed all 51 files.)"""
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    make_tree(ws, big=64 * 1024, small=40)
+    (ws / "cache").mkdir()
+    (ws / "cache" / "c").write_text("1\n")
+    opts = options(tmp_path, excludes=Excludes(["cache/"]))
+    go(ws, dest, opts)
+    (ws / "cache" / "c").write_text("2\n")  # the listing changes, nothing to do
+    farms = EarlyFarms(monkeypatch)
+    assert go(ws, dest, opts).changed_files == 0
+    assert farms.built == 1
+    rehashes = Rehashes(monkeypatch)
+    again = go(ws, dest, opts)
+    assert again.changed_files == again.deleted_files == 0
+    assert rehashes.count == 0
+    assert farms.built == 1
+    # and a host edit with the mtime put back is still seen (its ctime moved after)
+    target = dest / "src" / "f1.txt"
+    st = os.stat(target)
+    with target.open("r+b") as f:
+        f.write(b"X")
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert go(ws, dest, opts).changed_files == 1
+    assert target.read_bytes() == (ws / "src" / "f1.txt").read_bytes()
+
+
+def test_a_state_without_the_listing_key_takes_the_no_op_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state an older wsync wrote (no ``listing`` key) and an unchanged guest: no early
+    farm, which would be wasted.  (Found by review: two wasted farms after an upgrade.)"""
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    make_tree(ws, big=64 * 1024, small=10)
+    opts = options(tmp_path)
+    go(ws, dest, opts)
+    go(ws, dest, opts)  # nothing to do: the no-op record
+    with PullState.open(opts.state_dir, dest, "unused") as state:
+        state.db.execute("DELETE FROM main.meta WHERE k = 'listing'")
+        state.db.commit()
+    farms = EarlyFarms(monkeypatch)
+    assert go(ws, dest, opts).changed_files == 0
+    assert farms.built == 0
+
+
 def test_a_broken_early_farm_falls_back_to_a_fresh_one(
     pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -348,3 +412,19 @@ def test_a_pull_stopped_while_it_farms_early_leaves_nothing(
     assert leftovers(dest) == []
     assert go(ws, dest, opts).ok
     assert_exact(ws, dest)
+
+
+def test_the_worker_stops_when_its_pull_is_gone(
+    trees: tuple[Path, int, Path, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a kill -9 of the pull its worker would go on linking into a tree the next run
+    is removing; it looks for its parent every 1024 records and stops."""
+    dest, dfd, tmp, tfd = trees
+    for i in range(3000):
+        (dest / f"f{i}").write_text("x")
+    records = [b"n" + row[0] for row in scan(dest)[1:]]
+    parents = iter([100, 100, 1])  # adopted by init after the second look
+    monkeypatch.setattr(os, "getppid", lambda: next(parents, 1))
+    with pytest.raises(OSError, match="the pull that started it is gone"):
+        linker.link_all(records, dfd, tfd)
+    assert len(os.listdir(tmp)) == 1024

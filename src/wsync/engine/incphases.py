@@ -222,6 +222,9 @@ class IncrementalRunner(StreamRunner):
         None when the scan is not at hand (failed, too large to hold, or diffed already)."""
         try:
             return await self._early_tree(inc, scan, farm)
+        except BaseException:
+            farm.stop()  # cancelled (the loop is shutting down): the worker goes too
+            raise
         finally:
             farm.settle()  # whatever happened, the diff must not wait for a build
 
@@ -269,21 +272,24 @@ class IncrementalRunner(StreamRunner):
         self.early_task = self.early = None
         return None if made is None else (*made, farm)
 
-    async def drop_early_farm(self) -> None:
+    async def drop_early_farm(self) -> bool:
         """Stop the early farm and remove its tree (nothing to do, a whole-tree run, a
-        failure).  Bounded: a tree left behind is removed by the next run's make_tmp."""
+        failure); True when there was a tree.  Bounded: a tree left behind is removed by
+        the next run's make_tmp."""
         task, farm = self.early_task, self.early
         self.early_task = self.early = None
         if task is None or farm is None:
-            return
+            return False
         farm.stop()
         farm.settle()
         done, _ = await asyncio.wait({task}, timeout=_WIND_DOWN_S)
         if not done or task.cancelled() or task.exception() is not None:
-            return
+            return False
         made = task.result()
-        if made is not None:
-            await self.remove_tmp(made[0])
+        if made is None:
+            return False
+        await self.remove_tmp(made[0])
+        return True
 
     async def replayable(self, plan: GuestPlan, snapshot: str, done: DoneRecord) -> bool:
         """Whether the journaled listing ``done`` is to be used again: a content run

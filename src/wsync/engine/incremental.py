@@ -447,5 +447,18 @@ class Incremental:
         finally:
             os.close(dest_fd)
 
+    def refresh_after_farm(self) -> None:
+        """An early farm was made and removed without a change to DEST: record the ctimes
+        that moved (:meth:`PullState.refresh_ctimes`), and the no-op record with them."""
+        dest_fd = open_dest(self.target)
+        if dest_fd is None:
+            return
+        try:
+            host = self.state.refresh_ctimes(dest_fd)
+        finally:
+            os.close(dest_fd)
+        if self.run == "" and self.mode == "incremental":
+            self.state.record_noop(self.options_key(), self.manifest_digest, host)
+
     def tree_bytes(self) -> int:
         return self.state.tree_bytes()

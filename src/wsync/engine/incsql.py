@@ -109,6 +109,15 @@ DELETE FROM s.host WHERE path IN (
     OR n.mtime IS NOT d.mtime OR n.ino IS NOT d.ino)
 """
 
+#: a recorded entry DEST holds as recorded but for its ctime (see PullState.refresh_ctimes)
+REFRESH_CTIMES = """
+UPDATE main.state SET hctime = (SELECT h.ctime FROM s.host h WHERE h.path = main.state.path)
+WHERE EXISTS (
+  SELECT 1 FROM s.host h WHERE h.path = main.state.path AND h.kind IS main.state.hkind
+    AND h.mode IS main.state.hmode AND h.size IS main.state.hsize
+    AND h.mtime IS main.state.hmtime AND h.ino IS main.state.hino)
+"""
+
 #: the new state: each entry of the manifest that DEST holds with the manifest's kind, with
 #: the hash the extractor wrote, or the one the diff verified for a kept file; a file the
 #: extractor wrote that DEST holds with another inode, mode, size or mtime now (changed on the

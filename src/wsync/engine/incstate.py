@@ -383,9 +383,10 @@ class PullState:
 
     def last_listing(self) -> str | None:
         """The manifest digest of the last pull that diffed DEST (committed, or found
-        nothing to do); None when no pull recorded one."""
+        nothing to do); None when no pull recorded one.  (A state written before the key
+        existed has its no-op record's, if any.)"""
         with self._errors():
-            return self._meta(_LISTING)
+            return self._meta(_LISTING) or self._meta(_NOOP_KEYS[1])
 
     def has_noop_record(self) -> bool:
         with self._errors():
@@ -401,6 +402,20 @@ class PullState:
                 [*zip(_NOOP_KEYS, (key, manifest, host), strict=True), (_LISTING, manifest)],
             )
             self.db.commit()
+
+    def refresh_ctimes(self, dest_fd: int) -> str:
+        """After this pull linked DEST's inodes into a tree it then removed (an early farm
+        the diff did not need): their ctimes moved, and nothing else of them.  DEST is
+        scanned again, and where an entry is still the very inode recorded, with the
+        recorded kind, mode, size and mtime, its ctime now is recorded (the trust the
+        commit gives a kept entry, ``incsql.KEPT_MOVED``); else the next pull re-checks it
+        as before.  Returns the scan's digest (for the no-op record).  Without this the
+        next pull would re-hash every file of DEST."""
+        with self._errors():
+            digest = self._scan_host(dest_fd)
+            self.db.execute(incsql.REFRESH_CTIMES)
+            self.db.commit()
+        return digest
 
     def _recheck(self, dest_fd: int, own_links: Callable[[bytes], int | None] | None = None) -> int:
         """Entries whose host inode or ctime moved: re-hash (re-read the link) and compare.

@@ -18,7 +18,8 @@ per entry, ``KIND PATH NUL`` (kind ``d`` for a directory, ``n`` for anything els
 relative, parents before children, as the scan listed them).  stdout gets ``S PATH NUL`` for
 each entry skipped (gone from DEST since the scan, or below a directory that was), then
 ``K NUL`` when every record was handled, or ``E MESSAGE NUL`` when an error stopped it: the
-parent then knows nothing of what the tree holds and farms afresh.
+parent then knows nothing of what the tree holds and farms afresh.  It stops by itself when
+its parent is gone (a kill -9 of the pull): the next run removes the tree it was making.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def link_all(records: list[bytes], dest_fd: int, tmp_fd: int) -> list[bytes]:
     than an entry gone) stops it."""
     dest, tmp = _Dirs(dest_fd), _Dirs(tmp_fd)
     skipped: list[bytes] = []
-    for record in records:
+    parent_pid = os.getppid()
+    for n, record in enumerate(records):
+        if n % 1024 == 0 and os.getppid() != parent_pid:
+            raise OSError(errno.ECHILD, "the pull that started it is gone", b"")
         kind, path = record[:1], record[1:]
         parent, _, leaf = path.rpartition(b"/")
         if not leaf or leaf in (b".", b".."):

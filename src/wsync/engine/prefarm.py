@@ -22,7 +22,10 @@ either out of the state (``incsql.KEPT_MOVED``), so the next pull fetches it aga
 
 When the diff finds nothing to do, or a whole-tree run takes the place of the ``select``
 run, the early farm was wasted and is removed with the tmp tree: the cost of a guess that
-failed, which the trigger keeps rare (an unchanged guest lists the same bytes).
+failed, which the trigger keeps rare (an unchanged guest lists the same bytes).  Linking
+and unlinking moved the ctime of every inode of DEST, so after a wasted farm the state
+records them again (:meth:`wsync.engine.incstate.PullState.refresh_ctimes`): else the next
+pull would re-hash all of DEST.
 """
 
 from __future__ import annotations

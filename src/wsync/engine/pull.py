@@ -146,7 +146,9 @@ class _Pull(IncrementalRunner):
                 self.changes = await in_thread(lambda: inc.locked(lambda: list(diff.itemize())))
             run = inc.run
             if not run or self.options.dry_run:
-                await self.drop_early_farm()
+                if await self.drop_early_farm():
+                    # its links and unlinks moved the ctime of every inode of DEST
+                    await in_thread(lambda: inc.locked(inc.refresh_after_farm))
                 return None
             if run == "tar" or inc.mode != "incremental":
                 await self.drop_early_farm()  # a whole-tree run starts from an empty tree
