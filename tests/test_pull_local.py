@@ -679,3 +679,43 @@ def test_closing_the_transport_stays_within_the_overall_deadline(
     with contextlib.suppress(Exception):
         asyncio.run(pull_uri(f"local:{workspace}", tmp_path / "out2", opts))
     assert len(closing) == 1 and closing[0] < 5  # one second's grace, not the ten before
+
+
+def test_the_guest_staging_goes_while_the_host_commits(
+    tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the swap the guest's staging is removed beside the host's own cleanup, not
+    after it: on a remote backend that is a round trip less per pull.  The commit here
+    waits for the guest cleanup call to have started; one after the other, it would not
+    come."""
+    import threading
+
+    from wsync.engine.guest import GuestSession
+    from wsync.engine.incremental import Incremental
+
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    assert run_pull(LocalTransport(), workspace, dest, opts).ok
+    (workspace / "src" / "f1.txt").write_text("changed\n")
+    called = threading.Event()
+    cleanup, commit = GuestSession.cleanup, Incremental.commit
+
+    calls = []
+
+    async def cleaning(session: GuestSession) -> None:
+        calls.append(session.snapshot)
+        if len(calls) >= 2:  # the first is the manifest's, before the diff
+            called.set()
+        await cleanup(session)
+
+    def committing(inc: Incremental) -> None:
+        assert called.wait(30), "the guest staging was not being removed meanwhile"
+        commit(inc)
+
+    monkeypatch.setattr(GuestSession, "cleanup", cleaning)
+    monkeypatch.setattr(Incremental, "commit", committing)
+    result = run_pull(LocalTransport(), workspace, dest, opts)
+    assert result.ok and result.mode == "incremental" and not result.warnings
+    assert_exact(workspace, dest)
+    assert len(calls) == 2
+    assert sorted(p.name for p in (tmp_path / "staging").iterdir() if p.name in calls) == []

@@ -342,6 +342,36 @@ class _Pull(IncrementalRunner):
         forgotten; problems become warnings.
         """
         self.emit("cleanup")
+        # the guest's staging goes while the host removes the old tree and commits: the
+        # two are independent, and a remote backend's round trip need not add to the pull
+        staging = None if self.options.keep_staging else asyncio.create_task(self.clean_staging())
+        try:
+            await self.finish_host(old)
+            if staging is not None:
+                await staging
+        finally:
+            if staging is not None and not staging.done():
+                staging.cancel()
+        rate = self.session.link.rate()
+        if rate is not None and self.session.link.meter.bytes >= level.TRUSTED:
+            key, state_dir = self.transport.description, self.options.state_dir
+            await in_thread(lambda: remember(state_dir, key, rate))
+        try:
+            self.journal.remove()
+        except WsyncError as exc:
+            self.warnings.append(f"journal not removed: {exc}")
+
+    async def clean_staging(self) -> None:
+        for snapshot in dict.fromkeys(self.snapshots):
+            self.session.snapshot = snapshot
+            try:
+                async with asyncio.timeout(self.options.call_timeout * 2):
+                    await self.session.cleanup()
+            except (WsyncError, TimeoutError) as exc:
+                self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
+
+    async def finish_host(self, old: str | None) -> None:
+        """The old tree removed (or kept), then the state committed."""
         inc = self.inc
         kept = False
         if old is not None and inc is not None and self.keeps_prev and self.swapped:
@@ -363,22 +393,6 @@ class _Pull(IncrementalRunner):
                 self.tree_bytes = await in_thread(lambda: inc.locked(inc.tree_bytes))
             except (WsyncError, OSError) as exc:
                 self.warnings.append(f"incremental state not recorded (next pull re-checks): {exc}")
-        if not self.options.keep_staging:
-            for snapshot in dict.fromkeys(self.snapshots):
-                self.session.snapshot = snapshot
-                try:
-                    async with asyncio.timeout(self.options.call_timeout * 2):
-                        await self.session.cleanup()
-                except (WsyncError, TimeoutError) as exc:
-                    self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
-        rate = self.session.link.rate()
-        if rate is not None and self.session.link.meter.bytes >= level.TRUSTED:
-            key, state_dir = self.transport.description, self.options.state_dir
-            await in_thread(lambda: remember(state_dir, key, rate))
-        try:
-            self.journal.remove()
-        except WsyncError as exc:
-            self.warnings.append(f"journal not removed: {exc}")
 
 
 #: failures that the same snapshot would repeat on every run: it is discarded at once
