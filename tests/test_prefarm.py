@@ -9,8 +9,10 @@ import os
 import random
 import shutil
 import stat
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -428,3 +430,31 @@ def test_the_worker_stops_when_its_pull_is_gone(
     with pytest.raises(OSError, match="the pull that started it is gone"):
         linker.link_all(records, dfd, tfd)
     assert len(os.listdir(tmp)) == 1024
+
+
+def test_a_kill_9_while_it_farms_early_then_a_rerun_is_exact(
+    pulled: tuple[Path, Path, PullOptions],
+) -> None:
+    """The pull is killed once its early farm's tree appears beside DEST (or later, if the
+    look comes late); its worker stops by itself, and the rerun removes the tree and
+    finishes exactly."""
+    ws, dest, opts = pulled
+    for i in range(3000):
+        (ws / "many" / f"d{i % 30}").mkdir(parents=True, exist_ok=True)
+        (ws / "many" / f"d{i % 30}" / f"f{i}").write_text(f"{i}\n")
+    go(ws, dest, opts)
+    change(ws)
+    command = [sys.executable, "-m", "wsync", "pull", f"local:{ws}", str(dest), "--no-progress",
+               "--state-dir", str(opts.state_dir), "--staging-dir", str(opts.staging_root)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if any(".wsync-tmp-" in name for name in leftovers(dest)):
+            break
+        time.sleep(0.001)
+    proc.kill()
+    proc.wait()
+    rerun = subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert_exact(ws, dest)
+    assert leftovers(dest) == []
