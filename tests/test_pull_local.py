@@ -719,3 +719,42 @@ def test_the_guest_staging_goes_while_the_host_commits(
     assert_exact(workspace, dest)
     assert len(calls) == 2
     assert sorted(p.name for p in (tmp_path / "staging").iterdir() if p.name in calls) == []
+
+
+def test_the_manifests_staging_goes_while_the_diff_runs(
+    tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest's guest staging is removed beside the diff, not before it: the guest
+    cleanup call here waits for the diff to have started; one after the other, it would
+    not."""
+    import asyncio
+    import threading
+
+    from wsync.engine.guest import GuestSession
+    from wsync.engine.incstate import PullState
+
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    assert run_pull(LocalTransport(), workspace, dest, opts).ok
+    (workspace / "src" / "f1.txt").write_text("changed\n")
+    diffing = threading.Event()
+    cleanup, diff = GuestSession.cleanup, PullState.diff
+    calls = []
+
+    async def cleaning(session: GuestSession) -> None:
+        calls.append(session.snapshot)
+        if len(calls) == 1:  # the manifest's
+            assert await asyncio.to_thread(diffing.wait, 30), "the diff did not run meanwhile"
+        await cleanup(session)
+
+    def diffing_now(state: PullState, *args: object) -> object:
+        diffing.set()
+        return diff(state, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(GuestSession, "cleanup", cleaning)
+    monkeypatch.setattr(PullState, "diff", diffing_now)
+    result = run_pull(LocalTransport(), workspace, dest, opts)
+    assert result.ok and result.mode == "incremental" and not result.warnings, result.warnings
+    assert_exact(workspace, dest)
+    assert len(calls) == 2
+    assert [p.name for p in (tmp_path / "staging").iterdir() if p.name in calls] == []

@@ -61,6 +61,8 @@ class IncrementalRunner(StreamRunner):
     #: the early farm and the task making it (tmp name and fd when done), until taken
     early: Prefarm | None = None
     early_task: asyncio.Task[tuple[str, int] | None] | None = None
+    #: the manifest's guest staging being removed (while the diff runs)
+    manifest_cleanup: asyncio.Task[None] | None = None
     #: this run's listing, ``SNAPSHOT:DIGEST``: a content run's journal names the one it
     #: was admitted after, and is resumed only under that very listing
     listing: str | None = None
@@ -112,6 +114,19 @@ class IncrementalRunner(StreamRunner):
         """The manifest run (DEST's scan finishing meanwhile), then the diff."""
         skip = self.scan_task is not None and inc.noop_recorded
         await self.manifest_phase(plan, inc, skip=skip)
+        cleanup = self.manifest_cleanup
+        self.manifest_cleanup = None
+        try:
+            await self.diff_phase(plan, inc)
+        except BaseException:
+            if cleanup is not None:
+                cleanup.cancel()  # the GC takes the staging later
+            raise
+        if cleanup is not None:
+            await cleanup  # before the next guest call: both use the session's snapshot
+
+    async def diff_phase(self, plan: GuestPlan, inc: Incremental) -> None:
+        """DEST's scan finished, then the no-op shortcut or the diff."""
         if self.scan_task is not None:
             await self.scan_task
             self.scan_task = None
@@ -186,7 +201,11 @@ class IncrementalRunner(StreamRunner):
         # verified and loaded: its staging goes now (even with keep_staging, which keeps
         # the content run's).  A kill -9 later takes a fresh manifest, whose diff (same
         # guest, same DEST) names the same list, so the select run's journal resumes
+        # (while the diff runs: a remote backend's round trip off the pull's path)
         self.snapshots.remove(snapshot)
+        self.manifest_cleanup = asyncio.create_task(self.clean_manifest())
+
+    async def clean_manifest(self) -> None:
         try:
             async with asyncio.timeout(self.options.call_timeout * 2):
                 await self.session.cleanup()
