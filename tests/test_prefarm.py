@@ -24,6 +24,7 @@ from wsync.engine import hostscan, linker, prefarm
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.excludes import Excludes
 from wsync.engine.farm import build_farm
+from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incstate import PullState
 from wsync.engine.prefarm import Prefarm
 from wsync.engine.pull import pull
@@ -442,3 +443,25 @@ def test_a_kill_9_while_it_farms_early_then_a_rerun_is_exact(
     assert rerun.returncode == 0, rerun.stderr
     assert_exact(ws, dest)
     assert leftovers(dest) == []
+
+
+def test_the_diff_waits_for_the_early_farm_to_take_the_scan(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The diff hands DEST's scan rows to the state's tables and drops them; an early farm
+    whose task runs late (a loaded loop) must still get them.  (Found in CI: on a small
+    tree the diff could start before the farm's task first ran, and no farm was made.)"""
+    ws, dest, opts = pulled
+    late = IncrementalRunner._early_farm
+
+    async def running_late(runner: IncrementalRunner, *args: object) -> tuple[str, int] | None:
+        await asyncio.sleep(0.3)
+        return await late(runner, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(IncrementalRunner, "_early_farm", running_late)
+    farms = EarlyFarms(monkeypatch)
+    change(ws)
+    result = go(ws, dest, opts)
+    assert result.mode == "incremental"
+    assert (farms.built, farms.finished) == (1, 1)
+    assert_exact(ws, dest)

@@ -61,6 +61,9 @@ class IncrementalRunner(StreamRunner):
     #: the early farm and the task making it (tmp name and fd when done), until taken
     early: Prefarm | None = None
     early_task: asyncio.Task[tuple[str, int] | None] | None = None
+    #: set once the early farm holds DEST's scan rows, or will not farm (the diff waits
+    #: for it: the diff consumes the rows)
+    early_ready: asyncio.Event | None = None
     #: the manifest's guest staging being removed (while the diff runs)
     manifest_cleanup: asyncio.Task[None] | None = None
     #: this run's listing, ``SNAPSHOT:DIGEST``: a content run's journal names the one it
@@ -135,6 +138,10 @@ class IncrementalRunner(StreamRunner):
             return
         if not inc.loaded:
             await self.replay(plan, inc)
+        if self.early_ready is not None:
+            # the early farm takes DEST's scan rows first (the diff hands them to the
+            # state's tables and drops them); it does so as soon as the scan is done
+            await self.early_ready.wait()
         empty = self.journal.dir / "empty"
         await in_thread(lambda: inc.locked(lambda: self.decide(inc, plan, empty)))
 
@@ -232,6 +239,7 @@ class IncrementalRunner(StreamRunner):
         if inc.last_listing == _manifest_digest(plan, self.done):
             return  # the guest lists what it listed last time: most likely nothing to do
         self.early = Prefarm()
+        self.early_ready = asyncio.Event()
         self.early_task = asyncio.create_task(self._early_farm(inc, scan, self.early))
 
     async def _early_farm(
@@ -239,21 +247,30 @@ class IncrementalRunner(StreamRunner):
     ) -> tuple[str, int] | None:
         """Once DEST's scan is done: the tmp tree (name, fd), DEST's scan linked into it;
         None when the scan is not at hand (failed, too large to hold, or diffed already)."""
+        ready = self.early_ready
         try:
-            return await self._early_tree(inc, scan, farm)
+            return await self._early_tree(inc, scan, farm, ready)
         except BaseException:
             farm.stop()  # cancelled (the loop is shutting down): the worker goes too
             raise
         finally:
             farm.settle()  # whatever happened, the diff must not wait for a build
+            if ready is not None:
+                ready.set()
 
     async def _early_tree(
-        self, inc: Incremental, scan: asyncio.Task[None], farm: Prefarm
+        self,
+        inc: Incremental,
+        scan: asyncio.Task[None],
+        farm: Prefarm,
+        ready: asyncio.Event | None,
     ) -> tuple[str, int] | None:
         await asyncio.wait({scan})
         if scan.cancelled() or scan.exception() is not None:
             return None
         rows = inc.state.held_scan()
+        if ready is not None:
+            ready.set()  # the rows are ours (or not there): the diff may take them now
         if rows is None:
             return None
         tmp, tmp_fd, _ = await self.make_tmp(reuse=False)
@@ -301,6 +318,8 @@ class IncrementalRunner(StreamRunner):
             return False
         farm.stop()
         farm.settle()
+        if self.early_ready is not None:
+            self.early_ready.set()
         done, _ = await asyncio.wait({task}, timeout=_WIND_DOWN_S)
         if not done or task.cancelled() or task.exception() is not None:
             return False
