@@ -7,12 +7,13 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from helpers import assert_exact, busybox_bin, local, make_tree, options, run_pull, tool_dir
+from wsync.engine.api import PullOptions
 from wsync.engine.fsutil import rmtree
 from wsync.errors import (
     GuestToolsMissing,
@@ -681,8 +682,52 @@ def test_closing_the_transport_stays_within_the_overall_deadline(
     assert len(closing) == 1 and closing[0] < 5  # one second's grace, not the ten before
 
 
+@pytest.fixture
+def changed_after_a_pull(tmp_path: Path, workspace: Path) -> tuple[Path, PullOptions]:
+    """DEST pulled once, then a file changed in the workspace: the next pull fetches it."""
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    assert run_pull(LocalTransport(), workspace, dest, opts).ok
+    (workspace / "src" / "f1.txt").write_text("changed\n")
+    return dest, opts
+
+
+def watch_cleanups(
+    monkeypatch: pytest.MonkeyPatch, before: Callable[[int], Awaitable[None]]
+) -> list[str]:
+    """The snapshots of the guest cleanup calls from now on; ``before(n)`` is awaited
+    ahead of the n-th (1: the manifest's, 2: the content run's)."""
+    from wsync.engine.guest import GuestSession
+
+    cleanup = GuestSession.cleanup
+    calls: list[str] = []
+
+    async def cleaning(session: GuestSession) -> None:
+        calls.append(session.snapshot)
+        await before(len(calls))
+        await cleanup(session)
+
+    monkeypatch.setattr(GuestSession, "cleanup", cleaning)
+    return calls
+
+
+def repull(
+    tmp_path: Path, workspace: Path, dest: Path, opts: PullOptions, calls: list[str]
+) -> None:
+    """The incremental pull after ``changed_after_a_pull``: exact, no warning, both
+    snapshots' staging removed."""
+    result = run_pull(LocalTransport(), workspace, dest, opts)
+    assert result.ok and result.mode == "incremental" and not result.warnings, result.warnings
+    assert_exact(workspace, dest)
+    assert len(calls) == 2
+    assert [p.name for p in (tmp_path / "staging").iterdir() if p.name in calls] == []
+
+
 def test_the_guest_staging_goes_while_the_host_commits(
-    tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    workspace: Path,
+    changed_after_a_pull: tuple[Path, PullOptions],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """After the swap the guest's staging is removed beside the host's own cleanup, not
     after it: on a remote backend that is a round trip less per pull.  The commit here
@@ -690,39 +735,29 @@ def test_the_guest_staging_goes_while_the_host_commits(
     come."""
     import threading
 
-    from wsync.engine.guest import GuestSession
     from wsync.engine.incremental import Incremental
 
-    dest = tmp_path / "out"
-    opts = options(tmp_path)
-    assert run_pull(LocalTransport(), workspace, dest, opts).ok
-    (workspace / "src" / "f1.txt").write_text("changed\n")
     called = threading.Event()
-    cleanup, commit = GuestSession.cleanup, Incremental.commit
+    commit = Incremental.commit
 
-    calls = []
-
-    async def cleaning(session: GuestSession) -> None:
-        calls.append(session.snapshot)
-        if len(calls) >= 2:  # the first is the manifest's, before the diff
+    async def before(n: int) -> None:
+        if n >= 2:  # the first is the manifest's, before the diff
             called.set()
-        await cleanup(session)
 
     def committing(inc: Incremental) -> None:
         assert called.wait(30), "the guest staging was not being removed meanwhile"
         commit(inc)
 
-    monkeypatch.setattr(GuestSession, "cleanup", cleaning)
+    calls = watch_cleanups(monkeypatch, before)
     monkeypatch.setattr(Incremental, "commit", committing)
-    result = run_pull(LocalTransport(), workspace, dest, opts)
-    assert result.ok and result.mode == "incremental" and not result.warnings
-    assert_exact(workspace, dest)
-    assert len(calls) == 2
-    assert sorted(p.name for p in (tmp_path / "staging").iterdir() if p.name in calls) == []
+    repull(tmp_path, workspace, *changed_after_a_pull, calls)
 
 
 def test_the_manifests_staging_goes_while_the_diff_runs(
-    tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    workspace: Path,
+    changed_after_a_pull: tuple[Path, PullOptions],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The manifest's guest staging is removed beside the diff, not before it: the guest
     cleanup call here waits for the diff to have started; one after the other, it would
@@ -730,31 +765,19 @@ def test_the_manifests_staging_goes_while_the_diff_runs(
     import asyncio
     import threading
 
-    from wsync.engine.guest import GuestSession
     from wsync.engine.incstate import PullState
 
-    dest = tmp_path / "out"
-    opts = options(tmp_path)
-    assert run_pull(LocalTransport(), workspace, dest, opts).ok
-    (workspace / "src" / "f1.txt").write_text("changed\n")
     diffing = threading.Event()
-    cleanup, diff = GuestSession.cleanup, PullState.diff
-    calls = []
+    diff = PullState.diff
 
-    async def cleaning(session: GuestSession) -> None:
-        calls.append(session.snapshot)
-        if len(calls) == 1:  # the manifest's
+    async def before(n: int) -> None:
+        if n == 1:  # the manifest's
             assert await asyncio.to_thread(diffing.wait, 30), "the diff did not run meanwhile"
-        await cleanup(session)
 
     def diffing_now(state: PullState, *args: object) -> object:
         diffing.set()
         return diff(state, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(GuestSession, "cleanup", cleaning)
+    calls = watch_cleanups(monkeypatch, before)
     monkeypatch.setattr(PullState, "diff", diffing_now)
-    result = run_pull(LocalTransport(), workspace, dest, opts)
-    assert result.ok and result.mode == "incremental" and not result.warnings, result.warnings
-    assert_exact(workspace, dest)
-    assert len(calls) == 2
-    assert [p.name for p in (tmp_path / "staging").iterdir() if p.name in calls] == []
+    repull(tmp_path, workspace, *changed_after_a_pull, calls)
