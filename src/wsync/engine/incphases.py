@@ -210,14 +210,7 @@ class IncrementalRunner(StreamRunner):
         # guest, same DEST) names the same list, so the select run's journal resumes
         # (while the diff runs: a remote backend's round trip off the pull's path)
         self.snapshots.remove(snapshot)
-        self.manifest_cleanup = asyncio.create_task(self.clean_manifest())
-
-    async def clean_manifest(self) -> None:
-        try:
-            async with asyncio.timeout(self.options.call_timeout * 2):
-                await self.session.cleanup()
-        except (WsyncError, TimeoutError) as exc:
-            self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
+        self.manifest_cleanup = asyncio.create_task(self.clean_snapshot(snapshot))
 
     def listed(self, plan: GuestPlan, inc: Incremental, snapshot: str, done: DoneRecord) -> None:
         """This run's listing is ``snapshot``'s stream, ``done`` (fetched or replayed)."""

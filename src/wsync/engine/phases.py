@@ -481,16 +481,31 @@ class StreamRunner:
             raise first_error(group_error) from None
         return done.chunks, done.length
 
+    async def clean_guest(self) -> WsyncError | TimeoutError | None:
+        """Remove the session's snapshot from the guest staging, within two call
+        timeouts; the error if it could not (the guest's GC removes what stays)."""
+        try:
+            async with asyncio.timeout(self.options.call_timeout * 2):
+                await self.session.cleanup()
+        except (WsyncError, TimeoutError) as exc:
+            return exc
+        return None
+
+    async def clean_snapshot(self, snapshot: str) -> None:
+        """:meth:`clean_guest` of ``snapshot``, a failure a warning of the pull."""
+        self.session.snapshot = snapshot
+        error = await self.clean_guest()
+        if error is not None:
+            self.warnings.append(f"guest staging not removed (GC removes it later): {error}")
+
     async def discard(self) -> None:
         """Forget a snapshot that failed for a reason a retry of it cannot fix: remove the
         guest staging now (a full guest disk must not stay full until the GC) and the
         journal's chunks, so that the next run starts a fresh snapshot."""
         if self.session.snapshot and self.session.algorithm and not self.options.keep_staging:
-            try:
-                async with asyncio.timeout(self.options.call_timeout * 2):
-                    await self.session.cleanup()
-            except (WsyncError, TimeoutError) as exc:
-                log.warning("failed snapshot not removed from the guest", error=str(exc))
+            error = await self.clean_guest()
+            if error is not None:
+                log.warning("failed snapshot not removed from the guest", error=str(error))
         with contextlib.suppress(WsyncError):
             self.chunk_journal.forget()
             if self.manifest_journal is not None:

@@ -363,12 +363,7 @@ class _Pull(IncrementalRunner):
 
     async def clean_staging(self) -> None:
         for snapshot in dict.fromkeys(self.snapshots):
-            self.session.snapshot = snapshot
-            try:
-                async with asyncio.timeout(self.options.call_timeout * 2):
-                    await self.session.cleanup()
-            except (WsyncError, TimeoutError) as exc:
-                self.warnings.append(f"guest staging not removed (GC removes it later): {exc}")
+            await self.clean_snapshot(snapshot)
 
     async def finish_host(self, old: str | None) -> None:
         """The old tree removed (or kept), then the state committed."""
