@@ -41,10 +41,8 @@ from wsync.engine.farm import CANCEL_EVERY, _farm_error, _Parents, _split, make_
 from wsync.engine.fsutil import remove_tree_at
 from wsync.engine.hostscan import HostRow
 from wsync.engine.itemize import escape
+from wsync.engine.prevtree import remove_all
 from wsync.errors import HostIOError
-
-#: errors of one entry that mean "it went with a tree removed before it"
-_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
 
 class Prefarm:
@@ -157,22 +155,8 @@ class Prefarm:
                 touched += 1
             # what the new tree does not have, children before their parents: every entry
             # below a path left here is left too (the manifest's entries lie in its
-            # directories), so each directory is empty when its turn comes
-            for path in sorted(made, reverse=True):
-                if touched % CANCEL_EVERY == 0:
-                    check_cancel()
-                parent, leaf = _split(path)
-                try:
-                    into = tmp.get(parent)
-                    if made[path]:
-                        os.rmdir(leaf, dir_fd=into)
-                    else:
-                        os.unlink(leaf, dir_fd=into)
-                except OSError as exc:
-                    if exc.errno in _GONE:
-                        continue  # went with a tree removed above (DEST changed kind here)
-                    raise HostIOError(f"{escape(path)}: {exc.strerror or exc}") from exc
-                touched += 1
+            # directories); one that went with a tree removed above is passed over
+            touched += remove_all(tmp_fd, sorted(made, reverse=True), check_cancel)
         finally:
             made.clear()
             dest.close()

@@ -42,7 +42,7 @@ import errno
 import os
 import sqlite3
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from wsync.engine import incsql
 from wsync.engine.farm import CANCEL_EVERY, _Parents, _split, build_farm
@@ -179,7 +179,7 @@ def _close_narrowed(root_fd: int, paths: list[bytes]) -> None:
         parents.close()
 
 
-def _remove_all(root_fd: int, paths: Iterator[bytes], check_cancel: Callable[[], None]) -> int:
+def remove_all(root_fd: int, paths: Iterable[bytes], check_cancel: Callable[[], None]) -> int:
     """Remove each path (a whole tree if a directory) below ``root_fd``, children given
     before their parents; returns how many were removed."""
     parents = _Parents(root_fd)
@@ -227,7 +227,7 @@ def reuse(
         db.execute(_VERDICT)
         _close_narrowed(tmp_fd, [bytes(p) for (p,) in db.execute(_NARROWED)])
         stale = (bytes(p) for (p,) in db.execute(_STALE))
-        removed = _remove_all(tmp_fd, stale, check_cancel)
+        removed = remove_all(tmp_fd, stale, check_cancel)
         missing = ((bytes(p), str(k)) for p, k in db.execute(_MISSING))
         made = build_farm(dest_fd, tmp_fd, missing, check_cancel)
     except sqlite3.Error as exc:
@@ -240,7 +240,7 @@ def prune(db: sqlite3.Connection, prev_fd: int, check_cancel: Callable[[], None]
     (call it before the commit rescans DEST into ``s.host``); returns the count."""
     try:
         paths = (bytes(p) for (p,) in db.execute(_UNSHARED))
-        return _remove_all(prev_fd, paths, check_cancel)
+        return remove_all(prev_fd, paths, check_cancel)
     except sqlite3.Error as exc:
         raise HostIOError(f"incremental state: {exc}") from exc
 
