@@ -18,26 +18,34 @@ from wsync.protocol.records import FIRST_CHUNK, GROWTH_STEPS
 PID_CHECKS = r"""
 # (the state is the field after the last ") " of /proc/PID/stat, taken without a
 # fork: this runs in every look of the producer's loop and of a status long poll;
-# read's status is not looked at, as a line without its newline still counts)
+# read's status is not looked at, as a line without its newline still counts; kill's
+# complaint goes where every stderr of the producer and the scripts goes, nowhere)
 alive() {
-  kill -0 "$1" 2>/dev/null || return 1
+  kill -0 "$1" || return 1
   if [ -r "/proc/$1/stat" ]; then
-    ps_=
-    IFS= read -r ps_ < "/proc/$1/stat"
-    ps_=${ps_##*) }
-    case ${ps_%% *} in Z) return 1 ;; esac
+    rd "/proc/$1/stat"
+    v_=${v_##*) }
+    case ${v_%% *} in Z) return 1 ;; esac
   fi
   return 0
 }
 # a pid read from staging that may still be a producer (or its launch): alive and,
-# where /proc tells, running wsync's producer; without /proc any live process counts
+# where /proc tells, running wsync's producer; without /proc any live process counts.
+# The shell's read drops the NULs between arguments (dash, bash and busybox alike), so
+# the producer's path is seen without a fork; where it is not, tr decides as before
 busy() {
   case $1 in ''|0*|1|*[!0-9]*|??????????*) return 1 ;; esac
   alive "$1" || return 1
   [ -r "/proc/$1/cmdline" ] || return 0
-  case $(tr '\000' ' ' < "/proc/$1/cmdline") in *.producer-*) return 0 ;; esac
+  rd "/proc/$1/cmdline"
+  case $v_ in */.producer-*) return 0 ;; esac
+  case $(cmd "$1") in *.producer-*) return 0 ;; esac
   return 1
 }
+cmd() { tr '\000' ' ' < "/proc/$1/cmdline"; }
+# the first line of a small file into v_, without the fork of "$(cat FILE)" (empty when
+# the file is missing): the pid files, read in every look of the loops that wait
+rd() { v_=; IFS= read -r v_ < "$1"; }
 """
 
 _TEXT = (
@@ -85,7 +93,7 @@ if [ $g -gt 1 ]; then
       kill -KILL "-$o" 2>/dev/null
     fi ;;
   esac
-  rm -f data index tar.err tar.rc comp.rc comp.err unstable gone chg live m prev tick.t \
+  rm -f data index isize tar.err tar.rc comp.rc comp.err unstable gone chg live m prev tick.t \
     sel0 sel1 done.tmp pid.tmp
 fi
 fail() {
@@ -308,7 +316,7 @@ trap 'w_=1' USR1
 w_=
 { produce "$@" | { z 2>comp.err; echo $? > comp.rc; } >> data; busy $$ && kill -USR1 $$ 2>/dev/null; } &
 pp=$!
-seq=0 off=0
+seq=0 off=0 isz=0
 # chunk N is @FIRST@ << 2N bytes, at most the chunk size (the host checks it by the same
 # rule, wsync.protocol.records.chunk_length): the first is ready moments after the start
 index_upto() {
@@ -328,7 +336,12 @@ index_upto() {
     hv=$(dd if=data bs=65536 iflag=skip_bytes,count_bytes skip="$off" count="$l" 2>/dev/null | h)
     hv=${hv%% *}
     [ -n "$hv" ] || fail "cannot hash chunk $seq"
-    printf 'C %s %s %s %s\n' "$seq" "$off" "$l" "$hv" >> index || fail "cannot append to the index"
+    ln="C $seq $off $l $hv"
+    printf '%s\n' "$ln" >> index || fail "cannot append to the index"
+    # the index's size, for status long polls to look at without a fork (a hint: a
+    # status answer measures the index itself); ASCII, so characters are bytes
+    isz=$((isz + ${#ln} + 1))
+    printf '%s\n' "$isz" > isize || rm -f isize
     seq=$((seq + 1))
     off=$((off + l))
   done

@@ -31,6 +31,8 @@ Layout in the guest (``ROOT`` is the staging root, outside the workspace)::
     ROOT/SNAPSHOT/data      the compressed tar stream, append-only
     ROOT/SNAPSHOT/index     one line per chunk, appended only after the chunk
                             is in ``data`` and hashed: ``C seq offset length hash``
+    ROOT/SNAPSHOT/isize     the index's size in bytes, rewritten after each line: a
+                            hint that lets a status long poll look without a fork
     ROOT/SNAPSHOT/done      written atomically (tmp + mv) when the stream is
                             complete: chunks, length, whole-stream hash, and
                             the exit status of tar and of the compressor
@@ -78,7 +80,7 @@ h() {
 emit() {
   n=$(printf '%s' "$2" | wc -c)
   dg=$(printf '%s' "$2" | h)
-  printf 'WSYNC1 BEGIN %s %s %s %s\n' "$nonce" "$1" $((n + 0)) "$enc"
+  printf 'WSYNC1 BEGIN %s %s %s %s\n' "$nonce" "$1" $((n+0)) "$enc"
   if [ "$enc" = b64 ]; then printf '%s' "$2" | base64; else printf '%s' "$2"; fi
   printf '\nWSYNC1 END %s %s\n' "$nonce" "${dg%% *}"
 }
@@ -178,7 +180,7 @@ mine() {
   busy "$1" && [ -r "/proc/$1/cmdline" ] || return 1
   lsn "/proc/$1"
   [ "$u" = "$me" ] || return 1
-  case $(tr '\000' ' ' < "/proc/$1/cmdline") in *"$pn"*) return 0 ;; esac
+  case $(cmd "$1") in *"$pn"*) return 0 ;; esac
   return 1
 }
 stop() {
@@ -221,7 +223,7 @@ if [ ! -d "$d/launch" ] && [ "$mode" = tar ]; then
   # none, or it does not fit, du's decides (sparse files take fewer blocks than bytes),
   # bounded: a retried admission must not walk a huge cold tree forever
   f=$(df -Pk "$root" | awk 'NR == 2 { print $4 + 0 }')
-  full() { [ -n "$n" ] && [ -n "$f" ] && [ $((f * 4)) -lt $((n + 256)) ]; }
+  full() { [ -n "$n" ] && [ -n "$f" ] && [ $((f*4)) -lt $((n+256)) ]; }
   n=${n%%[!0-9]*}
   if [ -z "$n" ] || full; then
     if command -v timeout >/dev/null; then n=$(timeout 20 du -sk "$ws"); else n=$(du -sk "$ws"); fi
@@ -239,8 +241,8 @@ mkdir -p "$d" || no "cannot create the staging directory"
 # producer finish between the two looks and be launched again)
 idle() {
   g=1
-  while [ -d "$d/lock.$g" ]; do g=$((g + 1)); done
-  for k in pid.launch pid "lock.$((g - 1))/pid"; do busy "$(cat "$d/$k")" && return 1; done
+  while [ -d "$d/lock.$g" ]; do g=$((g+1)); done
+  for k in pid.launch pid "lock.$((g-1))/pid"; do rd "$d/$k"; busy "$v_" && return 1; done
   [ -f "$d/done" ] || [ -f "$d/failed" ] && return 1
   return 0
 }
@@ -274,8 +276,8 @@ if [ "$go" ]; then
   # on the path of every pull, the smallest included; 1000 looks, or 10 s)
   i=0
   until [ $i -ge 1000 ] || [ "$(cat "$d/pid")" = $! ] || ! alive $!; do
-    sleep 0.01 || { sleep 1; i=$((i + 99)); }
-    i=$((i + 1))
+    sleep 0.01 || { sleep 1; i=$((i+99)); }
+    i=$((i+1))
   done
 fi
 emit ok "$a $(cat "$d/launch/size")"
@@ -338,7 +340,7 @@ d=$1 io=$2 w=$3
 touch "$d"
 al() {
   alive=0
-  for x in pid pid.launch; do busy "$(cat "$d/$x")" && alive=1; done
+  for x in pid pid.launch; do rd "$d/$x"; busy "$v_" && alive=1; done
 }
 # a long poll: up to w looks, until the index grows past io, a result is written or
 # (checked once) no producer runs; then the index from io comes along.  Looks are
@@ -347,7 +349,13 @@ al() {
 al
 k=0
 while [ $alive = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/failed" ]; do
-  isz=$(wc -c < "$d/index") || break
+  # the producer writes the index's size to isize after each line (a hint read without
+  # a fork; the answer below measures the index itself); without it, wc
+  rd "$d/isize"
+  case $v_ in
+    ''|*[!0-9]*|????????????????*) isz=$(wc -c < "$d/index") || break ;;
+    *) isz=$v_ ;;
+  esac
   [ $((isz + 0)) -gt "$io" ] && break
   if [ $k -lt 10 ]; then sleep 0.01 2>/dev/null || break; else sleep 0.05 2>/dev/null || break; fi
   k=$((k + 1))
@@ -365,7 +373,8 @@ p="$p${nl}index_size $((isz + 0))${nl}data_size $((dsz + 0))"
 if [ "$io" -ge 0 ] && [ $((isz + 0)) -gt "$io" ]; then
   t=$(dd if="$d/index" bs=65536 iflag=skip_bytes,count_bytes skip="$io" count=65536; echo .)
   t=${t%.}
-  p="$p${nl}index_from $io${nl}index_tail $(printf '%s' "$t" | wc -c)${nl}index_follows${nl}$t"
+  # (the index is the producer's ASCII: its length in characters is its length in bytes)
+  p="$p${nl}index_from $io${nl}index_tail ${#t}${nl}index_follows${nl}$t"
 fi
 if [ -s "$d/tar.err" ]; then p="$p${nl}tar_err_follows${nl}$(head -c 2000 "$d/tar.err")"; fi
 emit ok "$p"
@@ -375,12 +384,12 @@ _READ = r"""
 f=$1 o=$2 l=$3
 sz=$(wc -c < "$f") || { emit err "missing"; exit 0; }
 [ $((sz + 0)) -ge $((o + l)) ] || { emit err "short-file $((sz + 0))"; exit 0; }
-rd() { dd if="$f" bs=65536 iflag=skip_bytes,count_bytes skip="$o" count="$l" 2>/dev/null; }
-dg=$(rd | h)
+chunk() { dd if="$f" bs=65536 iflag=skip_bytes,count_bytes skip="$o" count="$l" 2>/dev/null; }
+dg=$(chunk | h)
 dg=${dg%% *}
 [ -n "$dg" ] || { emit err "hash-failed"; exit 0; }
 printf 'WSYNC1 BEGIN %s ok %s %s\n' "$nonce" "$l" "$enc"
-if [ "$enc" = b64 ]; then rd | base64; else rd; fi
+if [ "$enc" = b64 ]; then chunk | base64; else chunk; fi
 printf '\nWSYNC1 END %s %s\n' "$nonce" "$dg"
 """
 

@@ -1,0 +1,230 @@
+"""What the guest's waiting loops cost: a status long poll's looks fork nothing.
+
+Every look of a status long poll used to fork ``wc`` for the index's size and ``cat``
+and ``tr`` (twice each) to see whether the producer still runs; with the producer's own
+loop, the reads and the answers, a 250 MB first pull ran about 625 programs in the
+guest, a fifth of a loopback pull's CPU on a two-core machine (issue 13).  Now the pid
+files and ``/proc/PID/cmdline`` are read with the shell's ``read``, and the index's size
+comes from ``isize``, which the producer rewrites after each index line.  ``isize`` is
+only a hint: the answer still measures the index, so a stale, missing or forged
+``isize`` costs a look, never a wrong index.
+
+Each test runs the status script by hand on a snapshot laid out as the producer
+leaves it, with ``wc``, ``cat`` and ``tr`` shimmed to count their runs, under dash,
+bash and a busybox-only guest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from helpers import busybox_bin, make_tree, options
+from wsync.engine.guest import CallStats, GuestSession
+from wsync.protocol import records, scripts
+from wsync.protocol.envelope import parse_envelope
+from wsync.protocol.hashing import ALGORITHMS
+from wsync.transports.local import LocalTransport
+
+SHA = ALGORITHMS["sha256"]  # busybox has sha256sum, not xxhsum
+NONCE = "0123456789abcdef"
+COUNTED = ("wc", "cat", "tr")
+
+#: log the tool's name, then run the real one
+_SHIM = """#!/bin/sh
+echo {tool} >> {log}
+exec {real} "$@"
+"""
+
+
+@pytest.fixture(params=["dash", "bash", "busybox"])
+def guest_path(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The guest's tools: this machine's (``sh`` is dash), the same with ``sh`` being
+    bash (whose ``read`` of NUL bytes differs by version), or busybox only."""
+    if request.param == "dash":
+        return os.environ["PATH"]
+    if request.param == "bash":
+        shell = tmp_path / "bash-sh"
+        shell.mkdir()
+        bash = shutil.which("bash")
+        assert bash
+        (shell / "sh").symlink_to(bash)
+        return f"{shell}:{os.environ['PATH']}"
+    return str(busybox_bin(tmp_path / "bb"))
+
+
+@pytest.fixture
+def counted(tmp_path: Path, guest_path: str) -> tuple[str, Path]:
+    """A PATH with ``wc``, ``cat`` and ``tr`` counting their runs in the returned log."""
+    shims, log = tmp_path / "shims", tmp_path / "runs.log"
+    shims.mkdir()
+    for tool in COUNTED:
+        real = shutil.which(tool, path=guest_path)
+        assert real
+        (shims / tool).write_text(_SHIM.format(tool=tool, log=log, real=real))
+        (shims / tool).chmod(0o755)
+    return f"{shims}:{guest_path}", log
+
+
+@pytest.fixture
+def producer(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """A snapshot directory whose ``pid`` and ``pid.launch`` name a live process that
+    runs a file named like wsync's producer (a ``sh`` that waits)."""
+    root = tmp_path / "staging"
+    root.mkdir(mode=0o700)
+    fake = root / ".producer-0000000000000000.sh"
+    fake.write_text("sleep 300\n:\n")
+    proc = subprocess.Popen(["sh", str(fake)], start_new_session=True)
+    try:
+        snap = root / "s-look"
+        snap.mkdir()
+        for name in ("pid", "pid.launch"):
+            (snap / name).write_text(f"{proc.pid}\n")
+        yield snap, proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _status(snap: Path, path: str, index_from: int, looks: int) -> records.StatusReport:
+    argv = scripts.status(
+        gate=False,
+        nonce=NONCE,
+        algorithm="sha256",
+        b64=False,
+        staging_root=str(snap.parent),
+        snapshot=snap.name,
+        index_from=index_from,
+        looks=looks,
+    )
+    env = {"PATH": path, "HOME": str(snap.parent)}
+    out = subprocess.run(argv, env=env, capture_output=True, timeout=60, check=False).stdout
+    envelope = parse_envelope(out, NONCE, algorithm=SHA, max_length=1 << 20)
+    assert envelope.ok, envelope.text
+    return records.parse_status(envelope.payload, SHA, index_from)
+
+
+def _runs(log: Path) -> dict[str, int]:
+    names = log.read_text().split() if log.exists() else []
+    return {tool: names.count(tool) for tool in COUNTED}
+
+
+LINE = b"C 0 0 262144 " + b"a" * 64 + b"\n"
+
+
+def test_a_long_poll_of_many_looks_forks_no_tool_per_look(
+    producer: tuple[Path, int], counted: tuple[str, Path]
+) -> None:
+    """20 looks (0.6 s) on an index that does not grow: the answer's own measures only
+    (the index and the data, each once, and the envelope's length), nothing per look,
+    and the live producer is seen without ``tr``."""
+    snap, _ = producer
+    path, log = counted
+    (snap / "index").write_bytes(LINE)
+    (snap / "isize").write_text(f"{len(LINE)}\n")
+    (snap / "data").write_bytes(b"x" * 100)
+    report = _status(snap, path, len(LINE), looks=20)
+    assert report.alive and report.index_size == len(LINE) and report.index_tail == b""
+    runs = _runs(log)
+    assert runs == {"wc": 3, "cat": 0, "tr": 0}, runs  # before: 23 wc, 4 cat, 4 tr
+
+
+@pytest.mark.parametrize("isize", ["", "garbage\n", "999999999\n", "12345678901234567890\n", None])
+def test_isize_is_a_hint_the_answer_measures_the_index(
+    producer: tuple[Path, int], counted: tuple[str, Path], isize: str | None
+) -> None:
+    """A stale, forged, oversized or missing ``isize`` never reaches the host: the
+    answer's size and tail are the index's own (a forged size that claims growth only
+    ends the wait early)."""
+    snap, _ = producer
+    path, _ = counted
+    (snap / "index").write_bytes(LINE * 2)
+    (snap / "data").write_bytes(b"")
+    if isize is not None:
+        (snap / "isize").write_text(isize)
+    report = _status(snap, path, len(LINE), looks=3)
+    assert report.index_size == 2 * len(LINE) and report.index_tail == LINE
+    report = _status(snap, path, 2 * len(LINE), looks=3)
+    assert report.index_size == 2 * len(LINE) and report.index_tail == b""
+
+
+@pytest.mark.parametrize("with_isize", [True, False], ids=["isize", "no-isize"])
+def test_a_long_poll_answers_when_the_index_grows(
+    producer: tuple[Path, int], counted: tuple[str, Path], with_isize: bool
+) -> None:
+    """The index grows 0.3 s into a 10 s long poll: the answer comes with the new line,
+    whether the producer keeps ``isize`` (this wsync's) or not (an older producer's
+    snapshot, resumed: ``wc`` looks then)."""
+    snap, _ = producer
+    path, _ = counted
+    (snap / "index").write_bytes(LINE)
+    (snap / "data").write_bytes(b"")
+    if with_isize:
+        (snap / "isize").write_text(f"{len(LINE)}\n")
+
+    def grow() -> None:
+        time.sleep(0.3)
+        with (snap / "index").open("ab") as f:
+            f.write(LINE)
+        if with_isize:
+            (snap / "isize").write_text(f"{2 * len(LINE)}\n")
+
+    grower = threading.Thread(target=grow)
+    grower.start()
+    started = time.monotonic()
+    report = _status(snap, path, len(LINE), looks=scripts.status_looks(10.0))
+    waited = time.monotonic() - started
+    grower.join()
+    assert report.index_size == 2 * len(LINE) and report.index_tail == LINE
+    assert waited < 9, "the long poll waited out its looks although the index grew"
+
+
+def test_a_dead_producer_is_seen_at_once(
+    producer: tuple[Path, int], counted: tuple[str, Path]
+) -> None:
+    """A pid whose process is not the producer (here: a ``sleep`` of ours) is not
+    busy: the fast path misses and ``tr`` has the last word, as before."""
+    snap, _ = producer
+    path, log = counted
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        for name in ("pid", "pid.launch"):
+            (snap / name).write_text(f"{stranger.pid}\n")
+        (snap / "index").write_bytes(b"")
+        report = _status(snap, path, 0, looks=100)
+        assert not report.alive
+        assert _runs(log)["tr"] >= 1  # the fallback decided
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_the_producer_keeps_isize_equal_to_its_index(tmp_path: Path, guest_path: str) -> None:
+    """A whole producer run: ``isize`` ends as the index's size, chunk by chunk."""
+    ws = make_tree(tmp_path / "ws", big=3 << 20, small=20)
+    env = {"PATH": guest_path, "HOME": str(tmp_path)}
+
+    async def run() -> Path:
+        session = GuestSession(LocalTransport(env=env), options(tmp_path), CallStats())
+        plan = await session.probe(str(ws))
+        assert not await session.admit("s-isize", str(ws), plan.compressor, level=1)
+        for _ in range(1200):
+            status = await session.status()
+            if status.done is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert status.done is not None and status.done.chunks >= 3
+        return Path(session.staging_root, "s-isize")
+
+    snap = asyncio.run(run())
+    index = (snap / "index").read_bytes()
+    assert index.count(b"\n") >= 3
+    assert (snap / "isize").read_text() == f"{len(index)}\n"
