@@ -137,13 +137,16 @@ def test_a_long_poll_of_many_looks_forks_no_tool_per_look(
     assert runs == {"wc": 3, "cat": 0, "tr": 0}, runs  # before: 23 wc, 4 cat, 4 tr
 
 
-@pytest.mark.parametrize("isize", ["", "garbage\n", "999999999\n", "12345678901234567890\n", None])
+@pytest.mark.parametrize(
+    "isize", ["", "garbage\n", "09\n", "0777\n", "999999999\n", "12345678901234567890\n", None]
+)
 def test_isize_is_a_hint_the_answer_measures_the_index(
     producer: tuple[Path, int], counted: tuple[str, Path], isize: str | None
 ) -> None:
     """A stale, forged, oversized or missing ``isize`` never reaches the host: the
     answer's size and tail are the index's own (a forged size that claims growth only
-    ends the wait early)."""
+    ends the wait early).  A leading zero is refused too: the shell's arithmetic takes
+    ``09`` for bad octal and ends the script (found in review), ``0777`` for 511."""
     snap, _ = producer
     path, _ = counted
     (snap / "index").write_bytes(LINE * 2)
@@ -187,7 +190,7 @@ def test_a_long_poll_answers_when_the_index_grows(
     assert waited < 9, "the long poll waited out its looks although the index grew"
 
 
-def test_a_dead_producer_is_seen_at_once(
+def test_a_pid_that_is_not_the_producers_is_not_busy(
     producer: tuple[Path, int], counted: tuple[str, Path]
 ) -> None:
     """A pid whose process is not the producer (here: a ``sleep`` of ours) is not

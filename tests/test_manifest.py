@@ -1,4 +1,5 @@
-"""The manifest parser: fed whole, byte at a time, with trailing bytes, and fuzzed."""
+"""The manifest parser and the listed-size counter: fed whole, byte at a time, with
+trailing bytes, and fuzzed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from wsync.errors import ProtocolError
-from wsync.protocol.manifest import Entry, ManifestParser, parse_time
+from wsync.protocol.manifest import (
+    MAX_HEADER,
+    MAX_NAME,
+    Entry,
+    ListedBytes,
+    ManifestParser,
+    parse_time,
+)
 
 SAMPLE = (
     b"d 755 4096 1796108389.0447479200 1796108389.0447479200 2173675\0.\0\0"
@@ -92,3 +100,50 @@ def test_fuzz_round_trip(items: list[tuple[str, bytes]]) -> None:
         data += kind.encode() + b" 644 7 3.25 4 9\0./" + name + b"\0" + target + b"\0"
         want.append(Entry(name, kind, 0o644, 7, 3_250_000_000, 4_000_000_000, 9, target))
     assert parse([data]) == want
+
+
+# -- ListedBytes: the sizes of regular files, before the manifest loads --------------------
+
+
+def listed(chunks: list[bytes]) -> int:
+    counter = ListedBytes()
+    for chunk in chunks:
+        counter.receive_data(chunk)
+    return counter.total
+
+
+#: a file whose name looks like a header, and a symlink whose target does: neither counts
+TRICKY = (
+    SAMPLE + b"f 600 10 1 1 1\0./f 644 999 1 1 1\0\0" + b"l 777 9 1 1 1\0./k\0f 644 777 1 1 1\0"
+)
+
+
+def test_listed_bytes_whole_and_byte_at_a_time() -> None:
+    assert listed([TRICKY]) == 3 + 10
+    assert listed([TRICKY[i : i + 1] for i in range(len(TRICKY))]) == 13
+
+
+def test_listed_bytes_counts_what_the_parser_reads() -> None:
+    files = [e for e in parse([TRICKY]) if e.kind == "f"]
+    assert listed([TRICKY]) == sum(e.size for e in files)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"f 644 x 1 1 1\0./a\0\0", b"f 644 " + b"9" * 21 + b" 1 1 1\0./a\0\0", b"f 644\0./a\0\0"],
+    ids=["not-a-number", "too-long", "no-size"],
+)
+def test_listed_bytes_refuses_a_bad_size(data: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        listed([data])
+
+
+def test_listed_bytes_bounds_a_field_without_its_end() -> None:
+    with pytest.raises(ProtocolError):
+        listed([b"x" * (MAX_NAME + MAX_HEADER + 1)])
+
+
+@given(st.binary(max_size=400), st.integers(1, 50))
+def test_fuzz_listed_bytes_counts_or_raises_protocol_error(data: bytes, step: int) -> None:
+    with contextlib.suppress(ProtocolError):
+        assert listed([data[i : i + step] for i in range(0, len(data), step)]) >= 0

@@ -14,12 +14,15 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from helpers import busybox_bin, options, run_pull
+from wsync.engine import incremental
 from wsync.errors import StagingFailed
 from wsync.protocol import scripts
 from wsync.transports.local import LocalTransport
@@ -121,10 +124,22 @@ def _fake_tools(bindir: Path, marker: Path, *, free_kb: int | None, du_kb: int) 
     return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
 
 
-def test_a_listed_workspace_that_fits_is_not_walked_again_by_du(tmp_path: Path) -> None:
+@pytest.mark.parametrize("slow_load", [False, True], ids=["quick-load", "slow-load"])
+def test_a_listed_workspace_that_fits_is_not_walked_again_by_du(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_load: bool
+) -> None:
     """A first pull lists the workspace before its archive: when the listing's size fits,
     the archive is admitted without ``du``, which walks the whole tree again (0.2 s of a
-    59k-entry tree, warm)."""
+    59k-entry tree, warm).  The manifest loads while the archive runs (the late load):
+    the size is counted from the listing first, however long the load takes."""
+    if slow_load:
+        real = incremental.read_manifest
+
+        def slow(*args: Any, **kwargs: Any) -> int:
+            time.sleep(0.5)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(incremental, "read_manifest", slow)
     ws = workspace_of(tmp_path, 1)
     marker = tmp_path / "du-ran"
     env = _fake_tools(tmp_path / "fake", marker, free_kb=None, du_kb=1)

@@ -146,6 +146,7 @@ class _Pull(IncrementalRunner):
                 self.changes = await in_thread(lambda: inc.locked(lambda: list(diff.itemize())))
             run = inc.run
             if not run or self.options.dry_run:
+                await self.drop_late_load()  # (a state recorded where the guest cannot select)
                 if await self.drop_early_farm():
                     # its links and unlinks moved the ctime of every inode of DEST
                     await in_thread(lambda: inc.locked(inc.refresh_after_farm))
@@ -168,8 +169,11 @@ class _Pull(IncrementalRunner):
         snapshot = self.choose_snapshot(plan, journal, run, extra)
         if run == "select":
             await self.session.upload_list(snapshot, listing)
-        # a whole-tree run's room check in the guest takes the size the listing gave
-        need = inc.state.listed_kb if inc is not None and inc.loaded else None
+        # a whole-tree run's room check in the guest takes the size the listing gave (or,
+        # loaded late, its count)
+        need = None
+        if inc is not None:
+            need = inc.state.listed_kb if inc.loaded else self.late_listed_kb
         journaled = await self.admit_phase(plan, journal, snapshot, run, need_kb=need)
         replace = run == "select"
         tmp, tmp_fd, reused, early = await self.farm_tmp(reuse=replace and self.keeps_prev)
@@ -214,6 +218,9 @@ class _Pull(IncrementalRunner):
                 self.emit("apply")
                 await in_thread(owned(tmp_fd, lambda fd: inc.locked(lambda: inc.join_groups(fd))))
                 await in_thread(owned(tmp_fd, lambda fd: inc.locked(lambda: inc.dir_meta(fd))))
+            # the manifest, when it loaded while the content run went on: a listing that
+            # does not load fails the pull here, DEST untouched
+            await self.load_late()
             old = self.swap_in(tmp, tmp_fd)
             self.outcome = (stats, chunks, length, old)
         except BaseException:
@@ -399,6 +406,7 @@ async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
         try:
             done = await runner.run()
         except _PERMANENT as exc:
+            await runner.drop_late_load()
             await runner.drop_early_farm()  # a no-op once the run took its tree
             # a host limit (disk space, --max-bytes) is not the snapshot's fault: the
             # next run, with room made or the limit raised, resumes it
@@ -408,6 +416,7 @@ async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
                 runner.inc.close()
             raise
         except BaseException:
+            await runner.drop_late_load()
             await runner.drop_early_farm()
             if runner.inc is not None:
                 runner.inc.close()

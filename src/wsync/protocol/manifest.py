@@ -154,3 +154,33 @@ class ManifestParser:
         self._eof = True
         if self._tail or self._fields:
             raise ProtocolError("manifest ends inside a record", fault="truncated")
+
+
+class ListedBytes:
+    """The sum of the regular files' sizes in a manifest stream fed in any split.
+
+    What a guest's room check needs before the manifest is loaded (a pull without a
+    baseline loads it late, while the content run goes on: see
+    :mod:`wsync.engine.incphases`).  Only the headers' kind and size are looked at, a
+    tenth of :class:`ManifestParser`'s work; the load parses everything afterwards.
+    Raises :class:`~wsync.errors.ProtocolError` where a size is no number or a field
+    runs past the parser's bounds (the caller then lets the guest measure).
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._field = 0  # the field the next one starts: 0 header, 1 path, 2 target
+        self._rest = b""
+
+    def receive_data(self, data: bytes) -> None:
+        parts = (self._rest + data).split(b"\0")
+        self._rest = parts.pop()
+        if len(self._rest) > MAX_NAME + MAX_HEADER:
+            raise ProtocolError("a manifest field past its bound")
+        for header in parts[-self._field % 3 :: 3]:
+            if header[:2] == b"f ":
+                size = header.split(b" ", 3)[2:3]
+                if not size or not size[0].isdigit() or len(size[0]) > 20:
+                    raise ProtocolError(f"bad manifest header {header[:80]!r}")
+                self.total += int(size[0])
+        self._field = (self._field + len(parts)) % 3

@@ -353,7 +353,7 @@ while [ $alive = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/fa
   # a fork; the answer below measures the index itself); without it, wc
   rd "$d/isize"
   case $v_ in
-    ''|*[!0-9]*|????????????????*) isz=$(wc -c < "$d/index") || break ;;
+    ''|0?*|*[!0-9]*|????????????????*) isz=$(wc -c < "$d/index") || break ;;
     *) isz=$v_ ;;
   esac
   [ $((isz + 0)) -gt "$io" ] && break
