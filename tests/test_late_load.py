@@ -90,32 +90,32 @@ def test_a_first_pull_admits_the_content_run_before_the_manifest_loads(
     assert (again.changed_files, again.deleted_files, again.chunks) == (0, 0, 0)
 
 
-def test_full_with_a_baseline_loads_late_too(
-    tmp_path: Path, workspace: Path, admitted: list[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("full", [True, False], ids=["full", "incremental"])
+def test_a_pull_over_a_baseline(
+    tmp_path: Path,
+    workspace: Path,
+    admitted: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    full: bool,
 ) -> None:
+    """``--full`` loads the manifest late, as a first pull does; without it the diff
+    needs the manifest, which loads before any content run (a content run admitted
+    during the load would show within the second the load holds)."""
     dest = tmp_path / "out"
     assert run_pull(local(), workspace, dest, options(tmp_path)).ok
     (workspace / "src" / "f1.txt").write_text("changed\n")
     admitted.clear()
-    seen = _hold_load(monkeypatch, lambda: "tar" in admitted, lambda: None)
-    result = run_pull(local(), workspace, dest, options(tmp_path, full=True))
-    assert result.ok and result.mode == "full" and seen == [True]
-    assert_exact(workspace, dest)
-
-
-def test_an_incremental_pull_still_loads_before_its_diff(
-    tmp_path: Path, workspace: Path, admitted: list[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With a baseline the diff needs the manifest: it loads before any content run."""
-    dest = tmp_path / "out"
-    assert run_pull(local(), workspace, dest, options(tmp_path)).ok
-    (workspace / "src" / "f1.txt").write_text("changed\n")
-    admitted.clear()
-    # (a content run admitted during the load would show within a second)
-    seen = _hold_load(monkeypatch, lambda: len(admitted) > 1, lambda: None, bound=1.0)
-    result = run_pull(local(), workspace, dest, options(tmp_path))
-    assert result.ok and result.mode == "incremental" and result.changed_files == 1
-    assert seen == [False] and admitted == ["manifest", "select"]
+    if full:
+        seen = _hold_load(monkeypatch, lambda: "tar" in admitted, lambda: None)
+    else:
+        seen = _hold_load(monkeypatch, lambda: len(admitted) > 1, lambda: None, bound=1.0)
+    result = run_pull(local(), workspace, dest, options(tmp_path, full=full))
+    assert result.ok
+    if full:
+        assert result.mode == "full" and seen == [True] and admitted == ["manifest", "tar"]
+    else:
+        assert result.mode == "incremental" and result.changed_files == 1
+        assert seen == [False] and admitted == ["manifest", "select"]
     assert_exact(workspace, dest)
 
 
