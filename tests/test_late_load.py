@@ -20,7 +20,7 @@ import pytest
 
 from helpers import assert_exact, local, make_tree, options, run_pull
 from wsync.engine import incremental
-from wsync.engine.guest import GuestSession
+from wsync.engine.guest import CallStats, GuestSession
 from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
 from wsync.engine.pull import pull
@@ -180,7 +180,7 @@ def test_a_pull_with_nothing_to_do_leaves_no_late_load_running(
 
     monkeypatch.setattr(IncrementalRunner, "stop_scan", stop_scan)
     released = threading.Event()
-    _hold_load(monkeypatch, released.is_set, lambda: None, bound=5.0)
+    _hold_load(monkeypatch, released.is_set, lambda: None, bound=0.5)
     try:
         result = run_pull(local(), workspace, dest, options(tmp_path))
         assert result.ok and result.chunks == 0
@@ -231,3 +231,52 @@ def test_a_pull_stopped_during_the_late_load_leaves_no_tree_and_resumes(
     assert result.ok and result.reconciled  # the journaled listing, used again
     assert admitted == ["tar"]  # the content run resumed, no fresh listing
     assert_exact(workspace, dest)
+
+
+def test_the_manifests_staging_goes_beside_the_content_runs_admission(
+    tmp_path: Path, workspace: Path, admitted: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a first pull nothing waits for the manifest's guest staging to go: its removal
+    here waits for the content run's admission to start (bounded); awaited before that
+    admission, as it was, it would wait in vain.  It removes its own snapshot, never the
+    content run's, which the session has moved on to meanwhile."""
+    real = GuestSession.cleanup
+    removed: list[str] = []
+    waited: list[bool] = []
+
+    async def cleanup(session: GuestSession, snapshot: str | None = None) -> None:
+        if not removed:
+            for _ in range(3000):
+                if "tar" in admitted:
+                    break
+                await asyncio.sleep(0.01)
+            waited.append("tar" in admitted)
+        removed.append(session.snapshot if snapshot is None else snapshot)
+        await real(session, snapshot)
+
+    monkeypatch.setattr(GuestSession, "cleanup", cleanup)
+    dest = tmp_path / "out"
+    result = run_pull(local(), workspace, dest, options(tmp_path))
+    assert result.ok and not result.warnings, result.warnings
+    assert waited == [True] and len(set(removed)) == 2
+    assert_exact(workspace, dest)
+    assert [p.name for p in (tmp_path / "staging").iterdir() if p.name in removed] == []
+
+
+def test_a_cleanup_removes_the_snapshot_it_names(tmp_path: Path, workspace: Path) -> None:
+    """Not the session's current one (a retry builds its command again: it must name
+    the same snapshot however the session moved on)."""
+
+    async def go() -> None:
+        session = GuestSession(local(), options(tmp_path), CallStats())
+        plan = await session.probe(str(workspace))
+        for snapshot in ("s-one", "s-two"):
+            assert not await session.admit(snapshot, str(workspace), plan.compressor)
+        assert session.snapshot == "s-two"
+        await session.cleanup("s-one")
+        root = Path(session.staging_root)
+        assert not (root / "s-one").exists() and (root / "s-two").is_dir()
+        await session.cleanup()
+        assert not (root / "s-two").exists()
+
+    asyncio.run(go())

@@ -702,10 +702,10 @@ def watch_cleanups(
     cleanup = GuestSession.cleanup
     calls: list[str] = []
 
-    async def cleaning(session: GuestSession) -> None:
-        calls.append(session.snapshot)
+    async def cleaning(session: GuestSession, snapshot: str | None = None) -> None:
+        calls.append(session.snapshot if snapshot is None else snapshot)
         await before(len(calls))
-        await cleanup(session)
+        await cleanup(session, snapshot)
 
     monkeypatch.setattr(GuestSession, "cleanup", cleaning)
     return calls

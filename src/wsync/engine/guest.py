@@ -625,13 +625,17 @@ class GuestSession:
         link.deadlines.observe("file", length, link.clock(time.monotonic(), read=True) - share0)
         return data
 
-    async def cleanup(self) -> None:
+    async def cleanup(self, snapshot: str | None = None) -> None:
+        """Remove ``snapshot`` (by default the session's) from the guest staging.  Named
+        once, here: a retry removes the same one even if the session has moved on to the
+        next run's snapshot meanwhile (a cleanup may overlap the next admission)."""
         assert self.algorithm is not None
+        target = self.snapshot if snapshot is None else snapshot
         envelope = await self.call(
             "cleanup",
             lambda nonce: scripts.cleanup(
                 **self._wire(nonce),
-                snapshot=self.snapshot,
+                snapshot=target,
             ),
             max_length=_SMALL,
         )

@@ -150,8 +150,12 @@ class IncrementalRunner(StreamRunner):
             if cleanup is not None:
                 cleanup.cancel()  # the GC takes the staging later
             raise
-        if cleanup is not None:
-            await cleanup  # before the next guest call: both use the session's snapshot
+        if cleanup is not None and self.late_load is not None:
+            # beside the content run's admission (it names its own snapshot): one round
+            # trip off a first pull's path; awaited with the late load
+            self.manifest_cleanup = cleanup
+        elif cleanup is not None:
+            await cleanup
 
     async def diff_phase(self, plan: GuestPlan, inc: Incremental) -> None:
         """DEST's scan finished, then the no-op shortcut or the diff."""
@@ -458,10 +462,15 @@ class IncrementalRunner(StreamRunner):
             await task
             self.late_load = None
             log.debug("manifest loaded late", waited=round(time.monotonic() - started, 3))
+        cleanup, self.manifest_cleanup = self.manifest_cleanup, None
+        if cleanup is not None:
+            await cleanup  # a failure is the pull's warning (clean_snapshot)
 
     async def drop_late_load(self) -> None:
-        """Stop a late load still running (the pull failed, or has nothing to do)."""
-        task, self.late_load = self.late_load, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        """Stop a late load still running (the pull failed, or has nothing to do), and
+        the manifest's staging removal beside it (the GC takes the staging later)."""
+        for task in (self.late_load, self.manifest_cleanup):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self.late_load = self.manifest_cleanup = None

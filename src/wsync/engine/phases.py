@@ -481,20 +481,19 @@ class StreamRunner:
             raise first_error(group_error) from None
         return done.chunks, done.length
 
-    async def clean_guest(self) -> WsyncError | TimeoutError | None:
-        """Remove the session's snapshot from the guest staging, within two call
-        timeouts; the error if it could not (the guest's GC removes what stays)."""
+    async def clean_guest(self, snapshot: str | None = None) -> WsyncError | TimeoutError | None:
+        """Remove ``snapshot`` (by default the session's) from the guest staging, within
+        two call timeouts; the error if it could not (the guest's GC removes what stays)."""
         try:
             async with asyncio.timeout(self.options.call_timeout * 2):
-                await self.session.cleanup()
+                await self.session.cleanup(snapshot)
         except (WsyncError, TimeoutError) as exc:
             return exc
         return None
 
     async def clean_snapshot(self, snapshot: str) -> None:
         """:meth:`clean_guest` of ``snapshot``, a failure a warning of the pull."""
-        self.session.snapshot = snapshot
-        error = await self.clean_guest()
+        error = await self.clean_guest(snapshot)
         if error is not None:
             self.warnings.append(f"guest staging not removed (GC removes it later): {error}")
 
