@@ -142,20 +142,12 @@ class IncrementalRunner(StreamRunner):
             assert done is not None
             self.late_listed_kb = await self.count_listed(plan, done)
             self.late_load = asyncio.create_task(self.replay(plan, inc, done))
-        cleanup = self.manifest_cleanup
-        self.manifest_cleanup = None
-        try:
-            await self.diff_phase(plan, inc)
-        except BaseException:
-            if cleanup is not None:
-                cleanup.cancel()  # the GC takes the staging later
-            raise
-        if cleanup is not None and self.late_load is not None:
-            # beside the content run's admission (it names its own snapshot): one round
-            # trip off a first pull's path; awaited with the late load
-            self.manifest_cleanup = cleanup
-        elif cleanup is not None:
-            await cleanup
+        # the manifest's staging removal, started by manifest_phase, runs beside the diff
+        # (a failure cancels it: drop_late_load); beside a late load it goes on beside the
+        # content run's admission too (it names its own snapshot) and is awaited with it
+        await self.diff_phase(plan, inc)
+        if self.late_load is None:
+            await self.manifest_cleaned()
 
     async def diff_phase(self, plan: GuestPlan, inc: Incremental) -> None:
         """DEST's scan finished, then the no-op shortcut or the diff."""
@@ -394,12 +386,7 @@ class IncrementalRunner(StreamRunner):
         late load names it, as the content run's record takes its place meanwhile)."""
         listing = done or self.done
         assert listing is not None
-        feed = ChunkFeed(plan.algorithm)
-        try:
-            await in_thread(lambda: self.replay_manifest(plan, feed, listing, inc.load))
-        except BaseException:
-            feed.abort("the pull stopped")
-            raise
+        await self._replayed(plan, listing, inc.load)
 
     async def count_listed(self, plan: GuestPlan, done: DoneRecord) -> int | None:
         """KiB of file bytes the journaled manifest ``done`` lists, without loading it;
@@ -411,15 +398,23 @@ class IncrementalRunner(StreamRunner):
             while piece := stream.read(1 << 20):
                 counter.receive_data(piece)
 
-        feed = ChunkFeed(plan.algorithm)
         try:
-            await in_thread(lambda: self.replay_manifest(plan, feed, done, count))
+            await self._replayed(plan, done, count)
         except WsyncError:  # a ProtocolError too
             return None
+        return -(-counter.total // 1024)
+
+    async def _replayed(
+        self, plan: GuestPlan, done: DoneRecord, use: Callable[[BinaryIO], None]
+    ) -> None:
+        """:meth:`replay_manifest` in a worker thread; a cancel aborts its feed (the
+        thread stops at its next read)."""
+        feed = ChunkFeed(plan.algorithm)
+        try:
+            await in_thread(lambda: self.replay_manifest(plan, feed, done, use))
         except BaseException:
             feed.abort("the pull stopped")
             raise
-        return -(-counter.total // 1024)
 
     def replay_manifest(
         self, plan: GuestPlan, feed: ChunkFeed, done: DoneRecord, use: Callable[[BinaryIO], None]
@@ -462,9 +457,14 @@ class IncrementalRunner(StreamRunner):
             await task
             self.late_load = None
             log.debug("manifest loaded late", waited=round(time.monotonic() - started, 3))
+        await self.manifest_cleaned()
+
+    async def manifest_cleaned(self) -> None:
+        """Wait for the manifest's staging removal, if it runs (a failure is the pull's
+        warning: :meth:`clean_snapshot`)."""
         cleanup, self.manifest_cleanup = self.manifest_cleanup, None
         if cleanup is not None:
-            await cleanup  # a failure is the pull's warning (clean_snapshot)
+            await cleanup
 
     async def drop_late_load(self) -> None:
         """Stop a late load still running (the pull failed, or has nothing to do), and
