@@ -63,6 +63,9 @@ ruff format --check src tests bench
 mypy --strict src
 
 # pytest exits 5 when it collected no tests: under `set -e` that fails this script too.
-# Two workers (pytest-xdist; WSYNC_TEST_WORKERS=0 runs in one process): worksteal
-# rebalances the few long property tests instead of leaving one worker with them.
-python -m pytest -q -p no:cacheprovider -n "${WSYNC_TEST_WORKERS:-2}" --dist worksteal "$@"
+# Four workers (pytest-xdist; WSYNC_TEST_WORKERS=0 runs in one process) on a two-core
+# machine: most tests wait on sshd, emulators, PostgreSQL or a subprocess, and two workers
+# kept the cores about 55% busy (685 s; four: 500 s, 2026-12-03).  Every deadline in the
+# tests is sized for a loaded machine.  worksteal rebalances the few long property tests
+# instead of leaving one worker with them.
+python -m pytest -q -p no:cacheprovider -n "${WSYNC_TEST_WORKERS:-4}" --dist worksteal "$@"
