@@ -75,6 +75,27 @@ def busybox_bin(directory: Path) -> Path:
     return tool_dir(directory, BUSYBOX_APPLETS, target=busybox)
 
 
+#: the guest shells every script is tried under (see :func:`guest_shell_path`)
+GUEST_SHELLS = ("dash", "bash", "busybox")
+
+
+def guest_shell_path(kind: str, directory: Path) -> str:
+    """A guest's PATH: this machine's tools (``sh`` is dash), the same with ``sh`` being
+    bash (whose ``read`` of NUL bytes and ``${#var}`` under UTF-8 differ), or busybox
+    only.  ``directory`` holds what it makes."""
+    if kind == "dash":
+        return os.environ["PATH"]
+    if kind == "bash":
+        shell = directory / "bash-sh"
+        shell.mkdir(parents=True)
+        bash = shutil.which("bash")
+        assert bash
+        (shell / "sh").symlink_to(bash)
+        return f"{shell}:{os.environ['PATH']}"
+    assert kind == "busybox", kind
+    return str(busybox_bin(directory / "bb"))
+
+
 def local(env: Mapping[str, str] | None = None) -> LocalTransport:
     return LocalTransport(env=dict(env) if env else None)
 

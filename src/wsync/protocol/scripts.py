@@ -53,6 +53,7 @@ import re
 from typing import TypedDict
 
 from wsync.errors import UsageError
+from wsync.protocol.hashing import ALGORITHMS, PROBE_INPUT
 from wsync.protocol.producer import _PRODUCER, PID_CHECKS
 
 #: snapshot ids are ours, but they become guest paths: keep them boring
@@ -64,6 +65,9 @@ BLOCK = 64 * 1024
 _PRELUDE = (
     r"""
 set -u
+# byte semantics in the shell itself: ${#var} counts bytes, not a UTF-8 locale's
+# characters (bash and busybox take this without an export; dash always counts bytes)
+LC_ALL=C
 exec 2>/dev/null
 g=$1 nonce=$2 hid=$3 enc=$4
 shift 4
@@ -78,9 +82,8 @@ h() {
   esac
 }
 emit() {
-  n=$(printf '%s' "$2" | wc -c)
   dg=$(printf '%s' "$2" | h)
-  printf 'WSYNC1 BEGIN %s %s %s %s\n' "$nonce" "$1" $((n+0)) "$enc"
+  printf 'WSYNC1 BEGIN %s %s %s %s\n' "$nonce" "$1" ${#2} "$enc"
   if [ "$enc" = b64 ]; then printf '%s' "$2" | base64; else printf '%s' "$2"; fi
   printf '\nWSYNC1 END %s %s\n' "$nonce" "${dg%% *}"
 }
@@ -147,7 +150,7 @@ stage() {
 
 _PROBE = r"""
 ws=$(expand_home "$1")
-p="proto 1${nl}uid $(id -u)"
+p="proto 1${nl}uid $me"
 if [ -d "$ws" ]; then
   if [ -r "$ws" ] && [ -x "$ws" ]; then w=dir; else w=unreadable; fi
 elif [ -e "$ws" ]; then w=notdir; else w=missing; fi
@@ -155,15 +158,20 @@ p="$p${nl}workspace $w"
 for t in tar zstd gzip xxhsum b2sum sha256sum setsid base64 dd wc find ls du id stat readlink xargs; do
   if command -v "$t" >/dev/null 2>&1; then p="$p${nl}has_$t 1"; else p="$p${nl}has_$t 0"; fi
 done
-p="$p${nl}test_xxh128 $(printf wsync-probe | xxhsum -H2)"
-p="$p${nl}test_b2 $(printf wsync-probe | b2sum)"
-p="$p${nl}test_sha256 $(printf wsync-probe | sha256sum)"
+x=$(printf wsync-probe | xxhsum -H2)
+p="$p${nl}test_xxh128 $x"
+# the other hash tools only where xxhsum does not answer the digest the host expects
+if [ "${x%% *}" != "$3" ]; then
+  p="$p${nl}test_b2 $(printf wsync-probe | b2sum)"
+  p="$p${nl}test_sha256 $(printf wsync-probe | sha256sum)"
+fi
 if [ "$(printf abcdef | dd bs=65536 iflag=skip_bytes,count_bytes skip=2 count=3 2>/dev/null)" = cde ]; then
   p="$p${nl}has_dd_bytes 1"
 fi
 # zstd 1.3.2+ matches across 32 MiB (--long=25): a fifth fewer bytes for source trees
 printf x | zstd -q -c --long=25 >/dev/null 2>&1 && p="$p${nl}has_zstd_long 1"
-p="$p${nl}tar_version $(tar --version 2>&1 | head -n 1)"
+v=$(tar --version 2>&1)
+p="$p${nl}tar_version ${v%%"$nl"*}"
 find / -maxdepth 0 -printf '' >/dev/null 2>&1 && p="$p${nl}has_find_printf 1"
 if [ "$w" = dir ] && command -v ls >/dev/null 2>&1 && command -v id >/dev/null 2>&1; then
   stage "$2" "$ws"
@@ -205,11 +213,16 @@ dg=$(h < "$prod")
 [ -f "$prod" ] && [ "${dg%% *}" = "$ph" ] || no "producer-missing"
 umask 077
 # garbage-collect stale snapshots: only wsync's own (an id-shaped name holding
-# a launch/ token), never anything else that happens to live in the root
+# a launch/ token), never anything else that happens to live in the root.  One find
+# says which are old (a find per leftover was most of an admission's programs), and a
+# name counts only as a whole line of its answer.  (A name with a newline could spell
+# another snapshot's: only this user can make one here, who could remove that
+# snapshot as well; its pull then fails, the host never takes a wrong byte)
+o=$nl$(find "$root"/s* -prune -mmin +"$ttl")$nl
 for x in "$root"/s*; do
   [ -d "$x/launch" ] || continue
   [ "${x##*/}" = "$id" ] && continue
-  [ -n "$(find "$x" -maxdepth 0 -mmin +"$ttl")" ] || continue
+  case $o in *"$nl$x$nl"*) ;; *) continue ;; esac
   stop "$x"
   rm -rf "$x"
 done
@@ -226,7 +239,9 @@ if [ ! -d "$d/launch" ] && [ "$mode" = tar ]; then
   full() { [ -n "$n" ] && [ -n "$f" ] && [ $((f*4)) -lt $((n+256)) ]; }
   n=${n%%[!0-9]*}
   if [ -z "$n" ] || full; then
-    if command -v timeout >/dev/null; then n=$(timeout 20 du -sk "$ws"); else n=$(du -sk "$ws"); fi
+    t=
+    command -v timeout >/dev/null && t="timeout 20"
+    n=$($t du -sk "$ws")
     n=${n%%[!0-9]*}
     full && no "disk-full $f $n"
   fi
@@ -373,7 +388,6 @@ p="$p${nl}index_size $((isz + 0))${nl}data_size $((dsz + 0))"
 if [ "$io" -ge 0 ] && [ $((isz + 0)) -gt "$io" ]; then
   t=$(dd if="$d/index" bs=65536 iflag=skip_bytes,count_bytes skip="$io" count=65536; echo .)
   t=${t%.}
-  # (the index is the producer's ASCII: its length in characters is its length in bytes)
   p="$p${nl}index_from $io${nl}index_tail ${#t}${nl}index_follows${nl}$t"
 fi
 if [ -s "$d/tar.err" ]; then p="$p${nl}tar_err_follows${nl}$(head -c 2000 "$d/tar.err")"; fi
@@ -487,7 +501,8 @@ def check_staging_root(root: str) -> str:
 def probe(*, gate: bool, nonce: str, b64: bool, workspace: str, staging_root: str) -> list[str]:
     """Answers the guest's tools and, once the workspace is a directory, the
     staging root's physical path (created and checked; see :data:`_STAGE`)."""
-    args = (workspace, check_staging_root(staging_root))
+    expect = ALGORITHMS["xxh128"].digest(PROBE_INPUT)
+    args = (workspace, check_staging_root(staging_root), expect)
     return render("probe", gate=gate, nonce=nonce, algorithm="md5", b64=b64, args=args)
 
 

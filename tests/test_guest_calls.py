@@ -1,0 +1,192 @@
+"""What a guest call runs besides its work (issue 13): the programs every call forks.
+
+A small first pull makes eight guest calls, and each used to fork a ``wc`` for its
+answer's length; the probe ran ``b2sum`` and ``sha256sum`` although ``xxhsum`` worked, a
+second ``id`` and a ``head``; every admission forked a ``find`` for each leftover
+snapshot in the staging root.  Now an answer's length is the shell's ``${#var}``, in
+bytes because every script sets ``LC_ALL=C`` for its shell (bash and busybox count a
+UTF-8 locale's characters otherwise); the other hash tools run only where ``xxhsum``
+does not give the digest the host expects; one ``find`` says which leftovers are old.
+
+Each test runs the real scripts under dash, bash and a busybox-only guest, with the
+tools in question shimmed to log their runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import GUEST_SHELLS, guest_shell_path, make_tree, options
+from wsync.engine.guest import CallStats, GuestPlan, GuestSession
+from wsync.protocol import records, scripts
+from wsync.protocol.envelope import parse_envelope
+from wsync.protocol.hashing import ALGORITHMS, PROBE_ALGORITHM
+from wsync.transports.local import LocalTransport
+
+NONCE = "0123456789abcdef"
+UTF8 = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+
+#: log the tool's name and arguments, then run the real one
+_SHIM = """#!/bin/sh
+echo {tool} "$*" >> {log}
+exec {real} "$@"
+"""
+
+
+@pytest.fixture(params=GUEST_SHELLS)
+def guest_path(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return guest_shell_path(request.param, tmp_path / "tools")
+
+
+def shimmed(tmp_path: Path, path: str, tools: dict[str, str | None]) -> tuple[str, Path]:
+    """``path`` with each of ``tools`` logging its runs; a tool mapped to a script text
+    runs that instead of the real one (``None``: the real one)."""
+    shims, log = tmp_path / "shims", tmp_path / "runs.log"
+    shims.mkdir(parents=True)
+    for tool, text in tools.items():
+        real = shutil.which(tool, path=path)
+        if real is None and text is None:
+            continue  # this guest has no such tool: nothing to count
+        body = text if text is not None else _SHIM.format(tool=tool, log=log, real=real)
+        (shims / tool).write_text(body.format(tool=tool, log=log))
+        (shims / tool).chmod(0o755)
+    return f"{shims}:{path}", log
+
+
+def runs(log: Path, tool: str, needle: str = "") -> int:
+    lines = log.read_text().splitlines() if log.exists() else []
+    return sum(1 for line in lines if line.split(" ", 1)[0] == tool and needle in line)
+
+
+def probe(tmp_path: Path, path: str, env: dict[str, str] | None = None) -> GuestPlan:
+    ws = make_tree(tmp_path / "ws", big=1000, small=2)
+    full = {"PATH": path, "HOME": str(tmp_path)} | (env or {})
+
+    async def go() -> GuestPlan:
+        session = GuestSession(LocalTransport(env=full), options(tmp_path), CallStats())
+        return await session.probe(str(ws))
+
+    return asyncio.run(go())
+
+
+def test_an_answer_with_utf8_bytes_is_measured_in_bytes(tmp_path: Path, guest_path: str) -> None:
+    """Under a UTF-8 locale, a probe whose answer holds a non-ASCII staging root (two
+    bytes per ``é``) comes back whole: the envelope's length counts bytes.  Without the
+    scripts' ``LC_ALL=C`` bash and busybox count characters and the answer is refused as
+    damaged, every time."""
+    root, ws = tmp_path / "stagé-ü", tmp_path / "ws"
+    ws.mkdir()
+    argv = scripts.probe(
+        gate=False, nonce=NONCE, b64=False, workspace=str(ws), staging_root=str(root)
+    )
+    env = {"PATH": guest_path, "HOME": str(tmp_path)} | UTF8
+    out = subprocess.run(argv, env=env, capture_output=True, timeout=60, check=True).stdout
+    envelope = parse_envelope(out, NONCE, algorithm=PROBE_ALGORITHM, max_length=1 << 20)
+    assert envelope.ok, envelope.text
+    report = records.parse_probe(envelope.payload)
+    assert report.stage_root == os.path.realpath(root)
+
+
+def test_a_non_ascii_index_tail_is_counted_in_bytes(tmp_path: Path, guest_path: str) -> None:
+    """An index line with UTF-8 bytes (never the producer's: its index is ASCII; a
+    same-user process wrote it) reaches the host as the bytes they are, where the index
+    parser refuses them: before, a UTF-8 bash counted characters and the answer itself
+    did not parse."""
+    snap = tmp_path / "staging" / "s-utf8"
+    snap.mkdir(parents=True)
+    line = "C 0 0 262144 é\n".encode()
+    (snap / "index").write_bytes(line)
+    (snap / "data").write_bytes(b"")
+    argv = scripts.status(
+        gate=False,
+        nonce=NONCE,
+        algorithm="sha256",
+        b64=False,
+        staging_root=str(snap.parent),
+        snapshot=snap.name,
+        index_from=0,
+        looks=0,
+    )
+    env = {"PATH": guest_path, "HOME": str(tmp_path)} | UTF8
+    out = subprocess.run(argv, env=env, capture_output=True, timeout=60, check=True).stdout
+    sha = ALGORITHMS["sha256"]
+    envelope = parse_envelope(out, NONCE, algorithm=sha, max_length=1 << 20)
+    assert envelope.ok, envelope.text
+    report = records.parse_status(envelope.payload, sha, 0)
+    assert report.index_size == len(line) and report.index_tail == line
+
+
+def test_answers_fork_no_wc_for_their_length(tmp_path: Path, guest_path: str) -> None:
+    """A cleanup (nothing to measure but its answer) runs no ``wc`` at all."""
+    path, log = shimmed(tmp_path, guest_path, {"wc": None})
+    argv = scripts.cleanup(
+        gate=False,
+        nonce=NONCE,
+        algorithm="sha256",
+        b64=False,
+        staging_root=str(tmp_path / "staging"),
+        snapshot="s-none",
+    )
+    out = subprocess.run(argv, env={"PATH": path}, capture_output=True, timeout=60).stdout
+    envelope = parse_envelope(out, NONCE, algorithm=ALGORITHMS["sha256"], max_length=4096)
+    assert envelope.ok and envelope.text == "removed"
+    assert runs(log, "wc") == 0
+
+
+def test_the_probe_tries_the_other_hash_tools_only_without_a_working_xxhsum(
+    tmp_path: Path,
+) -> None:
+    """With a working ``xxhsum`` the probe runs neither ``b2sum`` nor ``sha256sum``;
+    with one that answers a wrong digest (or none), both are tried and the pull hashes
+    with BLAKE2."""
+    counted = {"xxhsum": None, "b2sum": None, "sha256sum": None}
+    path, log = shimmed(tmp_path / "good", os.environ["PATH"], counted)
+    assert probe(tmp_path / "good", path).algorithm.name == "xxh128"
+    assert runs(log, "xxhsum") == 1 and runs(log, "b2sum") == runs(log, "sha256sum") == 0
+
+    liar = "#!/bin/sh\necho {tool} >> {log}\ncat >/dev/null\necho 0123456789abcdef0123 -\n"
+    counted["xxhsum"] = liar
+    path, log = shimmed(tmp_path / "bad", os.environ["PATH"], counted)
+    assert probe(tmp_path / "bad", path).algorithm.name == "b2"
+    assert runs(log, "b2sum") == runs(log, "sha256sum") == 1
+
+
+@pytest.mark.parametrize("kind", ["dash", "busybox"])
+def test_one_find_sorts_out_every_leftover_snapshot(tmp_path: Path, kind: str) -> None:
+    """Twelve leftovers, odd names among them: one ``find`` in the admission says which
+    are old.  The old ones of wsync's (a ``launch/`` token) go, whatever their names;
+    fresh ones, old ones without the token and the admitted snapshot stay."""
+    path, log = shimmed(tmp_path, guest_shell_path(kind, tmp_path / "tools"), {"find": None})
+    opts = options(tmp_path, staging_ttl=120)
+    root = Path(opts.staging_root)
+    root.mkdir(mode=0o700)
+    old = time.time() - 3600
+
+    def leftover(name: str, *, ours: bool = True, age: float = old) -> Path:
+        d = root / name
+        (d / "launch").mkdir(parents=True) if ours else d.mkdir()
+        os.utime(d, (age, age))
+        return d
+
+    stale = [leftover(n) for n in ("s1", "s 2", "s[3]", "s*", "s-x-4", "s'5", "s$6")]
+    fresh = [leftover(n, age=time.time()) for n in ("s7", "s?", "s 8")]
+    kept = [leftover("s9-no-token", ours=False), leftover("sadmit", age=old)]
+    ws = make_tree(tmp_path / "ws", big=1000, small=2)
+
+    async def go() -> None:
+        env = {"PATH": path, "HOME": str(tmp_path)}
+        session = GuestSession(LocalTransport(env=env), opts, CallStats())
+        plan = await session.probe(str(ws))
+        await session.admit("sadmit", str(ws), plan.compressor, level=1)
+
+    asyncio.run(go())
+    assert [d.name for d in stale if d.exists()] == []
+    assert all(d.exists() for d in fresh + kept)
+    assert runs(log, "find", "-mmin") == 1
