@@ -46,8 +46,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import asyncssh
-
 from wsync.errors import (
     AuthFailed,
     SandboxUnreachable,
@@ -64,6 +62,7 @@ from wsync.transports.base import (
     ExecResult,
     Transport,
 )
+from wsync.transports.sshlib import asyncssh
 from wsync.uri import SandboxURI
 
 DEFAULT_CONNECT_TIMEOUT = 20.0
