@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import os
 import stat
@@ -36,7 +35,9 @@ _RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _libc: ctypes.CDLL | None
 try:
-    _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    # the symbols already loaded into this process, libc's among them: no
+    # find_library("c"), which runs ``ldconfig -p`` at every start
+    _libc = ctypes.CDLL(None, use_errno=True)
 except OSError:  # pragma: no cover - exotic libc
     _libc = None
 
