@@ -26,9 +26,9 @@ exit 1
 
 
 def test_importing_the_ssh_transport_runs_no_compiler(tmp_path: Path) -> None:
-    """With logging ``gcc`` and ``ld`` first on PATH, importing the transport runs
-    neither; asyncssh still has its ML-KEM key exchange, and ``find_library`` is
-    CPython's own again afterwards."""
+    """With logging ``gcc`` and ``ld`` first on PATH and a loader cache that has neither
+    liboqs nor nettle, importing the transport runs neither tool; asyncssh still has its
+    ML-KEM key exchange, and ``find_library`` is CPython's own again afterwards."""
     shims, log = tmp_path / "shims", tmp_path / "runs.log"
     shims.mkdir()
     for tool in ("gcc", "cc", "ld", "collect2"):
@@ -38,6 +38,8 @@ def test_importing_the_ssh_transport_runs_no_compiler(tmp_path: Path) -> None:
     env.pop("LD_LIBRARY_PATH", None)
     probe = (
         "import ctypes.util; find = ctypes.util.find_library\n"
+        # a host whose loader cache has neither liboqs nor nettle (this one has nettle)
+        "ctypes.util._findSoname_ldconfig = lambda name: None\n"
         "import wsync.transports.ssh\n"
         "import asyncssh.crypto.pq as pq\n"
         "assert ctypes.util.find_library is find\n"
@@ -64,9 +66,11 @@ def test_other_names_go_to_cpythons_lookup() -> None:
 
     lookup = sshlib._cached_lookup(find)
     assert lookup is not None
-    assert lookup("nettle") == "libnettle.so.9" and seen == ["nettle"]
-    assert lookup("oqs") == ctypes.util._findSoname_ldconfig("oqs")  # type: ignore[attr-defined]
-    assert seen == ["nettle"]
+    assert lookup("z") == "libz.so.9" and seen == ["z"]
+    # asyncssh's names: the loader's cache, never ``find``
+    cache = ctypes.util._findSoname_ldconfig  # type: ignore[attr-defined]
+    assert lookup("nettle") == cache("nettle") and lookup("oqs") == cache("oqs")
+    assert seen == ["z"]
 
 
 @pytest.mark.skipif(

@@ -1,18 +1,20 @@
 """asyncssh, imported without running the C compiler.
 
-On import asyncssh looks for liboqs, for its post-quantum key exchanges, with
-``ctypes.util.find_library("oqs")`` and then ``("liboqs")``.  Where the dynamic
+On import asyncssh looks for two optional C libraries with ``ctypes.util.find_library``:
+liboqs (``"oqs"``, ``"liboqs"``), for post-quantum key exchanges, and nettle
+(``"nettle"``, ``"libnettle"``, ``"libnettle-6"``), for UMAC.  Where the dynamic
 loader's cache (``ldconfig -p``) has no such library, CPython's lookup goes on to run
-``gcc`` (and its ``collect2`` and ``ld``) and then ``ld`` to search their paths: six
-programs and about 30 ms of every ``ssh://`` command on a host without liboqs, most
-hosts (measured 2026-12-03: a one-file pull took 0.66 s in all; issue 13).
+``gcc`` (with its ``collect2`` and ``ld``) and then ``ld`` for each name: six programs
+and about 30 ms of every ``ssh://`` command on a host without liboqs, most hosts
+(measured 2026-12-03: a one-file pull took 0.66 s in all; issue 13), and as many again
+without nettle.
 
-While asyncssh imports, those two names are looked up in the loader's cache and, where
-``LD_LIBRARY_PATH`` is set, by ``ld`` in its directories (the one place outside the
-cache that a library loaded by name can come from); only gcc's own search paths are
-left out, where a library installed without ``ldconfig`` would be found.  asyncssh
-then offers ML-KEM from ``cryptography`` as before and leaves sntrup761 out, as it
-would without liboqs.  Every other name, and every later lookup, is CPython's.
+While asyncssh imports, those names are looked up in the loader's cache and, where
+``LD_LIBRARY_PATH`` is set, by ``ld`` in its directories.  Left out are the compiler's
+and ``ld``'s default directories: a library copied there without running ``ldconfig``
+is not found, and asyncssh goes without it as on a host that lacks it (ML-KEM from
+``cryptography`` stays; sntrup761 or UMAC are not offered).  Every other name, and
+every lookup after the import, is CPython's own.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import ctypes.util
 import os
 from collections.abc import Callable
 
-_COMPILER_FREE = frozenset({"oqs", "liboqs"})
+_COMPILER_FREE = frozenset({"oqs", "liboqs", "nettle", "libnettle", "libnettle-6"})
 
 
 def _cached_lookup(
