@@ -3,7 +3,7 @@
 # the tests.  `.ci/run` calls exactly this; so does the README.
 #
 # System packages come from apt when it exists (as root, or through sudo): a real sshd
-# for the ssh tests, busybox and dash for the guest scripts, xxhash/zstd/rsync for the
+# for the ssh tests, busybox, dash and yash for the guest scripts, xxhash/zstd/rsync for the
 # guest tools and the benchmark, python3-venv for the venv.  Python packages go into
 # `.venv/` in this checkout (scripts/install.sh), never into the system Python (PEP 668).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -x tests/test_cli.py`.
@@ -15,7 +15,7 @@ if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || command -v sudo
   "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
   "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
     python3 python3-venv openssh-server openssh-client xxhash busybox rsync zstd dash tar gzip \
-    coreutils procps curl jq >/dev/null
+    coreutils procps curl jq yash >/dev/null
 else
   echo "test.sh: no apt-get (or neither root nor sudo): install openssh-server, busybox," \
     "dash, xxhash, zstd, rsync and curl yourself; the tests that need them will fail" >&2

@@ -81,16 +81,17 @@ GUEST_SHELLS = ("dash", "bash", "busybox")
 
 def guest_shell_path(kind: str, directory: Path) -> str:
     """A guest's PATH: this machine's tools (``sh`` is dash), the same with ``sh`` being
-    bash (whose ``read`` of NUL bytes and ``${#var}`` under UTF-8 differ), or busybox
-    only.  ``directory`` holds what it makes."""
+    bash (whose ``read`` of NUL bytes and ``${#var}`` under UTF-8 differ) or yash (which
+    counts characters whatever the script sets ``LC_ALL`` to), or busybox only.
+    ``directory`` holds what it makes."""
     if kind == "dash":
         return os.environ["PATH"]
-    if kind == "bash":
-        shell = directory / "bash-sh"
+    if kind in ("bash", "yash"):
+        shell = directory / f"{kind}-sh"
         shell.mkdir(parents=True)
-        bash = shutil.which("bash")
-        assert bash
-        (shell / "sh").symlink_to(bash)
+        real = shutil.which(kind)
+        assert real, f"{kind} must be installed (scripts/test.sh installs it)"
+        (shell / "sh").symlink_to(real)
         return f"{shell}:{os.environ['PATH']}"
     assert kind == "busybox", kind
     return str(busybox_bin(directory / "bb"))

@@ -396,6 +396,15 @@ class GuestSession:
                 f"the staging root {records.printable(self.staging_root)} is no longer a "
                 "private directory of the pulling user"
             )
+        # the admission's script says what failed in a word (its size is bounded)
+        failed_write = {
+            "mkdir-failed": "cannot create the snapshot's staging directory",
+            "token-failed": "cannot write the snapshot's admission token",
+            "pid-failed": "cannot write the producer's pid file",
+        }
+        if text in failed_write:
+            where = records.printable(self.staging_root)
+            raise StagingFailed(f"{failed_write[text]} in the guest's staging root {where}")
         word, *figures = text.split(" ")
         if word == "disk-full" and len(figures) == 2 and all(f.isdigit() for f in figures):
             free, need = (int(f) for f in figures)

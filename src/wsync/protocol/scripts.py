@@ -81,9 +81,14 @@ h() {
     *) cat >/dev/null; echo - ;;
   esac
 }
+# the answer's length, without a fork where it is printable ASCII and newlines (every
+# shell counts those in bytes); other bytes go through wc: dash, bash and busybox would
+# count them in bytes too under LC_ALL=C, but yash counts characters (it decoded its
+# arguments at start)
 emit() {
+  case $2 in *[!"$nl"\ -~]*) n=$(printf %s "$2" | wc -c) ;; *) n=${#2} ;; esac
   dg=$(printf '%s' "$2" | h)
-  printf 'WSYNC1 BEGIN %s %s %s %s\n' "$nonce" "$1" ${#2} "$enc"
+  printf 'WSYNC1 BEGIN %s %s %s %s\n' "$nonce" "$1" $((n+0)) "$enc"
   if [ "$enc" = b64 ]; then printf '%s' "$2" | base64; else printf '%s' "$2"; fi
   printf '\nWSYNC1 END %s %s\n' "$nonce" "${dg%% *}"
 }
@@ -205,12 +210,12 @@ n=${11}
 shift 11
 # the probe checked the root and its ancestors; make sure it is still that
 lsn "$root"
-[ "$(cd -P "$root" && pwd -P)" = "$root" ] && [ "$u" = "$me" ] || no "unsafe-root"
+[ "$(cd -P "$root" && pwd -P)" = "$root" ] && [ "$u" = "$me" ] || no unsafe-root
 case $m in ?????w*|????????w*) no unsafe-root ;; esac
-[ -d "$ws" ] || no "workspace-missing"
+[ -d "$ws" ] || no workspace-missing
 # run only the producer whose hash the host expects (else it is reinstalled)
 dg=$(h < "$prod")
-[ -f "$prod" ] && [ "${dg%% *}" = "$ph" ] || no "producer-missing"
+[ -f "$prod" ] && [ "${dg%% *}" = "$ph" ] || no producer-missing
 umask 077
 # garbage-collect stale snapshots: only wsync's own (an id-shaped name holding
 # a launch/ token), never anything else that happens to live in the root.  One find
@@ -218,7 +223,7 @@ umask 077
 # name counts only as a whole line of its answer.  (A name with a newline could spell
 # another snapshot's: only this user can make one here, who could remove that
 # snapshot as well; its pull then fails, the host never takes a wrong byte)
-o=$nl$(find "$root"/s* -prune -mmin +"$ttl")$nl
+o=$nl$(find "$root"/s* -prune -mmin +$ttl)$nl
 for x in "$root"/s*; do
   [ -d "$x/launch" ] || continue
   [ "${x##*/}" = "$id" ] && continue
@@ -246,7 +251,7 @@ if [ ! -d "$d/launch" ] && [ "$mode" = tar ]; then
     full && no "disk-full $f $n"
   fi
 fi
-mkdir -p "$d" || no "cannot create the staging directory"
+mkdir -p "$d" || no mkdir-failed
 # nothing runs for a launched snapshot and nothing came of it: the admission that
 # launched was killed before its producer detached, or the producer died.  A launch
 # that may still be starting counts as running (and the producer's claim keeps a
@@ -265,7 +270,7 @@ a=reconciled go=1
 if mkdir "$d/launch"; then
   printf '%s %s' "$n" "$f" > "$d/launch/size"
 elif [ ! -d "$d/launch" ]; then
-  no "cannot create the admission token"
+  no token-failed
 elif ! idle; then
   go=
   [ "$(cat "$d/launch/by")" = "$run" ] && a=admitted
@@ -274,7 +279,7 @@ if [ "$go" ]; then
   # launched, or launched again (a new stream: "admitted" even if another run began
   # it); who launched: a retry of this very run (its answer was lost) is no adoption
   a=admitted
-  printf '%s' "$run" > "$d/launch/by" || no "cannot write the admission token"
+  printf '%s' "$run" > "$d/launch/by" || no token-failed
   l=nohup
   command -v setsid >/dev/null && l=setsid
   $l sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" "$mode" "$@" </dev/null >/dev/null 2>&1 &
@@ -282,7 +287,7 @@ if [ "$go" ]; then
   # the producer records its own pid once it holds the snapshot
   echo $! > "$d/pid.launch" || {
     kill $!
-    no "cannot write the pid file"
+    no pid-failed
   }
   # answer once the launch has detached (the producer writes its pid in its own
   # session) or ended (another producer holds the snapshot): a backend that kills
