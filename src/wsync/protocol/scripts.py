@@ -66,7 +66,8 @@ _PRELUDE = (
     r"""
 set -u
 # byte semantics in the shell itself: ${#var} counts bytes, not a UTF-8 locale's
-# characters (bash and busybox take this without an export; dash always counts bytes)
+# characters (bash and busybox take this without an export; dash always counts bytes;
+# yash does not, which emit minds): the status's index tail is measured so
 LC_ALL=C
 exec 2>/dev/null
 g=$1 nonce=$2 hid=$3 enc=$4
