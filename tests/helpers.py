@@ -6,12 +6,17 @@ import asyncio
 import os
 import random
 import shutil
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.pull import pull
+from wsync.protocol import records, scripts
+from wsync.protocol.envelope import parse_envelope
+from wsync.protocol.hashing import ALGORITHMS
+from wsync.protocol.records import StatusReport
 from wsync.transports.base import Transport
 from wsync.transports.local import LocalTransport
 from wsync.treediff import diff
@@ -95,6 +100,29 @@ def guest_shell_path(kind: str, directory: Path) -> str:
         return f"{shell}:{os.environ['PATH']}"
     assert kind == "busybox", kind
     return str(busybox_bin(directory / "bb"))
+
+
+def run_status(
+    snap: Path, path: str, index_from: int, looks: int, env: Mapping[str, str] | None = None
+) -> StatusReport:
+    """Run the status script by hand on the snapshot directory ``snap`` with ``path`` as
+    the guest's PATH (and ``env`` on top); its answer, parsed."""
+    nonce, sha = "0123456789abcdef", ALGORITHMS["sha256"]
+    argv = scripts.status(
+        gate=False,
+        nonce=nonce,
+        algorithm="sha256",
+        b64=False,
+        staging_root=str(snap.parent),
+        snapshot=snap.name,
+        index_from=index_from,
+        looks=looks,
+    )
+    full = {"PATH": path, "HOME": str(snap.parent), **(env or {})}
+    out = subprocess.run(argv, env=full, capture_output=True, timeout=60, check=False).stdout
+    envelope = parse_envelope(out, nonce, algorithm=sha, max_length=1 << 20)
+    assert envelope.ok, envelope.text
+    return records.parse_status(envelope.payload, sha, index_from)
 
 
 def local(env: Mapping[str, str] | None = None) -> LocalTransport:

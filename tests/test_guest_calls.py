@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import GUEST_SHELLS, guest_shell_path, make_tree, options
+from helpers import GUEST_SHELLS, guest_shell_path, make_tree, options, run_status
 from wsync.engine.guest import CallStats, GuestPlan, GuestSession
-from wsync.protocol import records, scripts
+from wsync.protocol import scripts
 from wsync.protocol.envelope import parse_envelope
 from wsync.protocol.hashing import ALGORITHMS, PROBE_ALGORITHM
 from wsync.transports.local import LocalTransport
@@ -118,22 +118,7 @@ def test_a_non_ascii_index_tail_is_counted_in_bytes(tmp_path: Path, guest_path: 
     line = "C 0 0 262144 é\n".encode()
     (snap / "index").write_bytes(line)
     (snap / "data").write_bytes(b"")
-    argv = scripts.status(
-        gate=False,
-        nonce=NONCE,
-        algorithm="sha256",
-        b64=False,
-        staging_root=str(snap.parent),
-        snapshot=snap.name,
-        index_from=0,
-        looks=0,
-    )
-    env = {"PATH": guest_path, "HOME": str(tmp_path)} | UTF8
-    out = subprocess.run(argv, env=env, capture_output=True, timeout=60, check=True).stdout
-    sha = ALGORITHMS["sha256"]
-    envelope = parse_envelope(out, NONCE, algorithm=sha, max_length=1 << 20)
-    assert envelope.ok, envelope.text
-    report = records.parse_status(envelope.payload, sha, 0)
+    report = run_status(snap, guest_path, 0, looks=0, env=UTF8)
     assert report.index_size == len(line) and report.index_tail == line
 
 

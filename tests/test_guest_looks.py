@@ -26,15 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import GUEST_SHELLS, guest_shell_path, make_tree, options
+from helpers import GUEST_SHELLS, guest_shell_path, make_tree, options, run_status
 from wsync.engine.guest import CallStats, GuestSession
 from wsync.protocol import records, scripts
-from wsync.protocol.envelope import parse_envelope
-from wsync.protocol.hashing import ALGORITHMS
 from wsync.transports.local import LocalTransport
 
-SHA = ALGORITHMS["sha256"]  # busybox has sha256sum, not xxhsum
-NONCE = "0123456789abcdef"
 COUNTED = ("wc", "cat", "tr")
 
 #: log the tool's name, then run the real one
@@ -83,21 +79,7 @@ def producer(tmp_path: Path) -> Iterator[tuple[Path, int]]:
 
 
 def _status(snap: Path, path: str, index_from: int, looks: int) -> records.StatusReport:
-    argv = scripts.status(
-        gate=False,
-        nonce=NONCE,
-        algorithm="sha256",
-        b64=False,
-        staging_root=str(snap.parent),
-        snapshot=snap.name,
-        index_from=index_from,
-        looks=looks,
-    )
-    env = {"PATH": path, "HOME": str(snap.parent)}
-    out = subprocess.run(argv, env=env, capture_output=True, timeout=60, check=False).stdout
-    envelope = parse_envelope(out, NONCE, algorithm=SHA, max_length=1 << 20)
-    assert envelope.ok, envelope.text
-    return records.parse_status(envelope.payload, SHA, index_from)
+    return run_status(snap, path, index_from, looks)
 
 
 def _runs(log: Path) -> dict[str, int]:
