@@ -113,6 +113,8 @@ def main() -> int:
         opts = sshd.transport_options()
         key = str(opts["ssh_key"])
         state = root / "state"
+        stage = root / "guest-staging"
+        subprocess.run(["rm", "-rf", str(stage)], check=True)
 
         def commands(port: int, ws: Path) -> dict[str, Callable[[Path], str]]:
             kh = str(root / f"known_hosts-{port}")  # the host key, pinned at this port
@@ -124,7 +126,14 @@ def main() -> int:
             src = f"{sshd.user}@127.0.0.1:{shlex.quote(str(ws))}/"
             remote = shlex.quote(f"tar -cf - -C {shlex.quote(str(ws))} . | zstd -q -c -T0")
             uri = shlex.quote(f"ssh://{sshd.user}@127.0.0.1:{port}{ws}")
-            wsync = f"--json --ssh-key {shlex.quote(key)} --known-hosts {shlex.quote(kh)}"
+            # the guest's staging root is the bench's own, emptied at the start: the
+            # default (/tmp/wsync-UID) is shared with whatever else ran here, and each
+            # admission looks at every leftover snapshot in it (a test suite's run left
+            # 20 to 40 here, which cost a small pull about 0.1 s)
+            wsync = (
+                f"--json --ssh-key {shlex.quote(key)} --known-hosts {shlex.quote(kh)} "
+                f"--staging-dir {shlex.quote(str(stage))}"
+            )
 
             def state_of(d: Path) -> str:
                 return shlex.quote(
