@@ -54,6 +54,13 @@ _COLD = {"status": _COLD_STATUS, "probe": 20.0, "cleanup": 5.0, "install": 5.0}
 #: a short file-API answer is continued this many times before exec reads take over
 _DIRECT_PIECES = 3
 _GATE = b"\n"
+#: what the admission's script names in a word (its size is bounded: it travels in a
+#: URL on some backends), said in full
+_FAILED_WRITES = {
+    "mkdir-failed": "cannot create the snapshot's staging directory",
+    "token-failed": "cannot write the snapshot's admission token",
+    "pid-failed": "cannot write the producer's pid file",
+}
 #: base64 text per list upload call through a guest helper
 _HELPER_UPLOAD_PART = 64 * 1024
 
@@ -396,15 +403,9 @@ class GuestSession:
                 f"the staging root {records.printable(self.staging_root)} is no longer a "
                 "private directory of the pulling user"
             )
-        # the admission's script says what failed in a word (its size is bounded)
-        failed_write = {
-            "mkdir-failed": "cannot create the snapshot's staging directory",
-            "token-failed": "cannot write the snapshot's admission token",
-            "pid-failed": "cannot write the producer's pid file",
-        }
-        if text in failed_write:
+        if text in _FAILED_WRITES:
             where = records.printable(self.staging_root)
-            raise StagingFailed(f"{failed_write[text]} in the guest's staging root {where}")
+            raise StagingFailed(f"{_FAILED_WRITES[text]} in the guest's staging root {where}")
         word, *figures = text.split(" ")
         if word == "disk-full" and len(figures) == 2 and all(f.isdigit() for f in figures):
             free, need = (int(f) for f in figures)

@@ -504,11 +504,15 @@ def check_staging_root(root: str) -> str:
     return re.sub("/+", "/", root).rstrip("/") or "/"
 
 
+#: the digest a working ``xxhsum -H2`` gives the probe's input: where the guest's gives
+#: it, the probe does not try the other hash tools
+_PROBE_XXH128 = ALGORITHMS["xxh128"].digest(PROBE_INPUT)
+
+
 def probe(*, gate: bool, nonce: str, b64: bool, workspace: str, staging_root: str) -> list[str]:
     """Answers the guest's tools and, once the workspace is a directory, the
     staging root's physical path (created and checked; see :data:`_STAGE`)."""
-    expect = ALGORITHMS["xxh128"].digest(PROBE_INPUT)
-    args = (workspace, check_staging_root(staging_root), expect)
+    args = (workspace, check_staging_root(staging_root), _PROBE_XXH128)
     return render("probe", gate=gate, nonce=nonce, algorithm="md5", b64=b64, args=args)
 
 
