@@ -102,6 +102,38 @@ def guest_shell_path(kind: str, directory: Path) -> str:
     return str(busybox_bin(directory / "bb"))
 
 
+#: a tool that logs its name and arguments, then runs the real one
+_LOGGING_SHIM = """#!/bin/sh
+echo {tool} "$*" >> {log}
+exec {real} "$@"
+"""
+
+
+def shim_tools(directory: Path, path: str, tools: Mapping[str, str | None]) -> tuple[str, Path]:
+    """``path`` with each of ``tools`` logging its runs into the returned log (read it
+    with :func:`tool_runs`): a tool mapped to None runs the real one, which ``path``
+    must have; one mapped to a script text runs that (``{tool}`` and ``{log}`` in it
+    filled in)."""
+    shims, log = directory / "shims", directory / "runs.log"
+    shims.mkdir(parents=True)
+    for tool, text in tools.items():
+        if text is None:
+            real = shutil.which(tool, path=path)
+            assert real, f"{tool} is not on the guest's PATH {path}"
+            body = _LOGGING_SHIM.format(tool=tool, log=log, real=real)
+        else:
+            body = text.format(tool=tool, log=log)
+        (shims / tool).write_text(body)
+        (shims / tool).chmod(0o755)
+    return f"{shims}:{path}", log
+
+
+def tool_runs(log: Path, tool: str, needle: str = "") -> int:
+    """How many runs of ``tool`` (with ``needle`` in its arguments) a shim logged."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return sum(1 for line in lines if line.split(" ", 1)[0] == tool and needle in line)
+
+
 def run_status(
     snap: Path, path: str, index_from: int, looks: int, env: Mapping[str, str] | None = None
 ) -> StatusReport:

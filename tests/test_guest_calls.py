@@ -18,14 +18,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import GUEST_SHELLS, guest_shell_path, make_tree, options, run_status
+from helpers import (
+    GUEST_SHELLS,
+    guest_shell_path,
+    make_tree,
+    options,
+    run_status,
+    shim_tools,
+    tool_runs,
+)
 from wsync.engine.guest import CallStats, GuestPlan, GuestSession
 from wsync.protocol import scripts
 from wsync.protocol.envelope import parse_envelope
@@ -34,12 +41,6 @@ from wsync.transports.local import LocalTransport
 
 NONCE = "0123456789abcdef"
 UTF8 = {"LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-
-#: log the tool's name and arguments, then run the real one
-_SHIM = """#!/bin/sh
-echo {tool} "$*" >> {log}
-exec {real} "$@"
-"""
 
 
 @pytest.fixture(params=GUEST_SHELLS)
@@ -51,26 +52,6 @@ def guest_path(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def any_shell_path(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """:func:`guest_path`, and yash as ``sh``: the answers' lengths under every shell."""
     return guest_shell_path(request.param, tmp_path / "tools")
-
-
-def shimmed(tmp_path: Path, path: str, tools: dict[str, str | None]) -> tuple[str, Path]:
-    """``path`` with each of ``tools`` logging its runs; a tool mapped to a script text
-    runs that instead of the real one (``None``: the real one)."""
-    shims, log = tmp_path / "shims", tmp_path / "runs.log"
-    shims.mkdir(parents=True)
-    for tool, text in tools.items():
-        real = shutil.which(tool, path=path)
-        if real is None and text is None:
-            continue  # this guest has no such tool: nothing to count
-        body = text if text is not None else _SHIM.format(tool=tool, log=log, real=real)
-        (shims / tool).write_text(body.format(tool=tool, log=log))
-        (shims / tool).chmod(0o755)
-    return f"{shims}:{path}", log
-
-
-def runs(log: Path, tool: str, needle: str = "") -> int:
-    lines = log.read_text().splitlines() if log.exists() else []
-    return sum(1 for line in lines if line.split(" ", 1)[0] == tool and needle in line)
 
 
 def probe(tmp_path: Path, path: str, env: dict[str, str] | None = None) -> GuestPlan:
@@ -124,7 +105,7 @@ def test_a_non_ascii_index_tail_is_counted_in_bytes(tmp_path: Path, guest_path: 
 
 def test_answers_fork_no_wc_for_their_length(tmp_path: Path, guest_path: str) -> None:
     """A cleanup (nothing to measure but its answer) runs no ``wc`` at all."""
-    path, log = shimmed(tmp_path, guest_path, {"wc": None})
+    path, log = shim_tools(tmp_path, guest_path, {"wc": None})
     argv = scripts.cleanup(
         gate=False,
         nonce=NONCE,
@@ -136,7 +117,7 @@ def test_answers_fork_no_wc_for_their_length(tmp_path: Path, guest_path: str) ->
     out = subprocess.run(argv, env={"PATH": path}, capture_output=True, timeout=60).stdout
     envelope = parse_envelope(out, NONCE, algorithm=ALGORITHMS["sha256"], max_length=4096)
     assert envelope.ok and envelope.text == "removed"
-    assert runs(log, "wc") == 0
+    assert tool_runs(log, "wc") == 0
 
 
 def test_the_probe_tries_the_other_hash_tools_only_without_a_working_xxhsum(
@@ -146,15 +127,18 @@ def test_the_probe_tries_the_other_hash_tools_only_without_a_working_xxhsum(
     with one that answers a wrong digest (or none), both are tried and the pull hashes
     with BLAKE2."""
     counted = {"xxhsum": None, "b2sum": None, "sha256sum": None}
-    path, log = shimmed(tmp_path / "good", os.environ["PATH"], counted)
+    path, log = shim_tools(tmp_path / "good", os.environ["PATH"], counted)
     assert probe(tmp_path / "good", path).algorithm.name == "xxh128"
-    assert runs(log, "xxhsum") == 1 and runs(log, "b2sum") == runs(log, "sha256sum") == 0
+    assert (
+        tool_runs(log, "xxhsum") == 1
+        and tool_runs(log, "b2sum") == tool_runs(log, "sha256sum") == 0
+    )
 
     liar = "#!/bin/sh\necho {tool} >> {log}\ncat >/dev/null\necho 0123456789abcdef0123 -\n"
     counted["xxhsum"] = liar
-    path, log = shimmed(tmp_path / "bad", os.environ["PATH"], counted)
+    path, log = shim_tools(tmp_path / "bad", os.environ["PATH"], counted)
     assert probe(tmp_path / "bad", path).algorithm.name == "b2"
-    assert runs(log, "b2sum") == runs(log, "sha256sum") == 1
+    assert tool_runs(log, "b2sum") == tool_runs(log, "sha256sum") == 1
 
 
 @pytest.mark.parametrize("kind", ["dash", "busybox"])
@@ -162,7 +146,7 @@ def test_one_find_sorts_out_every_leftover_snapshot(tmp_path: Path, kind: str) -
     """Twelve leftovers, odd names among them: one ``find`` in the admission says which
     are old.  The old ones of wsync's (a ``launch/`` token) go, whatever their names;
     fresh ones, old ones without the token and the admitted snapshot stay."""
-    path, log = shimmed(tmp_path, guest_shell_path(kind, tmp_path / "tools"), {"find": None})
+    path, log = shim_tools(tmp_path, guest_shell_path(kind, tmp_path / "tools"), {"find": None})
     opts = options(tmp_path, staging_ttl=120)
     root = Path(opts.staging_root)
     root.mkdir(mode=0o700)
@@ -190,7 +174,7 @@ def test_one_find_sorts_out_every_leftover_snapshot(tmp_path: Path, kind: str) -
     asyncio.run(go())
     assert [d.name for d in stale if d.exists()] == []
     assert all(d.exists() for d in fresh + kept)
-    assert runs(log, "find", "-mmin") == 1
+    assert tool_runs(log, "find", "-mmin") == 1
 
 
 def test_an_admission_that_cannot_write_says_what_and_where(tmp_path: Path) -> None:

@@ -17,7 +17,6 @@ bash and a busybox-only guest.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import threading
 import time
@@ -26,18 +25,20 @@ from pathlib import Path
 
 import pytest
 
-from helpers import GUEST_SHELLS, guest_shell_path, make_tree, options, run_status
+from helpers import (
+    GUEST_SHELLS,
+    guest_shell_path,
+    make_tree,
+    options,
+    run_status,
+    shim_tools,
+    tool_runs,
+)
 from wsync.engine.guest import CallStats, GuestSession
 from wsync.protocol import records, scripts
 from wsync.transports.local import LocalTransport
 
 COUNTED = ("wc", "cat", "tr")
-
-#: log the tool's name, then run the real one
-_SHIM = """#!/bin/sh
-echo {tool} >> {log}
-exec {real} "$@"
-"""
 
 
 @pytest.fixture(params=GUEST_SHELLS)
@@ -48,14 +49,7 @@ def guest_path(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture
 def counted(tmp_path: Path, guest_path: str) -> tuple[str, Path]:
     """A PATH with ``wc``, ``cat`` and ``tr`` counting their runs in the returned log."""
-    shims, log = tmp_path / "shims", tmp_path / "runs.log"
-    shims.mkdir()
-    for tool in COUNTED:
-        real = shutil.which(tool, path=guest_path)
-        assert real
-        (shims / tool).write_text(_SHIM.format(tool=tool, log=log, real=real))
-        (shims / tool).chmod(0o755)
-    return f"{shims}:{guest_path}", log
+    return shim_tools(tmp_path, guest_path, dict.fromkeys(COUNTED))
 
 
 @pytest.fixture
@@ -83,8 +77,7 @@ def _status(snap: Path, path: str, index_from: int, looks: int) -> records.Statu
 
 
 def _runs(log: Path) -> dict[str, int]:
-    names = log.read_text().split() if log.exists() else []
-    return {tool: names.count(tool) for tool in COUNTED}
+    return {tool: tool_runs(log, tool) for tool in COUNTED}
 
 
 LINE = b"C 0 0 262144 " + b"a" * 64 + b"\n"
