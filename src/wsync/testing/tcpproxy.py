@@ -47,6 +47,8 @@ class TcpProxy:
         self._stop = False
         #: connections accepted (and forwarded) so far
         self.connections = 0
+        #: connections refused while cut (a client's attempts to reach the target)
+        self.refused = 0
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._loop, name="tcp-proxy", daemon=True)
 
@@ -114,6 +116,7 @@ class TcpProxy:
         except OSError:
             return
         if cut:
+            self.refused += 1
             _reset(client)
             return
         try:
