@@ -24,7 +24,14 @@ from extract_helpers import LIMITS, SYM, T0, build, extract, gnu_tar, make_root,
 from extract_helpers import small_archive as build_small_archive
 from wsync.engine.api import MiB
 from wsync.engine.extract import extract_tar_stream
-from wsync.engine.tarstream import Member, TarReader, parse_header
+from wsync.engine.tarstream import (
+    Member,
+    TarReader,
+    _byte_sum,
+    _general_number,
+    _number,
+    parse_header,
+)
 from wsync.errors import HostileArchive, HostIOError, HostOutOfMemory
 
 NS = 1_000_000_000
@@ -210,6 +217,53 @@ def test_numbers_python_reads_but_gnu_tar_does_not_are_refused(
     block[148:156] = b"%06o\0 " % sum(block)
     with pytest.raises(HostileArchive, match="bad tar header"):
         parse_header(bytes(block))
+
+
+def number_or_refusal(read: Any, field: bytes) -> int | str:
+    try:
+        return int(read(field, "size"))
+    except HostileArchive as exc:
+        return str(exc)
+
+
+#: odd bytes for a numeric field: blanks, NUL, non-octal digits and signs, base-256 marks
+_ODD = [0, 0x20, 0x09, 0x38, 0x78, 0x2D, 0x2B, 0x80, 0xFF]
+
+
+@st.composite
+def number_fields(draw: st.DrawFn) -> bytes:
+    """A field of 8 or 12 bytes: maybe an odd byte or two, octal digits, NULs and spaces,
+    and half the time one odd byte among those, so that fields of the usual form and
+    ones a byte away from it both come up often."""
+    width = draw(st.sampled_from([8, 12]))
+    lead = bytes(draw(st.lists(st.sampled_from(_ODD), max_size=2)))
+    digits = bytes(draw(st.lists(st.sampled_from(b"01234567"), min_size=1, max_size=width)))
+    tail = bytearray(draw(st.lists(st.sampled_from(b"\0 "), min_size=width, max_size=width)))
+    if draw(st.booleans()):
+        tail[draw(st.integers(0, width - 1))] = draw(st.sampled_from(_ODD))
+    return (lead + digits + tail)[:width]
+
+
+@settings(max_examples=1000, deadline=None)
+@given(number_fields())
+def test_the_usual_number_shortcut_reads_as_the_rules_do(field: bytes) -> None:
+    """Digits then NULs or spaces (what tars write) take a shortcut: it must read every
+    field exactly as GNU tar's rules do, and leave every other field to them."""
+    assert number_or_refusal(_number, field) == number_or_refusal(_general_number, field)
+
+
+@pytest.mark.parametrize(
+    "field", [b"0000644\0", b"00000001750\0", b"012345\0 ", b"644 \0\0\0\0", b"7" * 12]
+)
+def test_fields_as_tars_write_them_take_the_shortcut_to_the_same_number(field: bytes) -> None:
+    assert _number(field, "size") == _general_number(field, "size") == int(field.strip(b"\0 "), 8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=512, max_size=512))
+def test_a_header_checksum_sums_every_byte(block: bytes) -> None:
+    assert _byte_sum(block) == sum(block)
+    assert _byte_sum(b"\xff" * 512) == 255 * 512 and _byte_sum(bytes(512)) == 0
 
 
 # -- members as parsed --------------------------------------------------------------------------

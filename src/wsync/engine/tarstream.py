@@ -33,8 +33,10 @@ the extractor as writes straight from memoryview slices of it, and a header is p
 from __future__ import annotations
 
 import os
+import re
 import struct
 import tarfile
+import zlib
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
@@ -99,13 +101,18 @@ def parse_header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
     device numbers) are not read at all.
     """
     name, mode, size, mtime, chksum, kind, link, magic, prefix = _HEADER.unpack(block)
-    checksum = _number(chksum, "checksum")
-    unsigned = sum(block) - sum(chksum) + 256
+    plain = _PLAIN_NUMBER.fullmatch  # (each field's usual form, inlined: the hot path)
+    found = plain(chksum)
+    checksum = int(found[1], 8) if found else _number(chksum, "checksum")
+    unsigned = _byte_sum(block) - sum(chksum) + 256
     if checksum != unsigned and checksum != unsigned - 256 * _high_bytes(block):
         raise HostileArchive("bad tar header (bad checksum)")
-    imode = _number(mode, "mode")
-    isize = _number(size, "size")
-    imtime = _number(mtime, "mtime")
+    found = plain(mode)
+    imode = int(found[1], 8) if found else _number(mode, "mode")
+    found = plain(size)
+    isize = int(found[1], 8) if found else _number(size, "size")
+    found = plain(mtime)
+    imtime = int(found[1], 8) if found else _number(mtime, "mtime")
     name = name.split(b"\0", 1)[0]
     prefix = prefix.split(b"\0", 1)[0] if magic == _USTAR_MAGIC else b""
     if prefix and kind not in _GNU_TYPES:
@@ -115,6 +122,17 @@ def parse_header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
 
 _BLANKS = b" \t\n\v\f\r"
 _OCTAL = b"01234567"
+#: what every tar writes in a numeric field: octal digits, then NULs or spaces.  Such a
+#: field reads as its digits whatever the rules below say of the rest, so it takes one
+#: C-level match instead of the partition and strips (a third of a header's parse)
+_PLAIN_NUMBER = re.compile(rb"([0-7]+)[\0 ]*")
+
+
+def _byte_sum(block: bytes, adler32: Callable[[bytes], int] = zlib.adler32) -> int:
+    """The sum of a 512-byte block's bytes.  Adler-32's first half is one plus the sum of
+    the bytes modulo 65521: over 256 bytes (at most 65280) it never wraps, so two halves
+    give the exact sum in C, five times faster than ``sum(block)``."""
+    return (adler32(block[:256]) & 0xFFFF) + (adler32(block[256:]) & 0xFFFF) - 2
 
 
 def _number(field: bytes, what: str) -> int:
@@ -123,6 +141,14 @@ def _number(field: bytes, what: str) -> int:
     Like GNU tar, one leading NUL is skipped ("buggy tar of unknown vintage, which outputs
     leading NUL if the previous field overflows"); ``frombuf`` reads such a field as 0.
     """
+    plain = _PLAIN_NUMBER.fullmatch(field)
+    if plain is not None:
+        return int(plain[1], 8)
+    return _general_number(field, what)
+
+
+def _general_number(field: bytes, what: str) -> int:
+    """:func:`_number` for any field (the rules, without the usual form's shortcut)."""
     if not field[0]:
         field = field[1:]
     first = field[0]
@@ -271,7 +297,10 @@ class TarReader:
         return b"".join(parts)
 
     def skip(self, size: int, what: str) -> None:
-        if size and len(self.read(size, what)) != size:
+        if self._end - self._pos >= size:  # buffered (a member's padding, mostly): no copy
+            self._pos += size
+            self.offset += size
+        elif len(self.read(size, what)) != size:
             raise HostileArchive(f"truncated archive: stream ends inside {what}")
 
     def skip_padding(self, size: int) -> None:
