@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ProcessWatch
-from helpers import assert_exact, busybox_bin, make_tree, options, run_pull
+from helpers import assert_exact, guest_shell_path, make_tree, options, run_pull
 from test_staging_security import _slow_tar
 from wsync.emulators.daytona import DaytonaEmulatorThread, DaytonaFaults
 from wsync.engine.guest import CallStats, GuestSession
@@ -89,9 +89,7 @@ def shim(bindir: Path, tool: str, text: str, path: str, mark: Path, wait: str = 
 
 @pytest.fixture(params=["dash", "busybox"])
 def guest_path(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "dash":
-        return os.environ["PATH"]
-    return str(busybox_bin(tmp_path / "bb"))
+    return guest_shell_path(request.param, tmp_path / "tools")
 
 
 @pytest.fixture
