@@ -9,6 +9,7 @@ admission check is still exercised through a guest whose ``df`` reports little.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ import pytest
 
 from helpers import busybox_bin, options, run_pull
 from wsync.engine import incremental
+from wsync.engine.phases import StreamRunner
 from wsync.errors import StagingFailed
 from wsync.protocol import scripts
 from wsync.transports.local import LocalTransport
@@ -107,6 +109,33 @@ def test_admission_uses_the_guests_df_and_du(tmp_path: Path, guest: str) -> None
     expect = SHAPE.format(path=re.escape(str(root)), need=r"1\.\d MiB")
     assert re.search(expect.replace("[0-9.]+ [KMG]iB", "100 KiB"), str(info.value))
     assert list(root.glob("s*")) == []
+
+
+def test_a_full_guest_disk_leaves_no_listing_behind_however_slow_its_removal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest's staging is removed while the diff runs; when the content run is then
+    refused for room, that removal must finish, not be given up on: the guest's disk is
+    full, and a listing left there stays until the GC's hours-long TTL."""
+    ws = workspace_of(tmp_path, 1)
+    bindir = tmp_path / "fake-df"
+    bindir.mkdir()
+    (bindir / "df").write_text(
+        "#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
+        "echo 'fake 1000 900 100 90% /'\n"
+    )
+    (bindir / "df").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+    clean_snapshot = StreamRunner.clean_snapshot
+
+    async def slow_clean(self: StreamRunner, snapshot: str) -> None:
+        await asyncio.sleep(1.0)  # still at it when the content run's admission fails
+        await clean_snapshot(self, snapshot)
+
+    monkeypatch.setattr(StreamRunner, "clean_snapshot", slow_clean)
+    with pytest.raises(StagingFailed, match="100 KiB"):
+        run_pull(LocalTransport(env=env), ws, tmp_path / "out", options(tmp_path))
+    assert list((tmp_path / "staging").glob("s*")) == []
 
 
 def _fake_tools(bindir: Path, marker: Path, *, free_kb: int | None, du_kb: int) -> dict[str, str]:

@@ -406,6 +406,13 @@ async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
         try:
             done = await runner.run()
         except _PERMANENT as exc:
+            # the manifest's staging removal, started when its stream was in, is let
+            # finish: the guest's disk may be what failed, and must not stay full until
+            # the GC (it is bounded by the call's own deadline, as the discard below is)
+            try:
+                await runner.manifest_cleaned()
+            except Exception as cleanup_error:  # the pull's own error is the one reported
+                log.warning("manifest staging not removed", error=str(cleanup_error))
             await runner.drop_late_load()
             await runner.drop_early_farm()  # a no-op once the run took its tree
             # a host limit (disk space, --max-bytes) is not the snapshot's fault: the
