@@ -550,11 +550,15 @@ class StreamRunner:
         while (chunk := await queue.get()) is not None:
             data = await self.fetch_chunk(chunk, plan)
             store = self.io.submit(self.chunk_journal.store, chunk.seq, chunk.digest, data)
+            # journaled, the chunk is read back from disk by the feed: its bytes go now, not
+            # when the next read's replace them (each reader would hold two chunks, 16 MiB
+            # more at the peak of a pull)
+            del data
             path = await asyncio.wrap_future(store)
             feed.publish(chunk.seq, path)
             if self.chunk_journal is not self.manifest_journal:  # archive chunks only
                 self.progress.chunks_done += 1
-                self.progress.bytes_fetched += len(data)
+                self.progress.bytes_fetched += chunk.length
             self.emit()
 
     async def fetch_chunk(self, chunk: Chunk, plan: GuestPlan) -> bytes:
