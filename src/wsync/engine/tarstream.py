@@ -101,18 +101,13 @@ def parse_header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
     device numbers) are not read at all.
     """
     name, mode, size, mtime, chksum, kind, link, magic, prefix = _HEADER.unpack(block)
-    plain = _PLAIN_NUMBER.fullmatch  # (each field's usual form, inlined: the hot path)
-    found = plain(chksum)
-    checksum = int(found[1], 8) if found else _number(chksum, "checksum")
+    checksum = _number(chksum, "checksum")
     unsigned = _byte_sum(block) - sum(chksum) + 256
     if checksum != unsigned and checksum != unsigned - 256 * _high_bytes(block):
         raise HostileArchive("bad tar header (bad checksum)")
-    found = plain(mode)
-    imode = int(found[1], 8) if found else _number(mode, "mode")
-    found = plain(size)
-    isize = int(found[1], 8) if found else _number(size, "size")
-    found = plain(mtime)
-    imtime = int(found[1], 8) if found else _number(mtime, "mtime")
+    imode = _number(mode, "mode")
+    isize = _number(size, "size")
+    imtime = _number(mtime, "mtime")
     name = name.split(b"\0", 1)[0]
     prefix = prefix.split(b"\0", 1)[0] if magic == _USTAR_MAGIC else b""
     if prefix and kind not in _GNU_TYPES:
