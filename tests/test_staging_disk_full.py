@@ -98,11 +98,7 @@ def test_admission_uses_the_guests_df_and_du(tmp_path: Path, guest: str) -> None
         bindir = tmp_path / "fake-df"
         bindir.mkdir()
         env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
-    (bindir / "df").write_text(
-        "#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
-        "echo 'fake 1000 900 100 90% /'\n"
-    )
-    (bindir / "df").chmod(0o755)
+    _fake_df(bindir, "fake 1000 900 100 90% /")
     root = tmp_path / "staging"
     with pytest.raises(StagingFailed) as info:
         run_pull(LocalTransport(env=env), ws, tmp_path / "out", options(tmp_path))
@@ -120,11 +116,7 @@ def test_a_full_guest_disk_leaves_no_listing_behind_however_slow_its_removal(
     ws = workspace_of(tmp_path, 1)
     bindir = tmp_path / "fake-df"
     bindir.mkdir()
-    (bindir / "df").write_text(
-        "#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
-        "echo 'fake 1000 900 100 90% /'\n"
-    )
-    (bindir / "df").chmod(0o755)
+    _fake_df(bindir, "fake 1000 900 100 90% /")
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
     clean_snapshot = StreamRunner.clean_snapshot
 
@@ -138,6 +130,15 @@ def test_a_full_guest_disk_leaves_no_listing_behind_however_slow_its_removal(
     assert list((tmp_path / "staging").glob("s*")) == []
 
 
+def _fake_df(bindir: Path, line: str) -> None:
+    """A ``df -P`` in ``bindir`` that reports one filesystem as ``line``."""
+    (bindir / "df").write_text(
+        "#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
+        f"echo '{line}'\n"
+    )
+    (bindir / "df").chmod(0o755)
+
+
 def _fake_tools(bindir: Path, marker: Path, *, free_kb: int | None, du_kb: int) -> dict[str, str]:
     """A PATH where ``du`` leaves ``marker`` behind and says ``du_kb``, and ``df`` says
     ``free_kb`` are free (the real ``df`` where None)."""
@@ -145,11 +146,7 @@ def _fake_tools(bindir: Path, marker: Path, *, free_kb: int | None, du_kb: int) 
     (bindir / "du").write_text(f"#!/bin/sh\n: > '{marker}'\necho '{du_kb} x'\n")
     (bindir / "du").chmod(0o755)
     if free_kb is not None:
-        (bindir / "df").write_text(
-            "#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
-            f"echo 'fake 9999999 0 {free_kb} 1% /'\n"
-        )
-        (bindir / "df").chmod(0o755)
+        _fake_df(bindir, f"fake 9999999 0 {free_kb} 1% /")
     return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
 
 
