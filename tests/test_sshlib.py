@@ -1,23 +1,34 @@
-"""asyncssh's import runs no compiler (``wsync.transports.sshlib``, issue 13).
+"""asyncssh's import runs no compiler, and its connections ACK at once (``wsync.transports.sshlib``, issue 13).
 
 Its search for liboqs used to run ``gcc``, ``collect2`` and ``ld`` on every ``ssh://``
 command of a host without liboqs: about 30 ms and six programs.  These tests import
 the ssh transport in a fresh interpreter with ``gcc`` and ``ld`` shimmed to log, and
 check what the lookup still finds.
+
+The ACK tests read the kernel's own delayed-ACK state (``getsockopt(TCP_QUICKACK)`` is 1
+outside Linux's "pingpong" mode, where ACKs wait up to 40 ms) on real loopback sockets,
+and run large outputs through a real sshd with the hook in place.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes.util
+import inspect
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from wsync.testing.sshd import SshdServer
 from wsync.transports import sshlib
+from wsync.transports.registry import open_transport
+from wsync.transports.ssh import SshTransport
 
 _LOG = """#!/bin/sh
 echo "$0 $*" >> {log}
@@ -93,3 +104,111 @@ def test_a_liboqs_on_ld_library_path_is_still_found(
     lookup = sshlib._cached_lookup(ctypes.util.find_library)
     assert lookup is not None
     assert lookup("oqs") == libz
+
+
+class _Receiver(asyncio.Protocol):
+    """Enough of an asyncssh connection for :func:`sshlib.ack_at_once`: its transport's
+    socket, and ``data_received``, which notes the ACK mode at the moment it runs."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.blocks: list[tuple[bytes, int | None, int]] = []
+        self.got = asyncio.Event()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def get_extra_info(self, name: str) -> Any:
+        return self.transport.get_extra_info(name)
+
+    def data_received(self, data: bytes, datatype: int | None = None) -> None:
+        sock = self.transport.get_extra_info("socket")
+        quick = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK)
+        self.blocks.append((data, datatype, quick))
+        self.got.set()
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="Linux only")
+def test_each_block_received_leaves_the_delayed_ack_mode() -> None:
+    """Put in delayed-ACK mode (as a connection that answers what it reads soon
+    enters), a socket with the hook is out of it by the time the block is handed on:
+    the kernel ACKs at once.  The block itself reaches the protocol unchanged."""
+
+    async def main() -> list[tuple[bytes, int | None, int]]:
+        loop = asyncio.get_running_loop()
+        sent = asyncio.Event()
+        peers: list[asyncio.Transport] = []
+
+        def serve() -> asyncio.Protocol:
+            class Peer(asyncio.Protocol):
+                def connection_made(self, transport: Any) -> None:
+                    peers.append(transport)
+                    sent.set()
+
+            return Peer()
+
+        server = await loop.create_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            _, client = await loop.create_connection(_Receiver, "127.0.0.1", port)
+            assert sshlib.ack_at_once(client)  # type: ignore[arg-type]  # duck-typed
+            await sent.wait()
+            for block in (b"first", b"second"):
+                client.got.clear()
+                sock = client.transport.get_extra_info("socket")
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 0)  # pingpong
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK) == 0
+                peers[0].write(block)
+                await asyncio.wait_for(client.got.wait(), 30)
+            client.transport.close()
+            return client.blocks
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    blocks = asyncio.run(main())
+    assert [b for b, _, _ in blocks] == [b"first", b"second"]
+    assert [d for _, d, _ in blocks] == [None, None]
+    assert [q for _, _, q in blocks] == [1, 1]
+
+
+def test_the_hook_passes_over_what_is_not_tcp() -> None:
+    """A ProxyCommand's pipe or a Unix socket: nothing to ACK, the method stays."""
+
+    async def main() -> tuple[bool, bool]:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        try:
+            _, client = await loop.create_connection(_Receiver, sock=ours)
+            applied = sshlib.ack_at_once(client)  # type: ignore[arg-type]  # duck-typed
+            still_method = inspect.ismethod(client.data_received)
+            client.transport.close()
+            return applied, still_method
+        finally:
+            theirs.close()
+
+    assert asyncio.run(main()) == (False, True)
+
+
+@pytest.mark.ssh
+def test_ssh_connections_ack_at_once_and_carry_every_byte(sshd: SshdServer) -> None:
+    """The transport's connection has the hook, and outputs of every size arrive whole
+    through it, over a real sshd."""
+    _, transport = open_transport(sshd.uri("/work"), sshd.transport_options())
+    assert isinstance(transport, SshTransport)
+
+    async def main() -> tuple[list[bytes], bool]:
+        try:
+            outs = [
+                (await transport.exec(["head", "-c", str(n), "/dev/urandom"], timeout=60)).stdout
+                for n in (0, 1, 65536, 3 << 20)
+            ]
+            conn = transport._conn
+            assert conn is not None
+            return outs, inspect.ismethod(conn.data_received)
+        finally:
+            await transport.aclose()
+
+    outs, still_method = asyncio.run(main())
+    assert [len(o) for o in outs] == [0, 1, 65536, 3 << 20]
+    assert not still_method

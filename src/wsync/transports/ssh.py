@@ -62,7 +62,7 @@ from wsync.transports.base import (
     ExecResult,
     Transport,
 )
-from wsync.transports.sshlib import asyncssh
+from wsync.transports.sshlib import ack_at_once, asyncssh
 from wsync.uri import SandboxURI
 
 DEFAULT_CONNECT_TIMEOUT = 20.0
@@ -329,7 +329,9 @@ class SshTransport(Transport):
         desc = self.description
         kwargs = self._connect_kwargs()
         try:
-            return await asyncssh.connect(self.host, **kwargs)
+            conn = await asyncssh.connect(self.host, **kwargs)
+            ack_at_once(conn)
+            return conn
         except asyncssh.HostKeyNotVerifiable as exc:
             port = self.port or 22
             scan = f"ssh-keyscan -p {port} {shlex.quote(self.host)} >> ~/.ssh/known_hosts"

@@ -1,4 +1,4 @@
-"""asyncssh, imported without running the C compiler.
+"""asyncssh, imported without running the C compiler, and its connections' ACKs sent at once.
 
 On import asyncssh looks for two optional C libraries with ``ctypes.util.find_library``:
 liboqs (``"oqs"``, ``"liboqs"``), for post-quantum key exchanges, and nettle
@@ -15,13 +15,18 @@ and ``ld``'s default directories: a library copied there without running ``ldcon
 is not found, and asyncssh goes without it as on a host that lacks it (ML-KEM from
 ``cryptography`` stays; sntrup761 or UMAC are not offered).  Every other name, and
 every lookup after the import, is CPython's own.
+
+:func:`ack_at_once` takes 40 ms off the first exec of every connection: see there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
 import os
+import socket
 from collections.abc import Callable
+from typing import Any
 
 _COMPILER_FREE = frozenset({"oqs", "liboqs", "nettle", "libnettle", "libnettle-6"})
 
@@ -58,4 +63,36 @@ try:
 finally:
     ctypes.util.find_library = _find
 
-__all__ = ["asyncssh"]
+
+def ack_at_once(conn: asyncssh.SSHClientConnection) -> bool:
+    """Acknowledge every TCP segment of ``conn`` at once; False where it is not TCP on Linux.
+
+    Why: right after authentication OpenSSH's sshd writes two small messages (the
+    auth success, then its host keys announcement) and, a moment later, the answer to
+    our first channel open, on a socket without ``TCP_NODELAY`` (sshd sets it only once
+    a session starts).  Nagle holds that answer until the announcement is acknowledged,
+    and the client, having nothing to send, delays its ACK by Linux's 40 ms minimum.
+    So the first exec of every connection took 45-50 ms where the next took 2-3 ms
+    (loopback, measured 2026-12-04), on every pull.  Setting ``TCP_QUICKACK`` when data
+    arrives sends a pending ACK immediately and leaves the delayed-ACK mode; it is not
+    sticky, hence once per block received (one system call per up to 256 KiB).
+    """
+    quickack = getattr(socket, "TCP_QUICKACK", None)
+    sock: Any = conn.get_extra_info("socket")
+    if quickack is None or sock is None:
+        return False
+    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+        return False  # a ProxyCommand's pipe, say
+    received = conn.data_received
+
+    def data_received(data: bytes, datatype: int | None = None) -> None:
+        with contextlib.suppress(OSError):  # a socket closing under us: the read tells
+            sock.setsockopt(socket.IPPROTO_TCP, quickack, 1)
+        received(data, datatype)
+
+    # the transport looks the method up on the protocol for every block it reads
+    conn.data_received = data_received  # type: ignore[method-assign]
+    return True
+
+
+__all__ = ["ack_at_once", "asyncssh"]
