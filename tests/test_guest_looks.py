@@ -36,6 +36,7 @@ from helpers import (
 )
 from wsync.engine.guest import CallStats, GuestSession
 from wsync.protocol import records, scripts
+from wsync.protocol.hashing import ALGORITHMS
 from wsync.transports.local import LocalTransport
 
 COUNTED = ("wc", "cat", "tr")
@@ -194,3 +195,51 @@ def test_the_producer_keeps_isize_equal_to_its_index(tmp_path: Path, guest_path:
     index = (snap / "index").read_bytes()
     assert index.count(b"\n") >= 3
     assert (snap / "isize").read_text() == f"{len(index)}\n"
+
+
+PRODUCED = ("cat", "wc", "tar", "sed", "sha256sum", "rm")
+
+
+@pytest.mark.parametrize("mode", ["tar", "manifest"])
+@pytest.mark.parametrize("shell", ["dash", "bash"])  # busybox's sh runs its applets unshimmed
+def test_a_one_file_run_of_the_producer_runs_only_what_it_needs(
+    tmp_path: Path, shell: str, mode: str
+) -> None:
+    """The producer's programs are on the path of every pull, the smallest included: a
+    one-file run reads its small files with the shell's ``read`` (no ``cat``), asks
+    which tar there is only where it archives, parses an empty ``tar.err`` never,
+    measures the data once and takes a one-chunk stream's hash from its chunk (before:
+    3 ``cat``, 4 ``wc``, 2 hashes, a ``tar --version`` and a ``sed`` in either mode)."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "notes.txt").write_text("one small file\n")
+    root = tmp_path / "staging"
+    root.mkdir(mode=0o700)
+    prod = root / scripts.PRODUCER_NAME
+    prod.write_text(scripts.PRODUCER)
+    snap = root / "s-one"
+    snap.mkdir()
+    guest = guest_shell_path(shell, tmp_path / "guest")
+    path, log = shim_tools(tmp_path, guest, dict.fromkeys(PRODUCED))
+    # gzip: a busybox-only guest has no zstd; a session of its own, as the admission
+    # gives it (a failing producer signals its whole group)
+    argv = ["sh", str(prod), str(snap), str(ws), str(4 << 20), "sha256", "gzip:1", mode]
+    env = {"PATH": path, "HOME": str(tmp_path)}
+    subprocess.run(
+        argv, env=env, stdin=subprocess.DEVNULL, timeout=60, check=True, start_new_session=True
+    )
+    assert not (snap / "failed").exists(), (snap / "failed").read_text()
+    done = dict(line.split(" ", 1) for line in (snap / "done").read_text().splitlines())
+    assert done["chunks"] == "1" and done["tar_rc"] == "0"
+    data = (snap / "data").read_bytes()
+    assert done["hash"] == ALGORITHMS["sha256"].digest(data)
+    runs = {tool: tool_runs(log, tool) for tool in PRODUCED}
+    archives = 2 if mode == "tar" else 0  # tar --version, then the archive
+    assert runs == {
+        "cat": 0,
+        "wc": 2,  # the index's look at the data, the final one
+        "tar": archives,
+        "sed": 0,
+        "sha256sum": 1,  # the one chunk
+        "rm": 0,
+    }, runs

@@ -199,7 +199,9 @@ mine() {
 }
 stop() {
   for k in pid pid.launch; do
-    s=$(cat "$1/$k") && mine "$s" && { kill -TERM "-$s" || kill "$s"; }
+    rd "$1/$k"
+    s=$v_
+    mine "$s" && { kill -TERM "-$s" || kill "$s"; }
   done
 }
 """
@@ -274,7 +276,8 @@ elif [ ! -d "$d/launch" ]; then
   no token-failed
 elif ! idle; then
   go=
-  [ "$(cat "$d/launch/by")" = "$run" ] && a=admitted
+  rd "$d/launch/by"
+  [ "$v_" = "$run" ] && a=admitted
 fi
 if [ "$go" ]; then
   # launched, or launched again (a new stream: "admitted" even if another run began
@@ -293,11 +296,12 @@ if [ "$go" ]; then
   # answer once the launch has detached (the producer writes its pid in its own
   # session) or ended (another producer holds the snapshot): a backend that kills
   # our process group when it gives up on us, or once we exit, must not catch it
-  # (looks 10 ms apart: the producer takes a few forks to get there, and this wait is
-  # on the path of every pull, the smallest included; 1000 looks, or 10 s)
+  # (looks 5 ms apart, the pid file read without a fork: the producer takes a few
+  # programs to get there, and this wait is on the path of every pull, the smallest
+  # included; 2000 looks, or 10 s)
   i=0
-  until [ $i -ge 1000 ] || [ "$(cat "$d/pid")" = $! ] || ! alive $!; do
-    sleep 0.01 || { sleep 1; i=$((i+99)); }
+  until [ $i -ge 2000 ] || { rd "$d/pid"; [ "$v_" = $! ]; } || ! alive $!; do
+    sleep 0.005 || { sleep 1; i=$((i+199)); }
     i=$((i+1))
   done
 fi
