@@ -135,7 +135,12 @@ def tool_runs(log: Path, tool: str, needle: str = "") -> int:
 
 
 def run_status(
-    snap: Path, path: str, index_from: int, looks: int, env: Mapping[str, str] | None = None
+    snap: Path,
+    path: str,
+    index_from: int,
+    looks: int,
+    env: Mapping[str, str] | None = None,
+    inline: int = 0,
 ) -> StatusReport:
     """Run the status script by hand on the snapshot directory ``snap`` with ``path`` as
     the guest's PATH (and ``env`` on top); its answer, parsed."""
@@ -149,6 +154,7 @@ def run_status(
         snapshot=snap.name,
         index_from=index_from,
         looks=looks,
+        inline=inline,
     )
     full = {"PATH": path, "HOME": str(snap.parent), **(env or {})}
     out = subprocess.run(argv, env=full, capture_output=True, timeout=60, check=False).stdout

@@ -243,3 +243,62 @@ def test_a_one_file_run_of_the_producer_runs_only_what_it_needs(
         "sha256sum": 1,  # the one chunk
         "rm": 0,
     }, runs
+
+
+def _finished(snap: Path, data: bytes) -> None:
+    """``snap`` as the producer leaves a finished one-chunk stream of ``data``."""
+    line = b"C 0 0 %d %s\n" % (len(data), ALGORITHMS["sha256"].digest(data).encode())
+    (snap / "data").write_bytes(data)
+    (snap / "index").write_bytes(line)
+    (snap / "isize").write_text(f"{len(line)}\n")
+    (snap / "comp.rc").write_text("0\n")
+    (snap / "done").write_text(
+        f"chunks 1\nlength {len(data)}\nhash {ALGORITHMS['sha256'].digest(data)}\n"
+        "tar_rc 0\ncomp_rc 0\nunstable_bytes 0\ngone_bytes 0\n"
+    )
+
+
+def test_a_small_finished_stream_comes_with_the_status(
+    producer: tuple[Path, int], guest_path: str
+) -> None:
+    """Asked with ``inline``, a status on a finished stream no longer than that carries
+    it whole (any bytes: NULs, newlines, all 256); a longer one, one not finished, or
+    ``inline`` 0 carry none (the host reads the chunks then)."""
+    snap, _ = producer
+    data = bytes(range(256)) * 40 + b"\0\n"
+    _finished(snap, data)
+    report = run_status(snap, guest_path, 0, looks=0, inline=len(data))
+    assert report.done is not None and report.inline == data
+    assert report.index_tail.startswith(b"C 0 0 ")
+    assert run_status(snap, guest_path, 0, looks=0, inline=len(data) - 1).inline is None
+    assert run_status(snap, guest_path, 0, looks=0).inline is None
+    (snap / "done").unlink()
+    assert run_status(snap, guest_path, 0, looks=0, inline=len(data)).inline is None
+
+
+def test_a_status_waits_for_the_done_record_once_the_stream_is_complete(
+    producer: tuple[Path, int], guest_path: str
+) -> None:
+    """The index grew and the compressor is done (``comp.rc``): the producer's last steps
+    are left, so the long poll waits for the done record (here written 0.3 s later) and
+    answers with it, instead of an answer the host must follow with another status and
+    a read.  While the compressor runs, growth answers at once."""
+    snap, _ = producer
+    data = b"a small stream"
+    _finished(snap, data)
+    record = (snap / "done").read_text()
+    (snap / "done").unlink()
+    (snap / "comp.rc").unlink()
+    report = run_status(snap, guest_path, 0, looks=scripts.status_looks(10.0), inline=1024)
+    assert report.done is None and report.inline is None  # growth, the compressor running
+    (snap / "comp.rc").write_text("0\n")
+
+    def finish() -> None:
+        time.sleep(0.3)
+        (snap / "done").write_text(record)
+
+    writer = threading.Thread(target=finish)
+    writer.start()
+    report = run_status(snap, guest_path, 0, looks=scripts.status_looks(10.0), inline=1024)
+    writer.join()
+    assert report.done is not None and report.inline == data

@@ -219,7 +219,7 @@ def test_a_dry_run_after_a_killed_pull_previews_the_workspace_as_it_is_now(
     """A pull killed in its transfer leaves a listing that a real rerun replays; a dry
     run must not: it shows what a pull would change now."""
     ws, dest, opts = _pulled_then_a_changed(tmp_path)
-    _killed(tmp_path, ws, dest, "read", tmp_path / "state/pulls/*/phase-select/meta.json")
+    _killed(tmp_path, ws, dest, "status", tmp_path / "state/pulls/*/phase-select/meta.json")
     (ws / "b").write_text("b three, longer\n")
     preview = run_pull(LocalTransport(), ws, dest, dataclasses.replace(opts, dry_run=True))
     assert any(line.endswith(" b") for line in preview.changes), preview.changes
@@ -245,7 +245,7 @@ def test_a_pull_killed_while_it_reuses_the_kept_tree_finishes_exactly(tmp_path: 
     (ws / "new").mkdir()
     (ws / "new" / "n").write_text("n\n")
     ready = tmp_path / "state/pulls/*/phase-select/meta.json"
-    _killed(tmp_path, ws, dest, "read", ready, "", "keep-prev")
+    _killed(tmp_path, ws, dest, "status", ready, "", "keep-prev")
     assert not prev.exists()
     result = run_pull(LocalTransport(), ws, dest, opts)
     assert result.ok, result.error

@@ -781,3 +781,65 @@ def test_the_manifests_staging_goes_while_the_diff_runs(
     calls = watch_cleanups(monkeypatch, before)
     monkeypatch.setattr(PullState, "diff", diffing_now)
     repull(tmp_path, workspace, *changed_after_a_pull, calls)
+
+
+class ScriptLog(LocalTransport):
+    """Notes which of wsync's guest scripts each exec runs (helpers off: one exec a call)."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.ran: list[str] = []
+
+    async def exec(self, argv, **kw):  # type: ignore[no-untyped-def,override]
+        if len(argv) > 2 and argv[:2] == ["sh", "-c"]:
+            names = [name for name, text in scripts.SCRIPTS.items() if text == argv[2]]
+            self.ran.append(names[0] if names else "?")
+        return await super().exec(argv, **kw)
+
+
+def _small_workspace(root: Path) -> Path:
+    root.mkdir()
+    (root / "notes.txt").write_text("what the agent wrote\n")
+    (root / "bin").mkdir()
+    (root / "bin" / "blob").write_bytes(bytes(range(256)) * 8)
+    return root
+
+
+def test_a_small_workspace_is_pulled_without_a_read_call(tmp_path: Path) -> None:
+    """A small workspace's manifest and archive each come whole with the status that
+    finds them done: each run is an admission and a status, no read (before: a read of
+    each, and a second status beside it)."""
+    ws = _small_workspace(tmp_path / "ws")
+    transport = ScriptLog()
+    result = run_pull(transport, ws, tmp_path / "out", options(tmp_path, helpers=False))
+    assert_exact(ws, tmp_path / "out")
+    assert result.chunks == 1
+    assert "read" not in transport.ran, transport.ran
+    assert transport.ran.count("status") == 2, transport.ran
+
+
+_LYING_BASE64 = """#!/bin/sh
+# the guest's base64, but of other bytes of the same length (each byte moved by 128)
+{real} "$@" | {real} -d | tr '\\000-\\177\\200-\\377' '\\200-\\377\\000-\\177' | {real}
+"""
+
+
+def test_a_stream_that_comes_whole_but_wrong_is_read_again(tmp_path: Path) -> None:
+    """A guest whose ``base64`` encodes other bytes than the stream's: each chunk taken
+    from the status fails the index's hash, is counted as a mismatch and read; the tree
+    is exact."""
+    ws = _small_workspace(tmp_path / "ws")
+    real = shutil.which("base64")
+    assert real
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    (shims / "base64").write_text(_LYING_BASE64.format(real=real))
+    (shims / "base64").chmod(0o755)
+    env = {"PATH": f"{shims}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+    transport = ScriptLog(env=env)
+    result = run_pull(transport, ws, tmp_path / "out", options(tmp_path, helpers=False))
+    assert_exact(ws, tmp_path / "out")
+    assert transport.ran.count("read") == 2, transport.ran  # the manifest's, the archive's
+    # each copy was seen to be wrong (not merely absent), and cost a read, not a retry
+    assert result.faults.get("chunk-hash-mismatch") == 2, result.faults
+    assert result.retries == 0

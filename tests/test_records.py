@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import shutil
 import subprocess
@@ -135,6 +136,28 @@ def test_status_carries_the_index_from_the_asked_offset(errors: bytes) -> None:
     assert parse_status(STATUS_HEAD, XXH, index_from=10).index_tail == b""
 
 
+def test_status_carries_a_small_stream_whole() -> None:
+    """``data_b64`` is the stream (``data_size`` bytes) in base64, beside an index tail;
+    one that does not decode, or decodes to another size, is no stream: the chunks are
+    read then, never taken from it."""
+    stream = bytes(range(256)) * 3
+    text = base64.b64encode(stream)
+    head = b"exists 1\nalive 0\nlaunched 1\nindex_size 300\ndata_size %d" % len(stream)
+    tail = INDEX[10:]
+    payload = (
+        head
+        + b"\ndata_b64 "
+        + text
+        + b"\nindex_from 10\nindex_tail %d\nindex_follows\n" % len(tail)
+        + tail
+    )
+    st_ = parse_status(payload, XXH, index_from=10)
+    assert st_.inline == stream and st_.index_tail == tail
+    assert parse_status(head, XXH).inline is None
+    for bad in (text[:-4], text + b"AAAA", text[:8] + b"*" + text[9:], b"", b"a b"):
+        assert parse_status(head + b"\ndata_b64 " + bad, XXH).inline is None, bad
+
+
 @pytest.mark.parametrize(
     ("payload", "asked"),
     [
@@ -212,6 +235,7 @@ def test_fuzz_parsers_raise_only_protocol_error(data: bytes) -> None:
         lambda: IndexParser(XXH, 4096).receive_data(data),
         lambda: parse_status(data, XXH),
         lambda: parse_status(STATUS_HEAD + b"\nindex_from 7\n" + data, XXH, index_from=7),
+        lambda: parse_status(STATUS_HEAD + b"\ndata_b64 " + data, XXH),
         lambda: parse_probe(data),
         lambda: parse_fields(data),
         lambda: parse_admit(data),

@@ -487,12 +487,17 @@ class GuestSession:
             digest=digest,
         )
 
-    async def status(self, index_from: int = -1, wait: float = 0.0) -> records.StatusReport:
+    async def status(
+        self, index_from: int = -1, wait: float = 0.0, inline: int = 0
+    ) -> records.StatusReport:
         """The snapshot's state; with ``index_from`` the index from there comes along,
         and with ``wait`` (seconds) the guest first waits that long at most for it to grow
-        (a long poll: no exec, no round trip while the producer has nothing new)."""
+        (a long poll: no exec, no round trip while the producer has nothing new).  With
+        ``inline`` a finished stream up to that size comes along whole, where the guest
+        has ``base64``."""
         assert self.algorithm is not None
         looks = scripts.status_looks(wait)
+        inline = inline if self._base64 else 0
         envelope = await self.call(
             "status",
             lambda nonce: scripts.status(
@@ -500,6 +505,7 @@ class GuestSession:
                 snapshot=self.snapshot,
                 index_from=index_from,
                 looks=looks,
+                inline=inline,
             ),
             max_length=_SMALL,
             patience=scripts.looks_seconds(looks),

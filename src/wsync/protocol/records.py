@@ -12,6 +12,8 @@ lines, and checks that chunks are contiguous (seq n+1 starts where n ended).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 
 from wsync.errors import ProtocolError
@@ -209,6 +211,9 @@ class StatusReport:
     #: the index from the offset the status was asked for (``b""`` when not asked, or
     #: nothing is there yet): one exec fewer per poll that finds new chunks
     index_tail: bytes = b""
+    #: a small finished stream, whole (``scripts.status``'s ``inline``): unverified here;
+    #: each chunk of it counts only once it hashes to the index's digest, as a read's
+    inline: bytes | None = None
 
 
 TAR_ERR_MARK = "tar_err_follows"
@@ -248,17 +253,32 @@ def parse_status(payload: bytes, algorithm: Algorithm, index_from: int = -1) -> 
             gone_bytes=_int(fields, "done_gone_bytes"),
         )
     failed = fields.get("failed")
+    data_size = _int(fields, "data_size")
     return StatusReport(
         exists=True,
         alive=fields.get("alive") == "1",
         launched=fields.get("launched") == "1",
         index_size=_int(fields, "index_size"),
-        data_size=_int(fields, "data_size"),
+        data_size=data_size,
         done=done,
         failed=printable(failed.strip()) if failed is not None else None,
         tar_errors=printable(tail, 2000) if sep else "",
         index_tail=index_tail,
+        inline=_inline(fields.get("data_b64"), data_size),
     )
+
+
+def _inline(text: str | None, size: int) -> bytes | None:
+    """The stream a status carried whole; None where it carried none or one that does not
+    decode to ``data_size`` bytes (the chunks are then read as any others: a guest whose
+    ``base64`` misbehaves costs the reads it would have saved, never the pull)."""
+    if text is None:
+        return None
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return data if len(data) == size else None
 
 
 def parse_name_list(payload: bytes) -> list[bytes]:
