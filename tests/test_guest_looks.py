@@ -197,7 +197,9 @@ def test_the_producer_keeps_isize_equal_to_its_index(tmp_path: Path, guest_path:
     assert (snap / "isize").read_text() == f"{len(index)}\n"
 
 
-PRODUCED = ("cat", "wc", "tar", "sed", "sha256sum", "rm")
+#: (not wc: the producer's loop measures the data once a look, and how many looks a run
+#: takes depends on the machine's load)
+PRODUCED = ("cat", "tar", "sed", "sha256sum", "rm")
 
 
 @pytest.mark.parametrize("mode", ["tar", "manifest"])
@@ -208,8 +210,8 @@ def test_a_one_file_run_of_the_producer_runs_only_what_it_needs(
     """The producer's programs are on the path of every pull, the smallest included: a
     one-file run reads its small files with the shell's ``read`` (no ``cat``), asks
     which tar there is only where it archives, parses an empty ``tar.err`` never,
-    measures the data once and takes a one-chunk stream's hash from its chunk (before:
-    3 ``cat``, 4 ``wc``, 2 hashes, a ``tar --version`` and a ``sed`` in either mode)."""
+    and takes a one-chunk stream's hash from its chunk (before: 3 ``cat``, 2 hashes, a
+    ``tar --version`` and a ``sed`` in either mode)."""
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "notes.txt").write_text("one small file\n")
@@ -237,7 +239,6 @@ def test_a_one_file_run_of_the_producer_runs_only_what_it_needs(
     archives = 2 if mode == "tar" else 0  # tar --version, then the archive
     assert runs == {
         "cat": 0,
-        "wc": 2,  # the index's look at the data, the final one
         "tar": archives,
         "sed": 0,
         "sha256sum": 1,  # the one chunk
