@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -784,17 +785,33 @@ def test_the_manifests_staging_goes_while_the_diff_runs(
 
 
 class ScriptLog(LocalTransport):
-    """Notes which of wsync's guest scripts each exec runs (helpers off: one exec a call)."""
+    """Notes which of wsync's guest scripts each call runs, by exec or through a helper."""
 
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         self.ran: list[str] = []
 
+    def note(self, text: str) -> None:
+        names = [name for name, script in scripts.SCRIPTS.items() if script == text]
+        self.ran.append(names[0] if names else "?")
+
     async def exec(self, argv, **kw):  # type: ignore[no-untyped-def,override]
         if len(argv) > 2 and argv[:2] == ["sh", "-c"]:
-            names = [name for name, text in scripts.SCRIPTS.items() if text == argv[2]]
-            self.ran.append(names[0] if names else "?")
+            self.note(argv[2])
         return await super().exec(argv, **kw)
+
+    async def open_channel(self, argv, **kw):  # type: ignore[no-untyped-def,override]
+        channel = await super().open_channel(argv, **kw)
+        send = channel.send
+
+        async def noted(data: bytes) -> None:
+            # a request: its header line, then the call's argv as one shell command line
+            command = data.decode("utf-8", "surrogateescape").split("\n", 1)[1]
+            self.note(shlex.split(command, comments=True)[2])
+            await send(data)
+
+        channel.send = noted  # type: ignore[method-assign]
+        return channel
 
 
 def _small_workspace(root: Path) -> Path:
@@ -805,17 +822,25 @@ def _small_workspace(root: Path) -> Path:
     return root
 
 
-def test_a_small_workspace_is_pulled_without_a_read_call(tmp_path: Path) -> None:
+@pytest.mark.parametrize("helpers", [False, True], ids=["exec-per-call", "helper"])
+def test_a_small_workspace_is_pulled_without_a_read_call(tmp_path: Path, helpers: bool) -> None:
     """A small workspace's manifest and archive each come whole with the status that
     finds them done: each run is an admission and a status, no read (before: a read of
-    each, and a second status beside it)."""
+    each, and a second status beside it).  Through a guest helper the admission carries
+    that status itself: each run is one call."""
     ws = _small_workspace(tmp_path / "ws")
     transport = ScriptLog()
-    result = run_pull(transport, ws, tmp_path / "out", options(tmp_path, helpers=False))
+    result = run_pull(transport, ws, tmp_path / "out", options(tmp_path, helpers=helpers))
     assert_exact(ws, tmp_path / "out")
     assert result.chunks == 1
-    assert "read" not in transport.ran, transport.ran
-    assert transport.ran.count("status") == 2, transport.ran
+    assert "read" not in transport.ran and "?" not in transport.ran, transport.ran
+    # (the first admission finds no producer installed, and is made again after)
+    if helpers:
+        assert transport.ran.count("admit_status") == 3, transport.ran
+        assert "status" not in transport.ran and "admit" not in transport.ran, transport.ran
+    else:
+        assert transport.ran.count("admit") == 3, transport.ran
+        assert transport.ran.count("status") == 2, transport.ran
 
 
 _LYING_BASE64 = """#!/bin/sh

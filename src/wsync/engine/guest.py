@@ -110,6 +110,8 @@ class GuestSession:
         #: what the admission measured (workspace size, free space), for the
         #: message of a full staging disk
         self.admission: records.AdmitReport | None = None
+        #: the snapshot's first status, where the admission carried it (taken once)
+        self.first_status: records.StatusReport | None = None
         #: identifies this run to the guest (admission retries are not adoptions)
         self.run_id = secrets.token_hex(8)
         #: the guest has ``base64`` (the probe says): lists may go in argv parts
@@ -117,6 +119,12 @@ class GuestSession:
         self._rng = random.Random()  # noqa: S311 - backoff jitter, not a secret
         #: the link's rate, round trip and learnt deadlines (a hang costs seconds)
         self.link = Link(options.call_timeout, options.parallel)
+
+    def via_helper(self, stdin: bytes = b"") -> bool:
+        """Whether a call made now goes through a guest helper (whose requests travel on
+        stdin: no argv limit of an exec endpoint applies).  A helper carries no stdin
+        for a call (see :mod:`wsync.protocol.helper`)."""
+        return self.helpers is not None and self.helpers.usable and not stdin
 
     def _wire(self, nonce: str) -> scripts.Wire:
         """The arguments every guest call after the probe shares."""
@@ -186,10 +194,10 @@ class GuestSession:
             started = time.monotonic()
             share0 = self.link.clock(started, read=read)
             try:
-                # a helper carries no stdin for a call (see wsync.protocol.helper)
                 stdout: bytes | bytearray
-                if self.helpers is not None and self.helpers.usable and not stdin:
-                    stdout = await self.helpers.run(
+                helpers = self.helpers
+                if helpers is not None and self.via_helper(stdin):
+                    stdout = await helpers.run(
                         argv,
                         nonce,
                         gate=self.gate,
@@ -343,19 +351,28 @@ class GuestSession:
         mode: str = "tar",
         prune: tuple[str, ...] = (),
         need_kb: int | None = None,
+        status_wait: float | None = None,
     ) -> bool:
         """Start (or adopt) the snapshot's producer.  True when adopted.
 
         The guest runs the installed producer only if it hashes to ours; when
         it does not (or is missing) it is installed afresh, once.  ``need_kb``: the
-        workspace's size from this run's listing (see :func:`scripts.admit`).
+        workspace's size from this run's listing (see :func:`scripts.admit`).  With
+        ``status_wait``, an admission through a guest helper goes on as the first
+        :meth:`status` from index offset 0 (long poll and small stream included), kept
+        in :attr:`first_status`: a call less per producer run.
         """
         assert self.algorithm is not None
         self.snapshot = snapshot
+        self.first_status = None
         producer_hash = self.algorithm.digest(scripts.PRODUCER.encode())
-        envelope = await self.call(
-            "admit",
-            lambda nonce: scripts.admit(
+        looks = scripts.status_looks(status_wait) if status_wait is not None else -1
+        inline = scripts.STATUS_INLINE_MAX if self._base64 else 0
+        carried = [False]
+
+        def build(nonce: str) -> list[str]:
+            carried[0] = looks >= 0 and self.via_helper()
+            return scripts.admit(
                 **self._wire(nonce),
                 snapshot=snapshot,
                 workspace=workspace,
@@ -367,8 +384,15 @@ class GuestSession:
                 mode=mode,
                 prune=prune,
                 need_kb=need_kb,
-            ),
+                status_looks=looks if carried[0] else -1,
+                inline=inline if carried[0] else 0,
+            )
+
+        envelope = await self.call(
+            "admit",
+            build,
             max_length=_SMALL,
+            patience=scripts.looks_seconds(looks) if looks > 0 else 0.0,
         )
         if not envelope.ok and envelope.text == "producer-missing" and not installed:
             await self.install_producer()
@@ -381,10 +405,16 @@ class GuestSession:
                 mode=mode,
                 prune=prune,
                 need_kb=need_kb,
+                status_wait=status_wait,
             )
         if not envelope.ok:
             self._admission_failed(envelope.text, workspace)
-        self.admission = records.parse_admit(envelope.payload)
+        answer, status = envelope.payload, b""
+        if carried[0]:
+            answer, _, status = answer.partition(b"\n")
+        self.admission = records.parse_admit(answer)
+        if status:
+            self.first_status = self._status_report(status, 0)
         return self.admission.adopted
 
     def _admission_failed(self, text: str, workspace: str) -> None:
@@ -510,7 +540,12 @@ class GuestSession:
             max_length=_SMALL,
             patience=scripts.looks_seconds(looks),
         )
-        report = records.parse_status(envelope.payload, self.algorithm, index_from)
+        return self._status_report(envelope.payload, index_from)
+
+    def _status_report(self, payload: bytes, index_from: int) -> records.StatusReport:
+        """A status answer, parsed; a full disk told with the admission's figures."""
+        assert self.algorithm is not None
+        report = records.parse_status(payload, self.algorithm, index_from)
         if report.failed is not None and report.failed.startswith("disk-full "):
             # the producer found the disk full: say so with the admission's figures
             now = report.failed.split(" ")[1].rstrip(":")

@@ -211,6 +211,7 @@ class StreamRunner:
             mode=mode,
             prune=prune,
             need_kb=need_kb,
+            status_wait=_LONG_POLL,
         )
         self.earlier_run = self.earlier_run or self.reconciled
         if journal is not self.manifest_journal:
@@ -424,10 +425,15 @@ class StreamRunner:
                 ]
                 poll, dead, dead_since = _POLL_MIN, 0, 0.0
                 wait = _LONG_POLL
+                # the first status may have come with the admission (through a helper)
+                first, self.session.first_status = self.session.first_status, None
                 while True:
-                    # before any chunk is read, a small finished stream may come whole
-                    inline = scripts.STATUS_INLINE_MAX if index.consumed == 0 else 0
-                    status = await self.session.status(index.consumed, wait, inline)
+                    if first is not None:
+                        status, first = first, None
+                    else:
+                        # before any chunk is read, a small finished stream may come whole
+                        inline = scripts.STATUS_INLINE_MAX if index.consumed == 0 else 0
+                        status = await self.session.status(index.consumed, wait, inline)
                     if not status.exists:
                         raise ProducerVanished("the guest staging directory disappeared")
                     if status.failed is not None:

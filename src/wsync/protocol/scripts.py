@@ -206,11 +206,20 @@ stop() {
 }
 """
 
-_ADMIT = r"""
+_ADMIT_ARGS = r"""
 no() { emit err "$1"; exit 0; }
 root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$8 ph=$9 mode=${10}
 n=${11}
 shift 11
+"""
+#: (its status's looks and inline bound come before the producer's arguments)
+_ADMIT_STATUS_ARGS = r"""
+no() { emit err "$1"; exit 0; }
+root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$8 ph=$9 mode=${10}
+n=${11} sw=${12} sil=${13}
+shift 13
+"""
+_ADMIT = r"""
 # the probe checked the root and its ancestors; make sure it is still that
 lsn "$root"
 [ "$(cd -P "$root" && pwd -P)" = "$root" ] && [ "$u" = "$me" ] || no unsafe-root
@@ -305,7 +314,16 @@ if [ "$go" ]; then
     i=$((i+1))
   done
 fi
+"""
+#: the admission's answer: alone, or (through a helper, whose argv has room for the
+#: status function) with the snapshot's first status after it, long poll included
+_ADMIT_ANSWER = r"""
 emit ok "$a $(cat "$d/launch/size")"
+"""
+_ADMIT_STATUS_ANSWER = r"""
+r="$a $(cat "$d/launch/size")"
+st "$d" 0 "$sw" "$sil"
+emit ok "$r${nl}$p"
 """
 
 _INSTALL = r"""
@@ -359,9 +377,12 @@ mv -f "$d/list.tmp" "$d/list" || no "cannot write the list"
 emit ok "${dg%% *}"
 """
 
-_STATUS = r"""
+_STATUS_FN = r"""
+# the status of snapshot dir $1 into p: the status call's answer, and the one an
+# admission through a guest helper carries (the call that follows it, saved)
+st() {
 d=$1 io=$2 w=$3 il=$4
-[ -d "$d" ] || { emit ok "exists 0"; exit 0; }
+if [ ! -d "$d" ]; then p="exists 0"; return 0; fi
 touch "$d"
 al() {
   alive=0
@@ -412,6 +433,10 @@ if [ "$io" -ge 0 ] && [ $((isz + 0)) -gt "$io" ]; then
   p="$p${nl}index_from $io${nl}index_tail ${#t}${nl}index_follows${nl}$t"
 fi
 if [ -s "$d/tar.err" ]; then p="$p${nl}tar_err_follows${nl}$(head -c 2000 "$d/tar.err")"; fi
+}
+"""
+_STATUS = r"""
+st "$1" "$2" "$3" "$4"
 emit ok "$p"
 """
 
@@ -450,8 +475,11 @@ def _compact(script: str) -> str:
 
 SCRIPTS: dict[str, str] = {
     "probe": _compact(_PRELUDE + _STAGE + _PROBE),
-    "admit": _compact(_PRELUDE + _KILL + _ADMIT),
-    "status": _compact(_PRELUDE + _STATUS),
+    "admit": _compact(_PRELUDE + _KILL + _ADMIT_ARGS + _ADMIT + _ADMIT_ANSWER),
+    "admit_status": _compact(
+        _PRELUDE + _KILL + _STATUS_FN + _ADMIT_STATUS_ARGS + _ADMIT + _ADMIT_STATUS_ANSWER
+    ),
+    "status": _compact(_PRELUDE + _STATUS_FN + _STATUS),
     "read": _compact(_PRELUDE + _READ),
     "cleanup": _compact(_PRELUDE + _KILL + _CLEANUP),
     "install": _compact(_PRELUDE + _INSTALL),
@@ -553,6 +581,8 @@ def admit(
     mode: str = "tar",
     prune: tuple[str, ...] = (),
     need_kb: int | None = None,
+    status_looks: int = -1,
+    inline: int = 0,
 ) -> list[str]:
     """``mode`` is the producer's: ``tar`` (the whole workspace), ``manifest`` (one record
     per entry, ``prune`` naming find ``-name`` globs left out in the guest) or ``select``
@@ -570,8 +600,16 @@ def admit(
     The guest runs the installed producer only when it hashes to
     ``producer_hash`` (with the negotiated algorithm); otherwise it answers
     ``producer-missing`` and the host installs it afresh.
+
+    With ``status_looks`` ≥ 0 the answer goes on with the snapshot's status, as
+    :func:`status` gives it from index offset 0 with that many looks and ``inline``: the
+    first status call, saved.  That script holds the status function too, which makes
+    it too long for an exec endpoint that takes argv in its URL: it is for guest
+    helpers, whose requests travel on stdin.
     """
     check_snapshot_id(snapshot)
+    if not -1 <= status_looks <= 600 or not 0 <= inline <= STATUS_INLINE_MAX:
+        raise ValueError("bad status arguments")
     if chunk_size <= 0 or chunk_size % BLOCK:
         raise UsageError(f"chunk size must be a positive multiple of {BLOCK}")
     args = (
@@ -588,9 +626,11 @@ def admit(
         str(need_kb)
         if mode == "tar" and need_kb is not None and 0 <= need_kb < NEED_KB_MAX
         else "",
+        *((str(status_looks), str(inline)) if status_looks >= 0 else ()),
         *prune,
     )
-    return render("admit", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
+    name = "admit_status" if status_looks >= 0 else "admit"
+    return render(name, gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
 
 
 #: producer text per install call: argv travels in a URL on some backends
