@@ -222,6 +222,31 @@ def test_the_pool_keeps_helpers_between_calls_and_opens_one_per_call_in_flight()
     assert pool.usable is False  # closed
 
 
+def test_a_call_that_may_wait_takes_the_busy_helper_once_it_is_free() -> None:
+    """With ``reuse_wait`` a call that finds every helper busy waits that long for one
+    (opening another is an exec: a login shell, 100 ms and more with a slow profile);
+    without it, or when the busy call outlasts the wait, it opens one as before."""
+
+    async def go() -> list[int]:
+        opened = []
+        for first, wait in (("0.2", 5.0), ("0.2", 0.0), ("2", 0.2)):
+            pool = HelperPool(LocalTransport(), size=3)
+            try:
+                busy = ["sh", "-c", f"sleep {first}; echo a"]
+                one = asyncio.create_task(pool.run(busy, "a1", gate=False, timeout=20, limit=9))
+                await asyncio.sleep(0.05)  # the first call holds the only helper
+                two = await pool.run(
+                    ["echo", "b"], "b1", gate=False, timeout=20, limit=9, reuse_wait=wait
+                )
+                assert two == b"b\n" and await one == b"a\n"
+                opened.append(pool.opened)
+            finally:
+                await pool.aclose()
+        return opened
+
+    assert asyncio.run(go()) == [1, 2, 2]
+
+
 def helper_pids(tag: str) -> list[int]:
     """Processes whose environment carries ``WSYNC_TEST_TAG=tag`` (this test's guest)."""
     return pids_with(f"WSYNC_TEST_TAG={tag}")

@@ -44,6 +44,9 @@ from wsync.transports.base import Transport
 log = structlog.get_logger("wsync.guest")
 
 _SMALL = 1024 * 1024  # bound for probe/admit/status answers
+#: how long a call other than a chunk read waits for a busy guest helper to come free
+#: before it opens another (an exec: a login shell, 100 ms and more with a slow profile)
+_REUSE_WAIT = 0.1
 #: a status poll's deadline before the pool of staged calls has learnt one, seconds
 #: (plus its long poll; doubled per stall): status answers at once on any backend
 _COLD_STATUS = 3.0
@@ -204,6 +207,9 @@ class GuestSession:
                         timeout=deadline,
                         limit=bound,
                         on_open=self._count_exec,
+                        # chunk reads run in parallel on purpose; any other call waits a
+                        # moment for a busy helper rather than open one (an exec)
+                        reuse_wait=0.0 if read else _REUSE_WAIT,
                     )
                     status: int | None = None
                     via = "helper"

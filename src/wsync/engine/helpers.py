@@ -2,8 +2,12 @@
 
 A :class:`HelperPool` opens helpers lazily, one per call in flight at once (a pull's
 calls are mostly one after another; the parallel chunk reads take a few), and keeps
-them between calls.  What it returns is raw output for the envelope parser, exactly as
-an exec's stdout would be: the pool proves nothing.
+them between calls.  A call that may wait (``reuse_wait``: any but a chunk read) first
+waits that long for a busy helper to come free: opening one is an exec, a login shell
+that a slow profile makes 100 ms and more, where the call it would wait for (the
+listing's staging removal beside the next admission, say) takes a few ms.  What it
+returns is raw output for the envelope parser, exactly as an exec's stdout would be: the
+pool proves nothing.
 
 Any failure (a deadline, a broken channel, a cut or flooded answer, a cancel) closes
 that helper, whatever state it is in, and the call's retry starts a new one.  When
@@ -59,6 +63,8 @@ class HelperPool:
         self._size = size
         self._slots = asyncio.Semaphore(max(1, size))
         self._idle: list[_Helper] = []
+        #: calls waiting for a helper to come back to the idle list (woken all at once)
+        self._waiting: list[asyncio.Future[None]] = []
         self._answered = False
         self._failures = 0
         self._closed = False
@@ -96,15 +102,20 @@ class HelperPool:
         timeout: float,
         limit: int,
         on_open: Callable[[], None] = lambda: None,
+        reuse_wait: float = 0.0,
     ) -> bytearray:
         """``argv``'s output through a helper, within ``timeout`` seconds (opening one
         included); at most ``limit`` bytes.  ``on_open`` hears of every helper started
-        for the call (each is an exec in the guest), whether the call then succeeds."""
+        for the call (each is an exec in the guest), whether the call then succeeds.
+        With ``reuse_wait`` (seconds) and every helper busy, the call waits that long for
+        one to come free before it opens another."""
         async with self._slots:
             deadline = time.monotonic() + timeout
             worker, dead = self._take_idle()
             for gone in dead:
                 await self._close(gone, abort=True)
+            if worker is None and reuse_wait > 0 and self.opened > len(dead):
+                worker = await self._wait_idle(min(reuse_wait, timeout / 2))
             good = False
             why = "cancelled"
             try:
@@ -152,6 +163,27 @@ class HelperPool:
                     # a call that failed may still run in the guest: stop it now
                     await self._close(worker, abort=not good)
 
+    async def _wait_idle(self, seconds: float) -> _Helper | None:
+        """An idle helper within ``seconds``, or None (then the caller opens one)."""
+        loop = asyncio.get_running_loop()
+        dead: list[_Helper] = []
+        worker: _Helper | None = None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                while worker is None:
+                    freed = loop.create_future()
+                    self._waiting.append(freed)
+                    try:
+                        await freed
+                    finally:
+                        with contextlib.suppress(ValueError):
+                            self._waiting.remove(freed)
+                    worker, gone = self._take_idle()
+                    dead += gone
+        for helper_ in dead:
+            await self._close(helper_, abort=True)
+        return worker
+
     def _settle(self, worker: _Helper | None, good: bool, why: str) -> None:
         """Book the outcome of one call: the helper back to the idle list, or counted."""
         if worker is not None and worker.proven:
@@ -160,6 +192,9 @@ class HelperPool:
             self._failures = 0
             if worker is not None and not self._closed:
                 self._idle.append(worker)
+                for freed in self._waiting:
+                    if not freed.done():
+                        freed.set_result(None)
             return
         if why == "cancelled":
             return  # not the helper's doing
