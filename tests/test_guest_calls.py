@@ -34,7 +34,7 @@ from helpers import (
     tool_runs,
 )
 from wsync.engine.guest import CallStats, GuestPlan, GuestSession
-from wsync.protocol import scripts
+from wsync.protocol import records, scripts
 from wsync.protocol.envelope import parse_envelope
 from wsync.protocol.hashing import ALGORITHMS, PROBE_ALGORITHM
 from wsync.transports.local import LocalTransport
@@ -86,7 +86,8 @@ def test_an_answer_with_other_bytes_is_measured_in_bytes(
     out = subprocess.run(argv, env=env, capture_output=True, timeout=60, check=True).stdout
     envelope = parse_envelope(out, NONCE, algorithm=PROBE_ALGORITHM, max_length=1 << 20)
     assert envelope.ok, envelope.text
-    assert b"\nstage_root " + os.fsencode(os.path.realpath(root)) + b"\n" in envelope.payload
+    line = b"stage_root " + os.fsencode(os.path.realpath(root))
+    assert line in envelope.payload.split(b"\n")
 
 
 def test_a_non_ascii_index_tail_is_counted_in_bytes(tmp_path: Path, guest_path: str) -> None:
@@ -197,3 +198,28 @@ def test_an_admission_that_cannot_write_says_what_and_where(tmp_path: Path) -> N
         caught.value
     )
     assert str(Path(opts.staging_root).resolve()) in str(caught.value)
+
+
+@pytest.mark.parametrize("free", [False, True])
+def test_the_probe_measures_free_space_only_when_asked(tmp_path: Path, free: bool) -> None:
+    """A pull's probe runs no ``df`` (the admission measures the room it checks);
+    ``wsync doctor``'s asks for it and shows the figure."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    path, log = shim_tools(tmp_path, os.environ["PATH"], {"df": None})
+    argv = scripts.probe(
+        gate=False,
+        nonce=NONCE,
+        b64=False,
+        workspace=str(ws),
+        staging_root=str(tmp_path / "staging"),
+        free=free,
+    )
+    env = {"PATH": path, "HOME": str(tmp_path)}
+    out = subprocess.run(argv, env=env, capture_output=True, timeout=60, check=True).stdout
+    envelope = parse_envelope(out, NONCE, algorithm=PROBE_ALGORITHM, max_length=1 << 20)
+    assert envelope.ok, envelope.text
+    report = records.parse_probe(envelope.payload)
+    assert report.stage_root == os.path.realpath(tmp_path / "staging")
+    assert tool_runs(log, "df") == int(free)
+    assert (report.stage_free_kb is not None) == free

@@ -36,7 +36,7 @@ async def _measure(transport: Transport, workspace: str, staging_root: str) -> d
     session = GuestSession(transport, options, stats)
     report: dict[str, Any] = {"sandbox": transport.description}
     try:
-        plan = await session.probe(workspace)
+        plan = await session.probe(workspace, free=True)
     except UsageError as exc:
         report["workspace_problem"] = str(exc)
         session.algorithm = None

@@ -292,12 +292,18 @@ class GuestSession:
 
     # -- the calls ---------------------------------------------------------------
 
-    async def probe(self, workspace: str) -> GuestPlan:
+    async def probe(self, workspace: str, *, free: bool = False) -> GuestPlan:
+        """What the guest has; with ``free`` the staging root's free space too."""
         root = self.options.staging_root
         envelope = await self.call(
             "probe",
             lambda nonce: scripts.probe(
-                gate=self.gate, nonce=nonce, b64=self.b64, workspace=workspace, staging_root=root
+                gate=self.gate,
+                nonce=nonce,
+                b64=self.b64,
+                workspace=workspace,
+                staging_root=root,
+                free=free,
             ),
             max_length=_SMALL,
             algorithm=PROBE_ALGORITHM,

@@ -181,7 +181,9 @@ p="$p${nl}tar_version ${v%%"$nl"*}"
 find / -maxdepth 0 -printf '' >/dev/null 2>&1 && p="$p${nl}has_find_printf 1"
 if [ "$w" = dir ] && command -v ls >/dev/null 2>&1 && command -v id >/dev/null 2>&1; then
   stage "$2" "$ws"
-  p="$p${nl}stage_root $R${nl}stage_free_kb $(df -Pk "$R" | awk 'NR == 2 { print $4 }')"
+  p="$p${nl}stage_root $R"
+  # the free space only where it is shown (wsync doctor): the admission measures its own
+  [ "$4" = 1 ] && p="$p${nl}stage_free_kb $(df -Pk "$R" | awk 'NR == 2 { print $4 }')"
 fi
 emit ok "$p"
 """
@@ -552,10 +554,14 @@ def check_staging_root(root: str) -> str:
 _PROBE_XXH128 = ALGORITHMS["xxh128"].digest(PROBE_INPUT)
 
 
-def probe(*, gate: bool, nonce: str, b64: bool, workspace: str, staging_root: str) -> list[str]:
+def probe(
+    *, gate: bool, nonce: str, b64: bool, workspace: str, staging_root: str, free: bool = False
+) -> list[str]:
     """Answers the guest's tools and, once the workspace is a directory, the
-    staging root's physical path (created and checked; see :data:`_STAGE`)."""
-    args = (workspace, check_staging_root(staging_root), _PROBE_XXH128)
+    staging root's physical path (created and checked; see :data:`_STAGE`) and, with
+    ``free``, its free space (two programs a pull need not run: the admission measures
+    the room it checks)."""
+    args = (workspace, check_staging_root(staging_root), _PROBE_XXH128, "1" if free else "0")
     return render("probe", gate=gate, nonce=nonce, algorithm="md5", b64=b64, args=args)
 
 
