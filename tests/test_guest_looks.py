@@ -17,6 +17,7 @@ bash and a busybox-only guest.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import threading
 import time
@@ -278,28 +279,39 @@ def test_a_small_finished_stream_comes_with_the_status(
 
 
 def test_a_status_waits_for_the_done_record_once_the_stream_is_complete(
-    producer: tuple[Path, int], guest_path: str
+    producer: tuple[Path, int], guest_path: str, tmp_path: Path
 ) -> None:
-    """The index grew and the compressor is done (``comp.rc``): the producer's last steps
-    are left, so the long poll waits for the done record (here written 0.3 s later) and
-    answers with it, instead of an answer the host must follow with another status and
-    a read.  While the compressor runs, growth answers at once."""
+    """The index grew and the compressor is done (``comp.rc``): only the producer's last
+    steps are left, so a status that may carry a small stream looks again, 2 ms apart,
+    for the done record, and answers with it (here a ``sleep`` shim writes the record
+    when the status first waits: no race).  Without ``comp.rc``, or not asked for a
+    stream, growth answers at once, no look taken; and the looks are bounded: a record
+    that never comes leaves the answer without it."""
+    if "/bb" in guest_path:
+        pytest.skip("busybox's sh runs its sleep applet unshimmed")
     snap, _ = producer
     data = b"a small stream"
     _finished(snap, data)
     record = (snap / "done").read_text()
     (snap / "done").unlink()
     (snap / "comp.rc").unlink()
-    report = run_status(snap, guest_path, 0, looks=scripts.status_looks(10.0), inline=1024)
-    assert report.done is None and report.inline is None  # growth, the compressor running
+    (tmp_path / "record").write_text(record)
+    shim = f"""#!/bin/sh
+echo {{tool}} "$*" >> {{log}}
+[ -f {snap}/comp.rc ] && [ -f {tmp_path}/write-it ] && cp {tmp_path}/record {snap}/done
+exec {shutil.which("sleep", path=guest_path)} "$@"
+"""
+    path, log = shim_tools(tmp_path / "t", guest_path, {"sleep": shim})
+    looks = scripts.status_looks(10.0)
+    report = run_status(snap, path, 0, looks=looks, inline=1024)
+    assert report.done is None and report.inline is None  # the compressor still runs
+    assert tool_runs(log, "sleep") == 0
     (snap / "comp.rc").write_text("0\n")
-
-    def finish() -> None:
-        time.sleep(0.3)
-        (snap / "done").write_text(record)
-
-    writer = threading.Thread(target=finish)
-    writer.start()
-    report = run_status(snap, guest_path, 0, looks=scripts.status_looks(10.0), inline=1024)
-    writer.join()
+    report = run_status(snap, path, 0, looks=looks, inline=0)
+    assert report.done is None and tool_runs(log, "sleep") == 0  # no stream asked for
+    report = run_status(snap, path, 0, looks=looks, inline=1024)
+    assert report.done is None and tool_runs(log, "sleep", "0.002") == 5  # bounded
+    (tmp_path / "write-it").write_text("")
+    report = run_status(snap, path, 0, looks=looks, inline=1024)
     assert report.done is not None and report.inline == data
+    assert tool_runs(log, "sleep", "0.002") == 6  # found at the next look

@@ -233,8 +233,11 @@ def test_a_call_that_may_wait_takes_the_busy_helper_once_it_is_free() -> None:
             pool = HelperPool(LocalTransport(), size=3)
             try:
                 busy = ["sh", "-c", f"sleep {first}; echo a"]
-                one = asyncio.create_task(pool.run(busy, "a1", gate=False, timeout=20, limit=9))
-                await asyncio.sleep(0.05)  # the first call holds the only helper
+                held = asyncio.Event()  # the first call holds the only helper
+                one = asyncio.create_task(
+                    pool.run(busy, "a1", gate=False, timeout=20, limit=9, on_open=held.set)
+                )
+                await held.wait()
                 two = await pool.run(
                     ["echo", "b"], "b1", gate=False, timeout=20, limit=9, reuse_wait=wait
                 )

@@ -172,6 +172,33 @@ def test_each_block_received_leaves_the_delayed_ack_mode() -> None:
     assert [q for _, _, q in blocks] == [1, 1]
 
 
+def test_the_hook_goes_after_its_blocks() -> None:
+    """After ``blocks`` blocks the protocol's own method takes them again, unchanged."""
+
+    class Stub:
+        def __init__(self) -> None:
+            self.got: list[bytes] = []
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+
+        def get_extra_info(self, name: str) -> Any:
+            return self.sock
+
+        def data_received(self, data: bytes, datatype: int | None = None) -> None:
+            self.got.append(data)
+
+    stub = Stub()
+    try:
+        assert sshlib.ack_at_once(stub, blocks=2)  # type: ignore[arg-type]  # duck-typed
+        for block in (b"a", b"b"):
+            assert not inspect.ismethod(stub.data_received)
+            stub.data_received(block)
+        assert inspect.ismethod(stub.data_received)
+        stub.data_received(b"c")
+        assert stub.got == [b"a", b"b", b"c"]
+    finally:
+        stub.sock.close()
+
+
 def test_the_hook_passes_over_what_is_not_tcp() -> None:
     """A ProxyCommand's pipe or a Unix socket: nothing to ACK, the method stays."""
 
@@ -192,23 +219,26 @@ def test_the_hook_passes_over_what_is_not_tcp() -> None:
 
 @pytest.mark.ssh
 def test_ssh_connections_ack_at_once_and_carry_every_byte(sshd: SshdServer) -> None:
-    """The transport's connection has the hook, and outputs of every size arrive whole
-    through it, over a real sshd."""
+    """The transport's connection has the hook for its first blocks (its first exec
+    among them), then the class's own method again; outputs of every size arrive whole
+    through both, over a real sshd."""
     _, transport = open_transport(sshd.uri("/work"), sshd.transport_options())
     assert isinstance(transport, SshTransport)
 
-    async def main() -> tuple[list[bytes], bool]:
+    async def main() -> tuple[list[bytes], bool, bool]:
         try:
-            outs = [
-                (await transport.exec(["head", "-c", str(n), "/dev/urandom"], timeout=60)).stdout
-                for n in (0, 1, 65536, 3 << 20)
-            ]
+            first = (await transport.exec(["echo", "hi"], timeout=60)).stdout
             conn = transport._conn
             assert conn is not None
-            return outs, inspect.ismethod(conn.data_received)
+            hooked = not inspect.ismethod(conn.data_received)
+            outs = [first] + [
+                (await transport.exec(["head", "-c", str(n), "/dev/urandom"], timeout=60)).stdout
+                for n in (0, 1, 65536, 16 << 20)  # 16 MiB: 64 blocks or more
+            ]
+            return outs, hooked, inspect.ismethod(conn.data_received)
         finally:
             await transport.aclose()
 
-    outs, still_method = asyncio.run(main())
-    assert [len(o) for o in outs] == [0, 1, 65536, 3 << 20]
-    assert not still_method
+    outs, hooked, restored = asyncio.run(main())
+    assert [len(o) for o in outs] == [3, 0, 1, 65536, 16 << 20]
+    assert hooked and restored

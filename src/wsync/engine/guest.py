@@ -152,7 +152,7 @@ class GuestSession:
         observe: Callable[[str | None, int], None] | None = None,
         asked: Callable[[], int] | None = None,
         stdin: bytes = b"",
-        patience: float = 0.0,
+        patience: float | Callable[[], float] = 0.0,
     ) -> Envelope:
         """Exec ``build(nonce)`` until a verified envelope comes back.
 
@@ -166,7 +166,8 @@ class GuestSession:
         learnt deadline shorter than ``--call-timeout``) is retried with double the
         patience and does not count as an attempt.  ``patience`` is how long the script
         may wait on purpose (a long poll): it is added to the deadline and left out of
-        what the deadlines learn.
+        what the deadlines learn; a callable is asked after each attempt's ``build``
+        (an attempt may or may not wait, as its script was chosen).
         """
         last = "none"
         received = 0
@@ -185,6 +186,7 @@ class GuestSession:
             attempt += 1
             nonce = secrets.token_hex(8)
             argv = build(nonce)
+            waits = patience() if callable(patience) else patience
             #: the read size of this attempt, for the logs (reads only)
             size = {"asked": asked()} if asked is not None else {}
             bound = wire_length(max_length, mode) + 64 * 1024
@@ -193,7 +195,7 @@ class GuestSession:
             # sample is its time alone (the meter's share clock)
             read = what.startswith("read ")
             learnt = self.link.deadline(kind, expect, stalls, cold, read=read)
-            deadline = learnt + patience
+            deadline = learnt + waits
             started = time.monotonic()
             share0 = self.link.clock(started, read=read)
             try:
@@ -253,7 +255,7 @@ class GuestSession:
                     self.stats.faults["extra-bytes"] += 1
                 if observe is not None:
                     observe(None, received)
-                self.link.answered(kind, received, started, share0, read=read, patience=patience)
+                self.link.answered(kind, received, started, share0, read=read, patience=waits)
                 return envelope
             except ProtocolError as exc:
                 last = exc.fault
@@ -404,7 +406,7 @@ class GuestSession:
             "admit",
             build,
             max_length=_SMALL,
-            patience=scripts.looks_seconds(looks) if looks > 0 else 0.0,
+            patience=lambda: scripts.looks_seconds(looks) if carried[0] else 0.0,
         )
         if not envelope.ok and envelope.text == "producer-missing" and not installed:
             await self.install_producer()

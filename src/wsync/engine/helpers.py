@@ -65,6 +65,8 @@ class HelperPool:
         self._idle: list[_Helper] = []
         #: calls waiting for a helper to come back to the idle list (woken all at once)
         self._waiting: list[asyncio.Future[None]] = []
+        #: calls in progress (each holds a helper, or is about to open or wait for one)
+        self._busy = 0
         self._answered = False
         self._failures = 0
         self._closed = False
@@ -112,13 +114,16 @@ class HelperPool:
         async with self._slots:
             deadline = time.monotonic() + timeout
             worker, dead = self._take_idle()
-            for gone in dead:
-                await self._close(gone, abort=True)
-            if worker is None and reuse_wait > 0 and self.opened > len(dead):
-                worker = await self._wait_idle(min(reuse_wait, timeout / 2))
             good = False
             why = "cancelled"
+            self._busy += 1  # (this call, from here to its end: what others may wait for)
             try:
+                # the helper taken is this call's from here on: a cancel in any await below
+                # reaches the finally, which closes it
+                for gone in dead:
+                    await self._close(gone, abort=True)
+                if worker is None and reuse_wait > 0 and self._busy > 1:
+                    worker = await self._wait_idle(min(reuse_wait, timeout / 2))
                 if worker is None:
                     channel = await self.transport.open_channel(helper.ARGV, timeout=timeout)
                     self.opened += 1
@@ -158,19 +163,19 @@ class HelperPool:
                 why = type(exc).__name__
                 raise
             finally:
+                self._busy -= 1
                 self._settle(worker, good, why)
                 if worker is not None and not (good and not self._closed):
                     # a call that failed may still run in the guest: stop it now
                     await self._close(worker, abort=not good)
 
     async def _wait_idle(self, seconds: float) -> _Helper | None:
-        """An idle helper within ``seconds``, or None (then the caller opens one)."""
+        """An idle helper within ``seconds``, or None (then the caller opens one).  Dead
+        ones found meanwhile go back to the idle list, where the next taker closes them."""
         loop = asyncio.get_running_loop()
-        dead: list[_Helper] = []
-        worker: _Helper | None = None
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(seconds):
-                while worker is None:
+                while True:
                     freed = loop.create_future()
                     self._waiting.append(freed)
                     try:
@@ -178,11 +183,11 @@ class HelperPool:
                     finally:
                         with contextlib.suppress(ValueError):
                             self._waiting.remove(freed)
-                    worker, gone = self._take_idle()
-                    dead += gone
-        for helper_ in dead:
-            await self._close(helper_, abort=True)
-        return worker
+                    worker, dead = self._take_idle()
+                    self._idle.extend(dead)
+                    if worker is not None:
+                        return worker
+        return None
 
     def _settle(self, worker: _Helper | None, good: bool, why: str) -> None:
         """Book the outcome of one call: the helper back to the idle list, or counted."""

@@ -61,6 +61,11 @@ _INDEX_READ = 1024 * 1024
 _POLL_MIN, _POLL_MAX = 0.05, 1.0
 #: how long a status call may wait in the guest for the next chunk, seconds
 _LONG_POLL = 1.0
+#: the long poll an admission through a helper carries: long enough for a small run to
+#: finish (20-40 ms) or a big one to index its first chunk (about 0.1 s), short enough
+#: that the host's own setup after the admission (the journal's check, the tmp tree)
+#: does not wait on a slow producer
+_CARRIED_POLL = 0.1
 _DEAD_CONFIRMATIONS = 3
 #: progress is emitted at least this often, events or not (counters move between events)
 _TICK = 0.5
@@ -211,7 +216,7 @@ class StreamRunner:
             mode=mode,
             prune=prune,
             need_kb=need_kb,
-            status_wait=_LONG_POLL,
+            status_wait=_CARRIED_POLL,
         )
         self.earlier_run = self.earlier_run or self.reconciled
         if journal is not self.manifest_journal:

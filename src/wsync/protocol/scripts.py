@@ -395,7 +395,7 @@ al() {
 # 50 ms apart, the first ten 10 ms (a small workspace's producer is done by then, and
 # each look is two forks in the guest).  Liveness is asked again only if time passed
 al
-k=0
+k=0 dw=0
 while [ $alive = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/failed" ]; do
   # the producer writes the index's size to isize after each line (a hint read without
   # a fork; the answer below measures the index itself); without it, wc
@@ -405,10 +405,13 @@ while [ $alive = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/fa
     *) isz=$v_ ;;
   esac
   if [ $((isz + 0)) -gt "$io" ]; then
-    # grown: the answer goes now, unless the stream is complete (comp.rc) and only the
-    # producer's last steps are left (the final index lines, the done record: a few ms):
-    # then it waits for the record, which it carries, and with it the small stream whole
-    [ -f "$d/comp.rc" ] || break
+    # grown: the answer goes now, unless a small stream may come along (il) and only the
+    # producer's last steps are left (comp.rc: the final index lines, the whole hash, the
+    # done record): then it looks for the record five times, 2 ms apart, and carries it.
+    # (Bounded: a big stream's last steps hash it whole, and its last index lines must
+    # not wait for that)
+    [ "$il" -gt 0 ] && [ -f "$d/comp.rc" ] && [ "$dw" -lt 5 ] || break
+    dw=$((dw + 1))
     sleep 0.002 2>/dev/null || break
   elif [ $k -lt 10 ]; then sleep 0.01 2>/dev/null || break; else sleep 0.05 2>/dev/null || break; fi
   k=$((k + 1))

@@ -330,7 +330,11 @@ class SshTransport(Transport):
         kwargs = self._connect_kwargs()
         try:
             conn = await asyncssh.connect(self.host, **kwargs)
-            ack_at_once(conn)
+            try:
+                ack_at_once(conn)
+            except BaseException:
+                conn.abort()
+                raise
             return conn
         except asyncssh.HostKeyNotVerifiable as exc:
             port = self.port or 22
