@@ -148,7 +148,7 @@ def test_resumed_archive_older_than_the_fresh_manifest_is_repaired_next_time(
 #: first guest call of a kind once a file exists (with a given text, if one is given);
 #: ``local:`` without helpers, so that every guest call is an exec it sees
 _KILLED_PULL = r"""
-import asyncio, dataclasses, os, signal, sys
+import asyncio, dataclasses, os, shlex, signal, sys
 from pathlib import Path
 from wsync.engine.api import PullOptions
 from wsync.engine.pull import pull
@@ -156,19 +156,35 @@ from wsync.protocol import scripts
 from wsync.transports.local import LocalTransport
 
 kind, ws, dest, state, staging, ready, text = sys.argv[1:8]
-keep_prev = sys.argv[8:] == ["keep-prev"]
+keep_prev = "keep-prev" in sys.argv[8:]
+# through guest helpers: killed 20 ms after the call's request went (mid-call)
+helpers = "helpers" in sys.argv[8:]
 
 def reached():
     found = sorted(Path("/").glob(ready.lstrip("/")))
     return bool(found) and (not text or found[0].read_text() == text)
 
 class Killing(LocalTransport):
-    capabilities = dataclasses.replace(LocalTransport.capabilities, channel=False)
+    if not helpers:
+        capabilities = dataclasses.replace(LocalTransport.capabilities, channel=False)
 
     async def exec(self, argv, **kw):
         if scripts.SCRIPTS[kind] in argv and reached():
             os.kill(os.getpid(), signal.SIGKILL)
         return await super().exec(argv, **kw)
+
+    async def open_channel(self, argv, **kw):
+        channel = await super().open_channel(argv, **kw)
+        send = channel.send
+
+        async def killing(data):
+            await send(data)
+            if shlex.quote(scripts.SCRIPTS[kind]).encode() in data and reached():
+                loop = asyncio.get_running_loop()
+                loop.call_later(0.02, os.kill, os.getpid(), signal.SIGKILL)
+
+        channel.send = killing
+        return channel
 
 opts = PullOptions(
     state_dir=Path(state), staging_root=staging, call_timeout=30.0, keep_prev=keep_prev
@@ -254,7 +270,7 @@ def test_a_pull_killed_while_it_reuses_the_kept_tree_finishes_exactly(tmp_path: 
     assert os.stat(prev).st_ino != kept
 
 
-@pytest.mark.parametrize("at", ["manifest", "content-admission"])
+@pytest.mark.parametrize("at", ["manifest", "content-admission", "helper-admission"])
 def test_a_rerun_that_delivers_the_killed_runs_listing_says_so(tmp_path: Path, at: str) -> None:
     """The rerun of a killed pull finishes that pull: DEST is the workspace as the killed
     run listed it (a change made after the kill comes with the next pull).  Whether the
@@ -265,8 +281,13 @@ def test_a_rerun_that_delivers_the_killed_runs_listing_says_so(tmp_path: Path, a
     ws, dest, opts = _pulled_then_a_changed(tmp_path)
     if at == "manifest":  # the manifest producer runs on: the rerun adopts it
         _killed(tmp_path, ws, dest, "status", ws / "a")
-    else:  # the content run's journal is written, its admission never answered
+    elif at == "content-admission":  # the content run's journal is written, its
+        # admission never answered
         _killed(tmp_path, ws, dest, "admit", tmp_path / "state/pulls/*/phase-select/meta.json")
+    else:  # the same through a guest helper, killed while the admission (and the status
+        # it carries) runs in the guest
+        ready = tmp_path / "state/pulls/*/phase-select/meta.json"
+        _killed(tmp_path, ws, dest, "admit_status", ready, "", "helpers")
     time.sleep(0.01)  # a new mtime for c, whatever the filesystem's granularity
     (ws / "c").write_text("c two, after the kill\n")
     again = run_pull(LocalTransport(), ws, dest, opts)
