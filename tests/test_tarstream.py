@@ -389,3 +389,16 @@ def test_a_host_out_of_memory_on_the_manifest_path_is_not_hostile_either() -> No
         feed.finish(0)
         with pytest.raises(HostOutOfMemory):
             consume_feed(feed, "zstd", use)
+
+
+def test_the_type_flags_are_tarfiles() -> None:
+    """The header type flags the reader and the extractor use are the stdlib's (defined
+    in wsync so that a pull need not import tarfile)."""
+    import tarfile
+
+    from wsync.engine import tarstream
+
+    names = [n for n in dir(tarstream) if n.endswith("TYPE") or n.startswith("GNUTYPE_")]
+    assert len(names) == 14
+    for name in names:
+        assert getattr(tarstream, name) == getattr(tarfile, name), name

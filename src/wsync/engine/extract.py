@@ -72,7 +72,6 @@ import errno
 import os
 import secrets
 import stat
-import tarfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -80,6 +79,7 @@ from typing import BinaryIO
 
 import xxhash
 
+from wsync.engine import tarstream
 from wsync.engine.api import ExtractLimits, MiB
 from wsync.engine.tarstream import TarReader, show_name
 from wsync.errors import DiskLow, HostileArchive, HostIOError, LimitExceeded, WsyncError
@@ -106,14 +106,14 @@ _MAX_NS = 2**63 - 1
 _MIN_TIME_T = -(2**63)
 _MAX_TIME_T = 2**63 - 1
 
-_REGULAR = frozenset((tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE))
+_REGULAR = frozenset((tarstream.REGTYPE, tarstream.AREGTYPE, tarstream.CONTTYPE))
 #: the other types created: directories, symlinks, hardlinks (refused with a payload)
-_CREATED = frozenset((tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE))
+_CREATED = frozenset((tarstream.DIRTYPE, tarstream.SYMTYPE, tarstream.LNKTYPE))
 _KNOWN_BAD = {
-    tarfile.CHRTYPE: "character device",
-    tarfile.BLKTYPE: "block device",
-    tarfile.FIFOTYPE: "FIFO",
-    tarfile.GNUTYPE_SPARSE: "GNU sparse file",
+    tarstream.CHRTYPE: "character device",
+    tarstream.BLKTYPE: "block device",
+    tarstream.FIFOTYPE: "FIFO",
+    tarstream.GNUTYPE_SPARSE: "GNU sparse file",
 }
 
 
@@ -420,9 +420,9 @@ class _Extractor:
             raise HostileArchive(f"{show_name(name)}: {what}")
         if size:
             raise HostileArchive(f"{show_name(name)}: unexpected payload on a non-file member")
-        if kind == tarfile.DIRTYPE:
+        if kind == tarstream.DIRTYPE:
             self._dir(name, mode, mtime_ns)
-        elif kind == tarfile.SYMTYPE:
+        elif kind == tarstream.SYMTYPE:
             self._symlink(name, link, mtime_ns)
         else:
             self._hardlink(name, link)

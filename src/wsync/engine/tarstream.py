@@ -1,7 +1,7 @@
 """The tar stream reader: the extractor's input parsed into members, every short read an error.
 
 The guest is hostile (docs/design.md, guarantee 5), so nothing in the archive is trusted.  Python's
-``tarfile`` is not used to read it (only its type constants): headers, the stream and the pax
+``tarfile`` is not used to read it, nor imported: headers, the stream and the pax
 and GNU long-name records are parsed here, because ``tarfile``
 
 * treats an invalid or short header in mid-archive as a normal end of archive, so a truncated
@@ -35,7 +35,6 @@ from __future__ import annotations
 import os
 import re
 import struct
-import tarfile
 import zlib
 from collections.abc import Callable
 from typing import Any, BinaryIO
@@ -54,7 +53,15 @@ _MAX_EXT_HEADER = 1 * MiB
 _MAX_TRAILER = 1 * MiB
 _NS = 1_000_000_000
 
-_EXTENDED = frozenset((tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, b"K"))
+# The type flags of a tar header (POSIX ustar, pax and GNU), as the stdlib's tarfile names
+# them; defined here so that a pull does not import tarfile (and what it imports) for
+# eleven bytes
+REGTYPE, AREGTYPE, LNKTYPE, SYMTYPE = b"0", b"\0", b"1", b"2"
+CHRTYPE, BLKTYPE, DIRTYPE, FIFOTYPE, CONTTYPE = b"3", b"4", b"5", b"6", b"7"
+XHDTYPE, XGLTYPE = b"x", b"g"
+GNUTYPE_LONGNAME, GNUTYPE_LONGLINK, GNUTYPE_SPARSE = b"L", b"K", b"S"
+
+_EXTENDED = frozenset((XHDTYPE, XGLTYPE, GNUTYPE_LONGNAME, b"K"))
 #: pax keywords we act on; every other keyword is ignored (uid, uname, atime, xattrs...)
 _PAX_KEYS = frozenset((b"path", b"linkpath", b"size", b"mtime"))
 
@@ -72,10 +79,10 @@ def show_name(name: bytes) -> str:
 #: name, mode, (uid, gid), size, mtime, chksum, type, linkname, magic,
 #: (version..devminor), prefix, (pad)
 _HEADER = struct.Struct("100s8s16x12s12s8sc100s6s82x155s12x")
-_GNU_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.GNUTYPE_SPARSE)
+_GNU_TYPES = (GNUTYPE_LONGNAME, GNUTYPE_LONGLINK, GNUTYPE_SPARSE)
 _USTAR_MAGIC = b"ustar\0"
 #: a member of these types whose (final) name ends in "/" is a directory, as in GNU tar
-_FILE_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
+_FILE_TYPES = (REGTYPE, AREGTYPE, CONTTYPE)
 
 
 def parse_header(block: bytes) -> tuple[bytes, bytes, bytes, int, int, int]:
@@ -372,14 +379,14 @@ class TarReader:
             if len(data) != size:
                 raise HostileArchive("truncated archive: stream ends inside an extended header")
             self.skip_padding(size)
-            if kind == tarfile.XHDTYPE:
+            if kind == XHDTYPE:
                 if pax is not None:
                     raise HostileArchive(f"{where}: repeated pax header")
                 pax = _parse_pax(data, where)
-            elif kind == tarfile.XGLTYPE:
+            elif kind == XGLTYPE:
                 self._on_global_header(where.encode())
                 self.pax_global.update(_parse_pax(data, where))
-            elif kind == tarfile.GNUTYPE_LONGNAME:
+            elif kind == GNUTYPE_LONGNAME:
                 if long_name is not None:
                     raise HostileArchive(f"{where}: repeated GNU long name")
                 long_name = data.split(b"\0", 1)[0]
@@ -403,5 +410,5 @@ class TarReader:
                     raise HostileArchive(f"{show_name(name)}: malformed pax size")
                 size = int(ext[b"size"])
         if kind in _FILE_TYPES and name.endswith(b"/"):  # of the final name, as in GNU tar
-            kind = tarfile.DIRTYPE
+            kind = DIRTYPE
         return kind, name, link, mode, size, mtime_ns
