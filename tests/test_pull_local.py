@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shlex
@@ -868,3 +869,36 @@ def test_a_stream_that_comes_whole_but_wrong_is_read_again(tmp_path: Path) -> No
     # each copy was seen to be wrong (not merely absent), and cost a read, not a retry
     assert result.faults.get("chunk-hash-mismatch") == 2, result.faults
     assert result.retries == 0
+
+
+@pytest.mark.parametrize("closing", ["transport", "helpers"])
+def test_a_stop_while_the_pull_closes_its_connections_is_its_success(
+    tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch, closing: str
+) -> None:
+    """Once the pull returned, DEST is swapped: a stop that lands while the guest helpers
+    or the transport close is that success, never an interruption (which promises DEST
+    untouched).  Seen as a random-signal test's run that said 130 with DEST in place."""
+    from wsync.engine.helpers import HelperPool
+    from wsync.engine.pull import pull_uri
+
+    entered: list[asyncio.Event] = []
+
+    async def slow_close(self: object) -> None:
+        entered[0].set()
+        await asyncio.sleep(30)
+
+    owner = LocalTransport if closing == "transport" else HelperPool
+    monkeypatch.setattr(owner, "aclose", slow_close)
+    dest = tmp_path / "out"
+
+    async def go() -> object:
+        entered.append(asyncio.Event())
+        task = asyncio.create_task(pull_uri(f"local:{workspace}", dest, options(tmp_path)))
+        await asyncio.wait_for(entered[0].wait(), 120)
+        assert dest.exists()
+        task.cancel()
+        return await task
+
+    result = asyncio.run(go())
+    assert getattr(result, "ok", False), result
+    assert_exact(workspace, dest)

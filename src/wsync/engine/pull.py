@@ -451,13 +451,21 @@ async def pull(
     """
     # one more helper than parallel reads: a status long poll runs beside them
     helpers = HelperPool(transport, options.parallel + 1) if options.helpers else None
+    result: PullResult | None = None
     try:
-        return await _pull(transport, workspace, dest, options, sandbox, on_progress, helpers)
+        result = await _pull(transport, workspace, dest, options, sandbox, on_progress, helpers)
     finally:
         if helpers is not None:
             # shielded: a second stop (the daemon cancels a job twice when it shuts down)
             # must not leave helpers half closed; the close is bounded per helper
-            await asyncio.shield(helpers.aclose())
+            try:
+                await asyncio.shield(helpers.aclose())
+            except asyncio.CancelledError:
+                if result is None:
+                    raise
+                # DEST is swapped: a stop that lands while the helpers close is the
+                # success it follows (the shielded close goes on)
+    return result
 
 
 async def _pull(
@@ -584,10 +592,12 @@ async def pull_uri(
     """Open the transport named by ``uri`` and pull its workspace into ``dest``."""
     started = time.monotonic()
     parsed, transport = open_transport(uri, transport_options)
+    result: PullResult | None = None
     try:
-        return await pull(
+        result = await pull(
             transport, parsed.path, dest, options, sandbox=parsed.raw, on_progress=on_progress
         )
+        return result
     finally:
         # bounded: a close that hangs (a dead ssh connection, a backend's kill of the
         # guest's readers) must not hold a finished or cancelled pull, nor run past the
@@ -600,3 +610,8 @@ async def pull_uri(
                 await transport.aclose()
         except TimeoutError:
             log.warning("closing the transport timed out", sandbox=parsed.raw)
+        except asyncio.CancelledError:
+            if result is None:
+                raise
+            # the pull returned: DEST is swapped, and a stop that lands while the
+            # transport closes is that success (the CLI exits 0), never an interruption
