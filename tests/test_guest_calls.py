@@ -26,9 +26,11 @@ import pytest
 
 from helpers import (
     GUEST_SHELLS,
+    assert_exact,
     guest_shell_path,
     make_tree,
     options,
+    run_pull,
     run_status,
     shim_tools,
     tool_runs,
@@ -223,3 +225,25 @@ def test_the_probe_measures_free_space_only_when_asked(tmp_path: Path, free: boo
     assert report.stage_root == os.path.realpath(tmp_path / "staging")
     assert tool_runs(log, "df") == int(free)
     assert (report.stage_free_kb is not None) == free
+
+
+@pytest.mark.parametrize("helpers", [True, False], ids=["helper", "exec-per-call"])
+def test_a_first_and_an_incremental_pull_are_exact_under_every_shell(
+    tmp_path: Path, any_shell_path: str, helpers: bool
+) -> None:
+    """Every script of a pull, the admission that carries a status and the status that
+    carries a small stream included, under dash, bash, busybox and yash as ``sh``: a first
+    pull, then one after a file changed and one was added, both exact."""
+    ws = make_tree(tmp_path / "ws", big=200_000, small=8)
+    env = {"PATH": any_shell_path, "HOME": str(tmp_path)}
+    dest = tmp_path / "out"
+    opts = options(tmp_path, helpers=helpers)
+    first = run_pull(LocalTransport(env=env), ws, dest, opts)
+    assert first.ok, first.error
+    assert_exact(ws, dest)
+    (ws / "src" / "f0.txt").write_text("changed\n")
+    (ws / "added.txt").write_text("new\n")
+    again = run_pull(LocalTransport(env=env), ws, dest, opts)
+    # (this busybox guest has no stat or readlink to list with: a full pull again)
+    assert again.ok and again.mode == ("full" if "/bb" in any_shell_path else "incremental")
+    assert_exact(ws, dest)
