@@ -208,16 +208,16 @@ stop() {
 }
 """
 
-_ADMIT_ARGS = r"""
+_ADMIT_HEAD = r"""
 no() { emit err "$1"; exit 0; }
 root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$8 ph=$9 mode=${10}
+"""
+_ADMIT_ARGS = r"""
 n=${11}
 shift 11
 """
 #: (its status's looks and inline bound come before the producer's arguments)
 _ADMIT_STATUS_ARGS = r"""
-no() { emit err "$1"; exit 0; }
-root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$8 ph=$9 mode=${10}
 n=${11} sw=${12} sil=${13}
 shift 13
 """
@@ -480,9 +480,15 @@ def _compact(script: str) -> str:
 
 SCRIPTS: dict[str, str] = {
     "probe": _compact(_PRELUDE + _STAGE + _PROBE),
-    "admit": _compact(_PRELUDE + _KILL + _ADMIT_ARGS + _ADMIT + _ADMIT_ANSWER),
+    "admit": _compact(_PRELUDE + _KILL + _ADMIT_HEAD + _ADMIT_ARGS + _ADMIT + _ADMIT_ANSWER),
     "admit_status": _compact(
-        _PRELUDE + _KILL + _STATUS_FN + _ADMIT_STATUS_ARGS + _ADMIT + _ADMIT_STATUS_ANSWER
+        _PRELUDE
+        + _KILL
+        + _STATUS_FN
+        + _ADMIT_HEAD
+        + _ADMIT_STATUS_ARGS
+        + _ADMIT
+        + _ADMIT_STATUS_ANSWER
     ),
     "status": _compact(_PRELUDE + _STATUS_FN + _STATUS),
     "read": _compact(_PRELUDE + _READ),
