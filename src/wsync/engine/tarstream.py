@@ -55,13 +55,13 @@ _NS = 1_000_000_000
 
 # The type flags of a tar header (POSIX ustar, pax and GNU), as the stdlib's tarfile names
 # them; defined here so that a pull does not import tarfile (and what it imports) for
-# eleven bytes
+# fourteen one-byte constants
 REGTYPE, AREGTYPE, LNKTYPE, SYMTYPE = b"0", b"\0", b"1", b"2"
 CHRTYPE, BLKTYPE, DIRTYPE, FIFOTYPE, CONTTYPE = b"3", b"4", b"5", b"6", b"7"
 XHDTYPE, XGLTYPE = b"x", b"g"
 GNUTYPE_LONGNAME, GNUTYPE_LONGLINK, GNUTYPE_SPARSE = b"L", b"K", b"S"
 
-_EXTENDED = frozenset((XHDTYPE, XGLTYPE, GNUTYPE_LONGNAME, b"K"))
+_EXTENDED = frozenset((XHDTYPE, XGLTYPE, GNUTYPE_LONGNAME, GNUTYPE_LONGLINK))
 #: pax keywords we act on; every other keyword is ignored (uid, uname, atime, xattrs...)
 _PAX_KEYS = frozenset((b"path", b"linkpath", b"size", b"mtime"))
 
