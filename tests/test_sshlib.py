@@ -68,6 +68,43 @@ def test_importing_the_ssh_transport_runs_no_compiler(tmp_path: Path) -> None:
     assert log.exists() and "gcc" in log.read_text()
 
 
+def test_importing_the_ssh_transport_loads_no_x509_it_cannot_use(tmp_path: Path) -> None:
+    """asyncssh's X.509 support needs pyOpenSSL; without it, importing the transport does
+    not load ``cryptography.x509`` (20-30 ms) on the way to finding that out, and asyncssh
+    ends up as it would have: without X.509.  With a pyOpenSSL on the path (a stand-in
+    that is enough for asyncssh's import), asyncssh gets to try it as before."""
+    probe = (
+        "import sys\n"
+        "import wsync.transports.ssh\n"
+        "import asyncssh.known_hosts as kh, asyncssh.public_key as pk\n"
+        "print('cryptography.x509' in sys.modules, kh._x509_available, pk._x509_available)\n"
+    )
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False", "False"]
+    # the same without this module: asyncssh loads cryptography.x509, then fails on OpenSSL
+    plain = probe.replace("import wsync.transports.ssh\n", "import asyncssh\n")
+    done = subprocess.run(
+        [sys.executable, "-c", plain], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.stdout.split() == ["True", "False", "False"], done.stderr
+    # a pyOpenSSL to be found: asyncssh's own attempt runs (and here fails in its module)
+    fake = tmp_path / "OpenSSL"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "crypto.py").write_text("raise ImportError('a stand-in')\n")
+    env["PYTHONPATH"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False", "False"]
+
+
 def test_other_names_go_to_cpythons_lookup() -> None:
     seen: list[str] = []
 
