@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import shlex
 import shutil
@@ -826,9 +827,9 @@ def _small_workspace(root: Path) -> Path:
 @pytest.mark.parametrize("helpers", [False, True], ids=["exec-per-call", "helper"])
 def test_a_small_workspace_is_pulled_without_a_read_call(tmp_path: Path, helpers: bool) -> None:
     """A small workspace's manifest and archive each come whole with the status that
-    finds them done: each run is an admission and a status, no read (before: a read of
-    each, and a second status beside it).  Through a guest helper the admission carries
-    that status itself: each run is one call."""
+    finds them done, and the admission carries that status itself: each run is one call,
+    no status and no read (before: an admission, a status and a read each).  Through a
+    guest helper or one exec per call alike (``local:``'s argv may be long)."""
     ws = _small_workspace(tmp_path / "ws")
     transport = ScriptLog()
     result = run_pull(transport, ws, tmp_path / "out", options(tmp_path, helpers=helpers))
@@ -836,12 +837,24 @@ def test_a_small_workspace_is_pulled_without_a_read_call(tmp_path: Path, helpers
     assert result.chunks == 1
     assert "read" not in transport.ran and "?" not in transport.ran, transport.ran
     # (the first admission finds no producer installed, and is made again after)
-    if helpers:
-        assert transport.ran.count("admit_status") == 3, transport.ran
-        assert "status" not in transport.ran and "admit" not in transport.ran, transport.ran
-    else:
-        assert transport.ran.count("admit") == 3, transport.ran
-        assert transport.ran.count("status") == 2, transport.ran
+    assert transport.ran.count("admit_status") == 3, transport.ran
+    assert "status" not in transport.ran and "admit" not in transport.ran, transport.ran
+
+
+def test_an_exec_whose_argv_must_stay_short_keeps_admission_and_status_apart(
+    tmp_path: Path,
+) -> None:
+    """Where an exec's argv travels in a URL (Sprites, Kubernetes: ``long_argv`` off) the
+    longer admission is never sent as an exec: each run is an admission, then a status."""
+    ws = _small_workspace(tmp_path / "ws")
+    transport = ScriptLog()
+    transport.capabilities = dataclasses.replace(transport.capabilities, long_argv=False)  # type: ignore[misc]
+    result = run_pull(transport, ws, tmp_path / "out", options(tmp_path, helpers=False))
+    assert_exact(ws, tmp_path / "out")
+    assert result.chunks == 1
+    assert "admit_status" not in transport.ran, transport.ran
+    assert transport.ran.count("admit") == 3, transport.ran
+    assert transport.ran.count("status") == 2, transport.ran
 
 
 _LYING_BASE64 = """#!/bin/sh

@@ -106,6 +106,9 @@ class GuestSession:
         self.snapshot = ""
         #: the backend's file API is used for chunk reads (see read_direct)
         self.direct = transport.capabilities.file_read
+        #: an exec may carry the admission that answers the first status too (see
+        #: :meth:`admit`); else only a helper's request does
+        self.long_argv = transport.capabilities.long_argv
         self._direct_failures = 0
         #: the staging root's physical path as the probe resolved and checked
         #: it; every later call uses this, never the configured value
@@ -372,9 +375,10 @@ class GuestSession:
         The guest runs the installed producer only if it hashes to ours; when
         it does not (or is missing) it is installed afresh, once.  ``need_kb``: the
         workspace's size from this run's listing (see :func:`scripts.admit`).  With
-        ``status_wait``, an admission through a guest helper goes on as the first
-        :meth:`status` from index offset 0 (long poll and small stream included), kept
-        in :attr:`first_status`: a call less per producer run.
+        ``status_wait``, an admission through a guest helper, or an exec whose argv may
+        be long, goes on as the first :meth:`status` from index offset 0 (long poll and
+        small stream included), kept in :attr:`first_status`: a call less per producer
+        run (a round trip of 0.1-0.3 s on the HTTP backends).
         """
         assert self.algorithm is not None
         self.snapshot = snapshot
@@ -385,7 +389,7 @@ class GuestSession:
         carried = [False]
 
         def build(nonce: str) -> list[str]:
-            carried[0] = looks >= 0 and self.via_helper()
+            carried[0] = looks >= 0 and (self.via_helper() or self.long_argv)
             return scripts.admit(
                 **self._wire(nonce),
                 snapshot=snapshot,

@@ -142,6 +142,11 @@ class Capabilities:
     #: :meth:`Transport.open_channel` keeps one command running with a live stdin and
     #: stdout (the guest helper's pipe: many calls for one exec)
     channel: bool = False
+    #: an exec's argv may run to tens of KiB: it travels in a request body or an SSH
+    #: channel request.  False where it goes in a URL's query (Sprites, Kubernetes),
+    #: which servers and proxies cap near 8 KiB: the longer scripts (an admission that
+    #: also answers the first status) then go only through guest helpers
+    long_argv: bool = False
 
 
 class Channel(abc.ABC):

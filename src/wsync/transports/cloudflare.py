@@ -109,7 +109,7 @@ class CloudflareTransport(Transport):
 
     scheme: ClassVar[str] = "cloudflare"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        stdin=False, binary_safe=False, separate_stderr=True, file_read=True
+        stdin=False, binary_safe=False, separate_stderr=True, file_read=True, long_argv=True
     )
 
     def __init__(

@@ -108,7 +108,7 @@ class DaytonaTransport(Transport):
 
     scheme: ClassVar[str] = "daytona"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        stdin=False, binary_safe=False, separate_stderr=False, file_read=True
+        stdin=False, binary_safe=False, separate_stderr=False, file_read=True, long_argv=True
     )
 
     def __init__(

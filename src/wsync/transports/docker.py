@@ -153,7 +153,7 @@ class DockerTransport(Transport):
 
     scheme: ClassVar[str] = "docker"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        stdin=True, binary_safe=True, separate_stderr=True, file_read=False
+        stdin=True, binary_safe=True, separate_stderr=True, file_read=False, long_argv=True
     )
 
     def __init__(

@@ -137,7 +137,7 @@ class E2BTransport(Transport):
 
     scheme: ClassVar[str] = "e2b"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        stdin=True, binary_safe=True, separate_stderr=True, file_read=True
+        stdin=True, binary_safe=True, separate_stderr=True, file_read=True, long_argv=True
     )
 
     def __init__(

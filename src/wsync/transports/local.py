@@ -183,7 +183,9 @@ class LocalTransport(Transport):
     """Runs commands on this machine, each in its own process group."""
 
     scheme = "local"
-    capabilities = Capabilities(stdin=True, binary_safe=True, separate_stderr=True, channel=True)
+    capabilities = Capabilities(
+        stdin=True, binary_safe=True, separate_stderr=True, channel=True, long_argv=True
+    )
 
     def __init__(self, env: Mapping[str, str] | None = None, *, file_api: bool = False) -> None:
         #: None: inherit our environment unchanged; else the full child environment

@@ -216,7 +216,9 @@ class SshTransport(Transport):
     """Exec over one shared, lazily (re)connected SSH connection."""
 
     scheme = "ssh"
-    capabilities = Capabilities(stdin=True, binary_safe=True, separate_stderr=True, channel=True)
+    capabilities = Capabilities(
+        stdin=True, binary_safe=True, separate_stderr=True, channel=True, long_argv=True
+    )
 
     def __init__(
         self,
