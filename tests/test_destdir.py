@@ -33,9 +33,11 @@ Hook = Callable[[int], Awaitable[None]]
 class HookTransport(LocalTransport):
     """The real ``local:`` transport, with a test hook awaited before every exec
     (the n-th exec gets n): it changes the host while the pull runs.  Without guest
-    helpers, so that every guest call is an exec the hook sees."""
+    helpers, so that every guest call is an exec the hook sees, and with a short argv, so
+    that a status follows each admission as a call of its own (a stream small enough to
+    come with the admission's status would leave no exec while the tree is extracted)."""
 
-    capabilities = dataclasses.replace(LocalTransport.capabilities, channel=False)
+    capabilities = dataclasses.replace(LocalTransport.capabilities, channel=False, long_argv=False)
 
     def __init__(self, hook: Hook) -> None:
         super().__init__()

@@ -159,6 +159,9 @@ kind, ws, dest, state, staging, ready, text = sys.argv[1:8]
 keep_prev = "keep-prev" in sys.argv[8:]
 # through guest helpers: killed 20 ms after the call's request went (mid-call)
 helpers = "helpers" in sys.argv[8:]
+# one exec per call, with the admission that answers the first status (else an
+# admission and a status call, as where an exec's argv must stay short)
+long_argv = "long-argv" in sys.argv[8:]
 
 def reached():
     found = sorted(Path("/").glob(ready.lstrip("/")))
@@ -166,7 +169,9 @@ def reached():
 
 class Killing(LocalTransport):
     if not helpers:
-        capabilities = dataclasses.replace(LocalTransport.capabilities, channel=False)
+        capabilities = dataclasses.replace(
+            LocalTransport.capabilities, channel=False, long_argv=long_argv
+        )
 
     async def exec(self, argv, **kw):
         if scripts.SCRIPTS[kind] in argv and reached():
@@ -270,7 +275,9 @@ def test_a_pull_killed_while_it_reuses_the_kept_tree_finishes_exactly(tmp_path: 
     assert os.stat(prev).st_ino != kept
 
 
-@pytest.mark.parametrize("at", ["manifest", "content-admission", "helper-admission"])
+@pytest.mark.parametrize(
+    "at", ["manifest", "content-admission", "exec-admission-status", "helper-admission"]
+)
 def test_a_rerun_that_delivers_the_killed_runs_listing_says_so(tmp_path: Path, at: str) -> None:
     """The rerun of a killed pull finishes that pull: DEST is the workspace as the killed
     run listed it (a change made after the kill comes with the next pull).  Whether the
@@ -284,6 +291,10 @@ def test_a_rerun_that_delivers_the_killed_runs_listing_says_so(tmp_path: Path, a
     elif at == "content-admission":  # the content run's journal is written, its
         # admission never answered
         _killed(tmp_path, ws, dest, "admit", tmp_path / "state/pulls/*/phase-select/meta.json")
+    elif at == "exec-admission-status":  # the same where the exec's admission carries
+        # the first status
+        ready = tmp_path / "state/pulls/*/phase-select/meta.json"
+        _killed(tmp_path, ws, dest, "admit_status", ready, "", "long-argv")
     else:  # the same through a guest helper, killed while the admission (and the status
         # it carries) runs in the guest
         ready = tmp_path / "state/pulls/*/phase-select/meta.json"

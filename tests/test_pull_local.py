@@ -857,6 +857,37 @@ def test_an_exec_whose_argv_must_stay_short_keeps_admission_and_status_apart(
     assert transport.ran.count("status") == 2, transport.ran
 
 
+@pytest.mark.parametrize("long_argv", [True, False], ids=["long-argv", "short-argv"])
+def test_a_list_without_stdin_goes_in_parts_as_large_as_the_exec_takes(
+    tmp_path: Path, long_argv: bool
+) -> None:
+    """Without stdin (Cloudflare, Daytona) the select run's list travels in argv parts of
+    base64: 64 KiB each where an exec's argv may be long, 4 KiB where it may not.  A
+    16 KB list (in base64) is one upload call, not five (a round trip each on an HTTP
+    backend)."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    names = [f"a-file-with-a-rather-long-name-{i:03d}.txt" for i in range(300)]
+    for name in names:
+        (ws / name).write_text("first\n")
+    dest = tmp_path / "out"
+    opts = options(tmp_path, helpers=False)
+    run_pull(ScriptLog(), ws, dest, opts)
+    for name in names:
+        with (ws / name).open("a") as f:
+            f.write("second\n")
+    transport = ScriptLog()
+    transport.capabilities = dataclasses.replace(  # type: ignore[misc]
+        transport.capabilities, stdin=False, long_argv=long_argv
+    )
+    result = run_pull(transport, ws, dest, opts)
+    assert result.mode == "incremental" and result.changed_files == len(names)
+    assert_exact(ws, dest)
+    listed = sum(len(f"./{name}\0") for name in names)
+    parts = -(-4 * -(-listed // 3) // (64 * 1024 if long_argv else 4096))
+    assert transport.ran.count("upload") == parts == (1 if long_argv else 5), transport.ran
+
+
 _LYING_BASE64 = """#!/bin/sh
 # the guest's base64, but of other bytes of the same length (each byte moved by 128)
 {real} "$@" | {real} -d | tr '\\000-\\177\\200-\\377' '\\200-\\377\\000-\\177' | {real}

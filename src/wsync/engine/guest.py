@@ -64,7 +64,8 @@ _FAILED_WRITES = {
     "token-failed": "cannot write the snapshot's admission token",
     "pid-failed": "cannot write the producer's pid file",
 }
-#: base64 text per list upload call through a guest helper
+#: base64 text per list upload call through a guest helper or an exec whose argv may be
+#: long (under Linux's 128 KiB per argument, with the script beside it)
 _HELPER_UPLOAD_PART = 64 * 1024
 
 
@@ -478,8 +479,9 @@ class GuestSession:
         """Stage ``data`` (a NUL-separated name list) as the ``list`` of ``snapshot``.
 
         On stdin where the transport has it (one call, base64 on text channels), else in
-        argv parts of base64 (Cloudflare, Daytona); the guest keeps it only when it
-        hashes to ours, and the answer must name that hash too.
+        argv parts of base64 (Cloudflare, Daytona): 64 KiB each where an exec's argv may
+        be long, else 4 KiB; the guest keeps it only when it hashes to ours, and the
+        answer must name that hash too.
         """
         assert self.algorithm is not None
         digest = self.algorithm.digest(data)
@@ -505,7 +507,9 @@ class GuestSession:
                 raise StagingFailed(f"uploading the list: {records.printable(envelope.text)}")
         else:
             text = base64.b64encode(data).decode()
-            size = _HELPER_UPLOAD_PART if helped else scripts.UPLOAD_PART
+            # (a 1% change of a 59k-entry workspace is a 70 KB list in base64: 18 calls
+            # of 4 KiB, seconds on an HTTP backend's round trips, or 2 of 64 KiB)
+            size = _HELPER_UPLOAD_PART if helped or self.long_argv else scripts.UPLOAD_PART
             count = max(1, -(-len(text) // size))
             for part in range(count):
                 piece = text[part * size : (part + 1) * size]
