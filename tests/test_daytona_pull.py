@@ -234,3 +234,23 @@ def test_doctor_shows_the_loss_against_the_emulator(
     assert rows[1024]["received"] > 1 * MiB  # U+FFFD is 3 bytes for each bad one
     assert 6 * MiB - 4 <= rows[4096]["received"] <= 6 * MiB + 16  # the tail cut at the cap
     assert all(r["verified"] == "intact" for r in rows.values())
+
+
+def test_an_old_daemon_that_drops_empty_words_pulls_exactly(tmp_path: Path) -> None:
+    """Daemons before PR #3918 split the command text into words and drop empty ones. An
+    empty argument (the default staging root, no listed size) shifted every later one: the
+    probe took the next argument's text for the staging root, and every admission failed
+    for want of arguments.  No argument is empty now; a first and an incremental pull,
+    with the default staging root, are exact."""
+    with DaytonaEmulatorThread(tmp_path / "emu", split_command=True) as emu:
+        ws = make_tree(sandbox_workspace(emu, "old") / "t", big=256 * KiB, small=20)
+        dest = tmp_path / "out"
+        opts = options(tmp_path, staging_root="")
+        first = pull_sandbox(emu, "old", ws, dest, opts)
+        assert first.ok, first.error
+        assert_exact(ws, dest)
+        (ws / "added.txt").write_text("after the first pull\n")
+        again = pull_sandbox(emu, "old", ws, dest, opts)
+        # (the file and the directory that holds it)
+        assert again.ok and again.mode == "incremental" and again.changed_files == 2, again
+        assert_exact(ws, dest)

@@ -209,12 +209,12 @@ def test_when_the_listing_does_not_fit_but_du_does_the_run_is_admitted(tmp_path:
         ("tar", 0, "0"),
         ("tar", 12345, "12345"),
         ("tar", 2**50 - 1, str(2**50 - 1)),
-        ("tar", 2**50, ""),  # a hostile manifest's sizes: dash's $(( )) stops at 2**63
-        ("tar", 10**25, ""),
-        ("tar", -1, ""),
-        ("tar", None, ""),
-        ("select", 12345, ""),  # only a whole-tree run checks the room
-        ("manifest", 12345, ""),
+        ("tar", 2**50, "-"),  # a hostile manifest's sizes: dash's $(( )) stops at 2**63
+        ("tar", 10**25, "-"),
+        ("tar", -1, "-"),
+        ("tar", None, "-"),
+        ("select", 12345, "-"),  # only a whole-tree run checks the room
+        ("manifest", 12345, "-"),
     ],
 )
 def test_the_listed_size_reaches_the_admission_only_when_it_can_be_used(
@@ -238,6 +238,7 @@ def test_the_listed_size_reaches_the_admission_only_when_it_can_be_used(
         need_kb=need,
     )
     # sh -c SCRIPT wsync GATE NONCE HASH ENC, then the admission's own ten, then the size
+    # ("-" for none: no argument is ever empty, see scripts.render)
     assert argv[8 + 10] == passed
     assert argv[8 + 11 :] == (["*.pyc"] if mode == "manifest" else [])
 

@@ -134,7 +134,9 @@ chain() {
 # checked like OpenSSH's StrictModes (root's or ours, writable only if sticky)
 stage() {
   unset CDPATH
-  r=$(expand_home "${1:-/tmp/wsync-$me}")
+  r=$1
+  [ "$r" = - ] && r=/tmp/wsync-$me
+  r=$(expand_home "$r")
   wp=$(cdp "$2") || no "workspace-missing"
   e=$r t=
   while [ -n "$e" ] && [ ! -e "$e" ] && [ ! -L "$e" ]; do t=/${e##*/}$t; e=${e%/*}; done
@@ -214,11 +216,13 @@ root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$
 """
 _ADMIT_ARGS = r"""
 n=${11}
+n=${n%%[!0-9]*}
 shift 11
 """
 #: (its status's looks and inline bound come before the producer's arguments)
 _ADMIT_STATUS_ARGS = r"""
 n=${11} sw=${12} sil=${13}
+n=${n%%[!0-9]*}
 shift 13
 """
 _ADMIT = r"""
@@ -256,7 +260,6 @@ if [ ! -d "$d/launch" ] && [ "$mode" = tar ]; then
   # bounded: a retried admission must not walk a huge cold tree forever
   f=$(df -Pk "$root" | awk 'NR == 2 { print $4 + 0 }')
   full() { [ -n "$n" ] && [ -n "$f" ] && [ $((f*4)) -lt $((n+256)) ]; }
-  n=${n%%[!0-9]*}
   if [ -z "$n" ] || full; then
     t=
     command -v timeout >/dev/null && t="timeout 20"
@@ -355,6 +358,7 @@ emit ok "${dg%% *}"
 
 _UPLOAD = r"""
 root=$1 id=$2 how=$3 i=$4 n=$5 text=$6 want=$7
+[ "$text" = - ] && text=
 umask 077
 d=$root/$id
 no() { emit err "$1"; exit 0; }
@@ -522,10 +526,22 @@ def check_snapshot_id(snapshot: str) -> str:
     return snapshot
 
 
+#: an argument with no value (see :func:`render`)
+NONE = "-"
+
+
 def render(
     name: str, *, gate: bool, nonce: str, algorithm: str, b64: bool, args: tuple[str, ...]
 ) -> list[str]:
-    """argv for one guest call: ``sh -c SCRIPT wsync GATE NONCE HASH ENC ARGS...``."""
+    """argv for one guest call: ``sh -c SCRIPT wsync GATE NONCE HASH ENC ARGS...``.
+
+    No argument may be empty: Daytona's daemons before PR #3918 split the command text
+    into words and drop empty ones, which would shift every later argument (a default
+    staging root would have become the next argument's text); an argument that may have
+    no value passes ``-`` (:data:`NONE`), which no script takes for a value.
+    """
+    if "" in args:
+        raise ValueError(f"an empty argument to the {name} script (pass {NONE!r})")
     return [
         "sh",
         "-c",
@@ -570,7 +586,8 @@ def probe(
     staging root's physical path (created and checked; see :data:`_STAGE`) and, with
     ``free``, its free space (two programs a pull need not run: the admission measures
     the room it checks)."""
-    args = (workspace, check_staging_root(staging_root), _PROBE_XXH128, "1" if free else "0")
+    root = check_staging_root(staging_root) or NONE  # (never a configured root: not absolute)
+    args = (workspace, root, _PROBE_XXH128, "1" if free else "0")
     return render("probe", gate=gate, nonce=nonce, algorithm="md5", b64=b64, args=args)
 
 
@@ -640,7 +657,7 @@ def admit(
         check_mode(mode),
         str(need_kb)
         if mode == "tar" and need_kb is not None and 0 <= need_kb < NEED_KB_MAX
-        else "",
+        else NONE,
         *((str(status_looks), str(inline)) if status_looks >= 0 else ()),
         *prune,
     )
@@ -810,7 +827,7 @@ def upload(
         how,
         str(part),
         str(parts),
-        text,
+        text or NONE,  # ("-" is not base64: an empty part, or no part on stdin)
         digest,
     )
     return render("upload", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
