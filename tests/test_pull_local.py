@@ -841,6 +841,33 @@ def test_a_small_workspace_is_pulled_without_a_read_call(tmp_path: Path, helpers
     assert "status" not in transport.ran and "admit" not in transport.ran, transport.ran
 
 
+def test_an_admission_too_long_for_an_ssh_command_line_does_not_carry_its_status(
+    tmp_path: Path,
+) -> None:
+    """By exec the admission that carries its status stays under 8 KiB as a command line
+    (Dropbear refuses 9,000 bytes); with 300 ``--exclude`` names pruned in the guest the
+    manifest run's admission would not, and goes without the status (then a status call).
+    The archive run prunes nothing and still carries it.  The tree is exact either way."""
+    from wsync.engine.excludes import Excludes
+    from wsync.engine.guest import EXEC_CARRY_MAX
+
+    ws = _small_workspace(tmp_path / "ws")
+    names = [f"an-excluded-name-of-some-length-{i:03d}" for i in range(300)]
+    (ws / names[7]).write_text("left in the guest\n")
+    excludes = Excludes.from_options(names, [])
+    assert sum(len(n) + 3 for n in excludes.guest_prune()) > EXEC_CARRY_MAX
+    transport = ScriptLog()
+    opts = options(tmp_path, helpers=False, excludes=excludes)
+    run_pull(transport, ws, tmp_path / "out", opts)
+    assert not (tmp_path / "out" / names[7]).exists()
+    (ws / names[7]).unlink()
+    assert_exact(ws, tmp_path / "out")
+    # the manifest run: admit (producer missing), admit again, status; then the select
+    # run (the excludes make it one): admit_status
+    assert transport.ran.count("admit") == 2 and transport.ran.count("status") == 1, transport.ran
+    assert transport.ran.count("admit_status") == 1, transport.ran
+
+
 def test_an_exec_whose_argv_must_stay_short_keeps_admission_and_status_apart(
     tmp_path: Path,
 ) -> None:

@@ -516,6 +516,35 @@ def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:
         assert len(argv[2]) < 6 * 1024
 
 
+def test_transports_that_put_argv_in_a_url_never_send_the_long_admission_by_exec() -> None:
+    """The admission that carries its status does not fit the 8 KiB request line of an
+    exec endpoint that takes argv in its URL (Sprites, Kubernetes): those transports say
+    ``long_argv`` False, so it goes to them only through guest helpers (which they do
+    not have).  The transports that say True put argv in a body or an ssh channel
+    request."""
+    from urllib.parse import quote
+
+    from wsync.transports.k8s import K8sTransport
+    from wsync.transports.sprites import SpritesTransport
+
+    wire = scripts.Wire(gate=True, nonce="0" * 16, algorithm="b2", b64=True, staging_root="/s")
+    carried = scripts.admit(
+        **wire,
+        snapshot="s1",
+        workspace="/w",
+        chunk_size=4 * 2**20,
+        compressor="zstdl:3",
+        ttl_minutes=1440,
+        run="r" * 16,
+        producer_hash="0" * 32,
+        status_looks=2,
+        inline=scripts.STATUS_INLINE_MAX,
+    )
+    assert sum(len(quote(a, safe="")) + 5 for a in carried) > 7600
+    for url_based in (SpritesTransport, K8sTransport):
+        assert not url_based.capabilities.long_argv, url_based
+
+
 def test_the_cli_refuses_a_staging_dir_inside_the_workspace(
     tmp_path: Path, workspace: Path
 ) -> None:

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import random
 import secrets
+import shlex
 import time
 from collections.abc import Callable
 
@@ -64,6 +65,17 @@ _FAILED_WRITES = {
     "token-failed": "cannot write the snapshot's admission token",
     "pid-failed": "cannot write the producer's pid file",
 }
+#: the longest admission that carries its status sent as an exec (argv quoted for a shell,
+#: as an ssh command line goes): under Dropbear's 9,000-byte command limit (MAX_CMD_LEN),
+#: the strictest server of the long-argv transports; it is about 5.6 KB without excludes
+EXEC_CARRY_MAX = 8 * 1024
+
+
+def exec_length(argv: list[str]) -> int:
+    """The bytes of ``argv`` as one shell command line (how ssh sends an exec)."""
+    return len(shlex.join(argv))
+
+
 #: base64 text per list upload call through a guest helper or an exec whose argv may be
 #: long (under Linux's 128 KiB per argument, with the script beside it)
 _HELPER_UPLOAD_PART = 64 * 1024
@@ -389,8 +401,7 @@ class GuestSession:
         inline = scripts.STATUS_INLINE_MAX if self._base64 else 0
         carried = [False]
 
-        def build(nonce: str) -> list[str]:
-            carried[0] = looks >= 0 and (self.via_helper() or self.long_argv)
+        def render(nonce: str, carry: bool) -> list[str]:
             return scripts.admit(
                 **self._wire(nonce),
                 snapshot=snapshot,
@@ -403,9 +414,18 @@ class GuestSession:
                 mode=mode,
                 prune=prune,
                 need_kb=need_kb,
-                status_looks=looks if carried[0] else -1,
-                inline=inline if carried[0] else 0,
+                status_looks=looks if carry else -1,
+                inline=inline if carry else 0,
             )
+
+        def build(nonce: str) -> list[str]:
+            helped = self.via_helper()
+            carried[0] = looks >= 0 and (helped or self.long_argv)
+            argv = render(nonce, carried[0])
+            if carried[0] and not helped and exec_length(argv) > EXEC_CARRY_MAX:
+                carried[0] = False  # many --exclude names: the plain admission, then a status
+                argv = render(nonce, False)
+            return argv
 
         envelope = await self.call(
             "admit",
