@@ -73,11 +73,16 @@ def test_importing_the_ssh_transport_loads_no_x509_it_cannot_use(tmp_path: Path)
     not load ``cryptography.x509`` (20-30 ms) on the way to finding that out, and asyncssh
     ends up as it would have: without X.509.  With a pyOpenSSL on the path (a stand-in
     that is enough for asyncssh's import), asyncssh gets to try it as before."""
+    import importlib.util
+
+    if importlib.util.find_spec("OpenSSL") is not None:
+        pytest.skip("pyOpenSSL is installed here: asyncssh's X.509 is not left out")
     probe = (
         "import sys\n"
         "import wsync.transports.ssh\n"
         "import asyncssh.known_hosts as kh, asyncssh.public_key as pk\n"
         "print('cryptography.x509' in sys.modules, kh._x509_available, pk._x509_available)\n"
+        "assert 'asyncssh.crypto.x509' not in sys.modules  # the mark went with the import\n"
     )
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
@@ -92,6 +97,13 @@ def test_importing_the_ssh_transport_loads_no_x509_it_cannot_use(tmp_path: Path)
         [sys.executable, "-c", plain], capture_output=True, text=True, timeout=120, env=env
     )
     assert done.stdout.split() == ["True", "False", "False"], done.stderr
+    # a stand-in OpenSSL module without a spec: taken as found, the import still works
+    stub = "import sys, types; sys.modules['OpenSSL'] = types.ModuleType('OpenSSL')\n"
+    done = subprocess.run(
+        [sys.executable, "-c", stub + probe], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False", "False"]
     # a pyOpenSSL to be found: asyncssh's own attempt runs (and here fails in its module)
     fake = tmp_path / "OpenSSL"
     fake.mkdir()
