@@ -216,16 +216,16 @@ root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$
 """
 _ADMIT_ARGS = r"""
 n=${11}
-n=${n%%[!0-9]*}
 shift 11
 """
 #: (its status's looks and inline bound come before the producer's arguments)
 _ADMIT_STATUS_ARGS = r"""
 n=${11} sw=${12} sil=${13}
-n=${n%%[!0-9]*}
 shift 13
 """
 _ADMIT = r"""
+# the listed size: digits, or none ("-")
+n=${n%%[!0-9]*}
 # the probe checked the root and its ancestors; make sure it is still that
 lsn "$root"
 [ "$(cd -P "$root" && pwd -P)" = "$root" ] && [ "$u" = "$me" ] || no unsafe-root
