@@ -389,9 +389,10 @@ class GuestSession:
         it does not (or is missing) it is installed afresh, once.  ``need_kb``: the
         workspace's size from this run's listing (see :func:`scripts.admit`).  With
         ``status_wait``, an admission through a guest helper, or an exec whose argv may
-        be long, goes on as the first :meth:`status` from index offset 0 (long poll and
-        small stream included), kept in :attr:`first_status`: a call less per producer
-        run (a round trip of 0.1-0.3 s on the HTTP backends).
+        be long (while it stays under :data:`EXEC_CARRY_MAX`), goes on as the first
+        :meth:`status` from index offset 0 (long poll and small stream included), kept in
+        :attr:`first_status`: a call less per producer run (a round trip of 0.1-0.3 s on
+        the HTTP backends).
         """
         assert self.algorithm is not None
         self.snapshot = snapshot

@@ -637,7 +637,8 @@ def admit(
     :func:`status` gives it from index offset 0 with that many looks and ``inline``: the
     first status call, saved.  That script holds the status function too, which makes
     it too long for an exec endpoint that takes argv in its URL: it is for guest
-    helpers, whose requests travel on stdin.
+    helpers, whose requests travel on stdin, and for execs whose argv may be long
+    (``Capabilities.long_argv``, under :data:`wsync.engine.guest.EXEC_CARRY_MAX`).
     """
     check_snapshot_id(snapshot)
     if not -1 <= status_looks <= 600 or not 0 <= inline <= STATUS_INLINE_MAX:

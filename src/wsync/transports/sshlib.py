@@ -63,13 +63,6 @@ def _cached_lookup(
     return lookup
 
 
-_X509 = "asyncssh.crypto.x509"
-_find = ctypes.util.find_library
-_lookup = _cached_lookup(_find)
-if _lookup is not None:
-    ctypes.util.find_library = _lookup  # type: ignore[assignment]  # same signature
-
-
 def _without_openssl() -> bool:
     """pyOpenSSL cannot be imported here (a module already in ``sys.modules`` counts as
     found; one without a spec, a test's stand-in say, as found too)."""
@@ -79,7 +72,12 @@ def _without_openssl() -> bool:
         return False
 
 
+_X509 = "asyncssh.crypto.x509"
 _blocked = "asyncssh" not in sys.modules and _X509 not in sys.modules and _without_openssl()
+_find = ctypes.util.find_library
+_lookup = _cached_lookup(_find)
+if _lookup is not None:
+    ctypes.util.find_library = _lookup  # type: ignore[assignment]  # same signature
 if _blocked:
     sys.modules[_X509] = None  # type: ignore[assignment]  # import raises ImportError
 try:
