@@ -123,8 +123,24 @@ def test_random_fault_schedules_never_produce_a_wrong_tree(
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _slow_local() -> ChaosTransport:
+    """``local:`` whose every exec answers 30 ms late: the same sandbox for the run that
+    is cancelled and the one that resumes it (a journal is the sandbox's)."""
+    return ChaosTransport(local(), FaultPlan(slow=0.03))
+
+
+def _cancel_options(tmp: Path) -> PullOptions:
+    """One exec a read (no helper), so that each read is slowed."""
+    return options(tmp, chunk_size=256 * 1024, parallel=1, helpers=False)
+
+
 def _cancel_midway(ws: Path, dest: Path, opts: PullOptions) -> None:
-    """Start a pull and cancel it (as the daemon does) once 4 chunks are in."""
+    """Start a pull and cancel it (as the daemon does) once 4 chunks are in.
+
+    Through :func:`_slow_local` with ``helpers=False`` (:func:`_cancel_options`): progress
+    is reported at most every 0.1 s, and on a fast machine a whole pull of this tree took
+    less, so the first report to count 4 chunks came after the last one and nothing was
+    cancelled."""
 
     async def cancel() -> None:
         from wsync.engine.pull import pull
@@ -134,7 +150,7 @@ def _cancel_midway(ws: Path, dest: Path, opts: PullOptions) -> None:
         def progress(p: object) -> None:
             seen.append(getattr(p, "chunks_done", 0))
 
-        transport = local()
+        transport = _slow_local()
         task = asyncio.create_task(pull(transport, str(ws), dest, opts, on_progress=progress))
         while not seen or max(seen) < 4:
             await asyncio.sleep(0.01)
@@ -153,9 +169,9 @@ def test_cancellation_leaves_dest_untouched_and_resumes(tmp_path: Path) -> None:
     """Cancel mid-pull (as the daemon does); the next pull reuses journaled chunks."""
     ws = make_tree(tmp_path / "ws", big=4 * 1024 * 1024, small=10)
     dest = tmp_path / "out"
-    opts = options(tmp_path, chunk_size=256 * 1024, parallel=1)
+    opts = _cancel_options(tmp_path)
     _cancel_midway(ws, dest, opts)
-    result = run_pull(local(), ws, dest, opts)
+    result = run_pull(_slow_local(), ws, dest, opts)
     assert_exact(ws, dest)
     assert result.resumed_chunks >= 4
 
@@ -165,13 +181,13 @@ def test_a_journal_cut_by_another_chunk_schedule_starts_afresh(tmp_path: Path) -
     not resumed: its guest index would not parse under growing chunks."""
     ws = make_tree(tmp_path / "ws", big=4 * 1024 * 1024, small=10)
     dest = tmp_path / "out"
-    opts = options(tmp_path, chunk_size=256 * 1024, parallel=1)
+    opts = _cancel_options(tmp_path)
     _cancel_midway(ws, dest, opts)
     [meta_path] = (tmp_path / "state" / "pulls").glob("*/meta.json")
     meta = json.loads(meta_path.read_text())
     del meta["chunk_schedule"]
     meta_path.write_text(json.dumps(meta))
-    result = run_pull(local(), ws, dest, opts)
+    result = run_pull(_slow_local(), ws, dest, opts)
     assert_exact(ws, dest)
     assert result.resumed_chunks == 0 and result.retries == 0
 
