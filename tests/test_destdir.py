@@ -25,17 +25,26 @@ from wsync.engine.destdir import DestDir, open_beneath
 from wsync.engine.journal import Journal
 from wsync.engine.pull import pull
 from wsync.errors import HostIOError, UsageError
+from wsync.protocol import scripts
 from wsync.transports.local import LocalTransport
 
 Hook = Callable[[int], Awaitable[None]]
 
 
+@pytest.fixture(autouse=True)
+def _plain_admissions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No URL fits the carried admission: :class:`HookTransport`'s every admission is
+    plain, as on Sprites or Kubernetes with a deep workspace path."""
+    monkeypatch.setattr(scripts, "URL_ARGV_MAX", 0)
+
+
 class HookTransport(LocalTransport):
     """The real ``local:`` transport, with a test hook awaited before every exec
     (the n-th exec gets n): it changes the host while the pull runs.  Without guest
-    helpers, so that every guest call is an exec the hook sees, and with a short argv, so
-    that a status follows each admission as a call of its own (a stream small enough to
-    come with the admission's status would leave no exec while the tree is extracted)."""
+    helpers, so that every guest call is an exec the hook sees, and with a short argv too
+    short for the admission that carries its status (:func:`_plain_admissions`), so that a
+    status follows each admission as a call of its own (a stream small enough to come with
+    the admission's status would leave no exec while the tree is extracted)."""
 
     capabilities = dataclasses.replace(LocalTransport.capabilities, channel=False, long_argv=False)
 

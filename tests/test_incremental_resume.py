@@ -160,8 +160,11 @@ keep_prev = "keep-prev" in sys.argv[8:]
 # through guest helpers: killed 20 ms after the call's request went (mid-call)
 helpers = "helpers" in sys.argv[8:]
 # one exec per call, with the admission that answers the first status (else an
-# admission and a status call, as where an exec's argv must stay short)
+# admission and a status call, as where an exec's argv must stay short and the carried
+# admission's URL would not fit: a deep workspace path)
 long_argv = "long-argv" in sys.argv[8:]
+if not long_argv:
+    scripts.URL_ARGV_MAX = 0
 
 def reached():
     found = sorted(Path("/").glob(ready.lstrip("/")))

@@ -868,20 +868,31 @@ def test_an_admission_too_long_for_an_ssh_command_line_does_not_carry_its_status
     assert transport.ran.count("admit_status") == 1, transport.ran
 
 
-def test_an_exec_whose_argv_must_stay_short_keeps_admission_and_status_apart(
-    tmp_path: Path,
+@pytest.mark.parametrize("deep", [False, True], ids=["usual-path", "deep-path"])
+def test_an_exec_whose_argv_must_stay_short_carries_the_status_only_while_it_fits(
+    tmp_path: Path, deep: bool
 ) -> None:
     """Where an exec's argv travels in a URL (Sprites, Kubernetes: ``long_argv`` off) the
-    longer admission is never sent as an exec: each run is an admission, then a status."""
-    ws = _small_workspace(tmp_path / "ws")
+    admission carries the first status while its URL stays under ``URL_ARGV_MAX``: with a
+    usual workspace path each producer run is one call.  A workspace path of 1,500 bytes
+    (4.5 KB in a URL) sends the plain admission and a status call instead."""
+    ws = tmp_path / "ws"
+    if deep:
+        ws = ws.joinpath(*["d" * 250] * 6)
+    ws.mkdir(parents=True)
+    (ws / "one.txt").write_text("one\n")
     transport = ScriptLog()
     transport.capabilities = dataclasses.replace(transport.capabilities, long_argv=False)  # type: ignore[misc]
     result = run_pull(transport, ws, tmp_path / "out", options(tmp_path, helpers=False))
     assert_exact(ws, tmp_path / "out")
     assert result.chunks == 1
-    assert "admit_status" not in transport.ran, transport.ran
-    assert transport.ran.count("admit") == 3, transport.ran
-    assert transport.ran.count("status") == 2, transport.ran
+    if deep:
+        assert "admit_status" not in transport.ran, transport.ran
+        assert transport.ran.count("admit") == 3, transport.ran
+        assert transport.ran.count("status") == 2, transport.ran
+    else:
+        assert "admit" not in transport.ran and "status" not in transport.ran, transport.ran
+        assert transport.ran.count("admit_status") == 3, transport.ran
 
 
 @pytest.mark.parametrize("long_argv", [True, False], ids=["long-argv", "short-argv"])

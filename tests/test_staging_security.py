@@ -516,33 +516,51 @@ def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:
         assert len(argv[2]) < 6 * 1024
 
 
-def test_transports_that_put_argv_in_a_url_never_send_the_long_admission_by_exec() -> None:
-    """The admission that carries its status does not fit the 8 KiB request line of an
-    exec endpoint that takes argv in its URL (Sprites, Kubernetes): those transports say
-    ``long_argv`` False, so it goes to them only through guest helpers (which they do
-    not have).  The transports that say True put argv in a body or an ssh channel
-    request."""
-    from urllib.parse import quote
-
+def test_an_admission_carries_its_status_in_a_url_only_while_it_fits() -> None:
+    """The admission that also answers the first status is a few hundred bytes longer than
+    the plain one (the status itself runs from the producer's hashed text).  Sprites and
+    Kubernetes put argv in a URL: it goes to them while that URL stays under
+    ``URL_ARGV_MAX`` (a usual workspace path), and a long path sends the plain admission.
+    ``url_length`` measures what their URL builders write."""
+    from wsync.engine.guest import GuestSession
+    from wsync.transports import k8s_protocol, sprites_protocol
     from wsync.transports.k8s import K8sTransport
     from wsync.transports.sprites import SpritesTransport
 
-    wire = scripts.Wire(gate=True, nonce="0" * 16, algorithm="b2", b64=True, staging_root="/s")
-    carried = scripts.admit(
-        **wire,
-        snapshot="s1",
-        workspace="/w",
-        chunk_size=4 * 2**20,
-        compressor="zstdl:3",
-        ttl_minutes=1440,
-        run="r" * 16,
-        producer_hash="0" * 32,
-        status_looks=2,
-        inline=scripts.STATUS_INLINE_MAX,
-    )
-    assert sum(len(quote(a, safe="")) + 5 for a in carried) > 7600
+    wire = scripts.Wire(gate=False, nonce="0" * 16, algorithm="xxh128", b64=False, staging_root="-")
+
+    def carried(workspace: str) -> list[str]:
+        return scripts.admit(
+            **wire,
+            snapshot="s20261204-124327-a5eaeed7",
+            workspace=workspace,
+            chunk_size=4 * 2**20,
+            compressor="zstdl:3",
+            ttl_minutes=1440,
+            run="r" * 16,
+            producer_hash="0" * 32,
+            need_kb=scripts.NEED_KB_MAX - 1,
+            status_looks=20,
+            inline=scripts.STATUS_INLINE_MAX,
+        )
+
+    usual, deep = carried("/home/user/workspace/project"), carried("/w" * 600)
+    assert scripts.url_length(usual) < scripts.URL_ARGV_MAX - 500
+    assert scripts.url_length(deep) > scripts.URL_ARGV_MAX
+    # the measure is the URL builders' own (Kubernetes' exactly; Sprites' parameter name
+    # is 4 bytes shorter an argument)
+    grown = scripts.url_length(usual) - scripts.url_length(["x"])
+    url = sprites_protocol.exec_url("https://api.example", "sb", usual, stdin=False)
+    plain = sprites_protocol.exec_url("https://api.example", "sb", ["x"], stdin=False)
+    assert len(url) - len(plain) == grown - len("mand") * (len(usual) - 1)
+    path = k8s_protocol.exec_path("ns", "pod", usual, container=None, stdin=False)
+    short = k8s_protocol.exec_path("ns", "pod", ["x"], container=None, stdin=False)
+    assert len(path) - len(short) == grown
     for url_based in (SpritesTransport, K8sTransport):
         assert not url_based.capabilities.long_argv, url_based
+    session = GuestSession.__new__(GuestSession)
+    session.long_argv = False
+    assert session._exec_fits(usual) and not session._exec_fits(deep)
 
 
 def test_the_cli_refuses_a_staging_dir_inside_the_workspace(

@@ -388,11 +388,11 @@ class GuestSession:
         The guest runs the installed producer only if it hashes to ours; when
         it does not (or is missing) it is installed afresh, once.  ``need_kb``: the
         workspace's size from this run's listing (see :func:`scripts.admit`).  With
-        ``status_wait``, an admission through a guest helper, or an exec whose argv may
-        be long (while it stays under :data:`EXEC_CARRY_MAX`), goes on as the first
-        :meth:`status` from index offset 0 (long poll and small stream included), kept in
-        :attr:`first_status`: a call less per producer run (a round trip of 0.1-0.3 s on
-        the HTTP backends).
+        ``status_wait``, the admission goes on as the first :meth:`status` from index
+        offset 0 (long poll and small stream included), kept in :attr:`first_status`: a
+        call less per producer run (a round trip of 0.1-0.3 s on the HTTP backends).  It
+        is a few hundred bytes longer than the plain one: as an exec it goes only while it
+        fits (:meth:`_exec_fits`), else the plain admission and a status call go.
         """
         assert self.algorithm is not None
         self.snapshot = snapshot
@@ -421,10 +421,12 @@ class GuestSession:
 
         def build(nonce: str) -> list[str]:
             helped = self.via_helper()
-            carried[0] = looks >= 0 and (helped or self.long_argv)
+            carried[0] = looks >= 0
             argv = render(nonce, carried[0])
-            if carried[0] and not helped and exec_length(argv) > EXEC_CARRY_MAX:
-                carried[0] = False  # many --exclude names: the plain admission, then a status
+            if carried[0] and not helped and not self._exec_fits(argv):
+                # a long workspace path or many --exclude names: the plain admission, then
+                # a status
+                carried[0] = False
                 argv = render(nonce, False)
             return argv
 
@@ -456,6 +458,14 @@ class GuestSession:
         if status:
             self.first_status = self._status_report(status, 0)
         return self.admission.adopted
+
+    def _exec_fits(self, argv: list[str]) -> bool:
+        """Whether the admission that carries its status may go as an exec: as a shell
+        command line under :data:`EXEC_CARRY_MAX` where argv may be long, else in a URL's
+        query under :data:`scripts.URL_ARGV_MAX` (Sprites, Kubernetes)."""
+        if self.long_argv:
+            return exec_length(argv) <= EXEC_CARRY_MAX
+        return scripts.url_length(argv) <= scripts.URL_ARGV_MAX
 
     def _admission_failed(self, text: str, workspace: str) -> None:
         """Raise the error an ``err`` answer of the admission stands for."""

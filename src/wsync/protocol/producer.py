@@ -48,14 +48,149 @@ cmd() { tr '\000' ' ' < "/proc/$1/cmdline"; }
 rd() { v_=; IFS= read -r v_ < "$1"; }
 """
 
+#: the status of a snapshot, shared like :data:`PID_CHECKS`: the status call's script holds
+#: it, and so does the producer, whose ``--status`` mode answers it for an admission that
+#: carries the first status (the admission has just checked the producer's hash; the
+#: function's 1.6 KB stay out of its argv, which must fit a URL on some backends)
+STATUS_FN = r"""
+# the status of snapshot dir $1 into p: the status call's answer, and the one an
+# admission carries (the call that follows it, saved)
+st() {
+d=$1 io=$2 w=$3 il=$4
+if [ ! -d "$d" ]; then p="exists 0"; return 0; fi
+touch "$d"
+al() {
+  alive=0
+  for x in pid pid.launch; do rd "$d/$x"; busy "$v_" && alive=1; done
+}
+# a long poll: up to w looks, until the index grows past io, a result is written or
+# (checked once) no producer runs; then the index from io comes along.  Looks are
+# 50 ms apart, the first ten 10 ms (a small workspace's producer is done by then, and
+# each look is two forks in the guest).  Liveness is asked again only if time passed
+al
+k=0 dw=0
+while [ $alive = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/failed" ]; do
+  # the producer writes the index's size to isize after each line (a hint read without
+  # a fork; the answer below measures the index itself); without it, wc
+  rd "$d/isize"
+  case $v_ in
+    ''|0?*|*[!0-9]*|????????????????*) isz=$(wc -c < "$d/index") || break ;;
+    *) isz=$v_ ;;
+  esac
+  if [ $((isz + 0)) -gt "$io" ]; then
+    # grown: the answer goes now, unless a small stream may come along (il) and only the
+    # producer's last steps are left (comp.rc: the final index lines, the whole hash, the
+    # done record): then it looks for the record five times, 2 ms apart, and carries it.
+    # (Bounded: a big stream's last steps hash it whole, and its last index lines must
+    # not wait for that)
+    [ "$il" -gt 0 ] && [ -f "$d/comp.rc" ] && [ "$dw" -lt 5 ] || break
+    dw=$((dw + 1))
+    sleep 0.002 2>/dev/null || break
+  elif [ $k -lt 10 ]; then sleep 0.01 2>/dev/null || break; else sleep 0.05 2>/dev/null || break; fi
+  k=$((k + 1))
+done
+[ $k = 0 ] || al
+p="exists 1"
+if [ -f "$d/done" ]; then p="$p${nl}$(sed 's/^/done_/' "$d/done")"; fi
+if [ -f "$d/failed" ]; then p="$p${nl}failed $(head -c 400 "$d/failed" | tr '\n' ' ')"; fi
+launched=0
+[ -d "$d/launch" ] && launched=1
+isz=$(wc -c < "$d/index") || isz=0
+dsz=$(wc -c < "$d/data") || dsz=0
+p="$p${nl}alive $alive${nl}launched $launched"
+p="$p${nl}index_size $((isz + 0))${nl}data_size $((dsz + 0))"
+# a finished stream of at most il bytes comes along whole, in base64 (a read call fewer
+# for every small run: the host checks each chunk against the index's hash as a read's)
+if [ "$il" -gt 0 ] && [ "$io" -ge 0 ] && [ -f "$d/done" ] && [ $((dsz + 0)) -gt 0 ] &&
+  [ $((dsz + 0)) -le "$il" ]; then
+  b=$(base64 < "$d/data" | tr -d '\n') && p="$p${nl}data_b64 $b"
+fi
+if [ "$io" -ge 0 ] && [ $((isz + 0)) -gt "$io" ]; then
+  t=$(dd if="$d/index" bs=65536 iflag=skip_bytes,count_bytes skip="$io" count=65536; echo .)
+  t=${t%.}
+  p="$p${nl}index_from $io${nl}index_tail ${#t}${nl}index_follows${nl}$t"
+fi
+if [ -s "$d/tar.err" ]; then p="$p${nl}tar_err_follows${nl}$(head -c 2000 "$d/tar.err")"; fi
+}
+"""
+
+#: the kill of a stale snapshot's producer (``me`` and ``pn``, the producer's file name, set
+#: by the caller), shared by the cleanup script and the producer's ``--gc`` mode
+KILL_FNS = r"""
+# a pid read from staging is killed only when it is a process of this user
+# running wsync's producer; without /proc nothing is killed
+mine() {
+  busy "$1" && [ -r "/proc/$1/cmdline" ] || return 1
+  lsn "/proc/$1"
+  [ "$u" = "$me" ] || return 1
+  case $(cmd "$1") in *"$pn"*) return 0 ;; esac
+  return 1
+}
+stop() {
+  for k in pid pid.launch; do
+    rd "$1/$k"
+    s=$v_
+    mine "$s" && { kill -TERM "-$s" || kill "$s"; }
+  done
+}
+"""
+
+#: the admission's collection of stale snapshots, in the producer's ``--gc`` mode: the
+#: admission runs it right after checking the producer's hash, and its text (with
+#: :data:`KILL_FNS`, 1.3 KB in a URL) stays out of the admission's argv
+GC_FN = r"""
+gc() {
+root=$1 id=$2 ttl=$3 pn=$4
+me=$(id -u)
+# garbage-collect stale snapshots: only wsync's own (an id-shaped name holding
+# a launch/ token), never anything else that happens to live in the root.  One find
+# says which are old (a find per leftover was most of an admission's programs), and a
+# name counts only as a whole line of its answer.  (A name with a newline could spell
+# another snapshot's: only this user can make one here, who could remove that
+# snapshot as well; its pull then fails, the host never takes a wrong byte)
+o=$nl$(find "$root"/s* -prune -mmin +$ttl)$nl
+for x in "$root"/s*; do
+  [ -d "$x/launch" ] || continue
+  [ "${x##*/}" = "$id" ] && continue
+  case $o in *"$nl$x$nl"*) ;; *) continue ;; esac
+  stop "$x"
+  rm -rf "$x"
+done
+}
+"""
+
 _TEXT = (
     r"""
 set -u
-d=$1 ws=$2 cs=$3 hid=$4 comp=$5 mode=$6
-shift 6
-# tar's diagnostics in English with names escaped: torn() reads them
+# tar's diagnostics in English with names escaped: torn() reads them; and byte
+# semantics in the shell (the status measures the index's tail with ${#t})
 LC_ALL=C
 export LC_ALL
+nl='
+'
+"""
+    + PID_CHECKS
+    + STATUS_FN
+    + KILL_FNS
+    + GC_FN
+    + r"""
+lsn() { set -f; set -- $(ls -ldn "$1"); set +f; m=${1:-?} u=${3:-?}; }
+# the admission's helpers, from this hashed text (see STATUS_FN and GC_FN); nothing
+# else runs: --status SNAPSHOT_DIR INDEX_FROM LOOKS INLINE prints the snapshot's
+# status, --gc ROOT SNAPSHOT_ID TTL_MINUTES PRODUCER_NAME removes stale snapshots
+case ${1-} in
+  --status)
+    [ $# = 5 ] || exit 2
+    st "$2" "$3" "$4" "$5"
+    printf '%s' "$p"
+    exit 0 ;;
+  --gc)
+    [ $# = 5 ] || exit 2
+    gc "$2" "$3" "$4" "$5"
+    exit 0 ;;
+esac
+d=$1 ws=$2 cs=$3 hid=$4 comp=$5 mode=$6
+shift 6
 cd "$d" || exit 1
 h() {
   case $hid in
@@ -64,9 +199,7 @@ h() {
     sha256) sha256sum ;;
   esac
 }
-"""
-    + PID_CHECKS
-    + r"""# one producer per snapshot, however many launches (a retried admission launches
+# one producer per snapshot, however many launches (a retried admission launches
 # again when it finds nothing running): each run claims the next generation, lock.N,
 # and only while the previous generation's producer is provably gone without a
 # result.  A claim is a directory renamed into place with the pid already inside,

@@ -50,11 +50,13 @@ from __future__ import annotations
 
 import hashlib
 import re
+import urllib.parse
+from collections.abc import Sequence
 from typing import TypedDict
 
 from wsync.errors import UsageError
 from wsync.protocol.hashing import ALGORITHMS, PROBE_INPUT
-from wsync.protocol.producer import _PRODUCER, PID_CHECKS
+from wsync.protocol.producer import _PRODUCER, KILL_FNS, PID_CHECKS, STATUS_FN
 
 #: snapshot ids are ours, but they become guest paths: keep them boring
 SNAPSHOT_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
@@ -190,27 +192,10 @@ fi
 emit ok "$p"
 """
 
-_KILL = r"""
-me=$(id -u)
-# a pid read from staging is killed only when it is a process of this user
-# running wsync's producer; without /proc nothing is killed
-mine() {
-  busy "$1" && [ -r "/proc/$1/cmdline" ] || return 1
-  lsn "/proc/$1"
-  [ "$u" = "$me" ] || return 1
-  case $(cmd "$1") in *"$pn"*) return 0 ;; esac
-  return 1
-}
-stop() {
-  for k in pid pid.launch; do
-    rd "$1/$k"
-    s=$v_
-    mine "$s" && { kill -TERM "-$s" || kill "$s"; }
-  done
-}
-"""
+_KILL = "\nme=$(id -u)\n" + KILL_FNS
 
 _ADMIT_HEAD = r"""
+me=$(id -u)
 no() { emit err "$1"; exit 0; }
 root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$8 ph=$9 mode=${10}
 """
@@ -235,20 +220,8 @@ case $m in ?????w*|????????w*) no unsafe-root ;; esac
 dg=$(h < "$prod")
 [ -f "$prod" ] && [ "${dg%% *}" = "$ph" ] || no producer-missing
 umask 077
-# garbage-collect stale snapshots: only wsync's own (an id-shaped name holding
-# a launch/ token), never anything else that happens to live in the root.  One find
-# says which are old (a find per leftover was most of an admission's programs), and a
-# name counts only as a whole line of its answer.  (A name with a newline could spell
-# another snapshot's: only this user can make one here, who could remove that
-# snapshot as well; its pull then fails, the host never takes a wrong byte)
-o=$nl$(find "$root"/s* -prune -mmin +$ttl)$nl
-for x in "$root"/s*; do
-  [ -d "$x/launch" ] || continue
-  [ "${x##*/}" = "$id" ] && continue
-  case $o in *"$nl$x$nl"*) ;; *) continue ;; esac
-  stop "$x"
-  rm -rf "$x"
-done
+# stale snapshots go first (the producer's --gc, hashed above: see there)
+sh "$prod" --gc "$root" "$id" "$ttl" "$pn"
 d=$root/$id f=
 if [ ! -d "$d/launch" ] && [ "$mode" = select ] && [ ! -f "$d/list" ]; then
   no list-missing
@@ -320,15 +293,20 @@ if [ "$go" ]; then
   done
 fi
 """
-#: the admission's answer: alone, or (through a helper, whose argv has room for the
-#: status function) with the snapshot's first status after it, long poll included
+#: the admission's answer: alone, or with the snapshot's first status after it, long poll
+#: included.  The status comes from the producer's ``--status`` mode: its text was hashed
+#: above, and the status function's 1.6 KB stay out of this argv (a URL on some backends).
+#: Without an answer from it (the producer gone since), the admission's alone: the host
+#: then asks for the status itself
 _ADMIT_ANSWER = r"""
 emit ok "$a $(cat "$d/launch/size")"
 """
 _ADMIT_STATUS_ANSWER = r"""
 r="$a $(cat "$d/launch/size")"
-st "$d" 0 "$sw" "$sil"
-emit ok "$r${nl}$p"
+p=$(sh "$prod" --status "$d" 0 "$sw" "$sil"; echo .)
+p=${p%.}
+[ -n "$p" ] && r="$r${nl}$p"
+emit ok "$r"
 """
 
 _INSTALL = r"""
@@ -383,67 +361,6 @@ mv -f "$d/list.tmp" "$d/list" || no "cannot write the list"
 emit ok "${dg%% *}"
 """
 
-_STATUS_FN = r"""
-# the status of snapshot dir $1 into p: the status call's answer, and the one an
-# admission through a guest helper carries (the call that follows it, saved)
-st() {
-d=$1 io=$2 w=$3 il=$4
-if [ ! -d "$d" ]; then p="exists 0"; return 0; fi
-touch "$d"
-al() {
-  alive=0
-  for x in pid pid.launch; do rd "$d/$x"; busy "$v_" && alive=1; done
-}
-# a long poll: up to w looks, until the index grows past io, a result is written or
-# (checked once) no producer runs; then the index from io comes along.  Looks are
-# 50 ms apart, the first ten 10 ms (a small workspace's producer is done by then, and
-# each look is two forks in the guest).  Liveness is asked again only if time passed
-al
-k=0 dw=0
-while [ $alive = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/failed" ]; do
-  # the producer writes the index's size to isize after each line (a hint read without
-  # a fork; the answer below measures the index itself); without it, wc
-  rd "$d/isize"
-  case $v_ in
-    ''|0?*|*[!0-9]*|????????????????*) isz=$(wc -c < "$d/index") || break ;;
-    *) isz=$v_ ;;
-  esac
-  if [ $((isz + 0)) -gt "$io" ]; then
-    # grown: the answer goes now, unless a small stream may come along (il) and only the
-    # producer's last steps are left (comp.rc: the final index lines, the whole hash, the
-    # done record): then it looks for the record five times, 2 ms apart, and carries it.
-    # (Bounded: a big stream's last steps hash it whole, and its last index lines must
-    # not wait for that)
-    [ "$il" -gt 0 ] && [ -f "$d/comp.rc" ] && [ "$dw" -lt 5 ] || break
-    dw=$((dw + 1))
-    sleep 0.002 2>/dev/null || break
-  elif [ $k -lt 10 ]; then sleep 0.01 2>/dev/null || break; else sleep 0.05 2>/dev/null || break; fi
-  k=$((k + 1))
-done
-[ $k = 0 ] || al
-p="exists 1"
-if [ -f "$d/done" ]; then p="$p${nl}$(sed 's/^/done_/' "$d/done")"; fi
-if [ -f "$d/failed" ]; then p="$p${nl}failed $(head -c 400 "$d/failed" | tr '\n' ' ')"; fi
-launched=0
-[ -d "$d/launch" ] && launched=1
-isz=$(wc -c < "$d/index") || isz=0
-dsz=$(wc -c < "$d/data") || dsz=0
-p="$p${nl}alive $alive${nl}launched $launched"
-p="$p${nl}index_size $((isz + 0))${nl}data_size $((dsz + 0))"
-# a finished stream of at most il bytes comes along whole, in base64 (a read call fewer
-# for every small run: the host checks each chunk against the index's hash as a read's)
-if [ "$il" -gt 0 ] && [ "$io" -ge 0 ] && [ -f "$d/done" ] && [ $((dsz + 0)) -gt 0 ] &&
-  [ $((dsz + 0)) -le "$il" ]; then
-  b=$(base64 < "$d/data" | tr -d '\n') && p="$p${nl}data_b64 $b"
-fi
-if [ "$io" -ge 0 ] && [ $((isz + 0)) -gt "$io" ]; then
-  t=$(dd if="$d/index" bs=65536 iflag=skip_bytes,count_bytes skip="$io" count=65536; echo .)
-  t=${t%.}
-  p="$p${nl}index_from $io${nl}index_tail ${#t}${nl}index_follows${nl}$t"
-fi
-if [ -s "$d/tar.err" ]; then p="$p${nl}tar_err_follows${nl}$(head -c 2000 "$d/tar.err")"; fi
-}
-"""
 _STATUS = r"""
 st "$1" "$2" "$3" "$4"
 emit ok "$p"
@@ -484,17 +401,11 @@ def _compact(script: str) -> str:
 
 SCRIPTS: dict[str, str] = {
     "probe": _compact(_PRELUDE + _STAGE + _PROBE),
-    "admit": _compact(_PRELUDE + _KILL + _ADMIT_HEAD + _ADMIT_ARGS + _ADMIT + _ADMIT_ANSWER),
+    "admit": _compact(_PRELUDE + _ADMIT_HEAD + _ADMIT_ARGS + _ADMIT + _ADMIT_ANSWER),
     "admit_status": _compact(
-        _PRELUDE
-        + _KILL
-        + _STATUS_FN
-        + _ADMIT_HEAD
-        + _ADMIT_STATUS_ARGS
-        + _ADMIT
-        + _ADMIT_STATUS_ANSWER
+        _PRELUDE + _ADMIT_HEAD + _ADMIT_STATUS_ARGS + _ADMIT + _ADMIT_STATUS_ANSWER
     ),
-    "status": _compact(_PRELUDE + _STATUS_FN + _STATUS),
+    "status": _compact(_PRELUDE + STATUS_FN + _STATUS),
     "read": _compact(_PRELUDE + _READ),
     "cleanup": _compact(_PRELUDE + _KILL + _CLEANUP),
     "install": _compact(_PRELUDE + _INSTALL),
@@ -589,6 +500,19 @@ def probe(
     root = check_staging_root(staging_root) or NONE  # (never a configured root: not absolute)
     args = (workspace, root, _PROBE_XXH128, "1" if free else "0")
     return render("probe", gate=gate, nonce=nonce, algorithm="md5", b64=b64, args=args)
+
+
+#: the longest argv, as a URL's query encodes it (:func:`url_length`), that goes to an exec
+#: endpoint taking argv in its URL (Sprites, Kubernetes): servers and proxies refuse request
+#: lines over about 8 KiB, and the path and the other parameters come along
+URL_ARGV_MAX = 7600
+
+
+def url_length(argv: Sequence[str]) -> int:
+    """The bytes of ``argv`` in a URL's query, one parameter an argument (``urlencode``
+    quotes every byte but letters, digits and ``_.-~``), named as the longer of the two
+    backends' names (Kubernetes' ``command``; Sprites says ``cmd``)."""
+    return sum(len(urllib.parse.quote(arg, safe="")) + len("&command=") for arg in argv)
 
 
 #: listed sizes from here up (1 EiB) are not passed to the admission: none fits anyway,

@@ -144,8 +144,9 @@ class Capabilities:
     channel: bool = False
     #: an exec's argv may run to tens of KiB: it travels in a request body or an SSH
     #: channel request.  False where it goes in a URL's query (Sprites, Kubernetes),
-    #: which servers and proxies cap near 8 KiB: the longer scripts (an admission that
-    #: also answers the first status) then go only through guest helpers
+    #: which servers and proxies cap near 8 KiB: an admission that also answers the first
+    #: status goes there only while its URL stays under ``scripts.URL_ARGV_MAX``, and a
+    #: list is uploaded in small parts
     long_argv: bool = False
 
 
