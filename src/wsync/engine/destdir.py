@@ -55,20 +55,6 @@ _LOCK_TRIES = 16
 _RESERVED = re.compile(r"\..+\.wsync-(lock|prev|old|tmp-.*)", re.DOTALL)
 
 
-def _mount_points() -> set[str]:
-    """Mount points of this process's mount namespace (empty if /proc cannot say)."""
-    points: set[str] = set()
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split(b" ")
-            if len(fields) > 4:
-                raw = fields[4]
-                # mountinfo escapes space, tab, newline and backslash as \ooo
-                text = raw.decode("unicode_escape").encode("latin-1")
-                points.add(os.fsdecode(text))
-    return points
-
-
 class DestDir:
     """An open fd on DEST's parent, the DEST lock, and the writes made through them."""
 
@@ -275,7 +261,7 @@ class DestDir:
     def check_not_mount(self, st: os.stat_result) -> None:
         """Refuse a DEST that is a mount point: the swap could only fail, after the transfer."""
         parent = os.fstat(self.parent_fd)
-        if st.st_dev != parent.st_dev or str(self.path) in _mount_points():
+        if st.st_dev != parent.st_dev or str(self.path) in fsutil.mount_points():
             raise UsageError(
                 f"DEST {self.path} is a mount point, and wsync replaces DEST by renaming a "
                 "new tree over it, which a mount point does not allow; "
@@ -340,7 +326,9 @@ class DestDir:
         except OSError:
             return None
         try:
-            if not fsutil.make_private(fd):
+            # a mount below it (someone else's doing: wsync never mounts) would bring what
+            # it covers into DEST, names and all: such a tree is never reused
+            if not fsutil.make_private(fd) or fsutil.mounts_below(fd):
                 os.close(fd)
                 return None
             if base != name:

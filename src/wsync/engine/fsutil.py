@@ -226,6 +226,43 @@ def rmtree(path: Path) -> None:
         os.close(parent)
 
 
+def mount_points() -> set[str]:
+    """Mount points of this process's mount namespace (empty if /proc cannot say)."""
+    points: set[str] = set()
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split(b" ")
+            if len(fields) > 4:
+                raw = fields[4]
+                # mountinfo escapes space, tab, newline and backslash as \ooo
+                text = raw.decode("unicode_escape").encode("latin-1")
+                points.add(os.fsdecode(text))
+    return points
+
+
+def mounts_below(dir_fd: int, name: str = "") -> set[tuple[int, int]]:
+    """``(st_dev, st_ino)`` of every mount point strictly below the directory open at
+    ``dir_fd`` (or its entry ``name``), as a walk that opens it sees it: the mounted root.
+
+    Why: a bind mount of a directory from the same filesystem keeps its ``st_dev``, so only
+    the mount table tells it from a directory of the tree.  A tree of ours that holds a
+    mount was made so by someone else (wsync never mounts): what is below it is not ours
+    to remove or reuse.  Empty where ``/proc`` cannot say."""
+    try:
+        top = os.readlink(f"/proc/self/fd/{dir_fd}")
+    except OSError:
+        return set()
+    if name:
+        top = os.path.join(top, name)
+    found: set[tuple[int, int]] = set()
+    for point in mount_points():
+        if point.startswith(top.rstrip("/") + "/"):
+            with contextlib.suppress(OSError):
+                st = os.stat(point, follow_symlinks=False)
+                found.add((st.st_dev, st.st_ino))
+    return found
+
+
 class _Frame:
     """One directory on the removal path: its fd (or -1), identity and subdirectories left."""
 
@@ -242,8 +279,10 @@ class _Frame:
 class _Remover:
     """The state of one :func:`remove_tree_at`: the path stack and the first failure."""
 
-    def __init__(self, shown: str) -> None:
+    def __init__(self, shown: str, mounts: set[tuple[int, int]]) -> None:
         self.shown = shown
+        #: mount points below the top (:func:`mounts_below`): never entered
+        self.mounts = mounts
         self.stack: list[_Frame] = []
         self.failure: tuple[str, OSError] | None = None
         self.failures = 0
@@ -277,6 +316,14 @@ class _Remover:
         except OSError as exc:
             os.close(fd)
             self.fail(name, exc)
+            return
+        if self.stack and (
+            st.st_dev != self.stack[0].dev or (st.st_dev, st.st_ino) in self.mounts
+        ):
+            # another filesystem, or a bind mount: what it holds is not this tree's (as
+            # ``rm --one-file-system``); its rmdir fails and says so
+            os.close(fd)
+            self.fail(name, OSError(errno.EBUSY, "a mount point, not entered"))
             return
         frame = _Frame(fd, name, st)
         self.stack.append(frame)
@@ -364,8 +411,9 @@ def remove_tree_at(parent_fd: int, name: str, *, shown: str | None = None) -> No
 
     Iterative (any depth, a bounded number of open fds), never follows a
     symlink (links are unlinked, every directory is opened ``O_NOFOLLOW``
-    relative to its parent), makes read-only directories we own writable
-    first.  Removes everything it can; then raises :class:`HostIOError`
+    relative to its parent), never enters a mount point (another filesystem, or a
+    bind mount that :func:`mounts_below` names), makes read-only directories we own
+    writable first.  Removes everything it can; then raises :class:`HostIOError`
     naming the first path it could not remove.  A missing ``name`` is fine.
     """
     shown = shown or name
@@ -379,7 +427,7 @@ def remove_tree_at(parent_fd: int, name: str, *, shown: str | None = None) -> No
         with host_io(f"removing {shown}"), contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=parent_fd)
         return
-    run = _Remover(shown)
+    run = _Remover(shown, mounts_below(parent_fd, name))
     try:
         run.enter(parent_fd, name)
         _walk(run, parent_fd)

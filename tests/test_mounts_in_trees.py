@@ -1,0 +1,101 @@
+"""Mount points inside the trees wsync removes or reuses (found by a review): wsync never
+mounts, so a mount below one of its trees is someone else's, and what it holds is not
+wsync's to remove or to carry into DEST.  Needs root and a kernel that lets it mount
+(skipped elsewhere)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_exact, make_tree, options, run_pull
+from wsync.engine.api import PullOptions
+from wsync.engine.fsutil import remove_tree_at
+from wsync.errors import HostIOError
+from wsync.transports.local import LocalTransport
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mount needs root")
+
+
+@contextlib.contextmanager
+def mounted(*args: str, under: Path) -> Iterator[None]:
+    """``mount ARGS``, and every mount below ``under`` lazily unmounted afterwards."""
+    if subprocess.run(["mount", *args], capture_output=True).returncode:
+        pytest.skip("cannot mount here")
+    try:
+        yield
+    finally:
+        for line in reversed(Path("/proc/self/mounts").read_text().splitlines()):
+            point = line.split()[1]
+            if point.startswith(str(under)):
+                subprocess.run(["umount", "-l", point], check=False)
+
+
+def prev_of(dest: Path) -> Path:
+    return dest.parent / f".{dest.name}.wsync-prev"
+
+
+def kept_tree(tmp_path: Path) -> tuple[Path, Path, PullOptions]:
+    """A workspace pulled twice with ``--keep-prev``: DEST and a kept tree beside it."""
+    ws = make_tree(tmp_path / "ws", big=4096, small=10)
+    dest = tmp_path / "out"
+    opts = options(tmp_path, keep_prev=True)
+    assert run_pull(LocalTransport(), ws, dest, opts).ok
+    (ws / "src" / "f1.txt").write_text("round 1\n")
+    assert run_pull(LocalTransport(), ws, dest, opts).ok
+    return ws, dest, opts
+
+
+@pytest.mark.parametrize("kind", ["tmpfs", "bind"])
+def test_removing_a_tree_never_enters_a_mount_in_it(tmp_path: Path, kind: str) -> None:
+    """Another filesystem, or a directory bind-mounted from this one (same ``st_dev``):
+    its files stay, the removal fails naming it, the rest of the tree goes."""
+    tree = tmp_path / "tree"
+    (tree / "a" / "m").mkdir(parents=True)
+    (tree / "a" / "file").write_text("ours\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    args = ["-t", "tmpfs", "none"] if kind == "tmpfs" else ["--bind", str(elsewhere)]
+    with mounted(*args, str(tree / "a" / "m"), under=tmp_path):
+        (tree / "a" / "m" / "precious").write_text("not wsync's\n")
+        fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with pytest.raises(HostIOError, match="a mount point"):
+                remove_tree_at(fd, "tree")
+        finally:
+            os.close(fd)
+        assert (tree / "a" / "m" / "precious").read_text() == "not wsync's\n"
+        assert not (tree / "a" / "file").exists()
+
+
+def test_a_mount_in_the_kept_tree_is_not_emptied(tmp_path: Path) -> None:
+    """A tmpfs mounted on a directory of ``.NAME.wsync-prev``: the pull neither reuses that
+    tree nor deletes the mount's files, and DEST comes out exact."""
+    ws, dest, opts = kept_tree(tmp_path)
+    point = prev_of(dest) / "src" / "deep"
+    with mounted("-t", "tmpfs", "none", str(point), under=tmp_path):
+        (point / "precious.txt").write_text("on another filesystem\n")
+        fs_id = os.stat(point).st_dev
+        (ws / "src" / "f2.txt").write_text("round 2\n")
+        run_pull(LocalTransport(), ws, dest, opts)
+        assert_exact(ws, dest)
+        # the mount travels with the tree's renames: found again by its device
+        where = [Path(top) for top, _, _ in os.walk(tmp_path) if os.stat(top).st_dev == fs_id]
+        assert where and (where[0] / "precious.txt").exists(), where
+
+
+def test_a_file_bind_mounted_in_the_kept_tree_never_reaches_dest(tmp_path: Path) -> None:
+    """A file bind-mounted over one of the kept tree's: the directory listing gives the
+    covered inode (DEST's own), so only the mount table shows it; the tree is not reused."""
+    ws, dest, opts = kept_tree(tmp_path)
+    planted = tmp_path / "planted.txt"
+    planted.write_text("NOT THE GUEST'S\n" * 3)
+    with mounted("--bind", str(planted), str(prev_of(dest) / "src" / "f4.txt"), under=tmp_path):
+        (ws / "src" / "f2.txt").write_text("round 2\n")
+        assert run_pull(LocalTransport(), ws, dest, opts).ok
+        assert_exact(ws, dest)
