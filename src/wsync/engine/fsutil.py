@@ -317,9 +317,7 @@ class _Remover:
             os.close(fd)
             self.fail(name, exc)
             return
-        if self.stack and (
-            st.st_dev != self.stack[0].dev or (st.st_dev, st.st_ino) in self.mounts
-        ):
+        if self.stack and (st.st_dev != self.stack[0].dev or (st.st_dev, st.st_ino) in self.mounts):
             # another filesystem, or a bind mount: what it holds is not this tree's (as
             # ``rm --one-file-system``); its rmdir fails and says so
             os.close(fd)

@@ -223,8 +223,8 @@ class _Pull(IncrementalRunner):
             await self.load_late()
             old = self.swap_in(tmp, tmp_fd)
             self.outcome = (stats, chunks, length, old)
-        except BaseException:
-            await self.drop_tmp(tmp, reused)
+        except BaseException as exc:
+            await self.drop_tmp(tmp, reused, broken=isinstance(exc, (HostIOError, OSError)))
             raise
         finally:
             # every write was awaited on success; after a failure none is waited for here
@@ -307,13 +307,17 @@ class _Pull(IncrementalRunner):
             raise
         return self.outcome
 
-    async def drop_tmp(self, tmp: str, reused: bool, *, busy: bool = False) -> None:
+    async def drop_tmp(
+        self, tmp: str, reused: bool, *, busy: bool = False, broken: bool = False
+    ) -> None:
         """After a failure: a reused tree stays for the next run (it is as good a start as
-        it was), unless a worker may still be at work in it (``busy``, or stuck) or the
-        reuse itself failed (it would fail again); any other goes (:meth:`remove_tmp`
-        gives it a stale name first, so no later pull takes it for its own)."""
+        it was), unless a worker may still be at work in it (``busy``, or stuck), or the
+        reuse itself or a host write failed (``broken``: it would fail again, as a kept
+        directory made immutable did on every later pull); any other goes
+        (:meth:`remove_tmp` gives it a stale name first, so no later pull takes it for
+        its own)."""
         reuse_failed = self.inc is not None and self.inc.reuse_failed
-        if not reused or busy or self.stuck or reuse_failed:
+        if not reused or busy or broken or self.stuck or reuse_failed:
             await self.remove_tmp(tmp)
 
     async def keep_prev(self, inc: Incremental, old: str) -> str | None:

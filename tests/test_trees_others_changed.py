@@ -1,12 +1,13 @@
-"""Mount points inside the trees wsync removes or reuses (found by a review): wsync never
-mounts, so a mount below one of its trees is someone else's, and what it holds is not
-wsync's to remove or to carry into DEST.  Needs root and a kernel that lets it mount
-(skipped elsewhere)."""
+"""What someone else did to the trees wsync removes or reuses (found by a review): a mount
+below one (wsync never mounts: what it holds is not wsync's to remove or to carry into
+DEST), a kept directory made immutable.  Needs root, and a kernel and filesystem that let
+it mount or set the flag (skipped elsewhere)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from helpers import assert_exact, make_tree, options, run_pull
 from wsync.engine.api import PullOptions
 from wsync.engine.fsutil import remove_tree_at
-from wsync.errors import HostIOError
+from wsync.errors import HostIOError, WsyncError
 from wsync.transports.local import LocalTransport
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mount needs root")
@@ -99,3 +100,32 @@ def test_a_file_bind_mounted_in_the_kept_tree_never_reaches_dest(tmp_path: Path)
         (ws / "src" / "f2.txt").write_text("round 2\n")
         assert run_pull(LocalTransport(), ws, dest, opts).ok
         assert_exact(ws, dest)
+
+
+@pytest.mark.skipif(shutil.which("chattr") is None, reason="no chattr")
+def test_an_immutable_kept_directory_never_blocks_dest_for_good(tmp_path: Path) -> None:
+    """A directory of the kept tree made immutable (``chattr +i``) passes the reuse's walk
+    and verdict; the extractor then cannot write into it.  That pull fails, and the tree
+    is not reused again: the next pull makes a fresh farm and lands DEST exactly (found by
+    a review: every later pull took the same tree and failed the same way)."""
+    ws, dest, opts = kept_tree(tmp_path)
+    stuck = prev_of(dest) / "src" / "deep"
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode:
+        pytest.skip("no immutable flag here")
+    try:
+        (ws / "src" / "deep" / "new.txt").write_text("new in the guest\n")
+        errors = []
+        for _ in range(2):  # the first may fail; the second must land DEST
+            try:
+                result = run_pull(LocalTransport(), ws, dest, opts)
+            except WsyncError as exc:
+                errors.append(str(exc))
+                continue
+            assert result.ok, result.error
+            break
+        else:
+            pytest.fail(f"two pulls in a row failed: {errors}")
+        assert_exact(ws, dest)
+    finally:
+        for path in [*dest.parent.glob(f".{dest.name}.wsync-*/src/deep"), dest / "src/deep"]:
+            subprocess.run(["chattr", "-i", str(path)], check=False)
