@@ -20,6 +20,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -475,3 +476,52 @@ def test_a_prune_given_up_on_never_works_in_the_next_pulls_tree(
 
     monkeypatch.setattr(_Pull, "swap_in", late_prune_then_swap)
     pull(ws, dest, opts)  # exact, or the late prune removed d from this pull's tree
+
+
+def test_a_pull_stopped_while_a_thread_works_in_its_reused_tree_leaves_it_to_none(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stopped (a daemon's cancel) while the directories' metadata is set in the reused tree
+    on a worker thread: the cancelled wait leaves the thread at work there, so the tree is
+    not left for the next pull (found by a review; a failure that stops no thread leaves
+    it, see test_a_failed_pull_leaves_its_tree_to_the_next_one).  The next pull makes a
+    fresh tree and DEST comes out exact."""
+    ws, dest, opts = pulled
+    change(ws, 2)
+    entered, release = threading.Event(), threading.Event()
+    dir_meta = Incremental.dir_meta
+
+    def slow_dir_meta(self: Incremental, tmp_fd: int) -> None:
+        entered.set()
+        release.wait(60)
+        dir_meta(self, tmp_fd)
+
+    async def stopped_in_dir_meta() -> None:
+        transport = LocalTransport()
+        task = asyncio.create_task(wsync_pull(transport, str(ws), dest, opts))
+        assert await asyncio.to_thread(entered.wait, 60)  # set by the worker thread
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await transport.aclose()
+
+    monkeypatch.setattr(Incremental, "dir_meta", slow_dir_meta)
+    try:
+        asyncio.run(stopped_in_dir_meta())
+    finally:
+        release.set()
+    monkeypatch.setattr(Incremental, "dir_meta", dir_meta)
+    reused: list[int] = []
+    reuse = prevtree.reuse
+
+    def counted(*args: Any, **kwargs: Any) -> tuple[int, int]:
+        reused.append(1)
+        return reuse(*args, **kwargs)
+
+    monkeypatch.setattr(prevtree, "reuse", counted)
+    result = pull(ws, dest, opts)
+    assert result.mode == "incremental"
+    assert reused == []  # a fresh tree, not the one the thread was in
+    change(ws, 3)
+    pull(ws, dest, opts)
+    assert_shares_only(dest)

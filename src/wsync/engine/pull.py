@@ -224,7 +224,14 @@ class _Pull(IncrementalRunner):
             old = self.swap_in(tmp, tmp_fd)
             self.outcome = (stats, chunks, length, old)
         except BaseException as exc:
-            await self.drop_tmp(tmp, reused, broken=isinstance(exc, (HostIOError, OSError)))
+            # a cancelled wait leaves its worker thread at work in the tree (in_thread):
+            # a reused tree then goes too, as one the next run must not build on
+            await self.drop_tmp(
+                tmp,
+                reused,
+                busy=not isinstance(exc, Exception),
+                broken=isinstance(exc, (HostIOError, OSError)),
+            )
             raise
         finally:
             # every write was awaited on success; after a failure none is waited for here
