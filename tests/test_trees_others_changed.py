@@ -129,3 +129,37 @@ def test_an_immutable_kept_directory_never_blocks_dest_for_good(tmp_path: Path) 
     finally:
         for path in [*dest.parent.glob(f".{dest.name}.wsync-*/src/deep"), dest / "src/deep"]:
             subprocess.run(["chattr", "-i", str(path)], check=False)
+
+
+@pytest.mark.parametrize("kind", ["tmpfs", "bind"])
+def test_a_mount_inside_dest_keeps_its_files_when_the_old_tree_goes(
+    tmp_path: Path, kind: str
+) -> None:
+    """Someone mounts a filesystem (or binds a directory) on a directory of DEST.  The next
+    pull that changes something replaces DEST and removes the old tree: the mount goes
+    with the old tree, its files stay where they are (the code before deleted them: a
+    default pull's removal walked into the mount), and DEST is the guest's tree."""
+    ws = tmp_path / "ws"
+    (ws / "sub").mkdir(parents=True)
+    (ws / "a").write_text("a\n")
+    (ws / "sub" / "b").write_text("b\n")
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    assert run_pull(LocalTransport(), ws, dest, opts).ok
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    args = ["-t", "tmpfs", "none"] if kind == "tmpfs" else ["--bind", str(elsewhere)]
+    with mounted(*args, str(dest / "sub"), under=tmp_path):
+        (dest / "sub" / "precious").write_text("not wsync's\n")
+        fs = os.stat(dest / "sub")
+        (ws / "a").write_text("a, changed\n")
+        result = run_pull(LocalTransport(), ws, dest, opts)
+        assert result.ok, result.error
+        assert any("not fully removed" in w for w in result.warnings), result.warnings
+        assert_exact(ws, dest)
+        where = [
+            Path(top)
+            for top, _, _ in os.walk(tmp_path)
+            if (os.stat(top).st_dev, os.stat(top).st_ino) == (fs.st_dev, fs.st_ino)
+        ]
+        assert where and (where[0] / "precious").read_text() == "not wsync's\n", where
