@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 from helpers import assert_exact, make_tree, options
 from test_daemon_harness import TOKEN, base_config, running
 from wsync.emulators.docker import DockerFaults, EmulatorThread
-from wsync.engine.api import Progress, ProgressCallback, PullOptions, PullResult
+from wsync.engine.api import ProgressCallback, PullOptions, PullResult
+from wsync.engine.journal import Journal
 from wsync.engine.pull import pull_uri
 from wsync.errors import IntegrityFailed, WsyncError
 from wsync.transports import docker_http
@@ -220,10 +221,12 @@ def test_a_daemon_that_always_drops_the_final_frame_fails_clearly_and_leaves_des
 
 
 def test_a_daemon_that_turns_lossy_mid_pull_fails_clearly_and_leaves_dest(
-    dockerd: EmulatorThread, tmp_path: Path
+    dockerd: EmulatorThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The fault switched on once chunks have landed in host staging: the failure comes
-    with a half-extracted tree on the host, and DEST is still untouched."""
+    """The fault switched on once a chunk has landed in host staging (when the journal
+    stores it: progress is reported at most every 0.1 s, and on a fast machine the whole
+    pull ran before the first report): the failure comes with a half-extracted tree on
+    the host, and DEST is still untouched."""
     ws = workspace(dockerd, "turns")
     (ws / "a.bin").write_bytes(os.urandom(1 * MiB))
     make_tree(ws / "t", big=64 * KiB, small=4)
@@ -232,16 +235,21 @@ def test_a_daemon_that_turns_lossy_mid_pull_fails_clearly_and_leaves_dest(
     before = dest_state(dest)
     switched_at: list[int] = []
     staged: list[Path] = []
+    store = Journal.store
 
-    def on_progress(p: Progress) -> None:
-        if p.chunks_done >= 1 and not switched_at:
-            switched_at.append(p.chunks_done)
+    def storing(self: Journal, seq: int, digest: str, data: bytes) -> Path:
+        stored = store(self, seq, digest, data)
+        # (the listing's chunks come before the tree beside DEST is made)
+        if not switched_at and list(tmp_path.glob(".out.wsync-tmp-*")):
+            switched_at.append(seq)
             staged.extend(tmp_path.glob(".out.wsync-tmp-*"))  # the tree that would be DEST
             dockerd.set_faults(DockerFaults(seed=4, drop_final=1.0))
+        return stored
 
+    monkeypatch.setattr(Journal, "store", storing)
     opts = options(tmp_path, chunk_size=64 * KiB, max_attempts=3, force=True, call_timeout=10)
     with pytest.raises(IntegrityFailed) as failed:
-        pull_docker(dockerd, "turns", ws, dest, opts, on_progress)
+        pull_docker(dockerd, "turns", ws, dest, opts)
     assert failed.value.exit_code == 6
     assert switched_at, "the pull never got a chunk through before the fault"
     assert staged, "no tree was being extracted beside DEST when the fault came"
