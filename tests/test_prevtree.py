@@ -18,7 +18,7 @@ import subprocess
 import sysconfig
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import pytest
 import wsync
 from helpers import assert_exact, make_tree, options, run_pull
 from wsync.engine import hostscan, prevtree
+from wsync.engine import pull as pull_module
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.destdir import DestDir
 from wsync.engine.incremental import Incremental
@@ -67,6 +68,23 @@ def assert_shares_only(dest: Path) -> None:
             assert os.lstat(path).st_ino == os.lstat(twin).st_ino, path
             seen += 1
     assert seen > 0
+
+
+def cancel_once(
+    ws: Path, dest: Path, opts: PullOptions, reached: Callable[[], Awaitable[object]]
+) -> None:
+    """Start a pull and cancel it (as a daemon does) once ``reached()`` returns."""
+
+    async def go() -> None:
+        transport = LocalTransport()
+        task = asyncio.create_task(wsync_pull(transport, str(ws), dest, opts))
+        await reached()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await transport.aclose()
+
+    asyncio.run(go())
 
 
 def change(ws: Path, round_no: int) -> None:
@@ -453,17 +471,10 @@ def test_a_prune_given_up_on_never_works_in_the_next_pulls_tree(
         finally:
             pruned.set()
 
-    async def stopped_during_the_prune() -> None:
-        transport = LocalTransport()
-        task = asyncio.create_task(wsync_pull(transport, str(ws), dest, opts))
-        assert await asyncio.to_thread(entered.wait, 60)  # set by the prune's thread
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await transport.aclose()
-
     monkeypatch.setattr(prevtree, "prune", slow_prune)
-    asyncio.run(stopped_during_the_prune())
+    # entered is set by the prune's thread
+    cancel_once(ws, dest, opts, lambda: asyncio.to_thread(entered.wait, 60))
+    assert entered.is_set()
     monkeypatch.setattr(prevtree, "prune", prune)
     (ws / "d").mkdir()  # back, with a new file: the next tree needs d
     (ws / "d" / "new.txt").write_text("new\n")
@@ -496,20 +507,13 @@ def test_a_pull_stopped_while_a_thread_works_in_its_reused_tree_leaves_it_to_non
         release.wait(60)
         dir_meta(self, tmp_fd)
 
-    async def stopped_in_dir_meta() -> None:
-        transport = LocalTransport()
-        task = asyncio.create_task(wsync_pull(transport, str(ws), dest, opts))
-        assert await asyncio.to_thread(entered.wait, 60)  # set by the worker thread
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await transport.aclose()
-
     monkeypatch.setattr(Incremental, "dir_meta", slow_dir_meta)
     try:
-        asyncio.run(stopped_in_dir_meta())
+        # entered is set by the worker thread
+        cancel_once(ws, dest, opts, lambda: asyncio.to_thread(entered.wait, 60))
     finally:
         release.set()
+    assert entered.is_set()
     monkeypatch.setattr(Incremental, "dir_meta", dir_meta)
     reused: list[int] = []
     reuse = prevtree.reuse
@@ -525,3 +529,30 @@ def test_a_pull_stopped_while_a_thread_works_in_its_reused_tree_leaves_it_to_non
     change(ws, 3)
     pull(ws, dest, opts)
     assert_shares_only(dest)
+
+
+def test_a_pull_cancelled_outside_any_thread_leaves_its_reused_tree(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel (a daemon's stop, the --timeout deadline) while the pull awaits a guest
+    call (apply_lists), after every worker thread in the tree has returned: the tree is
+    left for the next run, which reuses it (a review caught 8ffbafa dropping it on every
+    cancel)."""
+    ws, dest, opts = pulled
+    kept = os.stat(prev_of(dest)).st_ino
+    change(ws, 2)
+    entered = asyncio.Event()
+    real = pull_module.apply_lists
+
+    async def stuck(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        await asyncio.sleep(3600)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(pull_module, "apply_lists", stuck)
+    cancel_once(ws, dest, opts, lambda: asyncio.wait_for(entered.wait(), 60))
+    monkeypatch.setattr(pull_module, "apply_lists", real)
+    assert kept in [os.stat(t).st_ino for t in tmp_trees(dest)], "kept tree thrown away"
+    pull(ws, dest, opts)
+    assert os.stat(dest).st_ino == kept
+    assert_exact(ws, dest)

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_exact, make_tree, options, run_pull
+from test_prevtree import change, pull, tmp_trees
 from wsync.engine.api import PullOptions
 from wsync.engine.fsutil import remove_tree_at
-from wsync.errors import HostIOError, WsyncError
+from wsync.errors import DiskLow, HostIOError, WsyncError
 from wsync.transports.local import LocalTransport
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mount needs root")
@@ -35,6 +36,25 @@ def mounted(*args: str, under: Path) -> Iterator[None]:
             point = line.split()[1]
             if point.startswith(str(under)):
                 subprocess.run(["umount", "-l", point], check=False)
+
+
+@contextlib.contextmanager
+def mounted_in_dest(tmp_path: Path, dest: Path, kind: str) -> Iterator[None]:
+    """A tmpfs (or a directory of tmp_path bound) on ``DEST/sub`` holding ``precious``;
+    afterwards, wherever the mount went with the trees' renames, ``precious`` is intact."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    args = ["-t", "tmpfs", "none"] if kind == "tmpfs" else ["--bind", str(elsewhere)]
+    with mounted(*args, str(dest / "sub"), under=tmp_path):
+        (dest / "sub" / "precious").write_text("not wsync's\n")
+        fs = os.stat(dest / "sub")
+        yield
+        where = [
+            Path(top)
+            for top, _, _ in os.walk(tmp_path)
+            if (os.stat(top).st_dev, os.stat(top).st_ino) == (fs.st_dev, fs.st_ino)
+        ]
+        assert where and (where[0] / "precious").read_text() == "not wsync's\n", where
 
 
 def prev_of(dest: Path) -> Path:
@@ -146,20 +166,66 @@ def test_a_mount_inside_dest_keeps_its_files_when_the_old_tree_goes(
     dest = tmp_path / "out"
     opts = options(tmp_path)
     assert run_pull(LocalTransport(), ws, dest, opts).ok
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    args = ["-t", "tmpfs", "none"] if kind == "tmpfs" else ["--bind", str(elsewhere)]
-    with mounted(*args, str(dest / "sub"), under=tmp_path):
-        (dest / "sub" / "precious").write_text("not wsync's\n")
-        fs = os.stat(dest / "sub")
+    with mounted_in_dest(tmp_path, dest, kind):
         (ws / "a").write_text("a, changed\n")
         result = run_pull(LocalTransport(), ws, dest, opts)
         assert result.ok, result.error
         assert any("not fully removed" in w for w in result.warnings), result.warnings
         assert_exact(ws, dest)
-        where = [
-            Path(top)
-            for top, _, _ in os.walk(tmp_path)
-            if (os.stat(top).st_dev, os.stat(top).st_ino) == (fs.st_dev, fs.st_ino)
-        ]
-        assert where and (where[0] / "precious").read_text() == "not wsync's\n", where
+
+
+@pytest.mark.parametrize("in_guest", [True, False], ids=["dir-in-guest", "dir-not-in-guest"])
+@pytest.mark.parametrize("kind", ["tmpfs", "bind"])
+def test_keep_prev_never_deletes_a_mount_inside_dest(
+    tmp_path: Path, kind: str, in_guest: bool
+) -> None:
+    """As test_a_mount_inside_dest_keeps_its_files_when_the_old_tree_goes, with
+    --keep-prev: the old DEST would become the kept tree and be pruned path by path (the
+    prune took the files DEST's scan had seen in the mount for the tree's; found by a
+    review).  A tree with a mount below it is not kept, and its removal leaves the mount."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "a").write_text("a\n")
+    if in_guest:
+        (ws / "sub").mkdir()
+        (ws / "sub" / "b").write_text("b\n")
+    dest = tmp_path / "out"
+    opts = options(tmp_path, keep_prev=True)
+    assert run_pull(LocalTransport(), ws, dest, opts).ok
+    (dest / "sub").mkdir(exist_ok=True)  # (a directory someone made in DEST to mount on)
+    with mounted_in_dest(tmp_path, dest, kind):
+        for round_no in (1, 2):
+            (ws / "a").write_text(f"a, round {round_no}\n")
+            result = run_pull(LocalTransport(), ws, dest, opts)
+            assert result.ok, result.error
+            assert_exact(ws, dest)
+
+
+def test_a_pull_stopped_by_a_full_disk_leaves_its_reused_tree(tmp_path: Path) -> None:
+    """DEST's filesystem drops below --min-free while a --keep-prev pull extracts into the
+    kept tree: DiskLow, the host's condition (the same command resumes once there is
+    room).  No write failed in the tree and no thread is at work in it: it is left for the
+    next run, which reuses it (a review caught f5752e6 throwing it away)."""
+    box = tmp_path / "box"
+    box.mkdir()
+    with mounted("-t", "tmpfs", "-o", "size=300m", "none", str(box), under=tmp_path):
+        ws = make_tree(tmp_path / "ws", big=64 * 1024, small=30)
+        dest = box / "out"
+        opts = options(tmp_path, keep_prev=True)  # default --min-free: 256 MiB
+        assert pull(ws, dest, opts).mode == "full"
+        change(ws, 1)
+        assert pull(ws, dest, opts).mode == "incremental"
+        kept = os.stat(prev_of(dest)).st_ino
+        filler = box / "filler"
+        with open(filler, "wb") as f:
+            f.write(b"\0" * (60 << 20))  # someone fills the disk: 240 MiB free
+        change(ws, 2)
+        with pytest.raises(DiskLow):
+            run_pull(LocalTransport(), ws, dest, opts)
+        filler.unlink()  # room again: the same command resumes
+        left = [os.stat(t).st_ino for t in tmp_trees(dest)] + (
+            [os.stat(prev_of(dest)).st_ino] if prev_of(dest).exists() else []
+        )
+        assert kept in left, "the kept tree was thrown away after DiskLow"
+        assert pull(ws, dest, opts).mode == "incremental"
+        assert os.stat(dest).st_ino == kept  # reused, not a fresh farm

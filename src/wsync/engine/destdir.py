@@ -351,6 +351,10 @@ class DestDir:
             fd = os.open(old, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
             if not fsutil.make_private(fd):
                 raise OSError(errno.EPERM, "the old tree is not ours")
+            if fsutil.mounts_below(fd):
+                # someone mounted something in DEST: its prune would take the files the
+                # scan saw in the mount for the tree's (the removal leaves the mount alone)
+                raise OSError(errno.EBUSY, "a mount point is below the old tree")
             self.set_aside(self.prev_name)  # not expected: removed by the next pull
             os.rename(old, self.prev_name, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
             return fd

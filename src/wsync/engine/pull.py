@@ -32,7 +32,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -185,6 +185,22 @@ class _Pull(IncrementalRunner):
         # the extractor's own fd on the tree: a thread given up on after a failure must
         # never act through a closed fd whose number the process reuses meanwhile
         work_fds = [os.dup(tmp_fd)]
+        # worker threads at work in the tree after the extractor (a cancelled wait leaves
+        # one running: see drop_tmp)
+        in_tree: list[threading.Event] = []
+
+        async def tree_work(work: Callable[[int], object]) -> None:
+            done = threading.Event()
+            in_tree.append(done)
+            inner = owned(tmp_fd, work)
+
+            def run() -> None:
+                try:
+                    inner()
+                finally:
+                    done.set()
+
+            await in_thread(run)
 
         def extract(feed: ChunkFeed) -> ExtractStats:
             fd = work_fds.pop()
@@ -216,22 +232,20 @@ class _Pull(IncrementalRunner):
             )
             if inc is not None and replace:
                 self.emit("apply")
-                await in_thread(owned(tmp_fd, lambda fd: inc.locked(lambda: inc.join_groups(fd))))
-                await in_thread(owned(tmp_fd, lambda fd: inc.locked(lambda: inc.dir_meta(fd))))
+                await tree_work(lambda fd: inc.locked(lambda: inc.join_groups(fd)))
+                await tree_work(lambda fd: inc.locked(lambda: inc.dir_meta(fd)))
             # the manifest, when it loaded while the content run went on: a listing that
             # does not load fails the pull here, DEST untouched
             await self.load_late()
             old = self.swap_in(tmp, tmp_fd)
             self.outcome = (stats, chunks, length, old)
         except BaseException as exc:
-            # a cancelled wait leaves its worker thread at work in the tree (in_thread):
-            # a reused tree then goes too, as one the next run must not build on
-            await self.drop_tmp(
-                tmp,
-                reused,
-                busy=not isinstance(exc, Exception),
-                broken=isinstance(exc, (HostIOError, OSError)),
-            )
+            # a wait cancelled while a worker thread was at work in the tree leaves it
+            # running there; a write into the tree that failed (exactly HostIOError: its
+            # subclasses name host conditions the next run resumes past, DiskLow say)
+            # would fail again
+            busy = any(not done.is_set() for done in in_tree)
+            await self.drop_tmp(tmp, reused, busy=busy, broken=type(exc) is HostIOError)
             raise
         finally:
             # every write was awaited on success; after a failure none is waited for here
