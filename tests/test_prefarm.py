@@ -405,7 +405,7 @@ def test_the_worker_stops_when_its_pull_is_gone(
     trees: tuple[Path, int, Path, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After a kill -9 of the pull its worker would go on linking into a tree the next run
-    is removing; it looks for its parent every 1024 records and stops."""
+    is removing; it looks for its parent every 64 records and stops."""
     dest, dfd, tmp, tfd = trees
     for i in range(3000):
         (dest / f"f{i}").write_text("x")
@@ -414,7 +414,7 @@ def test_the_worker_stops_when_its_pull_is_gone(
     monkeypatch.setattr(os, "getppid", lambda: next(parents, 1))
     with pytest.raises(OSError, match="the pull that started it is gone"):
         linker.link_all(records, dfd, tfd)
-    assert len(os.listdir(tmp)) == 1024
+    assert len(os.listdir(tmp)) == 64
 
 
 def test_a_kill_9_while_it_farms_early_then_a_rerun_is_exact(
