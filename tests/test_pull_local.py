@@ -984,3 +984,30 @@ def test_a_stop_while_the_pull_closes_its_connections_is_its_success(
     result = asyncio.run(go())
     assert getattr(result, "ok", False), result
     assert_exact(workspace, dest)
+
+
+@pytest.mark.parametrize("long_argv", [True, False], ids=["long-argv", "short-argv"])
+def test_the_producer_installs_in_parts_as_large_as_the_exec_takes(
+    tmp_path: Path, long_argv: bool
+) -> None:
+    """A fresh sandbox gets the producer first, in parts: under half as many calls where an
+    exec's argv may be long (3 for the 11 KB producer, each command line under Dropbear's
+    limit) as where it goes in a URL (8), each a round trip on the HTTP backends."""
+    from wsync.engine.guest import EXEC_CARRY_MAX, exec_length
+
+    ws = _small_workspace(tmp_path / "ws")
+    transport = ScriptLog()
+    transport.capabilities = dataclasses.replace(transport.capabilities, long_argv=long_argv)  # type: ignore[misc]
+    run_pull(transport, ws, tmp_path / "out", options(tmp_path, helpers=False))
+    assert_exact(ws, tmp_path / "out")
+    size = scripts.INSTALL_PART_LONG if long_argv else scripts.INSTALL_PART
+    assert transport.ran.count("install") == scripts.install_parts(size)
+    assert scripts.install_parts(scripts.INSTALL_PART_LONG) * 2 < scripts.install_parts()
+    wire = scripts.Wire(
+        gate=True, nonce="0" * 16, algorithm="sha256", b64=True, staging_root="/s" * 20
+    )
+    for part in range(scripts.install_parts(scripts.INSTALL_PART_LONG)):
+        argv = scripts.install_producer(
+            **wire, part=part, run="f" * 32, part_size=scripts.INSTALL_PART_LONG
+        )
+        assert exec_length(argv) < EXEC_CARRY_MAX, part

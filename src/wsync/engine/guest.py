@@ -493,18 +493,24 @@ class GuestSession:
         raise StagingFailed(records.printable(text))
 
     async def install_producer(self) -> None:
+        """The producer script into the staging root, in parts (one call each): larger
+        ones where an exec's argv may be long.  One size for the whole install, so that a
+        helper given up on mid-way leaves parts its exec fallback still carries."""
         assert self.algorithm is not None
         algorithm = self.algorithm
-        for part in range(scripts.install_parts()):
-            build = functools.partial(self._install_argv, part)
+        size = scripts.INSTALL_PART_LONG if self.long_argv else scripts.INSTALL_PART
+        for part in range(scripts.install_parts(size)):
+            build = functools.partial(self._install_argv, part, size)
             envelope = await self.call("install", build, max_length=_SMALL)
             if not envelope.ok:
                 raise StagingFailed(records.printable(envelope.text))
         if envelope.text != algorithm.digest(scripts.PRODUCER.encode()):
             raise StagingFailed("the producer script arrived damaged in the guest")
 
-    def _install_argv(self, part: int, nonce: str) -> list[str]:
-        return scripts.install_producer(**self._wire(nonce), part=part, run=self.run_id)
+    def _install_argv(self, part: int, size: int, nonce: str) -> list[str]:
+        return scripts.install_producer(
+            **self._wire(nonce), part=part, run=self.run_id, part_size=size
+        )
 
     async def upload_list(self, snapshot: str, data: bytes) -> None:
         """Stage ``data`` (a NUL-separated name list) as the ``list`` of ``snapshot``.

@@ -592,22 +592,36 @@ def admit(
 
 #: producer text per install call: argv travels in a URL on some backends
 INSTALL_PART = 1536
+#: the same where an exec's argv may be long (``Capabilities.long_argv``): each call's
+#: command line stays under ``wsync.engine.guest.EXEC_CARRY_MAX`` (Dropbear's limit), and
+#: the 11 KB producer goes in 3 calls instead of 8 (a round trip each on the HTTP
+#: backends, on the first pull of every fresh sandbox)
+INSTALL_PART_LONG = 5120
 
 
 def install_producer(
-    *, gate: bool, nonce: str, algorithm: str, b64: bool, staging_root: str, part: int, run: str
+    *,
+    gate: bool,
+    nonce: str,
+    algorithm: str,
+    b64: bool,
+    staging_root: str,
+    part: int,
+    run: str,
+    part_size: int = INSTALL_PART,
 ) -> list[str]:
     """Write part ``part`` of the producer script into the staging root.
 
-    The producer travels on its own, in parts of :data:`INSTALL_PART` characters, so that
-    no argv grows past what URL-based exec endpoints accept (servers refuse request lines
+    The producer travels on its own, in parts of ``part_size`` characters
+    (:data:`INSTALL_PART`, or :data:`INSTALL_PART_LONG` where argv may be long), so that
+    no argv grows past what the exec endpoint accepts (URL-based ones refuse request lines
     over about 8 KiB).  Each part is its own file, so a retried call is idempotent; the
     call with the last part joins them (if a retry of it has not already) and answers the
     script's hash.  The name carries
     the hash: a changed producer never runs under an old name.
     """
-    count = install_parts()
-    text = PRODUCER[part * INSTALL_PART : (part + 1) * INSTALL_PART]
+    count = install_parts(part_size)
+    text = PRODUCER[part * part_size : (part + 1) * part_size]
     args = (staging_root, PRODUCER_NAME, str(part), str(count), text, check_run_id(run))
     return render("install", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
 
@@ -619,8 +633,8 @@ def check_run_id(run: str) -> str:
     return run
 
 
-def install_parts() -> int:
-    return -(-len(PRODUCER) // INSTALL_PART)
+def install_parts(part_size: int = INSTALL_PART) -> int:
+    return -(-len(PRODUCER) // part_size)
 
 
 def snapshot_dir(staging_root: str, snapshot: str) -> str:
