@@ -990,9 +990,11 @@ def test_a_stop_while_the_pull_closes_its_connections_is_its_success(
 def test_the_producer_installs_in_parts_as_large_as_the_exec_takes(
     tmp_path: Path, long_argv: bool
 ) -> None:
-    """A fresh sandbox gets the producer first, in parts: under half as many calls where an
-    exec's argv may be long (3 for the 11 KB producer, each command line under Dropbear's
-    limit) as where it goes in a URL (8), each a round trip on the HTTP backends."""
+    """A fresh sandbox gets the producer first, in parts, each a round trip on the HTTP
+    backends: under half as many calls as 1.5 KiB parts would take (8 for the 11 KB
+    producer) where an exec's argv may be long (3, each command line under Dropbear's
+    limit) and where it goes in a URL (2: gzipped, in base64, which a URL keeps nearly
+    as it is)."""
     from wsync.engine.guest import EXEC_CARRY_MAX, exec_length
 
     ws = _small_workspace(tmp_path / "ws")
@@ -1000,9 +1002,12 @@ def test_the_producer_installs_in_parts_as_large_as_the_exec_takes(
     transport.capabilities = dataclasses.replace(transport.capabilities, long_argv=long_argv)  # type: ignore[misc]
     run_pull(transport, ws, tmp_path / "out", options(tmp_path, helpers=False))
     assert_exact(ws, tmp_path / "out")
-    size = scripts.INSTALL_PART_LONG if long_argv else scripts.INSTALL_PART
-    assert transport.ran.count("install") == scripts.install_parts(size)
-    assert scripts.install_parts(scripts.INSTALL_PART_LONG) * 2 < scripts.install_parts()
+    if long_argv:
+        parts = scripts.install_parts(scripts.INSTALL_PART_LONG)
+    else:  # this guest has gzip and base64: the script goes compressed
+        parts = scripts.install_parts(scripts.INSTALL_PART_GZ64, "gz64")
+    assert transport.ran.count("install") == parts
+    assert parts * 2 < scripts.install_parts()
     wire = scripts.Wire(
         gate=True, nonce="0" * 16, algorithm="sha256", b64=True, staging_root="/s" * 20
     )
@@ -1011,3 +1016,21 @@ def test_the_producer_installs_in_parts_as_large_as_the_exec_takes(
             **wire, part=part, run="f" * 32, part_size=scripts.INSTALL_PART_LONG
         )
         assert exec_length(argv) < EXEC_CARRY_MAX, part
+
+
+def test_a_guest_whose_gzip_fails_gets_the_producer_plain(tmp_path: Path) -> None:
+    """Where the compressed install cannot be decoded (a ``gzip`` that fails), the producer
+    goes again in plain parts, and the pull is exact."""
+    ws = _small_workspace(tmp_path / "ws")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "gzip"
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    transport = ScriptLog(env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    transport.capabilities = dataclasses.replace(transport.capabilities, long_argv=False)  # type: ignore[misc]
+    opts = options(tmp_path, helpers=False, compressor="zstd")
+    run_pull(transport, ws, tmp_path / "out", opts)
+    assert_exact(ws, tmp_path / "out")
+    gz64 = scripts.install_parts(scripts.INSTALL_PART_GZ64, "gz64")
+    assert transport.ran.count("install") == gz64 + scripts.install_parts()

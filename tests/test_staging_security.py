@@ -488,6 +488,7 @@ def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:
     from urllib.parse import quote
 
     wire = scripts.Wire(gate=True, nonce="0" * 16, algorithm="b2", b64=True, staging_root="/s" * 20)
+    gz64 = scripts.INSTALL_PART_GZ64
     calls = [
         scripts.probe(
             gate=True, nonce="0" * 16, b64=True, workspace="/w" * 20, staging_root="/s" * 20
@@ -495,6 +496,10 @@ def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:
         *(
             scripts.install_producer(**wire, part=i, run="f" * 16)
             for i in range(scripts.install_parts())
+        ),
+        *(
+            scripts.install_producer(**wire, part=i, run="f" * 16, part_size=gz64, encoding="gz64")
+            for i in range(scripts.install_parts(gz64, "gz64"))
         ),
         scripts.status(**wire, snapshot="s" * 64, index_from=2**40, looks=600),
         scripts.read(**wire, snapshot="s" * 64, file="data", offset=2**40, length=2**22),

@@ -135,6 +135,7 @@ class GuestSession:
         self.run_id = secrets.token_hex(8)
         #: the guest has ``base64`` (the probe says): lists may go in argv parts
         self._base64 = False
+        self._gzip = False
         self._rng = random.Random()  # noqa: S311 - backoff jitter, not a secret
         #: the link's rate, round trip and learnt deadlines (a hang costs seconds)
         self.link = Link(options.call_timeout, options.parallel)
@@ -364,6 +365,7 @@ class GuestSession:
         self.staging_root = report.stage_root
         self.algorithm = algorithm
         self._base64 = report.has("base64")
+        self._gzip = report.has("gzip")
         if self.helpers is not None and not report.has("setsid"):
             # without setsid the producer would share a helper's process group, and an
             # aborted helper call would take it down (see wsync.protocol.helper)
@@ -494,22 +496,33 @@ class GuestSession:
 
     async def install_producer(self) -> None:
         """The producer script into the staging root, in parts (one call each): larger
-        ones where an exec's argv may be long.  One size for the whole install, so that a
-        helper given up on mid-way leaves parts its exec fallback still carries."""
+        ones where an exec's argv may be long, gzipped in base64 where it goes in a URL
+        and the guest can decode it (plain again if that fails).  One size for the whole
+        install, so that a helper given up on mid-way leaves parts its exec fallback
+        still carries."""
+        if not self.long_argv and self._base64 and self._gzip:
+            try:
+                await self._install("gz64", scripts.INSTALL_PART_GZ64)
+                return
+            except StagingFailed as exc:
+                log.info("compressed producer install failed; installing it plain", error=str(exc))
+        size = scripts.INSTALL_PART_LONG if self.long_argv else scripts.INSTALL_PART
+        await self._install("raw", size)
+
+    async def _install(self, encoding: str, size: int) -> None:
         assert self.algorithm is not None
         algorithm = self.algorithm
-        size = scripts.INSTALL_PART_LONG if self.long_argv else scripts.INSTALL_PART
-        for part in range(scripts.install_parts(size)):
-            build = functools.partial(self._install_argv, part, size)
+        for part in range(scripts.install_parts(size, encoding)):
+            build = functools.partial(self._install_argv, part, size, encoding)
             envelope = await self.call("install", build, max_length=_SMALL)
             if not envelope.ok:
                 raise StagingFailed(records.printable(envelope.text))
         if envelope.text != algorithm.digest(scripts.PRODUCER.encode()):
             raise StagingFailed("the producer script arrived damaged in the guest")
 
-    def _install_argv(self, part: int, size: int, nonce: str) -> list[str]:
+    def _install_argv(self, part: int, size: int, encoding: str, nonce: str) -> list[str]:
         return scripts.install_producer(
-            **self._wire(nonce), part=part, run=self.run_id, part_size=size
+            **self._wire(nonce), part=part, run=self.run_id, part_size=size, encoding=encoding
         )
 
     async def upload_list(self, snapshot: str, data: bytes) -> None:
