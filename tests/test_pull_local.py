@@ -991,10 +991,9 @@ def test_the_producer_installs_in_parts_as_large_as_the_exec_takes(
     tmp_path: Path, long_argv: bool
 ) -> None:
     """A fresh sandbox gets the producer first, in parts, each a round trip on the HTTP
-    backends: under half as many calls as 1.5 KiB parts would take (8 for the 11 KB
-    producer) where an exec's argv may be long (3, each command line under Dropbear's
-    limit) and where it goes in a URL (2: gzipped, in base64, which a URL keeps nearly
-    as it is)."""
+    backends: gzipped, in base64 (which a URL keeps nearly as it is), 2 calls for the
+    11 KB producer where 1.5 KiB parts of its text take 8; where an exec's argv may be
+    long the parts are larger (each command line under Dropbear's limit)."""
     from wsync.engine.guest import EXEC_CARRY_MAX, exec_length
 
     ws = _small_workspace(tmp_path / "ws")
@@ -1002,20 +1001,24 @@ def test_the_producer_installs_in_parts_as_large_as_the_exec_takes(
     transport.capabilities = dataclasses.replace(transport.capabilities, long_argv=long_argv)  # type: ignore[misc]
     run_pull(transport, ws, tmp_path / "out", options(tmp_path, helpers=False))
     assert_exact(ws, tmp_path / "out")
-    if long_argv:
-        parts = scripts.install_parts(scripts.INSTALL_PART_LONG)
-    else:  # this guest has gzip and base64: the script goes compressed
-        parts = scripts.install_parts(scripts.INSTALL_PART_GZ64, "gz64")
+    # this guest has gzip and base64: the script goes compressed
+    size = scripts.INSTALL_PART_LONG if long_argv else scripts.INSTALL_PART_GZ64
+    parts = scripts.install_parts(size, "gz64")
     assert transport.ran.count("install") == parts
-    assert parts * 2 < scripts.install_parts()
+    assert parts * 3 < scripts.install_parts()
     wire = scripts.Wire(
         gate=True, nonce="0" * 16, algorithm="sha256", b64=True, staging_root="/s" * 20
     )
-    for part in range(scripts.install_parts(scripts.INSTALL_PART_LONG)):
-        argv = scripts.install_producer(
-            **wire, part=part, run="f" * 32, part_size=scripts.INSTALL_PART_LONG
-        )
-        assert exec_length(argv) < EXEC_CARRY_MAX, part
+    for encoding in ("raw", "gz64"):
+        for part in range(scripts.install_parts(scripts.INSTALL_PART_LONG, encoding)):
+            argv = scripts.install_producer(
+                **wire,
+                part=part,
+                run="f" * 32,
+                part_size=scripts.INSTALL_PART_LONG,
+                encoding=encoding,
+            )
+            assert exec_length(argv) < EXEC_CARRY_MAX, (encoding, part)
 
 
 def test_a_guest_whose_gzip_fails_gets_the_producer_plain(tmp_path: Path) -> None:

@@ -496,13 +496,13 @@ class GuestSession:
 
     async def install_producer(self) -> None:
         """The producer script into the staging root, in parts (one call each): larger
-        ones where an exec's argv may be long, gzipped in base64 where it goes in a URL
-        and the guest can decode it (plain again if that fails).  One size for the whole
-        install, so that a helper given up on mid-way leaves parts its exec fallback
-        still carries."""
-        if not self.long_argv and self._base64 and self._gzip:
+        ones where an exec's argv may be long, and gzipped in base64 where the guest can
+        decode it (plain again if that fails).  One size for the whole install, so that a
+        helper given up on mid-way leaves parts its exec fallback still carries."""
+        if self._base64 and self._gzip:
+            size = scripts.INSTALL_PART_LONG if self.long_argv else scripts.INSTALL_PART_GZ64
             try:
-                await self._install("gz64", scripts.INSTALL_PART_GZ64)
+                await self._install("gz64", size)
                 return
             except StagingFailed as exc:
                 log.info("compressed producer install failed; installing it plain", error=str(exc))
