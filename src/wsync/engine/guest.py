@@ -509,9 +509,22 @@ class GuestSession:
         size = scripts.INSTALL_PART_LONG if self.long_argv else scripts.INSTALL_PART
         await self._install("raw", size)
 
+    def _install_size(self, encoding: str, size: int) -> int:
+        """``size``, or smaller until every part's call fits the exec (:meth:`_exec_fits`:
+        a long staging root takes room from the text); a helper's calls fit anyway, but a
+        fallback to execs mid-way must carry the same parts."""
+        nonce = secrets.token_hex(8)  # the length of every call's
+        while size > scripts.BLOCK // 64:
+            parts = range(scripts.install_parts(size, encoding))
+            if all(self._exec_fits(self._install_argv(p, size, encoding, nonce)) for p in parts):
+                break
+            size = size * 3 // 4
+        return size
+
     async def _install(self, encoding: str, size: int) -> None:
         assert self.algorithm is not None
         algorithm = self.algorithm
+        size = self._install_size(encoding, size)
         for part in range(scripts.install_parts(size, encoding)):
             build = functools.partial(self._install_argv, part, size, encoding)
             envelope = await self.call("install", build, max_length=_SMALL)

@@ -315,8 +315,9 @@ _INSTALL = r"""
 root=$1 name=$2 i=$3 n=$4 text=$5 run=$6 pe=$7
 umask 077
 mkdir -p "$root" || { emit err "cannot create the staging root"; exit 0; }
-# parts and the join are this run's own: two pulls installing at once never mix
-t=$root/$name.$run.part
+# parts and the join are this run's and this encoding's own: two pulls installing at
+# once never mix, nor does a late call of a compressed install with the plain one after it
+t=$root/$name.$run.$pe.part
 printf '%s' "$text" > "$t$i" || { emit err "cannot write the producer script"; exit 0; }
 [ "$i" = $((n - 1)) ] || { emit ok "part $i"; exit 0; }
 # part 0 marks a join to do: it goes first, so a retry after the join (killed or not
