@@ -32,7 +32,9 @@ def ssh_args(server: SshdServer) -> list[str]:
     return ["--ssh-key", str(opts["ssh_key"]), "--known-hosts", str(opts["known_hosts"])]
 
 
-@pytest.mark.parametrize("chaos", [None, "all,seed=9,hang=0.2"])
+#: every fault at random, and the second call's head lost for sure: a first pull makes
+#: about 14 calls now, and in one CI run none of seed 9's draws cost a retry
+@pytest.mark.parametrize("chaos", [None, "all,seed=9,hang=0.2,map=.H"])
 def test_pull_over_ssh_is_exact(tmp_path: Path, sshd: SshdServer, chaos: str | None) -> None:
     ws = make_tree(tmp_path / "ws", big=2 * 1024 * 1024)
     dest = tmp_path / "out"
