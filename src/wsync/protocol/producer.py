@@ -114,6 +114,13 @@ if [ -s "$d/tar.err" ]; then p="$p${nl}tar_err_follows${nl}$(head -c 2000 "$d/ta
 }
 """
 
+#: a path's mode (``m``) and owner's uid (``u``) from ``ls -ldn``, without following a
+#: last-component link; shared by the host's scripts (the staging root's checks) and the
+#: producer (its ``--gc`` mode's kills)
+LSN = r"""
+lsn() { set -f; set -- $(ls -ldn "$1"); set +f; m=${1:-?} u=${3:-?}; }
+"""
+
 #: the kill of a stale snapshot's producer (``me`` and ``pn``, the producer's file name, set
 #: by the caller), shared by the cleanup script and the producer's ``--gc`` mode
 KILL_FNS = r"""
@@ -173,8 +180,8 @@ nl='
     + STATUS_FN
     + KILL_FNS
     + GC_FN
+    + LSN
     + r"""
-lsn() { set -f; set -- $(ls -ldn "$1"); set +f; m=${1:-?} u=${3:-?}; }
 # the admission's helpers, from this hashed text (see STATUS_FN and GC_FN); nothing
 # else runs: --status SNAPSHOT_DIR INDEX_FROM LOOKS INLINE prints the snapshot's
 # status, --gc ROOT SNAPSHOT_ID TTL_MINUTES PRODUCER_NAME removes stale snapshots

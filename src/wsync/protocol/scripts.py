@@ -58,7 +58,7 @@ from typing import TypedDict
 
 from wsync.errors import UsageError
 from wsync.protocol.hashing import ALGORITHMS, PROBE_INPUT
-from wsync.protocol.producer import _PRODUCER, KILL_FNS, PID_CHECKS, STATUS_FN
+from wsync.protocol.producer import _PRODUCER, KILL_FNS, LSN, PID_CHECKS, STATUS_FN
 
 #: snapshot ids are ours, but they become guest paths: keep them boring
 SNAPSHOT_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
@@ -106,8 +106,8 @@ expand_home() {
 }
 nl='
 '
-lsn() { set -f; set -- $(ls -ldn "$1"); set +f; m=${1:-?} u=${3:-?}; }
 """
+    + LSN
     + PID_CHECKS
 )
 
