@@ -117,3 +117,13 @@ def test_a_late_part_of_a_failed_compressed_install_never_mixes_into_the_plain_o
     _call(root, env, 1, "gz64")  # the late call
     _call(root, env, 2, "raw")
     assert (root / scripts.PRODUCER_NAME).read_text() == scripts.PRODUCER
+
+
+def test_an_install_encoding_the_guest_does_not_know_is_refused() -> None:
+    """The install script joins plain parts for any encoding but ``gz64``: a misspelt one
+    would send the compressed text to be installed undecoded (and fail on its hash)."""
+    wire = scripts.Wire(gate=True, nonce="0" * 16, algorithm="b2", b64=True, staging_root="/s")
+    with pytest.raises(ValueError, match="install encoding"):
+        scripts.install_producer(**wire, part=0, run="f" * 16, encoding="gzip64")
+    with pytest.raises(ValueError, match="install encoding"):
+        scripts.install_parts(scripts.INSTALL_PART, "gzip64")

@@ -572,10 +572,11 @@ def admit(
 
     With ``status_looks`` ≥ 0 the answer goes on with the snapshot's status, as
     :func:`status` gives it from index offset 0 with that many looks and ``inline``: the
-    first status call, saved.  That script holds the status function too, which makes
-    it too long for an exec endpoint that takes argv in its URL: it is for guest
-    helpers, whose requests travel on stdin, and for execs whose argv may be long
-    (``Capabilities.long_argv``, under :data:`wsync.engine.guest.EXEC_CARRY_MAX`).
+    first status call, saved.  The status runs from the producer's ``--status`` mode
+    (whose hash the admission has just checked), so the script is only a few hundred
+    bytes longer than the plain one; the caller sends it as an exec only while it fits
+    (:meth:`wsync.engine.guest.GuestSession._exec_fits`: a command line under
+    ``EXEC_CARRY_MAX``, or a URL under :data:`URL_ARGV_MAX`).
     """
     check_snapshot_id(snapshot)
     if not -1 <= status_looks <= 600 or not 0 <= inline <= STATUS_INLINE_MAX:
@@ -640,9 +641,8 @@ def install_producer(
     script's hash.  The name carries
     the hash: a changed producer never runs under an old name.
     """
-    body = PRODUCER_GZ64 if encoding == "gz64" else PRODUCER
     count = install_parts(part_size, encoding)
-    text = body[part * part_size : (part + 1) * part_size]
+    text = _install_body(encoding)[part * part_size : (part + 1) * part_size]
     args = (staging_root, PRODUCER_NAME, str(part), str(count), text, check_run_id(run), encoding)
     return render("install", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
 
@@ -655,8 +655,17 @@ def check_run_id(run: str) -> str:
 
 
 def install_parts(part_size: int = INSTALL_PART, encoding: str = "raw") -> int:
-    body = PRODUCER_GZ64 if encoding == "gz64" else PRODUCER
-    return -(-len(body) // part_size)
+    return -(-len(_install_body(encoding)) // part_size)
+
+
+def _install_body(encoding: str) -> str:
+    """What an install in ``encoding`` sends: the producer (``raw``) or
+    :data:`PRODUCER_GZ64` (``gz64``); the guest's install script knows no other."""
+    if encoding == "raw":
+        return PRODUCER
+    if encoding == "gz64":
+        return PRODUCER_GZ64
+    raise ValueError(f"bad install encoding {encoding!r}")
 
 
 def snapshot_dir(staging_root: str, snapshot: str) -> str:
