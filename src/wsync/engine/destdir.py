@@ -328,7 +328,7 @@ class DestDir:
         try:
             # a mount below it (someone else's doing: wsync never mounts) would bring what
             # it covers into DEST, names and all: such a tree is never reused
-            if not fsutil.make_private(fd) or fsutil.mounts_below(fd):
+            if not fsutil.make_private(fd) or fsutil.mount_below(fd):
                 os.close(fd)
                 return None
             if base != name:
@@ -351,7 +351,7 @@ class DestDir:
             fd = os.open(old, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.parent_fd)
             if not fsutil.make_private(fd):
                 raise OSError(errno.EPERM, "the old tree is not ours")
-            if fsutil.mounts_below(fd):
+            if fsutil.mount_below(fd):
                 # someone mounted something in DEST: its prune would take the files the
                 # scan saw in the mount for the tree's (the removal leaves the mount alone)
                 raise OSError(errno.EBUSY, "a mount point is below the old tree")

@@ -260,27 +260,18 @@ def mount_id(fd: int) -> int | None:
     return None
 
 
-def mounts_below(dir_fd: int, name: str = "") -> set[tuple[int, int]]:
-    """``(st_dev, st_ino)`` of every mount point strictly below the directory open at
-    ``dir_fd`` (or its entry ``name``), as a walk that opens it sees it: the mounted root.
+def mount_below(dir_fd: int) -> bool:
+    """Whether a mount point lies strictly below the directory open at ``dir_fd``.
 
-    Why: a bind mount of a directory from the same filesystem keeps its ``st_dev``, so only
-    the mount table tells it from a directory of the tree.  A tree of ours that holds a
-    mount was made so by someone else (wsync never mounts): what is below it is not ours
-    to remove or reuse.  Empty where ``/proc`` cannot say."""
+    Why the mount table: a bind mount (of a file, or of a directory of the same
+    filesystem) shows nothing in a walk's ``st_dev`` or directory entries.  A tree of ours
+    that holds a mount was made so by someone else (wsync never mounts): what is below it
+    is not ours to reuse or keep.  False where ``/proc`` cannot say."""
     try:
-        top = os.readlink(f"/proc/self/fd/{dir_fd}")
+        top = os.readlink(f"/proc/self/fd/{dir_fd}").rstrip("/") + "/"
     except OSError:
-        return set()
-    if name:
-        top = os.path.join(top, name)
-    found: set[tuple[int, int]] = set()
-    for point in mount_points():
-        if point.startswith(top.rstrip("/") + "/"):
-            with contextlib.suppress(OSError):
-                st = os.stat(point, follow_symlinks=False)
-                found.add((st.st_dev, st.st_ino))
-    return found
+        return False
+    return any(point.startswith(top) for point in mount_points())
 
 
 class _Frame:
