@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_exact, options, run_pull
-from wsync.engine.guest import EXEC_CARRY_MAX, GuestSession, exec_length
+from wsync.engine.guest import GuestSession
 from wsync.errors import TransportError
 from wsync.protocol import scripts
 from wsync.protocol.hashing import ALGORITHMS
@@ -45,7 +45,7 @@ def test_install_parts_shrink_until_every_call_fits(long_argv: bool, encoding: s
             for p in parts
         ]
         if long_argv:
-            return all(exec_length(argv) <= EXEC_CARRY_MAX for argv in argvs)
+            return all(scripts.exec_length(argv) <= scripts.EXEC_CARRY_MAX for argv in argvs)
         return all(scripts.url_length(argv) <= scripts.URL_ARGV_MAX for argv in argvs)
 
     start = scripts.INSTALL_PART_LONG if long_argv else scripts.INSTALL_PART_GZ64

@@ -849,13 +849,12 @@ def test_an_admission_too_long_for_an_ssh_command_line_does_not_carry_its_status
     manifest run's admission would not, and goes without the status (then a status call).
     The archive run prunes nothing and still carries it.  The tree is exact either way."""
     from wsync.engine.excludes import Excludes
-    from wsync.engine.guest import EXEC_CARRY_MAX
 
     ws = _small_workspace(tmp_path / "ws")
     names = [f"an-excluded-name-of-some-length-{i:03d}" for i in range(300)]
     (ws / names[7]).write_text("left in the guest\n")
     excludes = Excludes.from_options(names, [])
-    assert sum(len(n) + 3 for n in excludes.guest_prune()) > EXEC_CARRY_MAX
+    assert sum(len(n) + 3 for n in excludes.guest_prune()) > scripts.EXEC_CARRY_MAX
     transport = ScriptLog()
     opts = options(tmp_path, helpers=False, excludes=excludes)
     run_pull(transport, ws, tmp_path / "out", opts)
@@ -994,8 +993,6 @@ def test_the_producer_installs_in_parts_as_large_as_the_exec_takes(
     backends: gzipped, in base64 (which a URL keeps nearly as it is), 2 calls for the
     11 KB producer where 1.5 KiB parts of its text take 8; where an exec's argv may be
     long the parts are larger (each command line under Dropbear's limit)."""
-    from wsync.engine.guest import EXEC_CARRY_MAX, exec_length
-
     ws = _small_workspace(tmp_path / "ws")
     transport = ScriptLog()
     transport.capabilities = dataclasses.replace(transport.capabilities, long_argv=long_argv)  # type: ignore[misc]
@@ -1018,7 +1015,7 @@ def test_the_producer_installs_in_parts_as_large_as_the_exec_takes(
                 part_size=scripts.INSTALL_PART_LONG,
                 encoding=encoding,
             )
-            assert exec_length(argv) < EXEC_CARRY_MAX, (encoding, part)
+            assert scripts.exec_length(argv) < scripts.EXEC_CARRY_MAX, (encoding, part)
 
 
 def test_a_guest_whose_gzip_fails_gets_the_producer_plain(tmp_path: Path) -> None:

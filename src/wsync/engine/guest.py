@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import random
 import secrets
-import shlex
 import time
 from collections.abc import Callable
 
@@ -65,17 +64,6 @@ _FAILED_WRITES = {
     "token-failed": "cannot write the snapshot's admission token",
     "pid-failed": "cannot write the producer's pid file",
 }
-#: the longest admission that carries its status sent as an exec (argv quoted for a shell,
-#: as an ssh command line goes): under Dropbear's 9,000-byte command limit (MAX_CMD_LEN),
-#: the strictest server of the long-argv transports; it is about 5.6 KB without excludes
-EXEC_CARRY_MAX = 8 * 1024
-
-
-def exec_length(argv: list[str]) -> int:
-    """The bytes of ``argv`` as one shell command line (how ssh sends an exec)."""
-    return len(shlex.join(argv))
-
-
 #: base64 text per list upload call through a guest helper or an exec whose argv may be
 #: long (under Linux's 128 KiB per argument, with the script beside it)
 _HELPER_UPLOAD_PART = 64 * 1024
@@ -462,11 +450,12 @@ class GuestSession:
         return self.admission.adopted
 
     def _exec_fits(self, argv: list[str]) -> bool:
-        """Whether the admission that carries its status may go as an exec: as a shell
-        command line under :data:`EXEC_CARRY_MAX` where argv may be long, else in a URL's
-        query under :data:`scripts.URL_ARGV_MAX` (Sprites, Kubernetes)."""
+        """Whether a long call (the admission that carries its status, an install part)
+        may go as an exec: as a shell command line under :data:`scripts.EXEC_CARRY_MAX`
+        where argv may be long, else in a URL's query under :data:`scripts.URL_ARGV_MAX`
+        (Sprites, Kubernetes)."""
         if self.long_argv:
-            return exec_length(argv) <= EXEC_CARRY_MAX
+            return scripts.exec_length(argv) <= scripts.EXEC_CARRY_MAX
         return scripts.url_length(argv) <= scripts.URL_ARGV_MAX
 
     def _admission_failed(self, text: str, workspace: str) -> None:

@@ -52,6 +52,7 @@ import base64
 import gzip
 import hashlib
 import re
+import shlex
 import urllib.parse
 from collections.abc import Sequence
 from typing import TypedDict
@@ -515,6 +516,17 @@ def probe(
     return render("probe", gate=gate, nonce=nonce, algorithm="md5", b64=b64, args=args)
 
 
+#: the longest argv, as one shell command line (:func:`exec_length`), that goes as an exec
+#: where argv may be long (``Capabilities.long_argv``): under Dropbear's 9,000-byte
+#: command limit (MAX_CMD_LEN), the strictest server of those transports
+EXEC_CARRY_MAX = 8 * 1024
+
+
+def exec_length(argv: Sequence[str]) -> int:
+    """The bytes of ``argv`` as one shell command line (how ssh sends an exec)."""
+    return len(shlex.join(argv))
+
+
 #: the longest argv, as a URL's query encodes it (:func:`url_length`), that goes to an exec
 #: endpoint taking argv in its URL (Sprites, Kubernetes): servers and proxies refuse request
 #: lines over about 8 KiB, and the path and the other parameters come along
@@ -576,7 +588,7 @@ def admit(
     (whose hash the admission has just checked), so the script is only a few hundred
     bytes longer than the plain one; the caller sends it as an exec only while it fits
     (:meth:`wsync.engine.guest.GuestSession._exec_fits`: a command line under
-    ``EXEC_CARRY_MAX``, or a URL under :data:`URL_ARGV_MAX`).
+    :data:`EXEC_CARRY_MAX`, or a URL under :data:`URL_ARGV_MAX`).
     """
     check_snapshot_id(snapshot)
     if not -1 <= status_looks <= 600 or not 0 <= inline <= STATUS_INLINE_MAX:
@@ -607,7 +619,7 @@ def admit(
 #: producer text per install call: argv travels in a URL on some backends
 INSTALL_PART = 1536
 #: the same where an exec's argv may be long (``Capabilities.long_argv``): each call's
-#: command line stays under ``wsync.engine.guest.EXEC_CARRY_MAX`` (Dropbear's limit), and
+#: command line stays under :data:`EXEC_CARRY_MAX` (Dropbear's limit), and
 #: the 11 KB producer goes in 3 calls instead of 8 (a round trip each on the HTTP
 #: backends, on the first pull of every fresh sandbox)
 INSTALL_PART_LONG = 5120
