@@ -96,10 +96,22 @@ def test_a_long_poll_of_many_looks_forks_no_tool_per_look(
     (snap / "index").write_bytes(LINE)
     (snap / "isize").write_text(f"{len(LINE)}\n")
     (snap / "data").write_bytes(b"x" * 100)
-    report = _status(snap, path, len(LINE), looks=20)
-    assert report.alive and report.index_size == len(LINE) and report.index_tail == b""
-    runs = _runs(log)
-    assert runs == {"wc": 2, "cat": 0, "tr": 0}, runs  # before: 23 wc, 4 cat, 4 tr
+    # tr is the fallback of a liveness check (4 in a status: 2 pid files, looked at before
+    # and after the looks) whose read of /proc/PID/cmdline missed the producer's path; one
+    # fresh-clone CI run on a loaded 2-core machine saw 2 such misses, which this machine
+    # never showed in 20,000 reads. So a look's own work is counted in every round, and
+    # "seen without tr" needs one round of three
+    tr_runs = []
+    for _ in range(3):
+        log.unlink(missing_ok=True)
+        report = _status(snap, path, len(LINE), looks=20)
+        assert report.alive and report.index_size == len(LINE) and report.index_tail == b""
+        runs = _runs(log)
+        assert runs["wc"] == 2 and runs["cat"] == 0 and runs["tr"] <= 4, runs
+        tr_runs.append(runs["tr"])  # before: 23 wc, 4 cat, 4 tr
+        if runs["tr"] == 0:
+            break
+    assert 0 in tr_runs, tr_runs
 
 
 @pytest.mark.parametrize(

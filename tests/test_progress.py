@@ -200,7 +200,10 @@ def test_terminal_line_redraws_every_second_and_never_wraps(tmp_path: Path, colu
     redraws = [t for t, data in reads if re.search(rb"\x1b\[2K|\r", data)]
     end = next(t for t, data in reads if b"pulled local:" in data)
     running = [t for t in redraws if t <= end]
-    assert running[-1] - running[0] >= 5.0, "the slow pull should run for several seconds"
+    # (the hangs keep the pull running 5 s at least; the redraws span less by the time to
+    # the first one and after the last, 4.98 s in one loaded CI run: 4 s is still more
+    # than two windows)
+    assert running[-1] - running[0] >= 4.0, "the slow pull should run for several seconds"
     gaps = [b - a for a, b in itertools.pairwise(running)]
     assert max(gaps) <= REDRAW_WINDOW_S, f"longest gap between redraws {max(gaps):.2f}s"
 
