@@ -299,9 +299,21 @@ def test_stale_staging_is_garbage_collected_and_nothing_else(
     # a staging root shared with other things: an old directory that is not ours
     foreign = snapshot_dir("some-users-data", ours=False, age=old)
     shaped = snapshot_dir("s-looks-like-ours-but-has-no-token", ours=False, age=old)
+    # what installs cut off left (parts, a join, a decode's temp file), an old one's and a
+    # live one's; a file of another program named near them
+    parts = [".producer-0123456789abcdef.sh.00ff.gz64.part", ".producer-00.sh.aa.raw.part"]
+    cut = [root / f"{parts[0]}0", root / f"{parts[0]}3", root / parts[0], root / f"{parts[0]}.z"]
+    live = [root / f"{parts[1]}0", root / f"{parts[1]}1"]
+    others = [root / "producer-notes.part1", root / ".producer-0123456789abcdef.sh"]
+    for path in cut + live + others:
+        path.write_text("x")
+    for path in cut + others:
+        os.utime(path, (old, old))
     run_pull(local(), workspace, tmp_path / "out", opts)
     assert not stale.exists()
     assert fresh.exists() and foreign.exists() and shaped.exists()
+    assert [p.name for p in cut if p.exists()] == []
+    assert all(p.exists() for p in live + others)
 
 
 def test_admission_is_idempotent_and_adoption_is_reported(tmp_path: Path, workspace: Path) -> None:

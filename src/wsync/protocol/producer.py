@@ -151,17 +151,23 @@ root=$1 id=$2 ttl=$3 pn=$4
 me=$(id -u)
 # garbage-collect stale snapshots: only wsync's own (an id-shaped name holding
 # a launch/ token), never anything else that happens to live in the root.  One find
-# says which are old (a find per leftover was most of an admission's programs), and a
-# name counts only as a whole line of its answer.  (A name with a newline could spell
-# another snapshot's: only this user can make one here, who could remove that
-# snapshot as well; its pull then fails, the host never takes a wrong byte)
-o=$nl$(find "$root"/s* -prune -mmin +$ttl)$nl
+# says which are old, install leftovers too (a find per leftover was most of an
+# admission's programs), and a name counts only as a whole line of its answer.  (A
+# name with a newline could spell another snapshot's: only this user can make one
+# here, who could remove that snapshot as well; its pull then fails, the host never
+# takes a wrong byte)
+o=$nl$(find "$root"/s* "$root"/.producer-*.part* -prune -mmin +$ttl)$nl
 for x in "$root"/s*; do
   [ -d "$x/launch" ] || continue
   [ "${x##*/}" = "$id" ] && continue
   case $o in *"$nl$x$nl"*) ;; *) continue ;; esac
   stop "$x"
   rm -rf "$x"
+done
+# and what an install cut off left: its parts and join (a live install's are seconds
+# old; any run's and any producer version's, the names the install script gives)
+for x in "$root"/.producer-*.part*; do
+  case $o in *"$nl$x$nl"*) rm -f "$x" ;; esac
 done
 }
 """
