@@ -205,19 +205,39 @@ def old_dest(tmp_path: Path) -> Path:
 def test_a_daemon_that_always_drops_the_final_frame_fails_clearly_and_leaves_dest(
     dockerd: EmulatorThread, tmp_path: Path
 ) -> None:
-    """Every stream loses its last frame, so no call ever verifies: integrity failure
-    (exit 6) after the attempt budget, and DEST exactly as it was."""
+    """Every stream loses its last frame, so no exec call ever verifies: integrity failure
+    (exit 6) after the attempt budget, and DEST exactly as it was.  (One exec per call:
+    a guest helper's answers are not its last output, see the next test.)"""
     ws = make_tree(workspace(dockerd, "lossy") / "t", big=10 * KiB, small=2)
     dockerd.set_faults(DockerFaults(seed=3, drop_final=1.0))
     before_drops = dockerd.stats["dropped_final"]
     dest = old_dest(tmp_path)
     before = dest_state(dest)
-    opts = options(tmp_path, max_attempts=3, force=True, call_timeout=10)
+    opts = options(tmp_path, max_attempts=3, force=True, call_timeout=10, helpers=False)
     with pytest.raises(IntegrityFailed) as failed:
         pull_docker(dockerd, "lossy", ws, dest, opts)
     assert failed.value.exit_code == 6
     assert dockerd.stats["dropped_final"] >= before_drops + 3  # every attempt hit the fault
     assert dest_state(dest) == before
+
+
+def test_guest_helpers_answer_where_every_exec_loses_its_final_frame(
+    dockerd: EmulatorThread, tmp_path: Path
+) -> None:
+    """The same daemon, with guest helpers: each answers many calls over one exec kept
+    open, and an answer is not the output a process ends with, so the exit race does not
+    take it.  The pull is exact; the helpers' own execs end by losing their last frame
+    (nothing: the helper had answered)."""
+    ws = make_tree(workspace(dockerd, "lossy-helped") / "t", big=300 * KiB, small=20)
+    dockerd.set_faults(DockerFaults(seed=3, drop_final=1.0))
+    execs = dockerd.stats["execs"]
+    dest = tmp_path / "out"
+    result = pull_docker(dockerd, "lossy-helped", ws, dest, options(tmp_path, call_timeout=10))
+    assert_exact(ws, dest)
+    assert result.retries == 0
+    # a helper per call in flight (chunk reads side by side) and no exec call at all
+    assert result.execs <= 4, result.execs
+    assert dockerd.stats["execs"] - execs <= result.execs
 
 
 def test_a_daemon_that_turns_lossy_mid_pull_fails_clearly_and_leaves_dest(
@@ -247,7 +267,9 @@ def test_a_daemon_that_turns_lossy_mid_pull_fails_clearly_and_leaves_dest(
         return stored
 
     monkeypatch.setattr(Journal, "store", storing)
-    opts = options(tmp_path, chunk_size=64 * KiB, max_attempts=3, force=True, call_timeout=10)
+    opts = options(
+        tmp_path, chunk_size=64 * KiB, max_attempts=3, force=True, call_timeout=10, helpers=False
+    )
     with pytest.raises(IntegrityFailed) as failed:
         pull_docker(dockerd, "turns", ws, dest, opts)
     assert failed.value.exit_code == 6

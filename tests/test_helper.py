@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,15 @@ from helpers import (
 )
 from helpers import tool_dir as make_tool_dir
 from wsync.chaos import FaultPlan, wrap
+from wsync.emulators.docker import DockerFaults
+from wsync.emulators.docker import EmulatorThread as DockerEmulator
 from wsync.engine.guest import CallStats, GuestSession
 from wsync.engine.helpers import HelperPool
 from wsync.errors import ProtocolError, TransportError, TransportTimeout
 from wsync.protocol import helper
 from wsync.testing.sshd import SshdServer
 from wsync.transports.base import Channel, Transport
+from wsync.transports.docker import DockerTransport
 from wsync.transports.local import LocalTransport
 from wsync.transports.ssh import SshTransport
 from wsync.uri import parse
@@ -354,10 +358,25 @@ def test_every_channel_fault_costs_a_retry_never_a_wrong_byte(tmp_path: Path, se
 # -- channels of the real transports ---------------------------------------------------------
 
 
-@pytest.fixture(params=["local", pytest.param("ssh", marks=pytest.mark.ssh)])
+@pytest.fixture(scope="module")
+def dockerd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerEmulator]:
+    """A Docker Engine API emulator with its drop-final fault on for every exec: a
+    helper's answers are not its last output, so they must arrive all the same."""
+    faults = DockerFaults(seed=1, drop_final=1.0, split_frames=0.5, answer_200=0.5)
+    with DockerEmulator(tmp_path_factory.mktemp("docker"), faults=faults) as emu:
+        emu.create_container("helped")
+        yield emu
+
+
+@pytest.fixture(
+    params=["local", pytest.param("ssh", marks=pytest.mark.ssh), "docker"],
+)
 def channel_transport(request: pytest.FixtureRequest) -> Transport:
     if request.param == "local":
         return LocalTransport()
+    if request.param == "docker":
+        emu: DockerEmulator = request.getfixturevalue("dockerd")
+        return DockerTransport.from_uri(parse("docker://helped/work"), emu.transport_options())
     server: SshdServer = request.getfixturevalue("sshd")
     return SshTransport.from_uri(parse(server.uri("/work")), server.transport_options())
 

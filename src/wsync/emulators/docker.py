@@ -20,7 +20,8 @@ As with moby, a client that goes away does not stop its exec: the output is disc
 until the process ends or something kills it.
 
 Faults (:mod:`wsync.emulators.docker_faults`), drawn per start from a seeded RNG:
-``ExitCode: null`` for a while after EOF, a dropped final frame, the EOF withheld after
+``ExitCode: null`` for a while after EOF, a dropped final frame (the last output before
+the process ends; output followed by a quiet of 0.1 s gets through), the EOF withheld after
 the exit, frames written in pieces (split headers), ``200 OK`` instead of ``101``, and
 a process that starts seconds after its start was answered.
 """
@@ -63,6 +64,9 @@ __all__ = ["DockerEmulator", "DockerFaults", "EmulatorThread"]
 log = logging.getLogger(__name__)
 
 VERSION_PREFIX = re.compile(r"^/v1\.\d+(?=/)")
+#: how long the drop-final fault holds the newest frame before it sends it after all
+#: (a command's last output, written just before it exits, falls within it)
+DROP_WINDOW = 0.1
 MAX_BODY = 1024 * 1024
 
 
@@ -390,13 +394,33 @@ class DockerEmulator:
             await queue.put(None)
 
         pumping = asyncio.create_task(pumps())
-        held: bytes | None = None  # the drop-final fault keeps one frame back
+        # the drop-final fault keeps the newest frame back while more may follow: sent
+        # when the next one comes, or when DROP_WINDOW passes and the process still runs;
+        # lost when its output ends first (moby's race is with the exit: output of a
+        # command still running gets through, so a long-lived helper's answers arrive,
+        # that late)
+        held: bytes | None = None
         splits = 0
         try:
-            while (item := await queue.get()) is not None:
+            while True:
+                if held is None:
+                    item = await queue.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), DROP_WINDOW)
+                    except TimeoutError:
+                        if not _running(proc):
+                            continue  # it exited: the frame is lost when its output ends
+                        frame, held = held, None
+                        await conn.send(frame)
+                        continue
+                if item is None:
+                    break
                 frame = encode_frame(*item)
                 if plan.drop_final:
                     frame, held = held or b"", frame
+                    if not frame:
+                        continue
                 if plan.split and splits < 8 and len(frame) > 1:
                     splits += 1
                     cut = plan.rng.randrange(1, min(len(frame), 12))
@@ -421,6 +445,19 @@ class DockerEmulator:
             self.stats["exit_null"] += 1
             entry.null_until = time.monotonic() + plan.exit_null_for
         # EOF: the caller closes the connection
+
+
+def _running(proc: asyncio.subprocess.Process) -> bool:
+    """The process has not exited (a zombie has), whether or not it was reaped yet: its
+    own word in ``/proc``, not the event loop's (a loop busy for a moment must not pass
+    an exited command for a running one)."""
+    if proc.returncode is not None:
+        return False
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat.rpartition(b") ")[2][:1] not in (b"Z", b"X")
 
 
 class EmulatorThread(BackgroundEmulator[DockerEmulator, DockerFaults]):

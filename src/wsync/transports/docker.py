@@ -29,6 +29,9 @@ What this client does about the field faults (it reports, the engine's envelopes
 * argv runs as ``/bin/sh -c '... exec "$@"' sh ARGV...`` (checks for the kill marker,
   records the session for the killer, then execs): exact argv, and a missing command
   is exit 127;
+* a guest helper's exec stays open (:meth:`DockerTransport.open_channel`,
+  :mod:`wsync.transports.docker_channel`): many calls for one exec, and answers that a
+  lost final frame cannot take, as the helper goes on running after each;
 * a missing container (404) is :class:`SandboxUnreachable` (exit 3), so is a daemon that
   does not answer before any exec worked, or a container that is not running (409);
   a socket without permission is :class:`AuthFailed` (exit 3).
@@ -64,12 +67,14 @@ from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
     KILL_MARK,
     Capabilities,
+    Channel,
     ExecResult,
     Transport,
     float_options,
     refuse_if_killed,
     sweep_stale_kill_marks,
 )
+from wsync.transports.docker_channel import DockerChannel
 from wsync.transports.docker_protocol import (
     START_BODY,
     Endpoint,
@@ -153,7 +158,12 @@ class DockerTransport(Transport):
 
     scheme: ClassVar[str] = "docker"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        stdin=True, binary_safe=True, separate_stderr=True, file_read=False, long_argv=True
+        stdin=True,
+        binary_safe=True,
+        separate_stderr=True,
+        file_read=False,
+        channel=True,
+        long_argv=True,
     )
 
     def __init__(
@@ -272,6 +282,23 @@ class DockerTransport(Transport):
 
     # ---------------------------------------------------------------------- exec
 
+    def _exec_body(self, what: str, argv: Sequence[str], *, stdin: bool) -> tuple[str, bytes]:
+        """A fresh kill token and the create body that runs ``argv`` under the wrapper
+        with it (what an exec and a channel share)."""
+        if not argv:
+            raise UsageError(f"{what} needs a non-empty argv")
+        if self._closed:
+            raise TransportError(f"{self.description}: transport is closed")
+        token = secrets.token_hex(16)
+        body = exec_create_body(
+            [*EXEC_WRAPPER, *argv],
+            stdin=stdin,
+            env={**self.env, TOKEN_VAR: token},
+            workdir=self.workdir,
+            user=self.user,
+        )
+        return token, body
+
     async def exec(
         self,
         argv: Sequence[str],
@@ -282,18 +309,7 @@ class DockerTransport(Transport):
     ) -> ExecResult:
         if max_output < 0:
             raise UsageError("max_output must be >= 0")
-        if not argv:
-            raise UsageError("exec needs a non-empty argv")
-        if self._closed:
-            raise TransportError(f"{self.description}: transport is closed")
-        token = secrets.token_hex(16)
-        body = exec_create_body(
-            [*EXEC_WRAPPER, *argv],
-            stdin=stdin is not None,
-            env={**self.env, TOKEN_VAR: token},
-            workdir=self.workdir,
-            user=self.user,
-        )
+        token, body = self._exec_body("exec", argv, stdin=stdin is not None)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         started = finished = ended = False
@@ -316,6 +332,36 @@ class DockerTransport(Transport):
         if result.notes:
             log.debug("docker %s exec notes: %s", self.container, "; ".join(result.notes))
         return result
+
+    async def open_channel(self, argv: Sequence[str], *, timeout: float) -> Channel:
+        """``argv`` (under the exec wrapper) with stdin attached, its connection kept open
+        (:class:`~wsync.transports.docker_channel.DockerChannel`)."""
+        token, body = self._exec_body("open_channel", argv, stdin=True)
+        created = False
+        started: docker_http.Hijacked | docker_http.Answer | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                exec_id = await self._create(body)
+                created = True
+                path = f"/exec/{exec_id}/start"
+                started = await docker_http.hijack(self.endpoint, path, START_BODY)
+        except TimeoutError:
+            raise TransportTimeout(timeout) from None
+        except ProtocolError as err:
+            raise TransportError(f"{self.description}: {err}") from None
+        except OSError as err:
+            raise self._wire_error(err) from None
+        finally:
+            if created and not isinstance(started, docker_http.Hijacked):
+                self._spawn(self._kill(token, mark=True))
+        if isinstance(started, docker_http.Answer):
+            raise TransportError(f"{self.description}: exec start refused ({_error(started)})")
+        self._ok_once = True
+
+        async def kill(mark: bool) -> None:
+            await self._kill(token, mark=mark)
+
+        return DockerChannel(started, self.description, kill)
 
     async def _run(
         self, exec_id: str, stdin: bytes | None, max_output: int, deadline: float
