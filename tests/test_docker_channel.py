@@ -26,11 +26,7 @@ async def _pair(
     reader, writer = await asyncio.open_unix_connection(sock=ours)
     started = docker_http.Hijacked(101, {}, reader, writer, leftover)
     kills: list[bool] = []
-
-    async def kill(mark: bool) -> None:
-        kills.append(mark)
-
-    return DockerChannel(started, "docker://test", kill), theirs, kills
+    return DockerChannel(started, "docker://test", kills.append), theirs, kills
 
 
 async def _all(channel: DockerChannel) -> bytes:
@@ -97,7 +93,10 @@ def test_what_is_not_a_whole_stream_ends_the_channel_with_an_error(tail: bytes, 
     _run(go)
 
 
-def test_requests_reach_the_daemon_and_a_close_is_the_half_close_of_stdin() -> None:
+def test_requests_reach_the_daemon_and_a_close_ends_its_stdin() -> None:
+    """The daemon reads each request as sent, then EOF (moby closes the command's stdin
+    on it: the helper's loop ends after the call it runs); no kill for a plain close."""
+
     async def go() -> None:
         channel, daemon, kills = await _pair()
         loop = asyncio.get_running_loop()
@@ -108,7 +107,7 @@ def test_requests_reach_the_daemon_and_a_close_is_the_half_close_of_stdin() -> N
             got += await asyncio.wait_for(loop.sock_recv(daemon, 100), 5.0)
         assert got == b"request one\nrequest two\n"
         await channel.aclose()
-        assert await asyncio.wait_for(loop.sock_recv(daemon, 100), 5.0) == b""  # stdin's EOF
+        assert await asyncio.wait_for(loop.sock_recv(daemon, 100), 5.0) == b""
         assert kills == []  # a plain close lets the helper end by itself
         await channel.aclose()  # idempotent
         daemon.close()
@@ -152,9 +151,16 @@ def test_a_full_inbox_stops_reading_until_the_caller_takes() -> None:
                 sent += 65536
 
         flooding = asyncio.create_task(flood())
-        await asyncio.sleep(0.5)
-        # paused: the flood is stuck in the socket buffers, well short of its end
-        assert not flooding.done()
+        # until the flood stops moving: paused, it is stuck in the socket buffers short of
+        # its end (without the pause the channel would read it all, and it would end)
+        deadline = loop.time() + 30
+        while not flooding.done() and loop.time() < deadline:
+            before = sent
+            await asyncio.sleep(0.3)
+            if sent == before:
+                break
+        assert not flooding.done() and sent < total
+        assert sent <= CHANNEL_BUFFER + 2 * 1024 * 1024  # the bound, a read and the buffers
         got = 0
         while got < total:
             got += len(await channel.receive(5.0))

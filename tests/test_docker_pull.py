@@ -73,29 +73,39 @@ def fired(emu: EmulatorThread) -> int:
     return sum(emu.stats[k] for k in FAULTS)
 
 
+#: the faults an exec meets and a helper's channel does not (it is never inspected, and
+#: its answers are not the output it ends with)
+EXEC_FAULTS = ("dropped_final", "exit_null", "held_eof")
+
+
+@pytest.mark.parametrize("helpers", [True, False], ids=["helpers", "exec-per-call"])
 def test_small_workspace_is_exact_with_every_fault_on(
-    dockerd: EmulatorThread, tmp_path: Path
+    dockerd: EmulatorThread, tmp_path: Path, helpers: bool
 ) -> None:
-    ws = make_tree(workspace(dockerd, "small") / "t", big=300 * KiB, small=20)
+    ws = make_tree(workspace(dockerd, f"small-{helpers}") / "t", big=300 * KiB, small=20)
     dockerd.set_faults(DockerFaults.all_on(seed=11))
-    before = fired(dockerd)
+    before = dict(dockerd.stats)
     dest = tmp_path / "out"
-    result = pull_docker(dockerd, "small", ws, dest, options(tmp_path, chunk_size=128 * KiB))
+    opts = options(tmp_path, chunk_size=128 * KiB, helpers=helpers)
+    result = pull_docker(dockerd, f"small-{helpers}", ws, dest, opts)
     assert result.ok
     assert_exact(ws, dest)
-    assert fired(dockerd) > before  # the faults really happened on the wire
+    hit = {k: dockerd.stats[k] - before.get(k, 0) for k in FAULTS}
+    assert sum(hit.values()) > 0, hit  # the faults really happened on the wire
+    if not helpers:
+        assert sum(hit[k] for k in EXEC_FAULTS) > 0, hit  # and on the exec path's own
 
 
+@pytest.mark.parametrize("helpers", [True, False], ids=["helpers", "exec-per-call"])
 def test_multi_mb_workspace_is_exact_with_every_fault_on(
-    dockerd: EmulatorThread, tmp_path: Path
+    dockerd: EmulatorThread, tmp_path: Path, helpers: bool
 ) -> None:
-    ws = make_tree(workspace(dockerd, "multi") / "t", big=4 * MiB, small=40)
+    ws = make_tree(workspace(dockerd, f"multi-{helpers}") / "t", big=4 * MiB, small=40)
     (ws / "more-random.bin").write_bytes(os.urandom(3 * MiB))
     dockerd.set_faults(DockerFaults.all_on(seed=12))
     dest = tmp_path / "out"
-    result = pull_docker(
-        dockerd, "multi", ws, dest, options(tmp_path, chunk_size=1 * MiB, parallel=4)
-    )
+    opts = options(tmp_path, chunk_size=1 * MiB, parallel=4, helpers=helpers)
+    result = pull_docker(dockerd, f"multi-{helpers}", ws, dest, opts)
     assert_exact(ws, dest)
     assert result.chunks >= 3
 
@@ -226,11 +236,11 @@ def test_guest_helpers_answer_where_every_exec_loses_its_final_frame(
 ) -> None:
     """The same daemon, with guest helpers: each answers many calls over one exec kept
     open, and an answer is not the output a process ends with, so the exit race does not
-    take it.  The pull is exact; the helpers' own execs end by losing their last frame
-    (nothing: the helper had answered)."""
+    take it: the emulator held each answer back and let it go once the helper was seen
+    waiting for more.  The pull is exact."""
     ws = make_tree(workspace(dockerd, "lossy-helped") / "t", big=300 * KiB, small=20)
     dockerd.set_faults(DockerFaults(seed=3, drop_final=1.0))
-    execs = dockerd.stats["execs"]
+    execs, released = dockerd.stats["execs"], dockerd.stats["released_final"]
     dest = tmp_path / "out"
     result = pull_docker(dockerd, "lossy-helped", ws, dest, options(tmp_path, call_timeout=10))
     assert_exact(ws, dest)
@@ -238,6 +248,7 @@ def test_guest_helpers_answer_where_every_exec_loses_its_final_frame(
     # a helper per call in flight (chunk reads side by side) and no exec call at all
     assert result.execs <= 4, result.execs
     assert dockerd.stats["execs"] - execs <= result.execs
+    assert dockerd.stats["released_final"] - released >= 5  # probe, admissions, reads...
 
 
 def test_a_daemon_that_turns_lossy_mid_pull_fails_clearly_and_leaves_dest(
@@ -298,6 +309,7 @@ def prop_workspace(dockerd: EmulatorThread) -> Path:
     hold=st.floats(0.0, 0.1),
     split=st.floats(0.0, 1.0),
     plain=st.floats(0.0, 1.0),
+    helpers=st.booleans(),
 )
 def test_random_fault_schedules_never_produce_a_wrong_tree(
     tmp_path_factory: pytest.TempPathFactory,
@@ -310,6 +322,7 @@ def test_random_fault_schedules_never_produce_a_wrong_tree(
     hold: float,
     split: float,
     plain: float,
+    helpers: bool,
 ) -> None:
     dockerd.set_faults(
         DockerFaults(
@@ -328,7 +341,9 @@ def test_random_fault_schedules_never_produce_a_wrong_tree(
     dest.mkdir()
     (dest / "previous").write_text("the old tree\n")
     before = snapshot(dest)
-    opts = options(tmp, chunk_size=64 * KiB, max_attempts=8, force=True, timeout=120)
+    opts = options(
+        tmp, chunk_size=64 * KiB, max_attempts=8, force=True, timeout=120, helpers=helpers
+    )
     try:
         pull_docker(dockerd, "prop", prop_workspace, dest, opts)
     except WsyncError:

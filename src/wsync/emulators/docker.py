@@ -21,7 +21,8 @@ until the process ends or something kills it.
 
 Faults (:mod:`wsync.emulators.docker_faults`), drawn per start from a seeded RNG:
 ``ExitCode: null`` for a while after EOF, a dropped final frame (the last output before
-the process ends; output followed by a quiet of 0.1 s gets through), the EOF withheld after
+the process ends; output followed by 0.1 s of quiet while the process runs with its stdin
+open gets through, counted as ``released_final``), the EOF withheld after
 the exit, frames written in pieces (split headers), ``200 OK`` instead of ``101``, and
 a process that starts seconds after its start was answered.
 """
@@ -343,7 +344,7 @@ class DockerEmulator:
             entry.null_until = float("inf")  # until EOF + the drawn delay
         feeder = asyncio.create_task(self._feed_stdin(conn, proc, bytes(early)))
         try:
-            await self._stream(conn, entry, proc, plan)
+            await self._stream(conn, entry, proc, plan, feeder)
         finally:
             if not feeder.done():
                 feeder.cancel()
@@ -379,7 +380,12 @@ class DockerEmulator:
                 stdin.close()
 
     async def _stream(
-        self, conn: _Conn, entry: _Exec, proc: asyncio.subprocess.Process, plan: StartPlan
+        self,
+        conn: _Conn,
+        entry: _Exec,
+        proc: asyncio.subprocess.Process,
+        plan: StartPlan,
+        feeder: asyncio.Task[None],
     ) -> None:
         out, err = proc.stdout, proc.stderr
         assert out is not None and err is not None
@@ -395,10 +401,11 @@ class DockerEmulator:
 
         pumping = asyncio.create_task(pumps())
         # the drop-final fault keeps the newest frame back while more may follow: sent
-        # when the next one comes, or when DROP_WINDOW passes and the process still runs;
-        # lost when its output ends first (moby's race is with the exit: output of a
-        # command still running gets through, so a long-lived helper's answers arrive,
-        # that late)
+        # when the next one comes, or when DROP_WINDOW passes while the process still
+        # runs and its stdin is still open (it may be waiting for more: a helper between
+        # requests); lost when its output ends first.  moby's race is with the exit: a
+        # long-lived helper's answers arrive, that late, and a command whose stdin has
+        # ended (or never had one) loses its last frame whatever the timing
         held: bytes | None = None
         splits = 0
         try:
@@ -409,9 +416,10 @@ class DockerEmulator:
                     try:
                         item = await asyncio.wait_for(queue.get(), DROP_WINDOW)
                     except TimeoutError:
-                        if not _running(proc):
-                            continue  # it exited: the frame is lost when its output ends
+                        if feeder.done() or not _running(proc):
+                            continue  # its last output: lost when the output ends
                         frame, held = held, None
+                        self.stats["released_final"] += 1
                         await conn.send(frame)
                         continue
                 if item is None:

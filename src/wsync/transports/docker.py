@@ -358,8 +358,8 @@ class DockerTransport(Transport):
             raise TransportError(f"{self.description}: exec start refused ({_error(started)})")
         self._ok_once = True
 
-        async def kill(mark: bool) -> None:
-            await self._kill(token, mark=mark)
+        def kill(mark: bool) -> None:
+            self._spawn(self._kill(token, mark=mark))
 
         return DockerChannel(started, self.description, kill)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from wsync.errors import ProtocolError, TransportError
 from wsync.transports import docker_http
@@ -39,17 +39,20 @@ from wsync.transports.docker_protocol import (
 class DockerChannel(Channel):
     """One started exec with stdin attached, its connection kept open.
 
-    ``kill(mark)`` stops the exec's processes (the transport's killer, by the exec's
-    token); ``mark`` when no output came yet, so a process that has not started by then
-    refuses to (moby answers the start before the process exists).
+    ``kill(mark)`` starts the stop of the exec's processes (the transport's killer, by
+    the exec's token, in a task of the transport's own that its close waits for: a
+    cancel of the caller cannot skip it); ``mark`` when no output came yet, so a process
+    that has not started by then refuses to (moby answers the start before the process
+    exists).
     """
 
     def __init__(
         self,
         started: docker_http.Hijacked,
         description: str,
-        kill: Callable[[bool], Awaitable[None]],
+        kill: Callable[[bool], None],
     ) -> None:
+        self._reader = started.reader
         self._writer = started.writer
         self._description = description
         self._kill = kill
@@ -96,7 +99,10 @@ class DockerChannel(Channel):
             self._inbox.end(error)
 
     async def send(self, data: bytes) -> None:
-        if self._inbox.ended or not self._open or self._writer.is_closing():
+        # (a write after the daemon's EOF fails in the transport, which then throws away
+        # output not read yet: refused here while it can be told)
+        closed = self._inbox.ended or not self._open or self._writer.is_closing()
+        if closed or self._reader.at_eof():
             raise TransportError(f"{self._description}: the channel is closed")
         # queued in the socket's transport, as an ssh channel's write is: a request is
         # small, and the caller's deadline bounds the wait for its answer
@@ -116,14 +122,14 @@ class DockerChannel(Channel):
         if not self._open:
             return
         self._open = False
+        if abort:
+            self._kill(not self._heard)  # first: nothing below may keep it from starting
         try:
             with contextlib.suppress(OSError, RuntimeError):
                 if self._writer.can_write_eof() and not self._writer.is_closing():
                     self._writer.write_eof()
             self._pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pump
+            # (wait, not await: a cancel of this task must not be taken for the pump's)
+            await asyncio.wait([self._pump])
         finally:
             await docker_http.close(self._writer)
-        if abort:
-            await self._kill(not self._heard)
