@@ -8,6 +8,7 @@ plain ``tar`` over one exec: a wrong archive behind a Success status.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import os
 import shutil
@@ -62,27 +63,46 @@ def faults_fired(emu: K8sEmulatorThread) -> dict[str, int]:
     return {k: emu.stats[k] for k in FAULT_STATS if emu.stats[k]}
 
 
+#: the faults an exec meets at the end of its stream and a helper's answers do not
+EXEC_FAULTS = ("tail_dropped", "early_success", "bad_exit", "internal_error", "no_status")
+
+
+@pytest.mark.parametrize("helpers", [True, False], ids=["helpers", "exec-per-call"])
 def test_small_workspace_is_exact_with_every_fault_on(
-    cluster: K8sEmulatorThread, tmp_path: Path
+    cluster: K8sEmulatorThread, tmp_path: Path, helpers: bool
 ) -> None:
-    ws = make_tree(pod_workspace(cluster, "small") / "t", big=300 * KiB, small=20)
-    cluster.set_faults(K8sFaults.all_on(seed=11))
-    before = sum(faults_fired(cluster).values())
+    pod = f"small-{str(helpers).lower()}"
+    ws = make_tree(pod_workspace(cluster, pod) / "t", big=300 * KiB, small=20)
+    faults = K8sFaults.all_on(seed=11)
+    if helpers:
+        # a pull through helpers is two or three execs: the lost tail drawn for each of
+        # them, so the faults a channel meets surely happen
+        faults = dataclasses.replace(faults, drop_tail=1.0)
+    cluster.set_faults(faults)
+    before = dict(cluster.stats)
     dest = tmp_path / "out"
-    result = pull_pod(cluster, "small", ws, dest, options(tmp_path, chunk_size=128 * KiB))
+    opts = options(tmp_path, chunk_size=128 * KiB, helpers=helpers)
+    result = pull_pod(cluster, pod, ws, dest, opts)
     assert result.ok
     assert_exact(ws, dest)
-    assert sum(faults_fired(cluster).values()) > before  # the faults really happened
+    hit = {k: cluster.stats[k] - before.get(k, 0) for k in (*FAULT_STATS, "tail_released")}
+    if helpers:
+        assert hit["tail_released"] > 0, hit  # answers held back as tails, then let go
+    else:
+        assert sum(hit[k] for k in EXEC_FAULTS) > 0, hit  # the exec path's own faults
 
 
+@pytest.mark.parametrize("helpers", [True, False], ids=["helpers", "exec-per-call"])
 def test_multi_mb_workspace_is_exact_with_every_fault_on(
-    cluster: K8sEmulatorThread, tmp_path: Path
+    cluster: K8sEmulatorThread, tmp_path: Path, helpers: bool
 ) -> None:
-    ws = make_tree(pod_workspace(cluster, "big") / "t", big=5 * MiB, small=40)
+    pod = f"big-{str(helpers).lower()}"
+    ws = make_tree(pod_workspace(cluster, pod) / "t", big=5 * MiB, small=40)
     (ws / "more-random.bin").write_bytes(os.urandom(3 * MiB))
     cluster.set_faults(K8sFaults.all_on(seed=12))
     dest = tmp_path / "out"
-    result = pull_pod(cluster, "big", ws, dest, options(tmp_path, chunk_size=1 * MiB, parallel=4))
+    opts = options(tmp_path, chunk_size=1 * MiB, parallel=4, helpers=helpers)
+    result = pull_pod(cluster, pod, ws, dest, opts)
     assert_exact(ws, dest)
     assert result.chunks >= 3
 
@@ -149,12 +169,13 @@ def test_internal_error_for_every_success_still_gives_an_exact_tree(
     cluster: K8sEmulatorThread, tmp_path: Path
 ) -> None:
     """InternalError for every command that succeeded: no exit status is ever known, and
-    wsync does not need one — its envelopes carry the guest's own verdict."""
+    wsync does not need one — its envelopes carry the guest's own verdict.  (One exec per
+    call: a guest helper's calls end with no status of their own to spoil)"""
     ws = make_tree(pod_workspace(cluster, "internal") / "t", big=100 * KiB, small=4)
     cluster.set_faults(K8sFaults(internal_error=1.0))
     before = cluster.stats["internal_error"]
     dest = tmp_path / "out"
-    pull_pod(cluster, "internal", ws, dest, options(tmp_path))
+    pull_pod(cluster, "internal", ws, dest, options(tmp_path, helpers=False))
     assert_exact(ws, dest)
     assert cluster.stats["internal_error"] > before
 
@@ -168,10 +189,30 @@ def test_a_server_that_always_loses_the_tail_fails_clearly_and_leaves_dest(
     dest.mkdir()
     (dest / "previous").write_text("the old tree\n")
     before = snapshot(dest)
-    opts = options(tmp_path, max_attempts=3, force=True, call_timeout=10)
+    # one exec per call: a guest helper's answers are not a tail, see the next test
+    opts = options(tmp_path, max_attempts=3, force=True, call_timeout=10, helpers=False)
     with pytest.raises(IntegrityFailed):
         pull_pod(cluster, "lossy", ws, dest, opts)
     assert snapshot(dest) == before
+
+
+def test_guest_helpers_answer_where_every_exec_loses_its_tail(
+    cluster: K8sEmulatorThread, tmp_path: Path
+) -> None:
+    """The same server, with guest helpers: each answers many calls over one exec kept
+    open, and an answer is not the output a command ends with: the emulator held each
+    answer's tail back and let it go once the helper was seen waiting for more."""
+    ws = make_tree(pod_workspace(cluster, "lossy-helped") / "t", big=300 * KiB, small=20)
+    cluster.set_faults(K8sFaults(drop_tail=1.0, drop_tail_max=4 * KiB))
+    execs, released = cluster.stats["execs"], cluster.stats["tail_released"]
+    dest = tmp_path / "out"
+    result = pull_pod(cluster, "lossy-helped", ws, dest, options(tmp_path, call_timeout=10))
+    assert_exact(ws, dest)
+    assert result.retries == 0
+    # a helper per call in flight (chunk reads side by side) and no exec call at all
+    assert result.execs <= 4, result.execs
+    assert cluster.stats["execs"] - execs <= result.execs + 1  # (+ the protocol's probe)
+    assert cluster.stats["tail_released"] - released >= 5  # probe, admissions, reads...
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +235,7 @@ def prop_workspace(cluster: K8sEmulatorThread) -> Path:
     sever=st.floats(0.0, 0.3),
     split=st.floats(0.0, 1.0),
     stall=st.floats(0.0, 0.2),
+    helpers=st.booleans(),
 )
 def test_random_fault_schedules_never_produce_a_wrong_tree(
     tmp_path_factory: pytest.TempPathFactory,
@@ -208,6 +250,7 @@ def test_random_fault_schedules_never_produce_a_wrong_tree(
     sever: float,
     split: float,
     stall: float,
+    helpers: bool,
 ) -> None:
     cluster.set_faults(
         K8sFaults(
@@ -230,7 +273,9 @@ def test_random_fault_schedules_never_produce_a_wrong_tree(
     dest.mkdir()
     (dest / "previous").write_text("the old tree\n")
     before = snapshot(dest)
-    opts = options(tmp, chunk_size=64 * KiB, max_attempts=8, force=True, timeout=120)
+    opts = options(
+        tmp, chunk_size=64 * KiB, max_attempts=8, force=True, timeout=120, helpers=helpers
+    )
     try:
         pull_pod(cluster, "prop", prop_workspace, dest, opts)
     except WsyncError:

@@ -44,7 +44,7 @@ from typing import Any
 import h11
 
 from wsync.emulators.docker_faults import DockerFaults, StartPlan
-from wsync.emulators.sprites import end_process, kill_group
+from wsync.emulators.sprites import end_process, kill_group, still_running
 from wsync.emulators.thread import BackgroundEmulator
 from wsync.errors import ProtocolError
 from wsync.transports.docker_protocol import (
@@ -416,7 +416,7 @@ class DockerEmulator:
                     try:
                         item = await asyncio.wait_for(queue.get(), DROP_WINDOW)
                     except TimeoutError:
-                        if feeder.done() or not _running(proc):
+                        if feeder.done() or not still_running(proc):
                             continue  # its last output: lost when the output ends
                         frame, held = held, None
                         self.stats["released_final"] += 1
@@ -453,19 +453,6 @@ class DockerEmulator:
             self.stats["exit_null"] += 1
             entry.null_until = time.monotonic() + plan.exit_null_for
         # EOF: the caller closes the connection
-
-
-def _running(proc: asyncio.subprocess.Process) -> bool:
-    """The process has not exited (a zombie has), whether or not it was reaped yet: its
-    own word in ``/proc``, not the event loop's (a loop busy for a moment must not pass
-    an exited command for a running one)."""
-    if proc.returncode is not None:
-        return False
-    try:
-        stat = Path(f"/proc/{proc.pid}/stat").read_bytes()
-    except OSError:
-        return False
-    return stat.rpartition(b") ")[2][:1] not in (b"Z", b"X")
 
 
 class EmulatorThread(BackgroundEmulator[DockerEmulator, DockerFaults]):

@@ -11,7 +11,10 @@ with two users: a bearer token (context ``emulator``) and a client certificate (
   v5 stdin CLOSE, and the channel-3 ``Status``, then a close.
 
 Each pod is a directory ``root/NS/POD``; an exec runs its argv as a local process there.
-The faults of :mod:`wsync.emulators.k8s_faults` are drawn per exec.  Wire format:
+The faults of :mod:`wsync.emulators.k8s_faults` are drawn per exec (the lost tail is
+the one a command ends with: output followed by 0.1 s of quiet while the process runs
+with its stdin open, a helper between requests, gets through, counted as
+``tail_released``).  Wire format:
 :mod:`wsync.transports.k8s_protocol`, shared with the client.
 """
 
@@ -38,7 +41,7 @@ from websockets.typing import Subprotocol
 
 from wsync.emulators.k8s_faults import ExecPlan, K8sFaults
 from wsync.emulators.k8s_pki import ThrowawayCA
-from wsync.emulators.sprites import PIPE_GRACE, READ_SIZE, end_process
+from wsync.emulators.sprites import PIPE_GRACE, READ_SIZE, end_process, still_running
 from wsync.emulators.thread import BackgroundEmulator
 from wsync.errors import ProtocolError
 from wsync.transports import k8s_protocol as kp
@@ -47,6 +50,10 @@ from wsync.transports.kubeconfig import write_kubeconfig
 __all__ = ["K8sEmulator", "K8sEmulatorThread", "K8sFaults"]
 
 log = logging.getLogger(__name__)
+
+#: how long the drop-tail fault holds the tail of a command still running with its stdin
+#: open before it sends it after all (see ``write_output``)
+TAIL_WINDOW = 0.1
 
 #: the emulator's bearer token: a loopback test fixture, not a secret
 EMULATOR_TOKEN = "wsync-k8s-emulator-token"  # noqa: S105
@@ -115,6 +122,8 @@ class _Session:
         self.exit_code = 0
         self.reading: set[int] = set()
         self.sent = 0
+        #: the command's stdin is open (until the client's CLOSE, or its socket's end)
+        self.stdin_open = req.stdin
 
     async def spawn(self) -> None:
         try:
@@ -172,6 +181,12 @@ class _Session:
         await self.queue.put(None)
 
     async def forward_stdin(self) -> None:
+        try:
+            await self._forward_stdin()
+        finally:
+            self.stdin_open = False
+
+    async def _forward_stdin(self) -> None:
         with contextlib.suppress(ConnectionClosed):
             async for message in self.ws:
                 try:
@@ -187,6 +202,7 @@ class _Session:
                         stdin.write(frame.data)
                         await stdin.drain()
                     elif isinstance(frame, kp.Close) and frame.channel == kp.STDIN:
+                        self.stdin_open = False
                         stdin.close()
                 except (BrokenPipeError, ConnectionResetError):
                     continue
@@ -219,7 +235,20 @@ class _Session:
         total = 0
         first = True
         while True:
-            item = await self.queue.get()
+            if held:
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), TAIL_WINDOW)
+                except TimeoutError:
+                    # output then quiet, while the command runs with its stdin open: it
+                    # may be waiting for more (a helper between requests), and the tail
+                    # the fault takes is the one a command ends with
+                    if self.stdin_open and still_running(self.proc):
+                        self.emu.stats["tail_released"] += 1
+                        await self.send(kp.STDOUT, bytes(held))
+                        held.clear()
+                    continue
+            else:
+                item = await self.queue.get()
             if item is None:
                 break
             channel, data = item

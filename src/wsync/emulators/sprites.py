@@ -100,6 +100,19 @@ def kill_group(proc: asyncio.subprocess.Process) -> None:
             os.kill(proc.pid, signal.SIGKILL)
 
 
+def still_running(proc: asyncio.subprocess.Process | None) -> bool:
+    """The process has not exited (a zombie has), whether or not it was reaped yet: its
+    own word in ``/proc``, not the event loop's (a loop busy for a moment must not pass
+    an exited command for a running one).  The emulators' lost-tail faults ask it."""
+    if proc is None or proc.returncode is not None:
+        return False
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat.rpartition(b") ")[2][:1] not in (b"Z", b"X")
+
+
 async def end_process(proc: asyncio.subprocess.Process, *, kill: bool) -> int:
     """Optionally kill, then close the pipes and reap; returns the raw return code.
 

@@ -205,6 +205,8 @@ class ChannelInbox:
         self.error: str | None = None
 
     def feed(self, data: bytes) -> None:
+        if not data:
+            return  # (an empty take means the stream ended)
         self._pieces.append(data)
         self._size += len(data)
         self._ready.set()
@@ -235,6 +237,27 @@ class ChannelInbox:
         if self.error is not None:
             raise TransportError(f"{what}: {self.error}")
         return b""
+
+
+class PumpedChannel(Channel):
+    """A channel whose stdout a reading task of its own (the subclass's) hands to a
+    :class:`ChannelInbox`, waiting on :attr:`_flowing` while the inbox is full: the
+    WebSocket and hijacked-socket channels (docker, k8s), which have no protocol object
+    to pause as ssh's and local's do."""
+
+    def __init__(self, description: str) -> None:
+        self._description = description
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._inbox = ChannelInbox(self._flowing.clear, self._flowing.set)
+        self._open = True
+
+    async def receive(self, timeout: float) -> bytes:
+        return await self._inbox.take(timeout, self._description)
+
+    @property
+    def ended(self) -> bool:
+        return self._inbox.ended or not self._open
 
 
 def find_secret(

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from wsync.errors import ProtocolError, TransportError
 from wsync.transports import docker_http
-from wsync.transports.base import Channel, ChannelInbox
+from wsync.transports.base import PumpedChannel
 from wsync.transports.docker_protocol import (
     STDERR,
     SYSTEMERR,
@@ -36,7 +36,7 @@ from wsync.transports.docker_protocol import (
 )
 
 
-class DockerChannel(Channel):
+class DockerChannel(PumpedChannel):
     """One started exec with stdin attached, its connection kept open.
 
     ``kill(mark)`` starts the stop of the exec's processes (the transport's killer, by
@@ -52,17 +52,13 @@ class DockerChannel(Channel):
         description: str,
         kill: Callable[[bool], None],
     ) -> None:
+        super().__init__(description)
         self._reader = started.reader
         self._writer = started.writer
-        self._description = description
         self._kill = kill
         self._decoder = FrameDecoder()
-        self._flowing = asyncio.Event()
-        self._flowing.set()
-        self._inbox = ChannelInbox(self._flowing.clear, self._flowing.set)
         self._systemerr = bytearray()
         self._heard = False
-        self._open = True
         self._pump = asyncio.get_running_loop().create_task(
             self._read(started.reader, started.leftover)
         )
@@ -107,13 +103,6 @@ class DockerChannel(Channel):
         # queued in the socket's transport, as an ssh channel's write is: a request is
         # small, and the caller's deadline bounds the wait for its answer
         self._writer.write(data)
-
-    async def receive(self, timeout: float) -> bytes:
-        return await self._inbox.take(timeout, self._description)
-
-    @property
-    def ended(self) -> bool:
-        return self._inbox.ended or not self._open
 
     async def aclose(self, *, abort: bool = False) -> None:
         # stdin's end (the half-close, the only EOF the Engine API has) ends the helper's

@@ -13,6 +13,9 @@ reports exactly what it saw, so the engine's envelopes detect the loss and retry
   also defeats runtimes that end a stdin-less session early (kata-containers#13640).  v4
   has no stdin EOF, so there a command given stdin runs as ``head -c N | argv`` in the
   guest: the pipe ends after exactly the bytes sent;
+* a guest helper's exec stays open (:meth:`K8sTransport.open_channel`,
+  :mod:`wsync.transports.k8s_channel`): many calls for one handshake, their argv on
+  stdin instead of in the URL; on v4 it ends when its socket closes;
 * the pod is looked up once (``GET pods/POD``): unknown → exit 3, several containers and
   no ``--container`` → exit 2 naming them (the ``kubectl.kubernetes.io/default-container``
   annotation is honoured, as kubectl does).
@@ -57,10 +60,12 @@ from wsync.transports import k8s_protocol as kp
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
     Capabilities,
+    Channel,
     ExecResult,
     Transport,
     float_options,
 )
+from wsync.transports.k8s_channel import K8sChannel
 from wsync.transports.kubeconfig import KubeTarget, load
 from wsync.uri import SandboxURI
 
@@ -87,7 +92,7 @@ class K8sTransport(Transport):
 
     scheme: ClassVar[str] = "k8s"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        stdin=True, binary_safe=True, separate_stderr=True
+        stdin=True, binary_safe=True, separate_stderr=True, channel=True
     )
 
     def __init__(
@@ -143,6 +148,17 @@ class K8sTransport(Transport):
         return f"K8sTransport({self.description}, server={self.target.server!r})"
 
     # ---------------------------------------------------------------- the pod
+
+    async def _resolve_within(self, timeout: float) -> float:
+        """:meth:`_resolve` within ``timeout``; the loop time by which the call that
+        asked must be over."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._resolve(timeout)
+        except TimeoutError:
+            raise TransportTimeout(timeout) from None
+        return deadline
 
     async def _resolve(self, timeout: float) -> None:
         """Look the pod up once: exit 3 if it is not there, exit 2 if the container is
@@ -229,13 +245,7 @@ class K8sTransport(Transport):
             raise UsageError("max_output must be >= 0")
         if not argv:
             raise UsageError("exec needs a command")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        try:
-            async with asyncio.timeout_at(deadline):
-                await self._resolve(timeout)
-        except TimeoutError:
-            raise TransportTimeout(timeout) from None
+        deadline = await self._resolve_within(timeout)
         protocol = self.protocol
         assert protocol is not None  # learnt by _resolve
         command = list(argv)
@@ -259,6 +269,24 @@ class K8sTransport(Transport):
             return await self._session(ws, chosen, stdin, deadline, timeout, max_output)
         finally:
             await self._close(ws)
+
+    async def open_channel(self, argv: Sequence[str], *, timeout: float) -> Channel:
+        """``argv`` with stdin, its WebSocket kept open
+        (:class:`~wsync.transports.k8s_channel.K8sChannel`)."""
+        if not argv:
+            raise UsageError("open_channel needs a command")
+        deadline = await self._resolve_within(timeout)
+        path = kp.exec_path(
+            self.namespace, self.pod, list(argv), container=self.container, stdin=True
+        )
+        ws = await self._connect(path, deadline, timeout)
+        try:
+            chosen = self._chosen(ws)
+        except BaseException:
+            await self._close(ws)
+            raise
+        self.protocol = chosen
+        return K8sChannel(ws, chosen, self.description, self._close)
 
     def _chosen(self, ws: ClientConnection) -> str:
         chosen = ws.subprotocol

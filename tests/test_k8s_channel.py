@@ -1,0 +1,111 @@
+"""The pods/exec WebSocket kept open for a guest helper (``K8sChannel``), against the
+emulated API server on every exec subprotocol wsync speaks: requests and answers in
+lockstep, the kubelet's empty greeting, the end of the command, and a close."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from wsync.emulators.k8s import K8sEmulatorThread, K8sFaults
+from wsync.errors import TransportError
+from wsync.transports import k8s_protocol as kp
+from wsync.transports.base import Channel
+from wsync.transports.k8s import K8sTransport
+from wsync.uri import parse
+
+#: answers each line read with "got LINE"; a line "bye" ends it (exit 3)
+ECHO = ["sh", "-c", 'while read -r x; do [ "$x" = bye ] && exit 3; echo "got $x"; done']
+
+
+@pytest.fixture(scope="module", params=[kp.V5, kp.V4, kp.V4_BASE64])
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[K8sEmulatorThread]:
+    root = tmp_path_factory.mktemp("k8s")
+    with K8sEmulatorThread(root, protocols=(request.param,)) as emu:
+        emu.create_pod("p")
+        yield emu
+
+
+def _transport(emu: K8sEmulatorThread) -> K8sTransport:
+    return K8sTransport.from_uri(parse("k8s://default/p/work"), emu.transport_options())
+
+
+async def _line(channel: Channel) -> bytes:
+    """Receive until a whole line came (answers may come in pieces)."""
+    got = b""
+    while not got.endswith(b"\n"):
+        data = await channel.receive(10.0)
+        assert data, f"the channel ended after {got!r}"
+        got += data
+    return got
+
+
+def test_requests_and_answers_in_lockstep_then_a_close(cluster: K8sEmulatorThread) -> None:
+    cluster.set_faults(K8sFaults(split_frames=1.0, seed=2))  # answers in pieces
+
+    async def go() -> None:
+        transport = _transport(cluster)
+        try:
+            channel = await transport.open_channel(ECHO, timeout=20)
+            for word in (b"one", b"two", b"x" * 100_000):  # the last: several messages
+                await channel.send(word + b"\n")
+                assert await _line(channel) == b"got " + word + b"\n"
+            assert not channel.ended
+            await channel.aclose()
+            assert channel.ended
+            with pytest.raises(TransportError, match="closed"):
+                await channel.send(b"more\n")
+            await channel.aclose()  # idempotent
+        finally:
+            await transport.aclose()
+
+    asyncio.run(go())
+
+
+def test_the_command_ending_ends_the_channel_with_an_error(cluster: K8sEmulatorThread) -> None:
+    """Its status on channel 3 says the helper is gone: the call in flight fails (and is
+    retried elsewhere), whatever the status says."""
+    cluster.set_faults(K8sFaults.off())
+
+    async def go() -> None:
+        transport = _transport(cluster)
+        try:
+            channel = await transport.open_channel(ECHO, timeout=20)
+            await channel.send(b"first\nbye\n")
+            assert await _line(channel) == b"got first\n"
+            with pytest.raises(TransportError, match="ended"):
+                while await channel.receive(10.0):
+                    pass
+            assert channel.ended
+            await channel.aclose()
+        finally:
+            await transport.aclose()
+
+    asyncio.run(go())
+
+
+def test_an_answer_the_server_would_lose_as_a_tail_arrives_while_the_helper_runs(
+    cluster: K8sEmulatorThread, tmp_path: Path
+) -> None:
+    """Every exec loses the tail its command ends with; an answer followed by a helper
+    waiting for its next request is not that tail: it arrives, a moment late."""
+    cluster.set_faults(K8sFaults(drop_tail=1.0, drop_tail_min=4096, drop_tail_max=4096))
+    released = cluster.stats["tail_released"]
+
+    async def go() -> None:
+        transport = _transport(cluster)
+        try:
+            channel = await transport.open_channel(ECHO, timeout=20)
+            await channel.send(b"held back\n")
+            assert await _line(channel) == b"got held back\n"
+            await channel.aclose()
+        finally:
+            await transport.aclose()
+
+    asyncio.run(go())
+    assert cluster.stats["tail_released"] > released
