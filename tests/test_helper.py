@@ -228,6 +228,48 @@ def test_the_pool_keeps_helpers_between_calls_and_opens_one_per_call_in_flight()
     assert pool.usable is False  # closed
 
 
+class _StuckChannel(Channel):
+    """A channel whose send never finishes (a WebSocket peer that stopped reading)."""
+
+    def __init__(self) -> None:
+        self.closed: list[bool] = []
+
+    async def send(self, data: bytes) -> None:
+        await asyncio.Event().wait()
+
+    async def receive(self, timeout: float) -> bytes:
+        raise AssertionError("nothing was sent")
+
+    async def aclose(self, *, abort: bool = False) -> None:
+        self.closed.append(abort)
+
+
+class _StuckTransport(LocalTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.channel = _StuckChannel()
+
+    async def open_channel(self, argv, **kw):  # type: ignore[no-untyped-def,override]
+        return self.channel
+
+
+def test_a_request_that_cannot_be_sent_ends_at_the_calls_deadline() -> None:
+    """The deadline covers the request's send too: a channel whose send waits for a peer
+    that stopped reading costs the call its deadline, and the helper is aborted."""
+    transport = _StuckTransport()
+
+    async def go() -> None:
+        pool = HelperPool(transport, size=1)
+        try:
+            with pytest.raises(TransportTimeout):
+                await pool.run(["echo", "x"], "c0ffee", gate=False, timeout=0.5, limit=100)
+        finally:
+            await pool.aclose()
+
+    asyncio.run(asyncio.wait_for(go(), 20))
+    assert transport.channel.closed == [True]
+
+
 def test_a_call_that_may_wait_takes_the_busy_helper_once_it_is_free() -> None:
     """With ``reuse_wait`` a call that finds every helper busy waits that long for one
     (opening another is an exec: a login shell, 100 ms and more with a slow profile);

@@ -109,3 +109,26 @@ def test_an_answer_the_server_would_lose_as_a_tail_arrives_while_the_helper_runs
 
     asyncio.run(go())
     assert cluster.stats["tail_released"] > released
+
+
+def test_an_exec_that_lingers_after_its_last_output_still_loses_its_tail(
+    cluster: K8sEmulatorThread,
+) -> None:
+    """The fault's other side: a command given stdin that stays 0.3 s after its last
+    output, its stdin done (on v4 never closed by the client: only the command's wait
+    tells), loses its tail as before; only a command waiting for more stdin is spared."""
+    cluster.set_faults(K8sFaults(drop_tail=1.0, drop_tail_min=1000, drop_tail_max=1000))
+    dropped, released = cluster.stats["tail_dropped"], cluster.stats["tail_released"]
+    script = "cat >/dev/null; head -c 300000 /dev/zero; sleep 0.3"
+
+    async def go() -> bytes:
+        transport = _transport(cluster)
+        try:
+            result = await transport.exec(["sh", "-c", script], stdin=b"in\n", timeout=20)
+            return result.stdout
+        finally:
+            await transport.aclose()
+
+    assert len(asyncio.run(go())) == 299_000
+    assert cluster.stats["tail_dropped"] == dropped + 1
+    assert cluster.stats["tail_released"] == released

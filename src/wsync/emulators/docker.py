@@ -21,8 +21,8 @@ until the process ends or something kills it.
 
 Faults (:mod:`wsync.emulators.docker_faults`), drawn per start from a seeded RNG:
 ``ExitCode: null`` for a while after EOF, a dropped final frame (the last output before
-the process ends; output followed by 0.1 s of quiet while the process runs with its stdin
-open gets through, counted as ``released_final``), the EOF withheld after
+the process ends; output followed by 0.1 s of quiet while the process waits for more
+stdin gets through, counted as ``released_final``), the EOF withheld after
 the exit, frames written in pieces (split headers), ``200 OK`` instead of ``101``, and
 a process that starts seconds after its start was answered.
 """
@@ -44,7 +44,7 @@ from typing import Any
 import h11
 
 from wsync.emulators.docker_faults import DockerFaults, StartPlan
-from wsync.emulators.sprites import end_process, kill_group, still_running
+from wsync.emulators.sprites import end_process, kill_group, waiting_for_stdin
 from wsync.emulators.thread import BackgroundEmulator
 from wsync.errors import ProtocolError
 from wsync.transports.docker_protocol import (
@@ -401,9 +401,9 @@ class DockerEmulator:
 
         pumping = asyncio.create_task(pumps())
         # the drop-final fault keeps the newest frame back while more may follow: sent
-        # when the next one comes, or when DROP_WINDOW passes while the process still
-        # runs and its stdin is still open (it may be waiting for more: a helper between
-        # requests); lost when its output ends first.  moby's race is with the exit: a
+        # when the next one comes, or when DROP_WINDOW passes while the process waits
+        # for more of a stdin still open (a helper between requests); lost when its
+        # output ends first.  moby's race is with the exit: a
         # long-lived helper's answers arrive, that late, and a command whose stdin has
         # ended (or never had one) loses its last frame whatever the timing
         held: bytes | None = None
@@ -416,7 +416,7 @@ class DockerEmulator:
                     try:
                         item = await asyncio.wait_for(queue.get(), DROP_WINDOW)
                     except TimeoutError:
-                        if feeder.done() or not still_running(proc):
+                        if feeder.done() or not waiting_for_stdin(proc):
                             continue  # its last output: lost when the output ends
                         frame, held = held, None
                         self.stats["released_final"] += 1

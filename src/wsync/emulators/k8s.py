@@ -12,10 +12,9 @@ with two users: a bearer token (context ``emulator``) and a client certificate (
 
 Each pod is a directory ``root/NS/POD``; an exec runs its argv as a local process there.
 The faults of :mod:`wsync.emulators.k8s_faults` are drawn per exec (the lost tail is
-the one a command ends with: output followed by 0.1 s of quiet while the process runs
-with its stdin open, a helper between requests, gets through, counted as
-``tail_released``).  Wire format:
-:mod:`wsync.transports.k8s_protocol`, shared with the client.
+the one a command ends with: output followed by 0.1 s of quiet while the process waits
+for more stdin, a helper between requests, gets through, counted as ``tail_released``).
+Wire format: :mod:`wsync.transports.k8s_protocol`, shared with the client.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from websockets.typing import Subprotocol
 
 from wsync.emulators.k8s_faults import ExecPlan, K8sFaults
 from wsync.emulators.k8s_pki import ThrowawayCA
-from wsync.emulators.sprites import PIPE_GRACE, READ_SIZE, end_process, still_running
+from wsync.emulators.sprites import PIPE_GRACE, READ_SIZE, end_process, waiting_for_stdin
 from wsync.emulators.thread import BackgroundEmulator
 from wsync.errors import ProtocolError
 from wsync.transports import k8s_protocol as kp
@@ -239,10 +238,11 @@ class _Session:
                 try:
                     item = await asyncio.wait_for(self.queue.get(), TAIL_WINDOW)
                 except TimeoutError:
-                    # output then quiet, while the command runs with its stdin open: it
-                    # may be waiting for more (a helper between requests), and the tail
-                    # the fault takes is the one a command ends with
-                    if self.stdin_open and still_running(self.proc):
+                    # output then quiet, while the command waits for more stdin (a
+                    # helper between requests): the tail the fault takes is the one a
+                    # command ends with (on v4 a stdin never closed stays open here,
+                    # and only the wait tells)
+                    if self.stdin_open and waiting_for_stdin(self.proc):
                         self.emu.stats["tail_released"] += 1
                         await self.send(kp.STDOUT, bytes(held))
                         held.clear()

@@ -113,6 +113,27 @@ def still_running(proc: asyncio.subprocess.Process | None) -> bool:
     return stat.rpartition(b") ")[2][:1] not in (b"Z", b"X")
 
 
+def waiting_for_stdin(proc: asyncio.subprocess.Process | None) -> bool:
+    """The process is blocked reading its stdin pipe (``pipe_read`` in its wait channel,
+    fd 0 the first argument of its system call where ``/proc`` tells): it wants more
+    input, as a guest helper between requests does; a wrapper waiting for its child, or
+    a command at its end, does not."""
+    if not still_running(proc):
+        return False
+    assert proc is not None
+    try:
+        wchan = Path(f"/proc/{proc.pid}/wchan").read_text()
+    except OSError:
+        return False
+    if not wchan.endswith("pipe_read"):
+        return False
+    try:
+        call = Path(f"/proc/{proc.pid}/syscall").read_text().split()
+    except OSError:
+        return True  # (not readable here: the wait channel alone says it)
+    return len(call) < 2 or call[1] == "0x0"
+
+
 async def end_process(proc: asyncio.subprocess.Process, *, kill: bool) -> int:
     """Optionally kill, then close the pipes and reap; returns the raw return code.
 

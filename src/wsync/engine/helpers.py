@@ -130,7 +130,13 @@ class HelperPool:
                     on_open()
                     worker = _Helper(channel)
                     log.debug("helper opened", helpers=self.opened)
-                await worker.channel.send(helper.request(argv, nonce, gate=gate))
+                # (bounded too: a channel whose send waits for the socket to drain, a
+                # WebSocket's, must not outlive the call's deadline on a stalled peer)
+                try:
+                    async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                        await worker.channel.send(helper.request(argv, nonce, gate=gate))
+                except TimeoutError:
+                    raise TransportTimeout(timeout) from None
                 splitter = helper.ResponseSplitter(nonce, limit)
                 grace: float | None = None
                 while not splitter.done:

@@ -431,3 +431,6 @@ class K8sTransport(Transport):
                 await ws.close()
         except (TimeoutError, OSError, WebSocketException):
             ws.transport.abort()
+        except BaseException:
+            ws.transport.abort()  # a cancel: the socket goes at once, not at the peer's pace
+            raise

@@ -17,8 +17,10 @@ it ends with, it goes on running after each.
 Nothing here is trusted more than an exec's output: the caller parses envelopes out of
 what :meth:`receive` returns.  A status on channel 3 (the command ended), a close, or a
 message that does not decode ends the channel; the next receive says so.  There is no
-kill in this API: an abort closes the socket, as a timed-out exec does (the helper's
-loop ends with its stdin, and each call is bounded in time).
+kill in this API: an abort closes the socket, as a timed-out exec does.  Runtimes that
+end an exec whose stream closed stop the call with it; others (containerd's, by field
+reports: see the backend's notes) leave it to finish, bounded in time as every call is,
+and the helper's loop ends with its stdin.
 """
 
 from __future__ import annotations
@@ -71,12 +73,19 @@ class K8sChannel(PumpedChannel):
                     # come in pieces; the call in flight is retried elsewhere)
                     error = "the command ended (a status on channel 3)"
                     return
+                elif frame.channel != kp.STDERR:
+                    # stdin or resize bytes from the server: out of step, as an exec's
+                    # collector says
+                    error = f"server data on channel {frame.channel}"
+                    return
         except ConnectionClosed as closed:
             if not isinstance(closed, ConnectionClosedOK):
                 code = closed.rcvd.code if closed.rcvd is not None else 1006
                 error = f"connection dropped (code {code})"
         except ProtocolError as err:
             error = str(err)
+        except (OSError, WebSocketException) as err:
+            error = f"{type(err).__name__}: {err}"
         finally:
             self._inbox.end(error)
 
@@ -97,12 +106,12 @@ class K8sChannel(PumpedChannel):
         if not self._open:
             return
         self._open = False
+        self._pump.cancel()
         try:
             if kp.has_close(self._protocol) and not abort:
                 with contextlib.suppress(ConnectionClosed, OSError, WebSocketException):
                     async with asyncio.timeout(1.0):
                         await self._ws.send(kp.encode_close(kp.STDIN))
-            self._pump.cancel()
             # (wait, not await: a cancel of this task must not be taken for the pump's)
             await asyncio.wait([self._pump])
         finally:
