@@ -31,6 +31,8 @@ from wsync.chaos import FaultPlan, wrap
 from wsync.emulators.docker import DockerFaults
 from wsync.emulators.docker import EmulatorThread as DockerEmulator
 from wsync.emulators.k8s import K8sEmulatorThread, K8sFaults
+from wsync.emulators.sprites import EmulatorThread as SpritesEmulator
+from wsync.emulators.sprites_faults import SpritesFaults
 from wsync.engine.guest import CallStats, GuestSession
 from wsync.engine.helpers import HelperPool
 from wsync.errors import ProtocolError, TransportError, TransportTimeout
@@ -40,6 +42,7 @@ from wsync.transports.base import Channel, Transport
 from wsync.transports.docker import DockerTransport
 from wsync.transports.k8s import K8sTransport
 from wsync.transports.local import LocalTransport
+from wsync.transports.sprites import SpritesTransport
 from wsync.transports.ssh import SshTransport
 from wsync.uri import parse
 
@@ -423,8 +426,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[K8sEmulatorThr
         yield emu
 
 
+@pytest.fixture(scope="module")
+def sprites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SpritesEmulator]:
+    """A Sprites API emulator whose every exec splits its last output around the exit,
+    with a late attach and a ring: a helper's answers must arrive all the same."""
+    faults = SpritesFaults(seed=1, ring=True, data_after_exit=1.0, split_frames=0.5)
+    with SpritesEmulator(tmp_path_factory.mktemp("sprites"), faults=faults) as emu:
+        emu.create_sprite("helped")
+        yield emu
+
+
 @pytest.fixture(
-    params=["local", pytest.param("ssh", marks=pytest.mark.ssh), "docker", "k8s"],
+    params=["local", pytest.param("ssh", marks=pytest.mark.ssh), "docker", "k8s", "sprites"],
 )
 def channel_transport(request: pytest.FixtureRequest) -> Transport:
     if request.param == "local":
@@ -432,6 +445,9 @@ def channel_transport(request: pytest.FixtureRequest) -> Transport:
     if request.param == "docker":
         emu: DockerEmulator = request.getfixturevalue("dockerd")
         return DockerTransport.from_uri(parse("docker://helped/work"), emu.transport_options())
+    if request.param == "sprites":
+        sb: SpritesEmulator = request.getfixturevalue("sprites")
+        return SpritesTransport.from_uri(parse("sprites://helped/work"), sb.transport_options())
     if request.param == "k8s":
         k8s: K8sEmulatorThread = request.getfixturevalue("cluster")
         return K8sTransport.from_uri(parse("k8s://default/helped/work"), k8s.transport_options())

@@ -9,6 +9,7 @@ a clear :class:`WsyncError` with DEST untouched — never a wrong tree.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 from collections.abc import Iterator
@@ -55,29 +56,43 @@ def faults_fired(emu: EmulatorThread) -> int:
     return sum(emu.stats[k] for k in FAULT_STATS)
 
 
+@pytest.mark.parametrize("helpers", [True, False], ids=["helpers", "exec-per-call"])
 def test_small_workspace_is_exact_with_every_fault_on(
-    emulator: EmulatorThread, tmp_path: Path
+    emulator: EmulatorThread, tmp_path: Path, helpers: bool
 ) -> None:
-    ws = make_tree(sprite_workspace(emulator, "small") / "t", big=300 * KiB, small=20)
-    emulator.set_faults(SpritesFaults.all_on(seed=11))
+    name = f"small-{str(helpers).lower()}"
+    ws = make_tree(sprite_workspace(emulator, name) / "t", big=300 * KiB, small=20)
+    faults = SpritesFaults.all_on(seed=11)
+    if helpers:
+        # a pull through helpers is two or three execs: data after the exit drawn for
+        # each of them, so the fault a channel meets surely happens
+        faults = dataclasses.replace(faults, data_after_exit=1.0)
+    emulator.set_faults(faults)
     before = faults_fired(emulator)
+    released = emulator.stats["held_released"]
     dest = tmp_path / "out"
-    result = pull_sprite(emulator, "small", ws, dest, options(tmp_path, chunk_size=128 * KiB))
+    opts = options(tmp_path, chunk_size=128 * KiB, helpers=helpers)
+    result = pull_sprite(emulator, name, ws, dest, opts)
     assert result.ok
     assert_exact(ws, dest)
-    assert faults_fired(emulator) > before  # the faults really happened on the wire
+    if helpers:
+        assert emulator.stats["held_released"] > released  # answers held for the exit, let go
+    else:
+        assert faults_fired(emulator) > before  # the faults really happened on the wire
 
 
+@pytest.mark.parametrize("helpers", [True, False], ids=["helpers", "exec-per-call"])
 def test_multi_mb_workspace_is_exact_with_every_fault_on(
-    emulator: EmulatorThread, tmp_path: Path
+    emulator: EmulatorThread, tmp_path: Path, helpers: bool
 ) -> None:
     """Random (incompressible) and zero (compressible) files, several chunks, reads in flight."""
-    ws = make_tree(sprite_workspace(emulator, "big") / "t", big=5 * MiB, small=40)
+    name = f"big-{str(helpers).lower()}"
+    ws = make_tree(sprite_workspace(emulator, name) / "t", big=5 * MiB, small=40)
     (ws / "more-random.bin").write_bytes(os.urandom(3 * MiB))
     emulator.set_faults(SpritesFaults.all_on(seed=12))
     dest = tmp_path / "out"
-    opts = options(tmp_path, chunk_size=1 * MiB, parallel=4)
-    result = pull_sprite(emulator, "big", ws, dest, opts)
+    opts = options(tmp_path, chunk_size=1 * MiB, parallel=4, helpers=helpers)
+    result = pull_sprite(emulator, name, ws, dest, opts)
     assert_exact(ws, dest)
     assert result.chunks >= 3
 
@@ -128,7 +143,9 @@ def test_a_backend_that_never_answers_fails_clearly_and_leaves_dest(
     dest.mkdir()
     (dest / "previous").write_text("the old tree\n")
     before = snapshot(dest)
-    opts = options(tmp_path, max_attempts=3, force=True, call_timeout=10)
+    # (one exec per call: a guest helper is no fast command, it answers once it is seen
+    # running past the threshold)
+    opts = options(tmp_path, max_attempts=3, force=True, call_timeout=10, helpers=False)
     with pytest.raises(IntegrityFailed):
         pull_sprite(emulator, "mute", ws, dest, opts)
     assert snapshot(dest) == before
@@ -153,6 +170,7 @@ def prop_workspace(emulator: EmulatorThread) -> Path:
     zero=st.floats(0.0, 0.6),
     sever=st.floats(0.0, 0.4),
     split=st.floats(0.0, 1.0),
+    helpers=st.booleans(),
 )
 def test_random_fault_schedules_never_produce_a_wrong_tree(
     tmp_path_factory: pytest.TempPathFactory,
@@ -166,6 +184,7 @@ def test_random_fault_schedules_never_produce_a_wrong_tree(
     zero: float,
     sever: float,
     split: float,
+    helpers: bool,
 ) -> None:
     emulator.set_faults(
         SpritesFaults(
@@ -186,7 +205,9 @@ def test_random_fault_schedules_never_produce_a_wrong_tree(
     dest.mkdir()
     (dest / "previous").write_text("the old tree\n")
     before = snapshot(dest)
-    opts = options(tmp, chunk_size=64 * KiB, max_attempts=6, force=True, timeout=120)
+    opts = options(
+        tmp, chunk_size=64 * KiB, max_attempts=6, force=True, timeout=120, helpers=helpers
+    )
     try:
         pull_sprite(emulator, "prop", prop_workspace, dest, opts)
     except WsyncError:

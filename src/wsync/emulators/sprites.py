@@ -14,7 +14,9 @@ faults of the report are reproduced mechanically, each switchable in
   scripts (which wait for a stdin byte before printing) lose nothing.
 * **merged stderr** — stderr is held back and appended to the next stdout
   frame (``AAAA``/``BBBB``>&2/``CCCC`` arrives as ``AAAACCCCBBBB`` on stream 1).
-* **data after exit** — the last output is split around the exit frame.
+* **data after exit** — the last output is split around the exit frame (held back
+  until the exit, unless the command is seen blocked reading more stdin 0.1 s later:
+  a guest helper between requests gets its answer through, ``held_released``).
 * **no exit frame** — the socket closes with code 1000 and no exit status.
 * **zero frames** — a fast command gets no frames at all, then a 1000 close.
 * **sever** — the TCP connection is aborted part-way through the output.
@@ -163,6 +165,11 @@ async def end_process(proc: asyncio.subprocess.Process, *, kill: bool) -> int:
     except TimeoutError:
         log.warning("sprites emulator: pid %d did not exit after close", proc.pid)
         return -signal.SIGKILL
+
+
+#: how long the data-after-exit fault holds the newest frame of a command that is blocked
+#: reading its stdin before it sends it after all (see ``write_output``)
+HOLD_WINDOW = 0.1
 
 
 class _Session:
@@ -374,7 +381,23 @@ class _Session:
         history = list(self.history)
         self.history.clear()
         while True:
-            item = history.pop(0) if history else await self.queue.get()
+            item: tuple[int, bytes] | None
+            if history:
+                item = history.pop(0)
+            elif held is None:
+                item = await self.queue.get()
+            else:
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), HOLD_WINDOW)
+                except TimeoutError:
+                    # the data-after-exit fault holds the newest frame for the exit; a
+                    # command blocked reading more stdin (a helper between requests) is
+                    # not exiting: the frame goes now
+                    if waiting_for_stdin(self.proc):
+                        self.emu.stats["held_released"] += 1
+                        await self.send(*held)
+                        held = None
+                    continue
             if item is None:
                 break
             if plan.after_exit:

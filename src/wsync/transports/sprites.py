@@ -17,7 +17,10 @@ envelopes can detect it and retry:
   short drain deadline passes, and keeps late data (note "data after exit
   frame");
 * merged stderr cannot be told apart by a client, so ``separate_stderr`` is
-  False and whatever arrived on stream 2 is reported as stderr.
+  False and whatever arrived on stream 2 is reported as stderr;
+* a guest helper's exec stays open (:meth:`SpritesTransport.open_channel`,
+  :class:`SpritesChannel`): many calls for one socket, their argv on stdin instead of
+  in the URL, and answers that the end-of-stream faults cannot take.
 
 The token is sent only in the ``Authorization`` header; it is never logged,
 never part of :attr:`description`, errors or ``repr``.
@@ -52,19 +55,26 @@ from wsync.errors import (
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
     Capabilities,
+    Channel,
     ExecResult,
     Transport,
     find_secret,
     float_options,
 )
 from wsync.transports.sprites_protocol import (
+    STDERR,
     STDIN,
+    STDOUT,
     Control,
+    Data,
     ExecCollector,
+    Exit,
+    decode,
     encode_data,
     encode_stdin_eof,
     exec_url,
 )
+from wsync.transports.ws_channel import Ended, WebSocketChannel
 from wsync.uri import SandboxURI
 
 log = logging.getLogger(__name__)
@@ -90,7 +100,7 @@ class SpritesTransport(Transport):
 
     scheme: ClassVar[str] = "sprites"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        stdin=True, binary_safe=True, separate_stderr=False
+        stdin=True, binary_safe=True, separate_stderr=False, channel=True
     )
 
     def __init__(
@@ -173,6 +183,17 @@ class SpritesTransport(Transport):
             return await self._session(ws, stdin, deadline, timeout, max_output)
         finally:
             await self._close(ws)
+
+    async def open_channel(self, argv: Sequence[str], *, timeout: float) -> Channel:
+        """``argv`` with stdin, its WebSocket kept open (:class:`SpritesChannel`)."""
+        if not argv:
+            raise UsageError("open_channel needs a command")
+        url = exec_url(
+            self.base_url, self.name, list(argv), stdin=True, workdir=self.workdir, env=self.env
+        )
+        deadline = asyncio.get_running_loop().time() + timeout
+        ws = await self._connect(url, deadline, timeout)
+        return SpritesChannel(ws, self.description, self._close)
 
     async def _connect(self, url: str, deadline: float, timeout: float) -> ClientConnection:
         """Open the socket; map handshake failures to wsync's errors."""
@@ -287,3 +308,35 @@ class SpritesTransport(Transport):
                 await ws.close()
         except (TimeoutError, OSError, WebSocketException):
             ws.transport.abort()
+        except BaseException:
+            ws.transport.abort()  # a cancel: the socket goes at once, not at the peer's pace
+            raise
+
+
+class SpritesChannel(WebSocketChannel):
+    """A Sprites exec WebSocket with stdin, kept open: the guest helper's pipe.
+
+    Requests go as stream-0 frames, answers come on stream 1 (stderr, stream 2, may be
+    merged into it by the service: a helper's calls send theirs nowhere); the exit frame,
+    binary or JSON, is the helper's end, and stdin bytes or a stdin EOF from the server
+    are out of step.  ``[0x04]`` ends stdin on close.  Output before the client attaches
+    survives only as a ring: a helper writes nothing before its first request.
+    """
+
+    def _stdin(self, data: bytes) -> bytes:
+        return encode_data(STDIN, data)
+
+    def _stdin_end(self) -> bytes:
+        return encode_stdin_eof()
+
+    def _output(self, message: bytes | str) -> bytes:
+        frame = decode(message)
+        if isinstance(frame, Control):
+            return b""  # session_info, debug, port notices
+        if isinstance(frame, Exit):
+            raise Ended(f"the command ended (exit {frame.code})")
+        if isinstance(frame, Data) and frame.stream == STDOUT:
+            return frame.data
+        if isinstance(frame, Data) and frame.stream == STDERR:
+            return b""
+        raise Ended("stdin from the server: out of step")
