@@ -17,9 +17,11 @@ on running after each.
 Nothing here is trusted more than an exec's output: the caller parses envelopes out of
 what :meth:`receive` returns.  The command's exit, a close, or a message that does not
 decode ends the channel; the next receive says so.  Neither API has a kill: an abort
-closes the socket, as a timed-out exec does.  Servers that end an exec whose stream
-closed stop the call with it; others leave it to finish, bounded in time as every call
-is, and the helper's loop ends with its stdin.
+ends stdin (where the protocol can) and closes the socket, as a timed-out exec does.
+Servers that end an exec whose stream closed stop the call with it; others leave it to
+finish, bounded in time as every call is, and the helper's loop ends with its stdin
+(on Kubernetes v4, which cannot end stdin, only if the server closes it with the
+socket).
 """
 
 from __future__ import annotations
@@ -102,15 +104,16 @@ class WebSocketChannel(PumpedChannel):
             raise TransportError(f"{self._description}: channel write: {err}") from None
 
     async def aclose(self, *, abort: bool = False) -> None:
-        # stdin's end first where the protocol has one (the helper's loop ends once the
-        # call it runs is over); then the socket goes, all an abort can do here
+        # stdin's end first where the protocol has one, on an abort too: the helper's loop
+        # ends once the call it runs is over, even on a server whose session outlives its
+        # socket (then the call itself runs to its end); then the socket goes
         if not self._open:
             return
         self._open = False
         self._pump.cancel()
         try:
             end = self._stdin_end()
-            if end is not None and not abort:
+            if end is not None:
                 with contextlib.suppress(ConnectionClosed, OSError, WebSocketException):
                     async with asyncio.timeout(1.0):
                         await self._ws.send(end)
