@@ -187,12 +187,21 @@ class DockerEmulator:
         for server in self._servers:
             server.close()
         self._servers.clear()
-        for entry in self.execs.values():
-            if entry.proc is not None and entry.proc.returncode is None:
-                kill_group(entry.proc)
+        live = [e.proc for e in self.execs.values() if e.proc and e.proc.returncode is None]
+        for proc in live:
+            kill_group(proc)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        # reaped on this loop, before it closes (a guest helper whose client just let go
+        # may still be ending: its exit after the loop's close is a warning on stderr);
+        # all at once, and a few seconds at most whatever happens
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5.0):
+                await asyncio.gather(
+                    *(end_process(p, kill=p.returncode is None) for p in live),
+                    return_exceptions=True,
+                )
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
 
