@@ -44,7 +44,12 @@ from typing import Any
 import h11
 
 from wsync.emulators.docker_faults import DockerFaults, StartPlan
-from wsync.emulators.sprites import end_process, kill_group, waiting_for_stdin
+from wsync.emulators.sprites import (
+    RELEASE_WINDOW,
+    end_process,
+    kill_group,
+    waiting_for_stdin,
+)
 from wsync.emulators.thread import BackgroundEmulator
 from wsync.errors import ProtocolError
 from wsync.transports.docker_protocol import (
@@ -65,9 +70,6 @@ __all__ = ["DockerEmulator", "DockerFaults", "EmulatorThread"]
 log = logging.getLogger(__name__)
 
 VERSION_PREFIX = re.compile(r"^/v1\.\d+(?=/)")
-#: how long the drop-final fault holds the newest frame before it sends it after all
-#: (a command's last output, written just before it exits, falls within it)
-DROP_WINDOW = 0.1
 MAX_BODY = 1024 * 1024
 
 
@@ -410,11 +412,11 @@ class DockerEmulator:
 
         pumping = asyncio.create_task(pumps())
         # the drop-final fault keeps the newest frame back while more may follow: sent
-        # when the next one comes, or when DROP_WINDOW passes while the process waits
+        # when the next one comes, or when RELEASE_WINDOW passes while the process waits
         # for more of a stdin still open (a helper between requests); lost when its
-        # output ends first.  moby's race is with the exit: a
-        # long-lived helper's answers arrive, that late, and a command whose stdin has
-        # ended (or never had one) loses its last frame whatever the timing
+        # output ends first.  moby's race is with the exit: a long-lived helper's answers
+        # arrive, that late, and a command whose stdin has ended (or never had one) loses
+        # its last frame whatever the timing
         held: bytes | None = None
         splits = 0
         try:
@@ -423,7 +425,7 @@ class DockerEmulator:
                     item = await queue.get()
                 else:
                     try:
-                        item = await asyncio.wait_for(queue.get(), DROP_WINDOW)
+                        item = await asyncio.wait_for(queue.get(), RELEASE_WINDOW)
                     except TimeoutError:
                         if feeder.done() or not waiting_for_stdin(proc):
                             continue  # its last output: lost when the output ends

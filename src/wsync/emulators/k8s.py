@@ -40,7 +40,13 @@ from websockets.typing import Subprotocol
 
 from wsync.emulators.k8s_faults import ExecPlan, K8sFaults
 from wsync.emulators.k8s_pki import ThrowawayCA
-from wsync.emulators.sprites import PIPE_GRACE, READ_SIZE, end_process, waiting_for_stdin
+from wsync.emulators.sprites import (
+    PIPE_GRACE,
+    READ_SIZE,
+    RELEASE_WINDOW,
+    end_process,
+    waiting_for_stdin,
+)
 from wsync.emulators.thread import BackgroundEmulator
 from wsync.errors import ProtocolError
 from wsync.transports import k8s_protocol as kp
@@ -49,10 +55,6 @@ from wsync.transports.kubeconfig import write_kubeconfig
 __all__ = ["K8sEmulator", "K8sEmulatorThread", "K8sFaults"]
 
 log = logging.getLogger(__name__)
-
-#: how long the drop-tail fault holds the tail of a command still running with its stdin
-#: open before it sends it after all (see ``write_output``)
-TAIL_WINDOW = 0.1
 
 #: the emulator's bearer token: a loopback test fixture, not a secret
 EMULATOR_TOKEN = "wsync-k8s-emulator-token"  # noqa: S105
@@ -236,7 +238,7 @@ class _Session:
         while True:
             if held:
                 try:
-                    item = await asyncio.wait_for(self.queue.get(), TAIL_WINDOW)
+                    item = await asyncio.wait_for(self.queue.get(), RELEASE_WINDOW)
                 except TimeoutError:
                     # output then quiet, while the command waits for more stdin (a
                     # helper between requests): the tail the fault takes is the one a

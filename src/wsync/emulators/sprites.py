@@ -115,6 +115,12 @@ def still_running(proc: asyncio.subprocess.Process | None) -> bool:
     return stat.rpartition(b") ")[2][:1] not in (b"Z", b"X")
 
 
+#: how long the emulators' end-of-stream faults (docker's lost final frame, the k8s lost
+#: tail, data after the exit here) hold output back before they ask
+#: :func:`waiting_for_stdin`: output of a command waiting for more is not its last
+RELEASE_WINDOW = 0.1
+
+
 def waiting_for_stdin(proc: asyncio.subprocess.Process | None) -> bool:
     """The process is blocked reading its stdin pipe (``pipe_read`` in its wait channel,
     fd 0 the first argument of its system call where ``/proc`` tells): it wants more
@@ -165,11 +171,6 @@ async def end_process(proc: asyncio.subprocess.Process, *, kill: bool) -> int:
     except TimeoutError:
         log.warning("sprites emulator: pid %d did not exit after close", proc.pid)
         return -signal.SIGKILL
-
-
-#: how long the data-after-exit fault holds the newest frame of a command that is blocked
-#: reading its stdin before it sends it after all (see ``write_output``)
-HOLD_WINDOW = 0.1
 
 
 class _Session:
@@ -388,7 +389,7 @@ class _Session:
                 item = await self.queue.get()
             else:
                 try:
-                    item = await asyncio.wait_for(self.queue.get(), HOLD_WINDOW)
+                    item = await asyncio.wait_for(self.queue.get(), RELEASE_WINDOW)
                 except TimeoutError:
                     # the data-after-exit fault holds the newest frame for the exit; a
                     # command blocked reading more stdin (a helper between requests) is
