@@ -30,7 +30,7 @@ import dataclasses
 import os
 import shlex
 import urllib.parse
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -240,10 +240,10 @@ class ChannelInbox:
 
 
 class PumpedChannel(Channel):
-    """A channel whose stdout a reading task of its own (the subclass's) hands to a
-    :class:`ChannelInbox`, waiting on :attr:`_flowing` while the inbox is full: the
-    WebSocket and hijacked-socket channels (docker, k8s), which have no protocol object
-    to pause as ssh's and local's do."""
+    """A channel whose stdout a reading task of its own (the subclass's, started with
+    :meth:`_start_reading`) hands to a :class:`ChannelInbox`, waiting on :attr:`_flowing`
+    while the inbox is full: the WebSocket and hijacked-socket channels (docker, k8s,
+    sprites), which have no protocol object to pause as ssh's and local's do."""
 
     def __init__(self, description: str) -> None:
         self._description = description
@@ -251,6 +251,16 @@ class PumpedChannel(Channel):
         self._flowing.set()
         self._inbox = ChannelInbox(self._flowing.clear, self._flowing.set)
         self._open = True
+        self._pump: asyncio.Task[None] | None = None
+
+    def _start_reading(self, reading: Coroutine[Any, Any, None]) -> None:
+        self._pump = asyncio.get_running_loop().create_task(reading)
+
+    async def _stop_reading(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            # (wait, not await: a cancel of this task must not be taken for the pump's)
+            await asyncio.wait([self._pump])
 
     async def receive(self, timeout: float) -> bytes:
         return await self._inbox.take(timeout, self._description)

@@ -59,9 +59,7 @@ class DockerChannel(PumpedChannel):
         self._decoder = FrameDecoder()
         self._systemerr = bytearray()
         self._heard = False
-        self._pump = asyncio.get_running_loop().create_task(
-            self._read(started.reader, started.leftover)
-        )
+        self._start_reading(self._read(started.reader, started.leftover))
 
     def _deliver(self, data: bytes) -> None:
         if data:
@@ -117,8 +115,6 @@ class DockerChannel(PumpedChannel):
             with contextlib.suppress(OSError, RuntimeError):
                 if self._writer.can_write_eof() and not self._writer.is_closing():
                     self._writer.write_eof()
-            self._pump.cancel()
-            # (wait, not await: a cancel of this task must not be taken for the pump's)
-            await asyncio.wait([self._pump])
+            await self._stop_reading()
         finally:
             await docker_http.close(self._writer)

@@ -67,6 +67,7 @@ from wsync.transports.base import (
 )
 from wsync.transports.k8s_channel import K8sChannel
 from wsync.transports.kubeconfig import KubeTarget, load
+from wsync.transports.ws_channel import close_socket
 from wsync.uri import SandboxURI
 
 log = logging.getLogger(__name__)
@@ -426,11 +427,4 @@ class K8sTransport(Transport):
             return
 
     async def _close(self, ws: ClientConnection) -> None:
-        try:
-            async with asyncio.timeout(self.close_timeout + 0.5):
-                await ws.close()
-        except (TimeoutError, OSError, WebSocketException):
-            ws.transport.abort()
-        except BaseException:
-            ws.transport.abort()  # a cancel: the socket goes at once, not at the peer's pace
-            raise
+        await close_socket(ws, self.close_timeout + 0.5)

@@ -74,7 +74,7 @@ from wsync.transports.sprites_protocol import (
     encode_stdin_eof,
     exec_url,
 )
-from wsync.transports.ws_channel import Ended, WebSocketChannel
+from wsync.transports.ws_channel import Ended, WebSocketChannel, close_socket
 from wsync.uri import SandboxURI
 
 log = logging.getLogger(__name__)
@@ -302,15 +302,7 @@ class SpritesTransport(Transport):
             return
 
     async def _close(self, ws: ClientConnection) -> None:
-        """Close with a short, bounded handshake; servers have held sockets ~5 s."""
-        try:
-            async with asyncio.timeout(self.close_timeout + 0.5):
-                await ws.close()
-        except (TimeoutError, OSError, WebSocketException):
-            ws.transport.abort()
-        except BaseException:
-            ws.transport.abort()  # a cancel: the socket goes at once, not at the peer's pace
-            raise
+        await close_socket(ws, self.close_timeout + 0.5)
 
 
 class SpritesChannel(WebSocketChannel):

@@ -41,6 +41,20 @@ from wsync.transports.base import PumpedChannel
 STDIN_FRAME = 64 * 1024
 
 
+async def close_socket(ws: ClientConnection, timeout: float) -> None:
+    """Close ``ws`` with a handshake of at most ``timeout`` seconds (servers have held
+    sockets ~5 s), else abort it; a cancel aborts it at once, not at the peer's pace.
+    The k8s and sprites transports close every exec's socket so, and their channels."""
+    try:
+        async with asyncio.timeout(timeout):
+            await ws.close()
+    except (TimeoutError, OSError, WebSocketException):
+        ws.transport.abort()
+    except BaseException:
+        ws.transport.abort()
+        raise
+
+
 class Ended(Exception):
     """:meth:`WebSocketChannel._output` found the end of the command (its reason)."""
 
@@ -58,7 +72,7 @@ class WebSocketChannel(PumpedChannel):
         super().__init__(description)
         self._ws = ws
         self._close = close
-        self._pump = asyncio.get_running_loop().create_task(self._read())
+        self._start_reading(self._read())
 
     @abc.abstractmethod
     def _stdin(self, data: bytes) -> bytes | str:
@@ -110,14 +124,12 @@ class WebSocketChannel(PumpedChannel):
         if not self._open:
             return
         self._open = False
-        self._pump.cancel()
         try:
+            await self._stop_reading()
             end = self._stdin_end()
             if end is not None:
                 with contextlib.suppress(ConnectionClosed, OSError, WebSocketException):
                     async with asyncio.timeout(1.0):
                         await self._ws.send(end)
-            # (wait, not await: a cancel of this task must not be taken for the pump's)
-            await asyncio.wait([self._pump])
         finally:
             await self._close(self._ws)
