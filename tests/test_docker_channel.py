@@ -170,3 +170,23 @@ def test_a_full_inbox_stops_reading_until_the_caller_takes() -> None:
         await channel.aclose()
 
     _run(go)
+
+
+def test_a_cancel_of_the_close_reaches_its_caller_and_the_connection_still_goes() -> None:
+    """A cancel that lands while the close waits for its reader is the caller's (a pull's
+    deadline, the pool's bound): it must not be taken for the reader's own and swallowed.
+    The connection goes all the same."""
+
+    async def go() -> None:
+        channel, daemon, _ = await _pair()
+        loop = asyncio.get_running_loop()
+        closing = asyncio.create_task(channel.aclose())
+        await asyncio.sleep(0)  # the close is at its first wait: the reader's end
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        assert channel.ended
+        assert await asyncio.wait_for(loop.sock_recv(daemon, 100), 5.0) == b""
+        daemon.close()
+
+    _run(go)
