@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Execs and time of a pull through the Docker and Kubernetes emulators, with guest
+"""Execs and time of a pull through the Docker, Kubernetes and E2B emulators, with guest
 helpers and with one exec per call, measured in one run, rounds interleaved.
 
     python3 bench/helper_execs.py [--runs N] [--mib N] [--exec-cost SECONDS]
@@ -11,7 +11,9 @@ machine: an emulated exec costs what a local process and, for Kubernetes, a TLS
 WebSocket handshake cost, not what a real daemon's or cluster's does (a runtime's exec,
 containerd and runc, takes tens of milliseconds more); ``--exec-cost`` starts every
 exec's process that much later than its start was answered, as a busy runtime does (the
-emulators' ``start_delay``), helpers' execs included.
+emulators' ``start_delay``; E2B's envd sends its first frame that much later), helpers'
+execs included.  E2B reads chunks through its file API either way: its helpers carry the
+other calls.
 
 This is a script, not a test: nothing here asserts a speed.
 """
@@ -31,6 +33,8 @@ from typing import Any
 from wsync.cli import setup_logging
 from wsync.emulators.docker import DockerFaults
 from wsync.emulators.docker import EmulatorThread as DockerEmulator
+from wsync.emulators.e2b import E2BFaults
+from wsync.emulators.e2b import EmulatorThread as E2BEmulator
 from wsync.emulators.k8s import K8sEmulatorThread, K8sFaults
 from wsync.engine.api import PullOptions
 from wsync.engine.pull import pull_uri
@@ -68,16 +72,19 @@ def main() -> int:
     with (
         DockerEmulator(root / "docker", faults=DockerFaults(**late)) as dockerd,
         K8sEmulatorThread(root / "k8s") as k8s,
+        E2BEmulator(root / "e2b", faults=E2BFaults(start_delay=args.exec_cost)) as envd,
     ):
         k8s.set_faults(K8sFaults(**late))
         backends: dict[str, tuple[Any, str]] = {}
         for key, (name, make) in enumerate(makers.items()):
             d_ws = dockerd.create_container(f"c{key}") / "ws"
             k_ws = k8s.create_pod(f"p{key}") / "ws"
-            for ws in (d_ws, k_ws):
+            e_ws = envd.create_sandbox(f"s{key}") / "ws"
+            for ws in (d_ws, k_ws, e_ws):
                 make(ws)
             backends[f"docker {name}"] = (dockerd, f"docker://c{key}{d_ws}")
             backends[f"k8s {name}"] = (k8s, f"k8s://default/p{key}{k_ws}")
+            backends[f"e2b {name}"] = (envd, f"e2b://s{key}{e_ws}")
         n = 0
         for _ in range(args.runs):
             for label, (emu, uri) in backends.items():

@@ -17,7 +17,7 @@ from wsync.protocol import records, scripts
 from wsync.protocol.envelope import parse_envelope
 from wsync.protocol.hashing import ALGORITHMS
 from wsync.protocol.records import StatusReport
-from wsync.transports.base import Transport
+from wsync.transports.base import Channel, Transport
 from wsync.transports.local import LocalTransport
 from wsync.treediff import diff
 
@@ -227,3 +227,18 @@ def writer_around_tar(tmp_path: Path, script: str, *, tar: str | None = None) ->
     wrapper.chmod(0o755)
     path = f"{bindir}:{os.environ['PATH']}" if tar is None else f"{bindir}:{Path(real).parent}"
     return LocalTransport(env={**os.environ, "PATH": path})
+
+
+#: a channel's command for the channel tests: answers each line read with "got LINE"; a
+#: line "bye" ends it (exit 3)
+ECHO = ["sh", "-c", 'while read -r x; do [ "$x" = bye ] && exit 3; echo "got $x"; done']
+
+
+async def receive_line(channel: Channel) -> bytes:
+    """Receive until a whole line came (answers may come in pieces)."""
+    got = b""
+    while not got.endswith(b"\n"):
+        data = await channel.receive(10.0)
+        assert data, f"the channel ended after {got!r}"
+        got += data
+    return got

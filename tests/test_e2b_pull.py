@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import os
 import shutil
@@ -65,15 +66,45 @@ def fired(emu: EmulatorThread) -> int:
     return sum(emu.stats[k] for k in FAULTS)
 
 
-def test_small_workspace_is_exact_with_every_fault_on(envd: EmulatorThread, tmp_path: Path) -> None:
-    ws = make_tree(workspace(envd, "small") / "t", big=300 * KiB, small=20)
-    envd.set_faults(E2BFaults.all_on(seed=11))
-    before = fired(envd)
+@pytest.mark.parametrize("helpers", [True, False], ids=["helpers", "exec-per-call"])
+def test_small_workspace_is_exact_with_every_fault_on(
+    envd: EmulatorThread, tmp_path: Path, helpers: bool
+) -> None:
+    ws = make_tree(workspace(envd, f"small-{int(helpers)}") / "t", big=300 * KiB, small=20)
+    faults = E2BFaults.all_on(seed=11)
+    if helpers:
+        # a pull through helpers is a few Start streams: one data event of each doubled,
+        # so the fault a helper's stream meets surely happens
+        faults = dataclasses.replace(faults, dup_data=1.0)
+    envd.set_faults(faults)
+    before = dict(envd.stats)
     dest = tmp_path / "out"
-    result = pull_e2b(envd, "small", ws, dest, options(tmp_path, chunk_size=128 * KiB))
+    opts = options(tmp_path, chunk_size=128 * KiB, helpers=helpers)
+    result = pull_e2b(envd, f"small-{int(helpers)}", ws, dest, opts)
     assert result.ok
     assert_exact(ws, dest)
-    assert fired(envd) > before  # the faults really happened on the wire
+    hit = {k: envd.stats[k] - before.get(k, 0) for k in (*FAULTS, "execs")}
+    assert sum(hit[k] for k in FAULTS) > 0, hit  # the faults really happened on the wire
+    if helpers:
+        assert hit["duplicated_data"] > 0, hit
+        assert hit["execs"] < 10, hit  # one exec per call takes 10 and more
+
+
+def test_guest_helpers_answer_many_calls_over_one_start_stream(
+    envd: EmulatorThread, tmp_path: Path
+) -> None:
+    """Faults off: the probe, admissions, statuses and cleanups of a pull go through
+    helpers (the chunks through /files), so the pull costs a Start per helper, not one per
+    call."""
+    ws = make_tree(workspace(envd, "helped") / "t", big=300 * KiB, small=20)
+    envd.set_faults(E2BFaults.off())
+    execs = envd.stats["execs"]
+    dest = tmp_path / "out"
+    result = pull_e2b(envd, "helped", ws, dest, options(tmp_path, chunk_size=128 * KiB))
+    assert_exact(ws, dest)
+    assert result.retries == 0
+    assert result.execs <= 2, result.execs
+    assert envd.stats["execs"] - execs == result.execs
 
 
 def test_multi_mb_workspace_is_exact_with_every_fault_on(

@@ -10,15 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import ECHO, receive_line
 from wsync.emulators.k8s import K8sEmulatorThread, K8sFaults
 from wsync.errors import TransportError
 from wsync.transports import k8s_protocol as kp
-from wsync.transports.base import Channel
 from wsync.transports.k8s import K8sTransport
 from wsync.uri import parse
-
-#: answers each line read with "got LINE"; a line "bye" ends it (exit 3)
-ECHO = ["sh", "-c", 'while read -r x; do [ "$x" = bye ] && exit 3; echo "got $x"; done']
 
 
 @pytest.fixture(scope="module", params=[kp.V5, kp.V4, kp.V4_BASE64])
@@ -35,16 +32,6 @@ def _transport(emu: K8sEmulatorThread) -> K8sTransport:
     return K8sTransport.from_uri(parse("k8s://default/p/work"), emu.transport_options())
 
 
-async def _line(channel: Channel) -> bytes:
-    """Receive until a whole line came (answers may come in pieces)."""
-    got = b""
-    while not got.endswith(b"\n"):
-        data = await channel.receive(10.0)
-        assert data, f"the channel ended after {got!r}"
-        got += data
-    return got
-
-
 def test_requests_and_answers_in_lockstep_then_a_close(cluster: K8sEmulatorThread) -> None:
     cluster.set_faults(K8sFaults(split_frames=1.0, seed=2))  # answers in pieces
 
@@ -54,7 +41,7 @@ def test_requests_and_answers_in_lockstep_then_a_close(cluster: K8sEmulatorThrea
             channel = await transport.open_channel(ECHO, timeout=20)
             for word in (b"one", b"two", b"x" * 100_000):  # the last: several messages
                 await channel.send(word + b"\n")
-                assert await _line(channel) == b"got " + word + b"\n"
+                assert await receive_line(channel) == b"got " + word + b"\n"
             assert not channel.ended
             await channel.aclose()
             assert channel.ended
@@ -77,7 +64,7 @@ def test_the_command_ending_ends_the_channel_with_an_error(cluster: K8sEmulatorT
         try:
             channel = await transport.open_channel(ECHO, timeout=20)
             await channel.send(b"first\nbye\n")
-            assert await _line(channel) == b"got first\n"
+            assert await receive_line(channel) == b"got first\n"
             with pytest.raises(TransportError, match="ended"):
                 while await channel.receive(10.0):
                     pass
@@ -102,7 +89,7 @@ def test_an_answer_the_server_would_lose_as_a_tail_arrives_while_the_helper_runs
         try:
             channel = await transport.open_channel(ECHO, timeout=20)
             await channel.send(b"held back\n")
-            assert await _line(channel) == b"got held back\n"
+            assert await receive_line(channel) == b"got held back\n"
             await channel.aclose()
         finally:
             await transport.aclose()

@@ -326,8 +326,9 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     p.add_argument(
         "--exec-per-call",
         action="store_true",
-        help="run every guest call as its own exec (default on ssh and local: one guest "
-        "helper answers many calls; it falls back to this by itself when it cannot)",
+        help="run every guest call as its own exec (by default, where the backend keeps a "
+        "command open (ssh, local, docker, k8s, sprites, e2b), one guest helper answers many "
+        "calls; it falls back to this by itself when it cannot)",
     )
     p.add_argument(
         "--best-effort",

@@ -46,7 +46,7 @@ class PullOptions:
     #: chunk reads in flight at once
     parallel: int = 4
     #: run guest calls through long-lived guest helpers where the transport has live
-    #: channels (ssh, docker, k8s, sprites, local:): a few execs a pull, not one per call
+    #: channels (ssh, docker, k8s, sprites, e2b, local:): a few execs a pull, not one per call
     helpers: bool = True
     #: overall deadline for the whole pull, seconds (0: none)
     timeout: float = 3600.0

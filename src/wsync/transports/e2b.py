@@ -43,8 +43,8 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
 
 import httpx
 
@@ -59,12 +59,14 @@ from wsync.errors import (
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
     Capabilities,
+    Channel,
     ExecResult,
     Transport,
     check_base_url,
     find_secret,
     float_options,
 )
+from wsync.transports.e2b_channel import LIFETIME, RETIRE, E2BChannel
 from wsync.transports.e2b_protocol import (
     CLOSE_STDIN_PATH,
     CONNECT_JSON,
@@ -84,6 +86,7 @@ from wsync.transports.e2b_protocol import (
 from wsync.uri import SandboxURI
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ENVD_PORT = 49983
 DEFAULT_DOMAIN = "e2b.app"
@@ -137,7 +140,12 @@ class E2BTransport(Transport):
 
     scheme: ClassVar[str] = "e2b"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        stdin=True, binary_safe=True, separate_stderr=True, file_read=True, long_argv=True
+        stdin=True,
+        binary_safe=True,
+        separate_stderr=True,
+        file_read=True,
+        long_argv=True,
+        channel=True,
     )
 
     def __init__(
@@ -269,6 +277,15 @@ class E2BTransport(Transport):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def _check_stream(self, response: httpx.Response) -> None:
+        """Raise unless ``response`` is a ``Start`` stream: HTTP 200 and Connect's JSON."""
+        if response.status_code != 200:
+            raise self._refused(response.status_code, await _head(response), "exec")
+        ctype = response.headers.get("content-type", "")
+        if not ctype.startswith(CONNECT_JSON):
+            what = ctype or "no content type"
+            raise TransportError(f"{self.description}: exec answered {what!r}")
+
     async def _unary(self, path: str, body: bytes, timeout: float) -> tuple[int, bytes]:
         """One Connect unary call (bare JSON): (status, body)."""
         async with self._http().stream(
@@ -301,6 +318,16 @@ class E2BTransport(Transport):
         except (TimeoutError, httpx.HTTPError, TransportError) as err:
             log.debug("e2b %s: kill of %s failed: %r", self.sandbox_id, pid or tag, err)
 
+    def _start_headers(self, lifetime: float) -> dict[str, str]:
+        """A ``Start`` request's headers: envd kills the process after ``lifetime``
+        seconds, and sends keepalives while the stream is quiet."""
+        return {
+            "Content-Type": CONNECT_JSON,
+            "Connect-Protocol-Version": "1",
+            "Connect-Timeout-Ms": str(max(1, int(lifetime * 1000))),
+            "Keepalive-Ping-Interval": str(max(1, round(self.keepalive_interval))),
+        }
+
     # ---------------------------------------------------------------------- exec
 
     async def exec(
@@ -311,17 +338,23 @@ class E2BTransport(Transport):
         timeout: float,
         max_output: int = DEFAULT_MAX_OUTPUT,
     ) -> ExecResult:
-        # The edge also says "sandbox was not found" while a paused sandbox resumes: ask
-        # again twice (1.5 s in all) before concluding that it does not exist (exit 3).
+        return await self._while_resuming(
+            lambda: self._exec(argv, stdin, timeout, max_output), timeout
+        )
+
+    async def _while_resuming(self, start: Callable[[], Awaitable[T]], timeout: float) -> T:
+        """``start()``; the edge also says "sandbox was not found" while a paused sandbox
+        resumes, so that answer is asked again twice (1.5 s in all) before it is taken
+        to mean that the sandbox does not exist (exit 3)."""
         for delay in (0.5, 1.0):
             try:
-                return await self._exec(argv, stdin, timeout, max_output)
+                return await start()
             except _SandboxNotFound:
                 if delay >= timeout / 4:
                     raise
                 log.debug("e2b %s: sandbox not found, asking again", self.sandbox_id)
                 await asyncio.sleep(delay)
-        return await self._exec(argv, stdin, timeout, max_output)
+        return await start()
 
     async def _exec(
         self, argv: Sequence[str], stdin: bytes | None, timeout: float, max_output: int
@@ -338,12 +371,7 @@ class E2BTransport(Transport):
             envs=self.env,
             tag=tag,
         )
-        headers = {
-            "Content-Type": CONNECT_JSON,
-            "Connect-Protocol-Version": "1",
-            "Connect-Timeout-Ms": str(max(1, int(timeout * 1000))),
-            "Keepalive-Ping-Interval": str(max(1, round(self.keepalive_interval))),
-        }
+        headers = self._start_headers(timeout)
         collector = StartCollector(max_output)
         sender: asyncio.Task[None] | None = None
         stdin_error: list[str] = []
@@ -358,14 +386,8 @@ class E2BTransport(Transport):
                     headers=headers,
                     timeout=self._timeout(timeout),
                 ) as response:
-                    if response.status_code != 200:
-                        refused = True  # no process was started
-                        raise self._refused(response.status_code, await _head(response), "exec")
-                    ctype = response.headers.get("content-type", "")
-                    if not ctype.startswith(CONNECT_JSON):
-                        raise TransportError(
-                            f"{self.description}: exec answered {ctype or 'no content type'!r}"
-                        )
+                    refused = response.status_code != 200  # no process was started
+                    await self._check_stream(response)
                     chunks = response.aiter_bytes()
                     while True:
                         try:
@@ -453,6 +475,72 @@ class E2BTransport(Transport):
         except httpx.HTTPError as err:
             errors.append(f"{type(err).__name__}: {err}")
         await self._kill(pid, "")
+
+    # ------------------------------------------------------------------- channel
+
+    @property
+    def channel_limit(self) -> int:
+        # each channel holds one of the client's connections while its stream is open;
+        # its SendInput calls and every other call need free ones
+        return 16
+
+    async def open_channel(self, argv: Sequence[str], *, timeout: float) -> Channel:
+        """``argv`` (under the exec wrapper) with a stdin pipe, its ``Start`` stream kept
+        open (:class:`~wsync.transports.e2b_channel.E2BChannel`), once its ``start``
+        event has named the pid."""
+        if not argv:
+            raise UsageError("a channel needs a non-empty argv")
+        deadline = asyncio.get_running_loop().time() + timeout
+        return await self._while_resuming(lambda: self._open_channel(argv, deadline), timeout)
+
+    async def _open_channel(self, argv: Sequence[str], deadline: float) -> Channel:
+        timeout = max(deadline - asyncio.get_running_loop().time(), 0.0)
+        tag = f"wsync-{secrets.token_hex(8)}"
+        body = start_request(
+            [*EXEC_WRAPPER, *argv], stdin=True, cwd=self.workdir, envs=self.env, tag=tag
+        )
+        client = self._http()
+        request = client.build_request(
+            "POST",
+            START_PATH,
+            content=body,
+            headers=self._start_headers(LIFETIME),
+            # (no read timeout: the channel's own stall check covers the whole stream)
+            timeout=httpx.Timeout(self.connect_timeout, read=None),
+        )
+        channel: E2BChannel | None = None
+        refused = False
+        try:
+            async with asyncio.timeout(timeout):
+                response = await client.send(request, stream=True)
+                try:
+                    refused = response.status_code != 200  # no process was started
+                    await self._check_stream(response)
+                except BaseException:
+                    await response.aclose()
+                    raise
+                channel = E2BChannel(
+                    response,
+                    self.description,
+                    tag=tag,
+                    unary=self._unary,
+                    kill=lambda pid, name: self._spawn(self._kill(pid, name)),
+                    stall_timeout=self.stall_timeout,
+                    retire_after=RETIRE,
+                )
+                await channel.started()
+        except BaseException as err:
+            if channel is not None:
+                await channel.aclose(abort=True)  # it kills by pid or tag
+            elif not refused:  # the process may have started all the same
+                self._spawn(self._kill(None, tag))
+            if isinstance(err, TimeoutError):
+                raise TransportTimeout(timeout) from None
+            if isinstance(err, httpx.HTTPError):
+                raise self._wire_error(err, timeout) from None
+            raise
+        self._ok_once = True
+        return channel
 
     # ----------------------------------------------------------------- read_file
 
