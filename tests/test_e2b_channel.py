@@ -256,3 +256,71 @@ def test_an_open_asks_again_while_the_edge_says_the_sandbox_is_not_found(
 
     _run(envd, body)
     assert envd.stats["bad_gateway"] == gateways + 3
+
+
+def test_closing_helpers_on_a_link_that_stopped_answering_does_not_wait_for_each(
+    envd: EmulatorThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close's CloseStdin (and the kill behind it) go on in the transport's tasks: the
+    pool lets go of five helpers at once, where waiting for each CloseStdin's bound in
+    turn took 25 s, and the transport's close waits for those tasks within its own bound."""
+    envd.set_faults(E2BFaults.off())
+
+    async def body(transport: E2BTransport) -> None:
+        pool = HelperPool(transport, 5)
+        calls = (
+            pool.run(["sleep", "0.3"], f"{i:02x}", gate=False, timeout=20, limit=4096)
+            for i in range(5)
+        )
+        await asyncio.gather(*calls)
+        assert pool.opened == 5
+
+        async def black_hole(path: str, body: bytes, timeout: float) -> tuple[int, bytes]:
+            await asyncio.sleep(3600)  # the link stops answering
+            raise AssertionError("unreachable")
+
+        monkeypatch.setattr(transport, "_unary", black_hole)
+        async with asyncio.timeout(10):  # five CloseStdin bounds in turn would be 25 s
+            await pool.aclose()
+
+    _run(envd, body)
+    for entry in list(envd.emulator.procs.values()):  # nobody could end them
+        entry.kill()
+    assert _gone(envd)
+
+
+def test_a_send_given_up_ends_the_channel_and_age_alone_refuses_no_send(
+    envd: EmulatorThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SendInput given up (the call's deadline) may still be applied after a later one,
+    so the channel takes no more; a channel past its retirement age that the pool took a
+    moment before still carries the call it was taken for."""
+    envd.set_faults(E2BFaults.off())
+    monkeypatch.setattr(e2b, "RETIRE", 0.3)
+
+    async def body(transport: E2BTransport) -> None:
+        channel = await transport.open_channel(ECHO, timeout=20)
+        await asyncio.sleep(0.5)
+        assert channel.ended  # the pool would not take it now...
+        await channel.send(b"late\n")  # ...but one it took still works
+        assert await receive_line(channel) == b"got late\n"
+        await channel.aclose()
+
+        monkeypatch.setattr(e2b, "RETIRE", e2b_channel.RETIRE)
+        channel = await transport.open_channel(ECHO, timeout=20)
+
+        async def stalled(path: str, body: bytes, timeout: float) -> tuple[int, bytes]:
+            await asyncio.sleep(3600)
+            raise AssertionError("unreachable")
+
+        monkeypatch.setattr(channel, "_unary", stalled)  # its SendInput hook
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await channel.send(b"lost\n")
+        assert channel.ended
+        with pytest.raises(TransportError, match="closed"):
+            await channel.send(b"next\n")
+        await channel.aclose(abort=True)
+
+    _run(envd, body)
+    assert _gone(envd)

@@ -480,9 +480,21 @@ class E2BTransport(Transport):
 
     @property
     def channel_limit(self) -> int:
-        # each channel holds one of the client's connections while its stream is open;
-        # its SendInput calls and every other call need free ones
-        return 16
+        # each channel holds one of the client's connections while its stream is open,
+        # and its SendInput calls and every other call need free ones; chunks are read
+        # through /files, so a pull has a few calls through helpers at once
+        return 8
+
+    async def _end(self, pid: int | None, tag: str, *, now: bool) -> None:
+        """A helper's end: ``CloseStdin`` (its loop ends after the call it runs), and the
+        kill where that did not get through; only the kill when ``now`` or no pid."""
+        if pid is not None and not now:
+            with contextlib.suppress(TimeoutError, httpx.HTTPError, TransportError):
+                async with asyncio.timeout(5.0):
+                    status, _ = await self._unary(CLOSE_STDIN_PATH, pid_body(pid), 5.0)
+                if status in (200, 404):  # 404: it has exited already
+                    return
+        await self._kill(pid, tag)
 
     async def open_channel(self, argv: Sequence[str], *, timeout: float) -> Channel:
         """``argv`` (under the exec wrapper) with a stdin pipe, its ``Start`` stream kept
@@ -524,7 +536,7 @@ class E2BTransport(Transport):
                     self.description,
                     tag=tag,
                     unary=self._unary,
-                    kill=lambda pid, name: self._spawn(self._kill(pid, name)),
+                    stop=lambda pid, name, now: self._spawn(self._end(pid, name, now=now)),
                     stall_timeout=self.stall_timeout,
                     retire_after=RETIRE,
                 )
@@ -606,9 +618,10 @@ class E2BTransport(Transport):
         return bytes(out)
 
     async def aclose(self) -> None:
-        if self._background:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(6.0):
+        # (the kills and helper ends started while it waits are waited for too)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(6.0):
+                while self._background:
                     await asyncio.gather(*self._background, return_exceptions=True)
         self._closed = True
         client, self._client = self._client, None

@@ -16,18 +16,23 @@ Nothing here is trusted more than an exec's output: the caller parses envelopes 
 what :meth:`receive` returns, and a dropped or doubled ``data`` event only damages an
 answer, which then fails its hash.  What ends the channel, with a reason for the next
 receive: the command's ``end`` event, the end-stream message, a body that stops, a
-message that does not decode, and silence: no event at all (keepalives included, which
-the request asks for every few seconds) for the transport's stall timeout, the wedged
-fan-out of infra#3292.
+message that does not decode, a ``SendInput`` that failed or was given up (a later one
+might overtake it), and silence: no event at all (keepalives included, which the request
+asks for every few seconds) for the transport's stall timeout.  A wedged fan-out that
+still sends keepalives (infra#3292) is caught by the call's own deadline instead.
 
 envd keeps a process running after its stream is gone, and a helper whose stdin never
-ends would wait for it for ever.  So an abort (a call that failed) kills the command with
-``SendSignal`` (by its pid, or by the tag its ``Start`` carried if no pid came yet), a
-close whose ``CloseStdin`` is refused does too, and the ``Start`` request carries
+ends would wait for it for ever.  So a close sends ``CloseStdin`` and kills the command
+with ``SendSignal`` if that did not get through, an abort (a call that failed) kills it at
+once (by its pid, or by the tag its ``Start`` carried if no pid came yet), both in tasks
+of the transport's own (a close returns at once, and a cancel cannot skip them; the
+transport's close waits for them), and the ``Start`` request carries
 ``Connect-Timeout-Ms`` of :data:`LIFETIME`: envd kills what a host that died left behind.
-A channel says it has :attr:`~E2BChannel.ended` well before that (after :data:`RETIRE`),
-so the helper pool closes it while it is idle and opens another instead of losing a call
-to envd's deadline.
+A channel says it has :attr:`~E2BChannel.ended` long before that (after :data:`RETIRE`),
+so the helper pool closes it while it is idle and opens another rather than lose a call
+to envd's deadline (any call whose deadline is under ``LIFETIME - RETIRE``, 50 minutes).
+envd's ``SendSignal`` signals the pid, not its process group: a call that a killed helper
+was running ends on its own, as an aborted call does on the WebSocket backends.
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ import httpx
 from wsync.errors import ProtocolError, TransportError
 from wsync.transports.base import PumpedChannel
 from wsync.transports.e2b_protocol import (
-    CLOSE_STDIN_PATH,
     SEND_INPUT_PATH,
     Data,
     End,
@@ -50,26 +54,29 @@ from wsync.transports.e2b_protocol import (
     Start,
     decode_end_stream,
     decode_event,
-    pid_body,
     send_input_body,
 )
 
 #: the process deadline a helper's ``Start`` asks envd for (its backstop: a host that
 #: went away leaves a helper waiting on a stdin nobody will close)
-LIFETIME = 900.0
+LIFETIME = 3600.0
 #: a channel this old says it has ended, so the pool lets it go between calls, long
 #: before envd's deadline could take a call with it
 RETIRE = 600.0
 #: raw stdin bytes per SendInput call (the exec path's size)
 STDIN_CHUNK = 256 * 1024
-#: bound on the CloseStdin of a close
-CLOSE_S = 5.0
+#: bound on one SendInput (envd answers once the pipe took the bytes, which a helper
+#: busy with a call may not read for a while; the caller's deadline is the real bound)
+SEND_S = 300.0
 
 #: ``unary(path, body, timeout)``: one Connect unary call, (HTTP status, body)
 Unary = Callable[[str, bytes, float], Awaitable[tuple[int, bytes]]]
-#: ``kill(pid, tag)``: start the kill of the process (in a task of the transport's own,
-#: which its close waits for: a cancel of the caller cannot skip it)
-Kill = Callable[[int | None, str], None]
+#: bound on closing the stream's response
+CLOSE_S = 5.0
+#: ``stop(pid, tag, now)``: start ending the process in a task of the transport's own:
+#: ``CloseStdin``, then a kill if that did not get through; with ``now`` (or without a
+#: pid) only the kill
+Stop = Callable[[int | None, str, bool], None]
 
 
 class E2BChannel(PumpedChannel):
@@ -87,7 +94,7 @@ class E2BChannel(PumpedChannel):
         *,
         tag: str,
         unary: Unary,
-        kill: Kill,
+        stop: Stop,
         stall_timeout: float,
         retire_after: float = RETIRE,
     ) -> None:
@@ -95,7 +102,8 @@ class E2BChannel(PumpedChannel):
         self._response = response
         self._tag = tag
         self._unary = unary
-        self._kill = kill
+        self._stop = stop
+        self._broken = False  # a SendInput failed or was given up
         self._stall = stall_timeout
         self._loop = asyncio.get_running_loop()
         self._retire_at = self._loop.time() + retire_after
@@ -106,7 +114,12 @@ class E2BChannel(PumpedChannel):
 
     @property
     def ended(self) -> bool:
-        return self._loop.time() >= self._retire_at or super().ended
+        return self._loop.time() >= self._retire_at or self._refused
+
+    @property
+    def _refused(self) -> bool:
+        """No more requests: the stream ended, a send broke, or the channel was closed."""
+        return self._broken or super().ended
 
     async def started(self) -> int:
         """The command's pid, once its ``start`` event came; TransportError if the stream
@@ -161,46 +174,41 @@ class E2BChannel(PumpedChannel):
             self._started.set()
 
     async def send(self, data: bytes) -> None:
-        if self.ended:
+        # (not refused by age: a helper the pool took just before it retired still works)
+        if self._refused:
             raise TransportError(f"{self._description}: the channel is closed")
         pid = await self.started()
         async with self._sending:  # one request's pieces in order
-            view = memoryview(data)
-            for at in range(0, len(view), STDIN_CHUNK):
-                body = send_input_body(pid, bytes(view[at : at + STDIN_CHUNK]))
-                try:
-                    # (bounded by the caller's deadline; envd answers at once)
-                    status, answer = await self._unary(SEND_INPUT_PATH, body, 60.0)
-                except httpx.HTTPError as err:
-                    raise TransportError(f"{self._description}: SendInput: {err}") from None
-                if status != 200:
-                    text = answer[:200].decode("utf-8", "replace").strip()
-                    raise TransportError(
-                        f"{self._description}: SendInput refused (HTTP {status}: {text})"
-                    )
+            ok = False
+            try:
+                view = memoryview(data)
+                for at in range(0, len(view), STDIN_CHUNK):
+                    body = send_input_body(pid, bytes(view[at : at + STDIN_CHUNK]))
+                    try:
+                        status, answer = await self._unary(SEND_INPUT_PATH, body, SEND_S)
+                    except httpx.HTTPError as err:
+                        raise TransportError(f"{self._description}: SendInput: {err}") from None
+                    if status != 200:
+                        text = answer[:200].decode("utf-8", "replace").strip()
+                        raise TransportError(
+                            f"{self._description}: SendInput refused (HTTP {status}: {text})"
+                        )
+                ok = True
+            finally:
+                # a SendInput given up (a cancel, the caller's deadline) may still be
+                # applied after a later one: nothing more goes down this channel
+                self._broken = self._broken or not ok
 
     async def aclose(self, *, abort: bool = False) -> None:
         # CloseStdin ends the helper's loop once the call it runs is over; closing the
-        # stream does not stop the command (envd keeps it), so an abort kills it, and
-        # so does a close whose CloseStdin did not get through
+        # stream does not stop the command (envd keeps it), so an abort kills it.  Both
+        # go on in the transport's tasks (first: no await below can keep them from
+        # starting), so that closing helpers on a dead link does not wait for each
         if not self._open:
             return
         self._open = False
-        pid = self._pid
+        self._stop(self._pid, self._tag, abort)
         try:
-            if abort or pid is None:
-                self._kill(pid, self._tag)
-            else:
-                closed = False
-                try:
-                    async with asyncio.timeout(CLOSE_S):
-                        status, _ = await self._unary(CLOSE_STDIN_PATH, pid_body(pid), CLOSE_S)
-                    closed = status in (200, 404)  # 404: it has exited already
-                except (TimeoutError, httpx.HTTPError, TransportError):
-                    pass
-                finally:
-                    if not closed:  # a cancel too: the kill starts before it goes on
-                        self._kill(pid, self._tag)
             await self._stop_reading()
         finally:
             with contextlib.suppress(httpx.HTTPError, OSError, TimeoutError):
