@@ -601,3 +601,33 @@ def test_without_setsid_in_the_guest_helpers_step_aside_after_the_probe(tmp_path
 
     assert asyncio.run(probe(BUSYBOX_APPLETS)) is True
     assert asyncio.run(probe(tuple(t for t in BUSYBOX_APPLETS if t != "setsid"))) is False
+
+
+def test_helpers_go_when_the_pool_turns_off_idle_or_when_their_call_ends() -> None:
+    """One exec per call from then on: the idle helpers are closed at once (each holds a
+    guest process and, on some backends, a connection), and one busy then is closed when
+    its call ends rather than kept idle until the pull's end."""
+
+    async def go() -> None:
+        pool = HelperPool(LocalTransport(), size=3)
+        try:
+            argv = ["sh", "-c", "sleep 0.3; echo p"]
+            await asyncio.gather(
+                *(pool.run(argv, f"a{i}", gate=False, timeout=20, limit=100) for i in range(2))
+            )
+            idle = [worker.channel for worker in pool._idle]
+            assert len(idle) == 2 and not any(channel.ended for channel in idle)
+            busy = asyncio.ensure_future(pool.run(argv, "b1", gate=False, timeout=20, limit=100))
+            await asyncio.sleep(0.1)  # it took one of them
+            pool.turn_off("a test")
+            assert await busy == b"p\n"
+            assert pool._letting_go is not None
+            async with asyncio.timeout(10):
+                await pool._letting_go
+            assert all(channel.ended for channel in idle)
+            assert pool._idle == []  # and the busy one was not kept
+            assert pool.usable is False
+        finally:
+            await pool.aclose()
+
+    asyncio.run(go())

@@ -73,16 +73,28 @@ class HelperPool:
         self._off = ""
         #: helpers started (each is one exec in the guest)
         self.opened = 0
+        #: the closing of the helpers that were idle when the pool turned off
+        self._letting_go: asyncio.Task[None] | None = None
 
     @property
     def usable(self) -> bool:
         return self._size > 0 and not self._closed and not self._off
 
+    @property
+    def _keeps(self) -> bool:
+        """A helper whose call went well goes back to the idle list (else it is closed)."""
+        return not self._closed and not self._off
+
     def turn_off(self, why: str) -> None:
-        """One exec per call from now on (idle helpers go at :meth:`aclose`)."""
+        """One exec per call from now on.  The idle helpers go now, in a task that
+        :meth:`aclose` waits for: each holds a process in the guest and, on a backend
+        whose channel is a connection (E2B, Kubernetes), one the execs may need."""
         if not self._off:
             self._off = why
             log.info("guest helpers off for this pull; one exec per call", reason=why)
+            idle, self._idle = self._idle, []
+            if idle:
+                self._letting_go = asyncio.get_running_loop().create_task(self._close_all(idle))
 
     def _take_idle(self) -> tuple[_Helper | None, list[_Helper]]:
         """An idle helper whose channel still stands, and the dead ones found on the way
@@ -171,7 +183,7 @@ class HelperPool:
             finally:
                 self._busy -= 1
                 self._settle(worker, good, why)
-                if worker is not None and not (good and not self._closed):
+                if worker is not None and not (good and self._keeps):
                     # a call that failed may still run in the guest: stop it now
                     await self._close(worker, abort=not good)
 
@@ -201,7 +213,7 @@ class HelperPool:
             self._answered = True
         if good:
             self._failures = 0
-            if worker is not None and not self._closed:
+            if worker is not None and self._keeps:
                 self._idle.append(worker)
                 for freed in self._waiting:
                     if not freed.done():
@@ -222,8 +234,15 @@ class HelperPool:
             async with asyncio.timeout(_CLOSE_S):
                 await worker.channel.aclose(abort=abort)
 
+    async def _close_all(self, helpers: list[_Helper]) -> None:
+        for worker in helpers:
+            await self._close(worker)
+
     async def aclose(self) -> None:
         """Close every idle helper (idempotent); a helper in use is closed by its call."""
         self._closed = True
         while self._idle:
             await self._close(self._idle.pop())
+        if self._letting_go is not None:
+            # (wait, not await: a cancel of this call must not be taken for the task's)
+            await asyncio.wait([self._letting_go])
