@@ -115,7 +115,7 @@ def test_answers_fork_no_wc_for_their_length(tmp_path: Path, guest_path: str) ->
         algorithm="sha256",
         b64=False,
         staging_root=str(tmp_path / "staging"),
-        snapshot="s-none",
+        snapshots=["s-none"],
     )
     out = subprocess.run(argv, env={"PATH": path}, capture_output=True, timeout=60).stdout
     envelope = parse_envelope(out, NONCE, algorithm=ALGORITHMS["sha256"], max_length=4096)

@@ -24,7 +24,7 @@ from wsync.engine.guest import CallStats, GuestSession
 from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
 from wsync.engine.pull import pull
-from wsync.errors import HostIOError
+from wsync.errors import HostIOError, StagingFailed
 
 KiB = 1024
 
@@ -233,34 +233,62 @@ def test_a_pull_stopped_during_the_late_load_leaves_no_tree_and_resumes(
     assert_exact(workspace, dest)
 
 
-def test_the_manifests_staging_goes_beside_the_content_runs_admission(
-    tmp_path: Path, workspace: Path, admitted: list[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("keep", [False, True], ids=["default", "keep-staging"])
+def test_the_manifests_staging_goes_with_the_content_runs_in_one_last_call(
+    tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch, keep: bool
 ) -> None:
-    """On a first pull nothing waits for the manifest's guest staging to go: its removal
-    here waits for the content run's admission to start (bounded); awaited before that
-    admission, as it was, it would wait in vain.  It removes its own snapshot, never the
-    content run's, which the session has moved on to meanwhile."""
+    """On a first pull nothing runs beside the content run's admission: a removal of the
+    manifest's staging there made that admission wait for its helper (or open another),
+    a round trip on a remote backend.  Both runs' staging goes in the pull's last
+    cleanup, one call.  With --keep-staging the content run's stays, and the manifest's
+    goes as soon as its stream is in, as before."""
     real = GuestSession.cleanup
-    removed: list[str] = []
-    waited: list[bool] = []
+    calls: list[tuple[str, ...]] = []
 
-    async def cleanup(session: GuestSession, snapshot: str | None = None) -> None:
-        if not removed:
-            for _ in range(3000):
-                if "tar" in admitted:
-                    break
-                await asyncio.sleep(0.01)
-            waited.append("tar" in admitted)
-        removed.append(session.snapshot if snapshot is None else snapshot)
-        await real(session, snapshot)
+    async def cleanup(session: GuestSession, *snapshots: str) -> None:
+        calls.append(snapshots or (session.snapshot,))
+        await real(session, *snapshots)
 
     monkeypatch.setattr(GuestSession, "cleanup", cleanup)
     dest = tmp_path / "out"
-    result = run_pull(local(), workspace, dest, options(tmp_path))
+    result = run_pull(local(), workspace, dest, options(tmp_path, keep_staging=keep))
     assert result.ok and not result.warnings, result.warnings
-    assert waited == [True] and len(set(removed)) == 2
     assert_exact(workspace, dest)
-    assert [p.name for p in (tmp_path / "staging").iterdir() if p.name in removed] == []
+    staged = sorted(p.name for p in (tmp_path / "staging").iterdir() if p.name.startswith("s"))
+    assert len(calls) == 1 and len(calls[0]) == (1 if keep else 2), calls
+    if keep:  # the content run's, kept; the manifest's went
+        assert len(staged) == 1 and staged[0] not in calls[0]
+    else:
+        assert staged == []
+
+
+def test_a_first_pull_that_fails_for_good_removes_both_runs_staging(
+    tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure that the same snapshot would repeat discards it at once (the guest's
+    disk may be what failed): the manifest's staging, left for the last cleanup, goes in
+    the same call."""
+    calls: list[tuple[str, ...]] = []
+    cleanup = GuestSession.cleanup
+
+    async def counting(session: GuestSession, *snapshots: str) -> None:
+        calls.append(snapshots or (session.snapshot,))
+        await cleanup(session, *snapshots)
+
+    monkeypatch.setattr(GuestSession, "cleanup", counting)
+    real_admit = GuestSession.admit
+
+    async def admit(self: GuestSession, *args: Any, **kwargs: Any) -> bool:
+        answer = await real_admit(self, *args, **kwargs)
+        if kwargs.get("mode", "tar") == "tar":
+            raise StagingFailed("the guest's disk is full (test)")
+        return answer
+
+    monkeypatch.setattr(GuestSession, "admit", admit)
+    with pytest.raises(StagingFailed):
+        run_pull(local(), workspace, tmp_path / "out", options(tmp_path))
+    assert len(calls) == 1 and len(calls[0]) == 2, calls
+    assert [p.name for p in (tmp_path / "staging").iterdir() if p.name.startswith("s")] == []
 
 
 def test_a_cleanup_removes_the_snapshot_it_names(tmp_path: Path, workspace: Path) -> None:

@@ -503,7 +503,7 @@ def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:
         ),
         scripts.status(**wire, snapshot="s" * 64, index_from=2**40, looks=600),
         scripts.read(**wire, snapshot="s" * 64, file="data", offset=2**40, length=2**22),
-        scripts.cleanup(**wire, snapshot="s" * 64),
+        scripts.cleanup(**wire, snapshots=["s" * 64] * 2),
         scripts.admit(
             **wire,
             snapshot="s" * 64,

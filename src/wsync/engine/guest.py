@@ -750,18 +750,16 @@ class GuestSession:
         link.deadlines.observe("file", length, link.clock(time.monotonic(), read=True) - share0)
         return data
 
-    async def cleanup(self, snapshot: str | None = None) -> None:
-        """Remove ``snapshot`` (by default the session's) from the guest staging.  Named
-        once, here: a retry removes the same one even if the session has moved on to the
-        next run's snapshot meanwhile (a cleanup may overlap the next admission)."""
+    async def cleanup(self, *snapshots: str) -> None:
+        """Remove ``snapshots`` (by default the session's) from the guest staging, in one
+        call.  Named once, here: a retry removes the same ones even if the session has
+        moved on to the next run's snapshot meanwhile (a cleanup may overlap the next
+        admission)."""
         assert self.algorithm is not None
-        target = self.snapshot if snapshot is None else snapshot
+        targets = snapshots or (self.snapshot,)
         envelope = await self.call(
             "cleanup",
-            lambda nonce: scripts.cleanup(
-                **self._wire(nonce),
-                snapshot=target,
-            ),
+            lambda nonce: scripts.cleanup(**self._wire(nonce), snapshots=targets),
             max_length=_SMALL,
         )
         if not envelope.ok:

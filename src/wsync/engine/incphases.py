@@ -80,6 +80,8 @@ class IncrementalRunner(StreamRunner):
     early_ready: asyncio.Event | None = None
     #: the manifest's guest staging being removed (while the diff runs)
     manifest_cleanup: asyncio.Task[None] | None = None
+    #: the manifest's snapshot, its staging left for the pull's last cleanup (a late load)
+    manifest_left: str | None = None
     #: the manifest being loaded into the state while the content run goes on (see the
     #: module docstring); awaited before the swap
     late_load: asyncio.Task[None] | None = None
@@ -136,15 +138,14 @@ class IncrementalRunner(StreamRunner):
         """The manifest run (DEST's scan finishing meanwhile), then the diff."""
         late = self.loads_late(plan, inc)
         skip = late or (self.scan_task is not None and inc.noop_recorded)
-        await self.manifest_phase(plan, inc, skip=skip)
+        await self.manifest_phase(plan, inc, skip=skip, late=late)
         if late and not inc.loaded:
             done = self.done
             assert done is not None
             self.late_listed_kb = await self.count_listed(plan, done)
             self.late_load = asyncio.create_task(self.replay(plan, inc, done))
         # the manifest's staging removal, started by manifest_phase, runs beside the diff
-        # (a failure cancels it: drop_late_load); beside a late load it goes on beside the
-        # content run's admission too (it names its own snapshot) and is awaited with it
+        # (a failure cancels it: drop_late_load); a late load's goes with the content run's
         await self.diff_phase(plan, inc)
         if self.late_load is None:
             await self.manifest_cleaned()
@@ -182,12 +183,15 @@ class IncrementalRunner(StreamRunner):
         finally:
             os.close(fd)
 
-    async def manifest_phase(self, plan: GuestPlan, inc: Incremental, *, skip: bool) -> None:
+    async def manifest_phase(
+        self, plan: GuestPlan, inc: Incremental, *, skip: bool, late: bool = False
+    ) -> None:
         """The manifest run, streamed into the state (see :mod:`wsync.engine.incremental`).
 
         With ``skip`` (the no-op shortcut may apply, or the manifest loads late) the stream
         is only verified and journaled, not parsed: :meth:`replay_manifest` parses it from
-        the journal when it must.
+        the journal when it must.  With ``late`` (a content run follows for sure) its
+        staging is left to the pull's last cleanup, which removes both runs' in one call.
         """
         self.emit("manifest")
         journal = self.manifest_journal = self.journal.phase("manifest")
@@ -231,7 +235,13 @@ class IncrementalRunner(StreamRunner):
         # (even with keep_staging, which keeps the content run's).  A kill -9 later takes a
         # fresh manifest, whose diff (same guest, same DEST) names the same list, so the
         # select run's journal resumes (while the diff runs: a remote backend's round trip
-        # off the pull's path)
+        # off the pull's path).  Before a whole-tree run (``late``) nothing runs beside
+        # the call (the content run's admission would wait for its helper, or open
+        # another), so there it goes in the pull's last cleanup, with the content run's
+        # staging: a round trip less (a discard after a failure takes it too)
+        if late and not self.options.keep_staging:
+            self.manifest_left = snapshot
+            return
         self.snapshots.remove(snapshot)
         self.manifest_cleanup = asyncio.create_task(self.clean_snapshot(snapshot))
 
@@ -465,6 +475,15 @@ class IncrementalRunner(StreamRunner):
         cleanup, self.manifest_cleanup = self.manifest_cleanup, None
         if cleanup is not None:
             await cleanup
+
+    async def clean_manifest_left(self) -> None:
+        """Remove the manifest's staging left for the last cleanup, now: for a pull that
+        stops before that cleanup and keeps its content run for the next (which replays
+        the listing from the journal, not from the guest)."""
+        snapshot, self.manifest_left = self.manifest_left, None
+        if snapshot is not None and snapshot in self.snapshots:
+            self.snapshots.remove(snapshot)
+            await self.clean_snapshot(snapshot)
 
     async def drop_late_load(self) -> None:
         """Stop a late load still running (the pull failed, or has nothing to do), and

@@ -500,19 +500,20 @@ class StreamRunner:
         self.inline = None
         return done.chunks, done.length
 
-    async def clean_guest(self, snapshot: str | None = None) -> WsyncError | TimeoutError | None:
-        """Remove ``snapshot`` (by default the session's) from the guest staging, within
-        two call timeouts; the error if it could not (the guest's GC removes what stays)."""
+    async def clean_guest(self, *snapshots: str) -> WsyncError | TimeoutError | None:
+        """Remove ``snapshots`` (by default the session's) from the guest staging, in one
+        call within two call timeouts; the error if it could not (the guest's GC removes
+        what stays)."""
         try:
             async with asyncio.timeout(self.options.call_timeout * 2):
-                await self.session.cleanup(snapshot)
+                await self.session.cleanup(*snapshots)
         except (WsyncError, TimeoutError) as exc:
             return exc
         return None
 
-    async def clean_snapshot(self, snapshot: str) -> None:
-        """:meth:`clean_guest` of ``snapshot``, a failure a warning of the pull."""
-        error = await self.clean_guest(snapshot)
+    async def clean_snapshot(self, *snapshots: str) -> None:
+        """:meth:`clean_guest` of ``snapshots``, a failure a warning of the pull."""
+        error = await self.clean_guest(*snapshots)
         if error is not None:
             self.warnings.append(f"guest staging not removed (GC removes it later): {error}")
 
@@ -521,7 +522,8 @@ class StreamRunner:
         guest staging now (a full guest disk must not stay full until the GC) and the
         journal's chunks, so that the next run starts a fresh snapshot."""
         if self.session.snapshot and self.session.algorithm and not self.options.keep_staging:
-            error = await self.clean_guest()
+            # (with a manifest run's staging this pull left for its last cleanup)
+            error = await self.clean_guest(*dict.fromkeys([*self.snapshots, self.session.snapshot]))
             if error is not None:
                 log.warning("failed snapshot not removed from the guest", error=str(error))
         with contextlib.suppress(WsyncError):

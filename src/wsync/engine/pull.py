@@ -394,8 +394,9 @@ class _Pull(IncrementalRunner):
             self.warnings.append(f"journal not removed: {exc}")
 
     async def clean_staging(self) -> None:
-        for snapshot in dict.fromkeys(self.snapshots):
-            await self.clean_snapshot(snapshot)
+        """The staging of every run this pull admitted, in one call."""
+        if self.snapshots:
+            await self.clean_snapshot(*dict.fromkeys(self.snapshots))
 
     async def finish_host(self, old: str | None) -> None:
         """The old tree removed (or kept), then the state committed."""
@@ -442,8 +443,10 @@ async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
             await runner.drop_early_farm()  # a no-op once the run took its tree
             # a host limit (disk space, --max-bytes) is not the snapshot's fault: the
             # next run, with room made or the limit raised, resumes it
-            if not isinstance(exc, LimitExceeded):
-                await runner.discard()
+            if isinstance(exc, LimitExceeded):
+                await runner.clean_manifest_left()
+            else:
+                await runner.discard()  # (the manifest's staging with it)
             if runner.inc is not None:
                 runner.inc.close()
             raise

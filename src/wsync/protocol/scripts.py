@@ -390,11 +390,14 @@ printf '\nWSYNC1 END %s %s\n' "$nonce" "$dg"
 """
 
 _CLEANUP = r"""
-d=$1/$2 pn=$3
-if [ -d "$d" ]; then
+root=$1 pn=$2
+shift 2
+for id; do
+  d=$root/$id
+  [ -d "$d" ] || continue
   stop "$d"
   rm -rf "$d" || { emit err "cannot remove the staging directory"; exit 0; }
-fi
+done
 emit ok removed
 """
 
@@ -762,10 +765,21 @@ def read(
 
 
 def cleanup(
-    *, gate: bool, nonce: str, algorithm: str, b64: bool, staging_root: str, snapshot: str
+    *,
+    gate: bool,
+    nonce: str,
+    algorithm: str,
+    b64: bool,
+    staging_root: str,
+    snapshots: Sequence[str],
 ) -> list[str]:
-    check_snapshot_id(snapshot)
-    args = (staging_root, snapshot, PRODUCER_NAME)
+    """Remove the staging of each of ``snapshots`` (a pull's manifest and content runs go
+    in one call), stopping a producer still at work in it."""
+    if not snapshots:
+        raise ValueError("cleanup needs a snapshot")
+    for snapshot in snapshots:
+        check_snapshot_id(snapshot)
+    args = (staging_root, PRODUCER_NAME, *snapshots)
     return render("cleanup", gate=gate, nonce=nonce, algorithm=algorithm, b64=b64, args=args)
 
 
