@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -247,3 +248,28 @@ def test_a_first_and_an_incremental_pull_are_exact_under_every_shell(
     # (this busybox guest has no stat or readlink to list with: a full pull again)
     assert again.ok and again.mode == ("full" if "/bb" in any_shell_path else "incremental")
     assert_exact(ws, dest)
+
+
+def test_a_cleanup_tries_every_snapshot_it_names(tmp_path: Path, guest_path: str) -> None:
+    """A pull's last cleanup names its listing's snapshot and its archive's: one that
+    ``rm`` cannot remove does not keep the other (a full disk's archive) there, and the
+    answer says the removal failed."""
+    root = tmp_path / "staging"
+    for name in ("s-manifest", "s-content"):
+        (root / name / "launch").mkdir(parents=True)
+    refuse = '#!/bin/sh\ncase "$*" in *s-manifest*) exit 1 ;; esac\nexec {real} "$@"\n'
+    real = shutil.which("rm", path=guest_path)
+    assert real
+    path, _ = shim_tools(tmp_path, guest_path, {"rm": refuse.replace("{real}", real)})
+    argv = scripts.cleanup(
+        gate=False,
+        nonce=NONCE,
+        algorithm="sha256",
+        b64=False,
+        staging_root=str(root),
+        snapshots=["s-manifest", "s-content"],
+    )
+    out = subprocess.run(argv, env={"PATH": path}, capture_output=True, timeout=60).stdout
+    envelope = parse_envelope(out, NONCE, algorithm=ALGORITHMS["sha256"], max_length=4096)
+    assert not envelope.ok and "cannot remove" in envelope.text
+    assert sorted(p.name for p in root.iterdir()) == ["s-manifest"]

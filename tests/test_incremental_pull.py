@@ -223,6 +223,11 @@ def test_every_kind_of_change_over_sprites_with_every_fault_on(
             # a few execs: data after the exit drawn for each, so a helper's channel
             # surely meets it (its answers held for an exit that does not come)
             faults = dataclasses.replace(faults, data_after_exit=1.0)
+        else:
+            # a third of the execs severed within their first 256 bytes (answers are
+            # short): the engine's retries surely run; the other faults a transport may
+            # absorb, and an incremental pull is a dozen execs
+            faults = dataclasses.replace(faults, sever=0.3, sever_max_bytes=256)
         emu.set_faults(faults)
         assert sprite_pull().mode == "full"
         assert_exact(ws, dest)
@@ -235,6 +240,7 @@ def test_every_kind_of_change_over_sprites_with_every_fault_on(
             assert hit["held_released"] > 0, hit
         else:
             assert sum(hit[k] for k in SPRITES_FAULTS) > 0, hit  # the exec path's own faults
+            assert result.retries > 0  # and the engine's retries met them
         assert_exact(ws, dest)
         assert sprite_pull().changed_files == 0
         assert_exact(ws, dest)

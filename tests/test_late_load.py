@@ -189,12 +189,11 @@ def test_a_pull_with_nothing_to_do_leaves_no_late_load_running(
         released.set()
 
 
-def test_a_pull_stopped_during_the_late_load_leaves_no_tree_and_resumes(
+def _stopped_first_pull(
     tmp_path: Path, workspace: Path, admitted: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Cancelled while the load holds (the content run admitted meanwhile): the pull
-    stops, the load's thread is let go, nothing is left beside DEST, and the next run
-    resumes the journaled listing and content run."""
+    """A first pull cancelled (SIGINT, a daemon's DELETE, --timeout) while the late load
+    holds, the content run admitted meanwhile; the load is then let go and put back."""
     real_load = Incremental.load
     release = threading.Event()
     holding = threading.Event()
@@ -203,18 +202,14 @@ def test_a_pull_stopped_during_the_late_load_leaves_no_tree_and_resumes(
         holding.set()
         release.wait(20)
 
-    _hold_load(monkeypatch, lambda: "tar" in admitted, hold)
-    dest = tmp_path / "out"
+    seen = _hold_load(monkeypatch, lambda: "tar" in admitted, hold)
 
     async def go() -> None:
         transport = local()
-        task = asyncio.create_task(pull(transport, str(workspace), dest, options(tmp_path)))
+        out = tmp_path / "out"
+        task = asyncio.create_task(pull(transport, str(workspace), out, options(tmp_path)))
         try:
-            for _ in range(2000):
-                if holding.is_set():
-                    break
-                await asyncio.sleep(0.01)
-            assert holding.is_set()
+            assert await asyncio.to_thread(holding.wait, 30)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -223,14 +218,44 @@ def test_a_pull_stopped_during_the_late_load_leaves_no_tree_and_resumes(
             await transport.aclose()
 
     asyncio.run(go())
-    assert not dest.exists()
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+    assert seen == [True]
     monkeypatch.setattr(Incremental, "load", real_load)
     admitted.clear()
+
+
+def _staged(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "staging").iterdir() if p.name.startswith("s"))
+
+
+def test_a_pull_stopped_during_the_late_load_leaves_no_tree_and_resumes(
+    tmp_path: Path, workspace: Path, admitted: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled while the load holds (the content run admitted meanwhile): the pull
+    stops, the load's thread is let go, nothing is left beside DEST, and the next run
+    resumes the journaled listing and content run.  Both runs' guest staging stays
+    until then (the listing's was left for the last cleanup, which never came); that
+    run's last cleanup names both, so nothing waits for the GC's day."""
+    dest = tmp_path / "out"
+    _stopped_first_pull(tmp_path, workspace, admitted, monkeypatch)
+    assert not dest.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+    assert _staged(tmp_path)  # the listing's, at least
     result = run_pull(local(), workspace, dest, options(tmp_path))
     assert result.ok and result.reconciled  # the journaled listing, used again
     assert admitted == ["tar"]  # the content run resumed, no fresh listing
     assert_exact(workspace, dest)
+    assert _staged(tmp_path) == []
+
+
+def test_a_dry_run_after_a_stopped_first_pull_lists_the_workspace_as_it_is_now(
+    tmp_path: Path, workspace: Path, admitted: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listing of the stopped pull is still staged under its id; a preview must not
+    adopt it: it shows what a pull would do now, a file added since included."""
+    _stopped_first_pull(tmp_path, workspace, admitted, monkeypatch)
+    (workspace / "added-after-the-stop.txt").write_text("new\n")
+    result = run_pull(local(), workspace, tmp_path / "out", options(tmp_path, dry_run=True))
+    assert any(line.endswith("added-after-the-stop.txt") for line in result.changes)
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["default", "keep-staging"])

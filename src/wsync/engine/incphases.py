@@ -207,13 +207,20 @@ class IncrementalRunner(StreamRunner):
             log.info("manifest replayed from the journal", snapshot=snapshot)
             self.earlier_run = True
             self.listed(plan, inc, snapshot, done)
+            if late and not self.options.keep_staging:
+                # its staging may still be in the guest (a first pull leaves it for its
+                # last cleanup): this pull's last cleanup, or a discard, names it too
+                self.snapshots.append(snapshot)
+                self.manifest_left = snapshot
             if not skip:
                 await self.replay(plan, inc)
             return
-        if journal.meta is not None and journal.has_done() and not self.options.dry_run:
+        if journal.meta is not None and journal.has_done():
             # no run of that listing to resume, or the journal cannot give it back whole
-            # (a lost or damaged chunk or record): the runs admitted after it go with it,
-            # so that a fresh listing never meets an older snapshot
+            # (a lost or damaged chunk or record), or a dry run (which must list the
+            # workspace as it is now, not adopt a listing still staged under that id; its
+            # end removes the journal anyway): the runs admitted after it go with it, so
+            # that a fresh listing never meets an older snapshot
             self.journal.forget()
             self.journal.phase("select").forget()
             journal.forget()

@@ -390,14 +390,16 @@ printf '\nWSYNC1 END %s %s\n' "$nonce" "$dg"
 """
 
 _CLEANUP = r"""
-root=$1 pn=$2
+root=$1 pn=$2 bad=
 shift 2
+# every id is tried: one that cannot go must not keep the others (a full disk's) there
 for id; do
   d=$root/$id
   [ -d "$d" ] || continue
   stop "$d"
-  rm -rf "$d" || { emit err "cannot remove the staging directory"; exit 0; }
+  rm -rf "$d" || bad=1
 done
+[ -z "$bad" ] || { emit err "cannot remove the staging directory"; exit 0; }
 emit ok removed
 """
 
