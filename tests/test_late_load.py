@@ -259,14 +259,21 @@ def test_a_dry_run_after_a_stopped_first_pull_lists_the_workspace_as_it_is_now(
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["default", "keep-staging"])
+@pytest.mark.parametrize("pull_kind", ["first", "changed", "unchanged"])
 def test_the_manifests_staging_goes_with_the_content_runs_in_one_last_call(
-    tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch, keep: bool
+    tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch, keep: bool, pull_kind: str
 ) -> None:
-    """On a first pull nothing runs beside the content run's admission: a removal of the
-    manifest's staging there made that admission wait for its helper (or open another),
-    a round trip on a remote backend.  Both runs' staging goes in the pull's last
-    cleanup, one call.  With --keep-staging the content run's stays, and the manifest's
-    goes as soon as its stream is in, as before."""
+    """Nothing runs beside the call after the listing (a first pull's admission, an
+    incremental pull's list upload): a removal of the listing's staging there made that
+    call wait for its helper (or open another), a round trip on a remote backend.  Every
+    run's staging goes in the pull's last cleanup, one call, the listing's alone where
+    nothing changed.  With --keep-staging the content run's stays, and the listing's goes
+    as soon as its stream is in, as before."""
+    dest = tmp_path / "out"
+    if pull_kind != "first":
+        run_pull(local(), workspace, dest, options(tmp_path))
+    if pull_kind == "changed":
+        (workspace / "added.txt").write_text("new\n")
     real = GuestSession.cleanup
     calls: list[tuple[str, ...]] = []
 
@@ -275,13 +282,13 @@ def test_the_manifests_staging_goes_with_the_content_runs_in_one_last_call(
         await real(session, *snapshots)
 
     monkeypatch.setattr(GuestSession, "cleanup", cleanup)
-    dest = tmp_path / "out"
     result = run_pull(local(), workspace, dest, options(tmp_path, keep_staging=keep))
     assert result.ok and not result.warnings, result.warnings
     assert_exact(workspace, dest)
     staged = sorted(p.name for p in (tmp_path / "staging").iterdir() if p.name.startswith("s"))
-    assert len(calls) == 1 and len(calls[0]) == (1 if keep else 2), calls
-    if keep:  # the content run's, kept; the manifest's went
+    runs = 1 if pull_kind == "unchanged" else 2
+    assert len(calls) == 1 and len(calls[0]) == (1 if keep else runs), calls
+    if keep and runs == 2:  # the content run's, kept; the manifest's went
         assert len(staged) == 1 and staged[0] not in calls[0]
     else:
         assert staged == []

@@ -709,33 +709,33 @@ def changed_after_a_pull(tmp_path: Path, workspace: Path) -> tuple[Path, PullOpt
 
 def watch_cleanups(
     monkeypatch: pytest.MonkeyPatch, before: Callable[[int], Awaitable[None]]
-) -> list[str]:
-    """The snapshots of the guest cleanup calls from now on; ``before(n)`` is awaited
-    ahead of the n-th (1: the manifest's, 2: the content run's)."""
+) -> list[tuple[str, ...]]:
+    """The snapshots each guest cleanup call names, from now on; ``before(n)`` is awaited
+    ahead of the n-th."""
     from wsync.engine.guest import GuestSession
 
     cleanup = GuestSession.cleanup
-    calls: list[str] = []
+    calls: list[tuple[str, ...]] = []
 
-    async def cleaning(session: GuestSession, snapshot: str | None = None) -> None:
-        calls.append(session.snapshot if snapshot is None else snapshot)
+    async def cleaning(session: GuestSession, *snapshots: str) -> None:
+        calls.append(snapshots or (session.snapshot,))
         await before(len(calls))
-        await cleanup(session, snapshot)
+        await cleanup(session, *snapshots)
 
     monkeypatch.setattr(GuestSession, "cleanup", cleaning)
     return calls
 
 
 def repull(
-    tmp_path: Path, workspace: Path, dest: Path, opts: PullOptions, calls: list[str]
+    tmp_path: Path, workspace: Path, dest: Path, opts: PullOptions, calls: list[tuple[str, ...]]
 ) -> None:
     """The incremental pull after ``changed_after_a_pull``: exact, no warning, both
-    snapshots' staging removed."""
+    snapshots' staging removed, in one call."""
     result = run_pull(LocalTransport(), workspace, dest, opts)
     assert result.ok and result.mode == "incremental" and not result.warnings, result.warnings
     assert_exact(workspace, dest)
-    assert len(calls) == 2
-    assert [p.name for p in (tmp_path / "staging").iterdir() if p.name in calls] == []
+    assert len(calls) == 1 and len(calls[0]) == 2, calls
+    assert [p.name for p in (tmp_path / "staging").iterdir() if p.name in calls[0]] == []
 
 
 def test_the_guest_staging_goes_while_the_host_commits(
@@ -744,10 +744,10 @@ def test_the_guest_staging_goes_while_the_host_commits(
     changed_after_a_pull: tuple[Path, PullOptions],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """After the swap the guest's staging is removed beside the host's own cleanup, not
-    after it: on a remote backend that is a round trip less per pull.  The commit here
-    waits for the guest cleanup call to have started; one after the other, it would not
-    come."""
+    """After the swap the guest's staging (the listing's and the content run's, in one
+    call) is removed beside the host's own cleanup, not after it: on a remote backend
+    that is a round trip less per pull.  The commit here waits for the guest cleanup call
+    to have started; one after the other, it would not come."""
     import threading
 
     from wsync.engine.incremental import Incremental
@@ -756,8 +756,7 @@ def test_the_guest_staging_goes_while_the_host_commits(
     commit = Incremental.commit
 
     async def before(n: int) -> None:
-        if n >= 2:  # the first is the manifest's, before the diff
-            called.set()
+        called.set()
 
     def committing(inc: Incremental) -> None:
         assert called.wait(30), "the guest staging was not being removed meanwhile"
@@ -768,16 +767,18 @@ def test_the_guest_staging_goes_while_the_host_commits(
     repull(tmp_path, workspace, *changed_after_a_pull, calls)
 
 
-def test_the_manifests_staging_goes_while_the_diff_runs(
+def test_with_keep_staging_the_manifests_staging_goes_while_the_diff_runs(
     tmp_path: Path,
     workspace: Path,
     changed_after_a_pull: tuple[Path, PullOptions],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The manifest's guest staging is removed beside the diff, not before it: the guest
-    cleanup call here waits for the diff to have started; one after the other, it would
-    not."""
+    """--keep-staging keeps the content run's staging, so no last cleanup comes: the
+    listing's is removed as soon as its stream is in, beside the diff, not before it (the
+    guest cleanup call here waits for the diff to have started; one after the other, it
+    would not)."""
     import asyncio
+    import dataclasses
     import threading
 
     from wsync.engine.incstate import PullState
@@ -786,8 +787,7 @@ def test_the_manifests_staging_goes_while_the_diff_runs(
     diff = PullState.diff
 
     async def before(n: int) -> None:
-        if n == 1:  # the manifest's
-            assert await asyncio.to_thread(diffing.wait, 30), "the diff did not run meanwhile"
+        assert await asyncio.to_thread(diffing.wait, 30), "the diff did not run meanwhile"
 
     def diffing_now(state: PullState, *args: object) -> object:
         diffing.set()
@@ -795,7 +795,15 @@ def test_the_manifests_staging_goes_while_the_diff_runs(
 
     calls = watch_cleanups(monkeypatch, before)
     monkeypatch.setattr(PullState, "diff", diffing_now)
-    repull(tmp_path, workspace, *changed_after_a_pull, calls)
+    dest, opts = changed_after_a_pull
+    result = run_pull(
+        LocalTransport(), workspace, dest, dataclasses.replace(opts, keep_staging=True)
+    )
+    assert result.ok and result.mode == "incremental" and not result.warnings, result.warnings
+    assert_exact(workspace, dest)
+    assert len(calls) == 1 and len(calls[0]) == 1, calls  # the listing's
+    staged = [p.name for p in (tmp_path / "staging").iterdir() if p.name.startswith("s")]
+    assert len(staged) == 1 and staged[0] not in calls[0]  # the content run's, kept
 
 
 class ScriptLog(LocalTransport):

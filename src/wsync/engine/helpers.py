@@ -4,8 +4,8 @@ A :class:`HelperPool` opens helpers lazily, one per call in flight at once (a pu
 calls are mostly one after another; the parallel chunk reads take a few), and keeps
 them between calls.  A call that may wait (``reuse_wait``: any but a chunk read) first
 waits that long for a busy helper to come free: opening one is an exec, a login shell
-that a slow profile makes 100 ms and more, where the call it would wait for (the
-listing's staging removal beside the next admission, say) takes a few ms.  What it
+that a slow profile makes 100 ms and more, where the call it would wait for (a status
+beside the next admission, say) takes a few ms.  What it
 returns is raw output for the envelope parser, exactly as an exec's stdout would be: the
 pool proves nothing.
 

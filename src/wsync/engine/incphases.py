@@ -78,9 +78,9 @@ class IncrementalRunner(StreamRunner):
     #: set once the early farm holds DEST's scan rows, or will not farm (the diff waits
     #: for it: the diff consumes the rows)
     early_ready: asyncio.Event | None = None
-    #: the manifest's guest staging being removed (while the diff runs)
+    #: the manifest's guest staging being removed while the diff runs (keep_staging)
     manifest_cleanup: asyncio.Task[None] | None = None
-    #: the manifest's snapshot, its staging left for the pull's last cleanup (a late load)
+    #: the manifest's snapshot, its staging left for the pull's last cleanup
     manifest_left: str | None = None
     #: the manifest being loaded into the state while the content run goes on (see the
     #: module docstring); awaited before the swap
@@ -138,14 +138,14 @@ class IncrementalRunner(StreamRunner):
         """The manifest run (DEST's scan finishing meanwhile), then the diff."""
         late = self.loads_late(plan, inc)
         skip = late or (self.scan_task is not None and inc.noop_recorded)
-        await self.manifest_phase(plan, inc, skip=skip, late=late)
+        await self.manifest_phase(plan, inc, skip=skip)
         if late and not inc.loaded:
             done = self.done
             assert done is not None
             self.late_listed_kb = await self.count_listed(plan, done)
             self.late_load = asyncio.create_task(self.replay(plan, inc, done))
-        # the manifest's staging removal, started by manifest_phase, runs beside the diff
-        # (a failure cancels it: drop_late_load); a late load's goes with the content run's
+        # with keep_staging the manifest's staging removal, started by manifest_phase,
+        # runs beside the diff (a failure cancels it: drop_late_load)
         await self.diff_phase(plan, inc)
         if self.late_load is None:
             await self.manifest_cleaned()
@@ -183,15 +183,13 @@ class IncrementalRunner(StreamRunner):
         finally:
             os.close(fd)
 
-    async def manifest_phase(
-        self, plan: GuestPlan, inc: Incremental, *, skip: bool, late: bool = False
-    ) -> None:
+    async def manifest_phase(self, plan: GuestPlan, inc: Incremental, *, skip: bool) -> None:
         """The manifest run, streamed into the state (see :mod:`wsync.engine.incremental`).
 
         With ``skip`` (the no-op shortcut may apply, or the manifest loads late) the stream
         is only verified and journaled, not parsed: :meth:`replay_manifest` parses it from
-        the journal when it must.  With ``late`` (a content run follows for sure) its
-        staging is left to the pull's last cleanup, which removes both runs' in one call.
+        the journal when it must.  Its guest staging is left to the pull's last cleanup,
+        which removes every run's in one call.
         """
         self.emit("manifest")
         journal = self.manifest_journal = self.journal.phase("manifest")
@@ -207,9 +205,9 @@ class IncrementalRunner(StreamRunner):
             log.info("manifest replayed from the journal", snapshot=snapshot)
             self.earlier_run = True
             self.listed(plan, inc, snapshot, done)
-            if late and not self.options.keep_staging:
-                # its staging may still be in the guest (a first pull leaves it for its
-                # last cleanup): this pull's last cleanup, or a discard, names it too
+            if not self.options.keep_staging:
+                # its staging may still be in the guest (a pull leaves it for its last
+                # cleanup): this pull's last cleanup, or a discard, names it too
                 self.snapshots.append(snapshot)
                 self.manifest_left = snapshot
             if not skip:
@@ -238,15 +236,14 @@ class IncrementalRunner(StreamRunner):
         assert self.done is not None
         journal.record_done(snapshot, self.done)
         self.listed(plan, inc, snapshot, self.done)
-        # verified (and loaded, or loaded later from the journal): its staging goes now
-        # (even with keep_staging, which keeps the content run's).  A kill -9 later takes a
-        # fresh manifest, whose diff (same guest, same DEST) names the same list, so the
-        # select run's journal resumes (while the diff runs: a remote backend's round trip
-        # off the pull's path).  Before a whole-tree run (``late``) nothing runs beside
-        # the call (the content run's admission would wait for its helper, or open
-        # another), so there it goes in the pull's last cleanup, with the content run's
-        # staging: a round trip less (a discard after a failure takes it too)
-        if late and not self.options.keep_staging:
+        # verified (and loaded, or loaded later from the journal): its staging goes in the
+        # pull's last cleanup, with the content run's (one call; a discard after a
+        # failure for good takes it too, a rerun that replays this listing names it
+        # again).  A call of its own now would make the next call (the content run's
+        # admission, the list's upload) wait for its helper or open another: a round trip
+        # on a remote backend.  With keep_staging, which keeps the content run's, it goes
+        # now, beside the diff
+        if not self.options.keep_staging:
             self.manifest_left = snapshot
             return
         self.snapshots.remove(snapshot)

@@ -432,9 +432,10 @@ async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
         try:
             done = await runner.run()
         except _PERMANENT as exc:
-            # the manifest's staging removal, started when its stream was in, is let
-            # finish: the guest's disk may be what failed, and must not stay full until
-            # the GC (it is bounded by the call's own deadline, as the discard below is)
+            # the manifest's staging removal, started when its stream was in (with
+            # keep_staging), is let finish: the guest's disk may be what failed, and must
+            # not stay full until the GC (it is bounded by the call's own deadline, as the
+            # discard below is, which otherwise takes the manifest's staging too)
             try:
                 await runner.manifest_cleaned()
             except Exception as cleanup_error:  # the pull's own error is the one reported
