@@ -23,7 +23,7 @@ from wsync.engine import incremental
 from wsync.engine.guest import CallStats, GuestSession
 from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
-from wsync.engine.pull import pull
+from wsync.engine.pull import _Pull, pull
 from wsync.errors import HostIOError, StagingFailed
 
 KiB = 1024
@@ -276,18 +276,29 @@ def test_the_manifests_staging_goes_with_the_content_runs_in_one_last_call(
         (workspace / "added.txt").write_text("new\n")
     real = GuestSession.cleanup
     calls: list[tuple[str, ...]] = []
+    finishing: list[bool] = []  # whether each call came in the pull's last cleanup
+    finish = _Pull.finish
 
     async def cleanup(session: GuestSession, *snapshots: str) -> None:
         calls.append(snapshots or (session.snapshot,))
+        finishing.append(bool(in_finish))
         await real(session, *snapshots)
 
+    in_finish: list[bool] = []
+
+    async def finishing_now(runner: _Pull, old: str | None) -> None:
+        in_finish.append(True)
+        await finish(runner, old)
+
     monkeypatch.setattr(GuestSession, "cleanup", cleanup)
+    monkeypatch.setattr(_Pull, "finish", finishing_now)
     result = run_pull(local(), workspace, dest, options(tmp_path, keep_staging=keep))
     assert result.ok and not result.warnings, result.warnings
     assert_exact(workspace, dest)
     staged = sorted(p.name for p in (tmp_path / "staging").iterdir() if p.name.startswith("s"))
     runs = 1 if pull_kind == "unchanged" else 2
     assert len(calls) == 1 and len(calls[0]) == (1 if keep else runs), calls
+    assert finishing == [not keep]  # with --keep-staging, the listing's went at once
     if keep and runs == 2:  # the content run's, kept; the manifest's went
         assert len(staged) == 1 and staged[0] not in calls[0]
     else:
@@ -340,3 +351,51 @@ def test_a_cleanup_removes_the_snapshot_it_names(tmp_path: Path, workspace: Path
         assert not (root / "s-two").exists()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("where", ["diff", "apply", "upload"])
+def test_a_pull_over_a_baseline_stopped_after_its_listing_leaves_no_staging_after_its_rerun(
+    tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A host failure after the listing, before a content run is journaled after it (in
+    the diff, in an apply-only pull's directory metadata) or after (the list's upload):
+    the listing's staging stays in the guest, left for a last cleanup that never came,
+    and the rerun (which lists afresh, or replays it) names it in its own."""
+    from wsync.errors import HostIOError
+
+    dest = tmp_path / "out"
+    assert run_pull(local(), workspace, dest, options(tmp_path)).ok
+    if where == "apply":
+        next(workspace.rglob("*.txt")).unlink()  # a deletion only: no content run
+    else:
+        (workspace / "added.txt").write_text("new\n")
+    failed: list[bool] = []
+
+    def once(real: Callable[..., Any]) -> Callable[..., Any]:
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            if not failed:
+                failed.append(True)
+                raise HostIOError("a host failure (test)")
+            return real(*args, **kwargs)
+
+        return fail
+
+    if where == "diff":
+        monkeypatch.setattr(Incremental, "decide", once(Incremental.decide))
+    elif where == "apply":
+        monkeypatch.setattr(Incremental, "dir_meta", once(Incremental.dir_meta))
+    else:
+        upload = GuestSession.upload_list
+
+        async def upload_once(session: GuestSession, *args: Any, **kwargs: Any) -> None:
+            once(lambda: None)()
+            await upload(session, *args, **kwargs)
+
+        monkeypatch.setattr(GuestSession, "upload_list", upload_once)
+    with pytest.raises(HostIOError):
+        run_pull(local(), workspace, dest, options(tmp_path))
+    assert _staged(tmp_path)  # the listing's
+    result = run_pull(local(), workspace, dest, options(tmp_path))
+    assert result.ok and result.mode == "incremental"
+    assert_exact(workspace, dest)
+    assert _staged(tmp_path) == []

@@ -747,18 +747,22 @@ def test_the_guest_staging_goes_while_the_host_commits(
     """After the swap the guest's staging (the listing's and the content run's, in one
     call) is removed beside the host's own cleanup, not after it: on a remote backend
     that is a round trip less per pull.  The commit here waits for the guest cleanup call
-    to have started; one after the other, it would not come."""
+    to have started, and that call waits for the commit to have started: one after the
+    other, either would wait in vain."""
+    import asyncio
     import threading
 
     from wsync.engine.incremental import Incremental
 
-    called = threading.Event()
+    called, committing_now = threading.Event(), threading.Event()
     commit = Incremental.commit
 
     async def before(n: int) -> None:
         called.set()
+        assert await asyncio.to_thread(committing_now.wait, 30), "no commit meanwhile"
 
     def committing(inc: Incremental) -> None:
+        committing_now.set()
         assert called.wait(30), "the guest staging was not being removed meanwhile"
         commit(inc)
 
@@ -774,23 +778,25 @@ def test_with_keep_staging_the_manifests_staging_goes_while_the_diff_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """--keep-staging keeps the content run's staging, so no last cleanup comes: the
-    listing's is removed as soon as its stream is in, beside the diff, not before it (the
-    guest cleanup call here waits for the diff to have started; one after the other, it
-    would not)."""
+    listing's is removed as soon as its stream is in, beside the diff (the guest cleanup
+    call here and the diff each wait for the other to have started: one after the other,
+    either would wait in vain)."""
     import asyncio
     import dataclasses
     import threading
 
     from wsync.engine.incstate import PullState
 
-    diffing = threading.Event()
+    diffing, cleaning = threading.Event(), threading.Event()
     diff = PullState.diff
 
     async def before(n: int) -> None:
+        cleaning.set()
         assert await asyncio.to_thread(diffing.wait, 30), "the diff did not run meanwhile"
 
     def diffing_now(state: PullState, *args: object) -> object:
         diffing.set()
+        assert cleaning.wait(30), "the listing's staging was not being removed meanwhile"
         return diff(state, *args)  # type: ignore[arg-type]
 
     calls = watch_cleanups(monkeypatch, before)

@@ -54,6 +54,7 @@ from wsync.engine.winddown import in_thread, owned
 from wsync.errors import GuestToolsMissing, HostIOError, WsyncError
 from wsync.protocol import manifest
 from wsync.protocol.records import DoneRecord
+from wsync.protocol.scripts import SNAPSHOT_ID
 
 log = structlog.get_logger("wsync.pull")
 
@@ -194,6 +195,9 @@ class IncrementalRunner(StreamRunner):
         self.emit("manifest")
         journal = self.manifest_journal = self.journal.phase("manifest")
         prune = inc.prune()
+        # an earlier run's listing (a pull stopped before its last cleanup), whose staging
+        # may still be in the guest
+        recorded = str(journal.meta.get("snapshot", "")) if journal.meta else ""
         snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
         done = journal.recorded_done(snapshot)
         if done is not None and await self.replayable(plan, snapshot, done):
@@ -223,6 +227,14 @@ class IncrementalRunner(StreamRunner):
             self.journal.phase("select").forget()
             journal.forget()
             snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
+        if (
+            recorded != snapshot
+            and SNAPSHOT_ID.fullmatch(recorded)
+            and not self.options.keep_staging
+        ):
+            # this run does not go on with that listing (it lists afresh, or with other
+            # options): this pull's last cleanup names it too
+            self.snapshots.append(recorded)
         journaled = await self.admit_phase(plan, journal, snapshot, "manifest", prune)
 
         def load(feed: ChunkFeed) -> None:
