@@ -38,7 +38,6 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -66,20 +65,19 @@ from wsync.transports.base import (
     find_secret,
     float_options,
 )
-from wsync.transports.e2b_channel import LIFETIME, RETIRE, E2BChannel
+from wsync.transports.e2b_channel import LIFETIME, RETIRE, E2BChannel, send_input
 from wsync.transports.e2b_protocol import (
     CLOSE_STDIN_PATH,
     CONNECT_JSON,
     FILES_PATH,
-    SEND_INPUT_PATH,
     SEND_SIGNAL_PATH,
     START_PATH,
     EndStream,
     StartCollector,
+    error_text,
     parse_content_range,
     pid_body,
     range_header,
-    send_input_body,
     start_request,
     tag_body,
 )
@@ -93,8 +91,6 @@ DEFAULT_DOMAIN = "e2b.app"
 DEFAULT_URL = "https://49983-{id}.{domain}"
 #: argv runs through this, so lookup uses the guest's PATH and a missing tool is 127
 EXEC_WRAPPER = ("/bin/sh", "-c", 'exec "$@"', "sh")
-#: raw stdin bytes per SendInput call
-STDIN_CHUNK = 256 * 1024
 #: how much of an error body is read and shown
 ERROR_BODY = 4096
 
@@ -118,17 +114,6 @@ def envd_url(template: str, sandbox_id: str) -> str:
     if parsed.scheme not in ("http", "https") or not parsed.host:
         raise UsageError(f"E2B envd URL must be http(s)://HOST..., got {url!r}")
     return url
-
-
-def _error_text(body: bytes) -> str:
-    """``message`` of a JSON error body (Connect or envd), else a bounded printable head."""
-    try:
-        obj = json.loads(body)
-        if isinstance(obj, dict) and isinstance(obj.get("message"), str):
-            return str(obj["message"])[:200]
-    except (ValueError, RecursionError):
-        pass
-    return body[:200].decode("utf-8", "replace").strip()
 
 
 class _SandboxNotFound(SandboxUnreachable):
@@ -252,7 +237,7 @@ class E2BTransport(Transport):
 
     def _refused(self, status: int, body: bytes, what: str) -> TransportError | SandboxUnreachable:
         """The error for a non-200 answer (no stream was started)."""
-        text = _error_text(body)
+        text = error_text(body)
         if status in (401, 403):
             return AuthFailed(
                 f"{self.description}: authentication failed (HTTP {status}); check E2B_ACCESS_TOKEN"
@@ -457,21 +442,14 @@ class E2BTransport(Transport):
         any other failure kills the process, so the stream ends and the exec fails."""
         loop = asyncio.get_running_loop()
         try:
-            view = memoryview(data)
-            for start in range(0, len(view), STDIN_CHUNK):
-                piece = bytes(view[start : start + STDIN_CHUNK])
-                status, body = await self._unary(
-                    SEND_INPUT_PATH, send_input_body(pid, piece), deadline - loop.time()
-                )
-                if status != 200:
-                    break
-            else:
+            status, body = await send_input(self._unary, pid, data, deadline)
+            if status == 200:
                 status, body = await self._unary(
                     CLOSE_STDIN_PATH, pid_body(pid), deadline - loop.time()
                 )
             if status in (200, 404):  # 404: the process already exited (not_found)
                 return
-            errors.append(f"HTTP {status}: {_error_text(body)}")
+            errors.append(f"HTTP {status}: {error_text(body)}")
         except httpx.HTTPError as err:
             errors.append(f"{type(err).__name__}: {err}")
         await self._kill(pid, "")

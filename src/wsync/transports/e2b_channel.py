@@ -47,6 +47,7 @@ from wsync.errors import ProtocolError, TransportError
 from wsync.transports.base import PumpedChannel
 from wsync.transports.e2b_protocol import (
     SEND_INPUT_PATH,
+    STDIN_CHUNK,
     Data,
     End,
     EnvelopeDecoder,
@@ -54,6 +55,7 @@ from wsync.transports.e2b_protocol import (
     Start,
     decode_end_stream,
     decode_event,
+    error_text,
     send_input_body,
 )
 
@@ -63,8 +65,6 @@ LIFETIME = 3600.0
 #: a channel this old says it has ended, so the pool lets it go between calls, long
 #: before envd's deadline could take a call with it
 RETIRE = 600.0
-#: raw stdin bytes per SendInput call (the exec path's size)
-STDIN_CHUNK = 256 * 1024
 #: bound on one SendInput (envd answers once the pipe took the bytes, which a helper
 #: busy with a call may not read for a while; the caller's deadline is the real bound)
 SEND_S = 300.0
@@ -77,6 +77,20 @@ CLOSE_S = 5.0
 #: ``CloseStdin``, then a kill if that did not get through; with ``now`` (or without a
 #: pid) only the kill
 Stop = Callable[[int | None, str, bool], None]
+
+
+async def send_input(unary: Unary, pid: int, data: bytes, deadline: float) -> tuple[int, bytes]:
+    """``data`` to ``pid``'s stdin in SendInput calls of :data:`STDIN_CHUNK` raw bytes, in
+    order, each bounded by ``deadline`` (loop time): ``(200, b"")`` once every piece went,
+    else the first answer that was not 200.  An exec's stdin and a helper's requests."""
+    loop = asyncio.get_running_loop()
+    view = memoryview(data)
+    for at in range(0, len(view), STDIN_CHUNK):
+        body = send_input_body(pid, bytes(view[at : at + STDIN_CHUNK]))
+        status, answer = await unary(SEND_INPUT_PATH, body, deadline - loop.time())
+        if status != 200:
+            return status, answer
+    return 200, b""
 
 
 class E2BChannel(PumpedChannel):
@@ -181,18 +195,16 @@ class E2BChannel(PumpedChannel):
         async with self._sending:  # one request's pieces in order
             ok = False
             try:
-                view = memoryview(data)
-                for at in range(0, len(view), STDIN_CHUNK):
-                    body = send_input_body(pid, bytes(view[at : at + STDIN_CHUNK]))
-                    try:
-                        status, answer = await self._unary(SEND_INPUT_PATH, body, SEND_S)
-                    except httpx.HTTPError as err:
-                        raise TransportError(f"{self._description}: SendInput: {err}") from None
-                    if status != 200:
-                        text = answer[:200].decode("utf-8", "replace").strip()
-                        raise TransportError(
-                            f"{self._description}: SendInput refused (HTTP {status}: {text})"
-                        )
+                deadline = self._loop.time() + SEND_S
+                try:
+                    status, answer = await send_input(self._unary, pid, data, deadline)
+                except httpx.HTTPError as err:
+                    raise TransportError(f"{self._description}: SendInput: {err}") from None
+                if status != 200:
+                    raise TransportError(
+                        f"{self._description}: SendInput refused "
+                        f"(HTTP {status}: {error_text(answer)})"
+                    )
                 ok = True
             finally:
                 # a SendInput given up (a cancel, the caller's deadline) may still be

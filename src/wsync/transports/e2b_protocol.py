@@ -42,6 +42,8 @@ HEADER = struct.Struct(">BI")
 MAX_MESSAGE = 4 * 1024 * 1024
 #: envd reads a process pipe in chunks of at most this many bytes
 CHUNK = 32 * 1024
+#: raw stdin bytes per SendInput call
+STDIN_CHUNK = 256 * 1024
 
 CONNECT_JSON = "application/connect+json"
 START_PATH = "/process.Process/Start"
@@ -336,6 +338,17 @@ def parse_start_request(message: bytes) -> StartRequest:
         stdin=stdin,
         tag=None if tag is None else _str(tag, "tag"),
     )
+
+
+def error_text(body: bytes) -> str:
+    """``message`` of a JSON error body (Connect or envd), else a bounded printable head."""
+    try:
+        obj = json.loads(body)
+        if isinstance(obj, dict) and isinstance(obj.get("message"), str):
+            return str(obj["message"])[:200]
+    except (ValueError, RecursionError):
+        pass
+    return body[:200].decode("utf-8", "replace").strip()
 
 
 def send_input_body(pid: int, data: bytes) -> bytes:
