@@ -81,8 +81,6 @@ class IncrementalRunner(StreamRunner):
     early_ready: asyncio.Event | None = None
     #: the manifest's guest staging being removed while the diff runs (keep_staging)
     manifest_cleanup: asyncio.Task[None] | None = None
-    #: the manifest's snapshot, its staging left for the pull's last cleanup
-    manifest_left: str | None = None
     #: the manifest being loaded into the state while the content run goes on (see the
     #: module docstring); awaited before the swap
     late_load: asyncio.Task[None] | None = None
@@ -195,9 +193,12 @@ class IncrementalRunner(StreamRunner):
         self.emit("manifest")
         journal = self.manifest_journal = self.journal.phase("manifest")
         prune = inc.prune()
-        # an earlier run's listing (a pull stopped before its last cleanup), whose staging
-        # may still be in the guest
         recorded = str(journal.meta.get("snapshot", "")) if journal.meta else ""
+        if SNAPSHOT_ID.fullmatch(recorded) and not self.options.keep_staging:
+            # an earlier run's listing (a pull stopped before its last cleanup), whose
+            # staging may still be in the guest: whether this run replays it, goes on
+            # with it or lists afresh, its last cleanup (or a discard) names it
+            self.snapshots.append(recorded)
         snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
         done = journal.recorded_done(snapshot)
         if done is not None and await self.replayable(plan, snapshot, done):
@@ -209,11 +210,6 @@ class IncrementalRunner(StreamRunner):
             log.info("manifest replayed from the journal", snapshot=snapshot)
             self.earlier_run = True
             self.listed(plan, inc, snapshot, done)
-            if not self.options.keep_staging:
-                # its staging may still be in the guest (a pull leaves it for its last
-                # cleanup): this pull's last cleanup, or a discard, names it too
-                self.snapshots.append(snapshot)
-                self.manifest_left = snapshot
             if not skip:
                 await self.replay(plan, inc)
             return
@@ -227,14 +223,6 @@ class IncrementalRunner(StreamRunner):
             self.journal.phase("select").forget()
             journal.forget()
             snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
-        if (
-            recorded != snapshot
-            and SNAPSHOT_ID.fullmatch(recorded)
-            and not self.options.keep_staging
-        ):
-            # this run does not go on with that listing (it lists afresh, or with other
-            # options): this pull's last cleanup names it too
-            self.snapshots.append(recorded)
         journaled = await self.admit_phase(plan, journal, snapshot, "manifest", prune)
 
         def load(feed: ChunkFeed) -> None:
@@ -256,7 +244,6 @@ class IncrementalRunner(StreamRunner):
         # on a remote backend.  With keep_staging, which keeps the content run's, it goes
         # now, beside the diff
         if not self.options.keep_staging:
-            self.manifest_left = snapshot
             return
         self.snapshots.remove(snapshot)
         self.manifest_cleanup = asyncio.create_task(self.clean_snapshot(snapshot))
@@ -491,15 +478,6 @@ class IncrementalRunner(StreamRunner):
         cleanup, self.manifest_cleanup = self.manifest_cleanup, None
         if cleanup is not None:
             await cleanup
-
-    async def clean_manifest_left(self) -> None:
-        """Remove the manifest's staging left for the last cleanup, now: for a pull that
-        stops before that cleanup and keeps its content run for the next (which replays
-        the listing from the journal, not from the guest)."""
-        snapshot, self.manifest_left = self.manifest_left, None
-        if snapshot is not None and snapshot in self.snapshots:
-            self.snapshots.remove(snapshot)
-            await self.clean_snapshot(snapshot)
 
     async def drop_late_load(self) -> None:
         """Stop a late load still running (the pull failed, or has nothing to do), and

@@ -517,6 +517,16 @@ class StreamRunner:
         if error is not None:
             self.warnings.append(f"guest staging not removed (GC removes it later): {error}")
 
+    async def clean_other_runs(self) -> None:
+        """Remove the staging of this pull's runs but the one it stopped in, now: for a
+        pull that keeps that run for the next (a host limit), whose listing is replayed
+        from the journal, not from the guest."""
+        current = self.session.snapshot
+        others = [s for s in dict.fromkeys(self.snapshots) if s != current]
+        if others and self.session.algorithm and not self.options.keep_staging:
+            self.snapshots = [s for s in self.snapshots if s == current]
+            await self.clean_snapshot(*others)
+
     async def discard(self) -> None:
         """Forget a snapshot that failed for a reason a retry of it cannot fix: remove the
         guest staging now (a full guest disk must not stay full until the GC) and the

@@ -445,7 +445,7 @@ async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
             # a host limit (disk space, --max-bytes) is not the snapshot's fault: the
             # next run, with room made or the limit raised, resumes it
             if isinstance(exc, LimitExceeded):
-                await runner.clean_manifest_left()
+                await runner.clean_other_runs()
             else:
                 await runner.discard()  # (the manifest's staging with it)
             if runner.inc is not None:
