@@ -11,8 +11,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.pull import pull
+from wsync.errors import TransportError
 from wsync.protocol import records, scripts
 from wsync.protocol.envelope import parse_envelope
 from wsync.protocol.hashing import ALGORITHMS
@@ -242,3 +245,30 @@ async def receive_line(channel: Channel) -> bytes:
         assert data, f"the channel ended after {got!r}"
         got += data
     return got
+
+
+async def echo_in_lockstep_then_close(channel: Channel, big: int) -> None:
+    """Requests and answers through :data:`ECHO`'s channel in lockstep, the last ``big``
+    bytes long (several messages each way), then a close: the channel has ended, a send
+    is refused, and a second close does nothing."""
+    for word in (b"one", b"two", b"x" * big):
+        await channel.send(word + b"\n")
+        assert await receive_line(channel) == b"got " + word + b"\n"
+    assert not channel.ended
+    await channel.aclose()
+    assert channel.ended
+    with pytest.raises(TransportError, match="closed"):
+        await channel.send(b"more\n")
+    await channel.aclose()  # idempotent
+
+
+async def echo_until_its_end(channel: Channel) -> None:
+    """:data:`ECHO`'s command ends ("bye") right after an answer: the answer arrives, then
+    a receive fails naming the end, and the channel has ended."""
+    await channel.send(b"first\nbye\n")
+    assert await receive_line(channel) == b"got first\n"
+    with pytest.raises(TransportError, match="ended"):
+        while await channel.receive(10.0):
+            pass
+    assert channel.ended
+    await channel.aclose()

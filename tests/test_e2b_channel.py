@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ECHO, receive_line
+from helpers import ECHO, echo_in_lockstep_then_close, echo_until_its_end, receive_line
 from wsync.emulators.e2b import E2BFaults, EmulatorThread
 from wsync.engine.helpers import HelperPool
 from wsync.errors import SandboxUnreachable, TransportError, TransportTimeout
@@ -61,15 +61,7 @@ def test_requests_and_answers_in_lockstep_then_a_close_ends_its_stdin(
     async def body(transport: E2BTransport) -> None:
         channel = await transport.open_channel(ECHO, timeout=20)
         # the last: a request of several SendInput calls, an answer of many data events
-        for word in (b"one", b"two", b"x" * 600_000):
-            await channel.send(word + b"\n")
-            assert await receive_line(channel) == b"got " + word + b"\n"
-        assert not channel.ended
-        await channel.aclose()
-        assert channel.ended
-        with pytest.raises(TransportError, match="closed"):
-            await channel.send(b"more\n")
-        await channel.aclose()  # idempotent
+        await echo_in_lockstep_then_close(channel, 600_000)
 
     _run(envd, body)
     assert _gone(envd)  # CloseStdin ended the loop...
@@ -80,14 +72,7 @@ def test_the_command_ending_ends_the_channel_with_an_error(envd: EmulatorThread)
     envd.set_faults(E2BFaults.off())
 
     async def body(transport: E2BTransport) -> None:
-        channel = await transport.open_channel(ECHO, timeout=20)
-        await channel.send(b"first\nbye\n")
-        assert await receive_line(channel) == b"got first\n"
-        with pytest.raises(TransportError, match="ended"):
-            while await channel.receive(10.0):
-                pass
-        assert channel.ended
-        await channel.aclose()
+        await echo_until_its_end(await transport.open_channel(ECHO, timeout=20))
 
     _run(envd, body)
 

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ECHO, receive_line
+from helpers import ECHO, echo_in_lockstep_then_close, echo_until_its_end, receive_line
 from wsync.emulators.k8s import K8sEmulatorThread, K8sFaults
-from wsync.errors import TransportError
 from wsync.transports import k8s_protocol as kp
 from wsync.transports.k8s import K8sTransport
 from wsync.uri import parse
@@ -39,15 +38,7 @@ def test_requests_and_answers_in_lockstep_then_a_close(cluster: K8sEmulatorThrea
         transport = _transport(cluster)
         try:
             channel = await transport.open_channel(ECHO, timeout=20)
-            for word in (b"one", b"two", b"x" * 100_000):  # the last: several messages
-                await channel.send(word + b"\n")
-                assert await receive_line(channel) == b"got " + word + b"\n"
-            assert not channel.ended
-            await channel.aclose()
-            assert channel.ended
-            with pytest.raises(TransportError, match="closed"):
-                await channel.send(b"more\n")
-            await channel.aclose()  # idempotent
+            await echo_in_lockstep_then_close(channel, 100_000)  # several messages
         finally:
             await transport.aclose()
 
@@ -62,14 +53,7 @@ def test_the_command_ending_ends_the_channel_with_an_error(cluster: K8sEmulatorT
     async def go() -> None:
         transport = _transport(cluster)
         try:
-            channel = await transport.open_channel(ECHO, timeout=20)
-            await channel.send(b"first\nbye\n")
-            assert await receive_line(channel) == b"got first\n"
-            with pytest.raises(TransportError, match="ended"):
-                while await channel.receive(10.0):
-                    pass
-            assert channel.ended
-            await channel.aclose()
+            await echo_until_its_end(await transport.open_channel(ECHO, timeout=20))
         finally:
             await transport.aclose()
 
