@@ -246,13 +246,30 @@ def test_a_dry_run_after_a_killed_pull_previews_the_workspace_as_it_is_now(
     tmp_path: Path,
 ) -> None:
     """A pull killed in its transfer leaves a listing that a real rerun replays; a dry
-    run must not: it shows what a pull would change now."""
+    run must not: it shows what a pull would change now.  Nor may it take that pull's
+    journal or staging away: a dry run writes nothing, so the real rerun after it still
+    finishes the interrupted pull (and a second dry run previews the same)."""
     ws, dest, opts = _pulled_then_a_changed(tmp_path)
     _killed(tmp_path, ws, dest, "status", tmp_path / "state/pulls/*/phase-select/meta.json")
+    journal = sorted(p.relative_to(tmp_path) for p in (tmp_path / "state/pulls").rglob("*"))
+    # the killed run's snapshots (its producer may still be at work in them)
+    staged = sorted(p.name for p in Path(opts.staging_root).iterdir())
     (ws / "b").write_text("b three, longer\n")
-    preview = run_pull(LocalTransport(), ws, dest, dataclasses.replace(opts, dry_run=True))
-    assert any(line.endswith(" b") for line in preview.changes), preview.changes
-    assert any(line.endswith(" a") for line in preview.changes), preview.changes
+    dry = dataclasses.replace(opts, dry_run=True)
+    for _ in range(2):
+        preview = run_pull(LocalTransport(), ws, dest, dry)
+        assert any(line.endswith(" b") for line in preview.changes), preview.changes
+        assert any(line.endswith(" a") for line in preview.changes), preview.changes
+        assert not preview.reconciled
+        assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "state/pulls").rglob("*")) == (
+            journal
+        )
+        assert sorted(p.name for p in Path(opts.staging_root).iterdir()) == staged
+    again = run_pull(LocalTransport(), ws, dest, opts)
+    assert again.ok and again.reconciled, again
+    assert (dest / "a").read_text() == "a two\n"
+    run_pull(LocalTransport(), ws, dest, opts)
+    assert_exact(ws, dest)
 
 
 def test_a_pull_killed_while_it_reuses_the_kept_tree_finishes_exactly(tmp_path: Path) -> None:

@@ -251,11 +251,18 @@ def test_a_dry_run_after_a_stopped_first_pull_lists_the_workspace_as_it_is_now(
     tmp_path: Path, workspace: Path, admitted: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The listing of the stopped pull is still staged under its id; a preview must not
-    adopt it: it shows what a pull would do now, a file added since included."""
+    adopt it: it shows what a pull would do now, a file added since included.  Nor may
+    it remove it: the real rerun still resumes the stopped pull."""
     _stopped_first_pull(tmp_path, workspace, admitted, monkeypatch)
+    staged = _staged(tmp_path)
     (workspace / "added-after-the-stop.txt").write_text("new\n")
     result = run_pull(local(), workspace, tmp_path / "out", options(tmp_path, dry_run=True))
     assert any(line.endswith("added-after-the-stop.txt") for line in result.changes)
+    assert _staged(tmp_path) == staged
+    admitted.clear()
+    result = run_pull(local(), workspace, tmp_path / "out", options(tmp_path))
+    assert result.ok and result.reconciled
+    assert admitted == ["tar"]  # the content run resumed, no fresh listing
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["default", "keep-staging"])

@@ -216,9 +216,10 @@ class IncrementalRunner(StreamRunner):
         if journal.meta is not None and journal.has_done():
             # no run of that listing to resume, or the journal cannot give it back whole
             # (a lost or damaged chunk or record), or a dry run (which must list the
-            # workspace as it is now, not adopt a listing still staged under that id; its
-            # end removes the journal anyway): the runs admitted after it go with it, so
-            # that a fresh listing never meets an older snapshot
+            # workspace as it is now, not adopt a listing still staged under that id; it
+            # has a journal of its own, where only an earlier dry run can have left one):
+            # the runs admitted after it go with it, so that a fresh listing never meets
+            # an older snapshot
             self.journal.forget()
             self.journal.phase("select").forget()
             journal.forget()

@@ -64,10 +64,15 @@ class Journal:
         dest: Path,
         min_free: int = 0,
         dest_dir: DestDir | None = None,
+        *,
+        dry_run: bool = False,
     ) -> None:
         #: DEST's parent fd and lock, closed with the journal (also when open fails)
         self.dest_dir = dest_dir
-        self.key = _key(sandbox, str(dest))
+        # a dry run journals apart: it writes nothing, so it must neither resume nor
+        # remove the journal (and the guest staging it names) of a pull that was stopped,
+        # which the real rerun finishes
+        self.key = _key(sandbox, str(dest), *(["dry-run"] if dry_run else []))
         self.min_free = min_free
         self.dir = state_dir / "pulls" / self.key
         self.chunks_dir = self.dir / "chunks"

@@ -511,8 +511,9 @@ async def _pull(
     target = check_dest(Path(dest), transport, workspace, options)
     real = target.path
     journal = Journal(
-        options.state_dir, sandbox, real, options.limits.min_free_bytes, target
-    ).open()
+        options.state_dir, sandbox, real, options.limits.min_free_bytes, target,
+        dry_run=options.dry_run,
+    ).open()  # fmt: skip
     runner = _Pull(transport, workspace, real, options, journal, on_progress, helpers=helpers)
     try:
         async with asyncio.timeout(options.timeout or None):
