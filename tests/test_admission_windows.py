@@ -31,7 +31,8 @@ from conftest import ProcessWatch
 from helpers import assert_exact, guest_shell_path, make_tree, options, run_pull
 from test_staging_security import _slow_tar
 from wsync.emulators.daytona import DaytonaEmulatorThread, DaytonaFaults
-from wsync.engine.guest import CallStats, GuestSession
+from wsync.engine.guest import GuestSession
+from wsync.engine.guestcall import CallStats
 from wsync.engine.pull import pull_uri
 from wsync.protocol import records, scripts
 from wsync.transports.local import LocalTransport

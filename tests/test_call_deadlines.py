@@ -17,7 +17,8 @@ import pytest
 from helpers import local, make_tree, options
 from wsync.chaos import ChaosTransport, FaultPlan
 from wsync.engine.api import PullOptions
-from wsync.engine.guest import _COLD, _COLD_STATUS, CallStats, GuestSession
+from wsync.engine.guest import GuestSession
+from wsync.engine.guestcall import _COLD, _COLD_STATUS, CallStats
 from wsync.protocol.policy import STALL_FLOOR, CallDeadlines
 from wsync.transports.base import DEFAULT_MAX_OUTPUT, ExecResult
 

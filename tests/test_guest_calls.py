@@ -36,7 +36,8 @@ from helpers import (
     shim_tools,
     tool_runs,
 )
-from wsync.engine.guest import CallStats, GuestPlan, GuestSession
+from wsync.engine.guest import GuestPlan, GuestSession
+from wsync.engine.guestcall import CallStats
 from wsync.protocol import records, scripts
 from wsync.protocol.envelope import parse_envelope
 from wsync.protocol.hashing import ALGORITHMS, PROBE_ALGORITHM

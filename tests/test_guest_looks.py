@@ -35,7 +35,8 @@ from helpers import (
     shim_tools,
     tool_runs,
 )
-from wsync.engine.guest import CallStats, GuestSession
+from wsync.engine.guest import GuestSession
+from wsync.engine.guestcall import CallStats
 from wsync.protocol import records, scripts
 from wsync.protocol.hashing import ALGORITHMS
 from wsync.transports.local import LocalTransport

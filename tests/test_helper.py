@@ -33,7 +33,8 @@ from wsync.emulators.docker import EmulatorThread as DockerEmulator
 from wsync.emulators.k8s import K8sEmulatorThread, K8sFaults
 from wsync.emulators.sprites import EmulatorThread as SpritesEmulator
 from wsync.emulators.sprites_faults import SpritesFaults
-from wsync.engine.guest import CallStats, GuestSession
+from wsync.engine.guest import GuestSession
+from wsync.engine.guestcall import CallStats
 from wsync.engine.helpers import HelperPool
 from wsync.errors import ProtocolError, TransportError, TransportTimeout
 from wsync.protocol import helper

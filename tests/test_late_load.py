@@ -20,7 +20,8 @@ import pytest
 
 from helpers import assert_exact, local, make_tree, options, run_pull
 from wsync.engine import incremental
-from wsync.engine.guest import CallStats, GuestSession
+from wsync.engine.guest import GuestSession
+from wsync.engine.guestcall import CallStats
 from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
 from wsync.engine.pull import _Pull, pull

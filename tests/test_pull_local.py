@@ -321,7 +321,8 @@ def test_admission_is_idempotent_and_adoption_is_reported(tmp_path: Path, worksp
     a retry of our own admission (its answer lost on the wire) is still ``admitted``."""
     import asyncio
 
-    from wsync.engine.guest import CallStats, GuestSession
+    from wsync.engine.guest import GuestSession
+    from wsync.engine.guestcall import CallStats
 
     opts = options(tmp_path)
 
@@ -436,7 +437,8 @@ def test_the_producer_indexes_chunks_while_it_still_runs(tmp_path: Path) -> None
     """Chunks become readable before the archive is finished (pull overlaps produce)."""
     import asyncio
 
-    from wsync.engine.guest import CallStats, GuestSession
+    from wsync.engine.guest import GuestSession
+    from wsync.engine.guestcall import CallStats
 
     ws, transport = _held_open_archive(tmp_path)
     opts = options(tmp_path, chunk_size=1024 * 1024)
@@ -470,7 +472,8 @@ def test_a_status_long_poll_answers_when_a_chunk_lands_and_carries_the_index(
     import asyncio
     import time
 
-    from wsync.engine.guest import CallStats, GuestSession
+    from wsync.engine.guest import GuestSession
+    from wsync.engine.guestcall import CallStats
 
     ws, transport = _held_open_archive(tmp_path)
     opts = options(tmp_path, chunk_size=1024 * 1024)
@@ -611,7 +614,8 @@ def test_zstd_long_is_used_where_the_guest_zstd_has_it(tmp_path: Path, long_wind
     repetition 8 MiB apart (beyond the default window) costs almost nothing with it."""
     import asyncio
 
-    from wsync.engine.guest import CallStats, GuestSession
+    from wsync.engine.guest import GuestSession
+    from wsync.engine.guestcall import CallStats
 
     ws = make_tree(tmp_path / "ws")
     block = os.urandom(8 * 1024 * 1024)

@@ -24,7 +24,8 @@ import pytest
 from conftest import ProcessWatch
 from helpers import assert_exact, busybox_bin, options, run_pull
 from wsync.engine.api import PullOptions
-from wsync.engine.guest import CallStats, GuestSession
+from wsync.engine.guest import GuestSession
+from wsync.engine.guestcall import CallStats
 from wsync.errors import StagingFailed, UsageError, WsyncError
 from wsync.protocol import scripts
 from wsync.transports.local import LocalTransport

@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from wsync.engine.api import PullOptions
-from wsync.engine.guest import CallStats, GuestSession
+from wsync.engine.guest import GuestSession
+from wsync.engine.guestcall import CallStats
 from wsync.errors import UsageError, WsyncError
 from wsync.protocol import scripts
 from wsync.protocol.records import printable

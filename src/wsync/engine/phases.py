@@ -25,7 +25,8 @@ import structlog
 from wsync.engine.api import Progress, ProgressCallback, PullOptions
 from wsync.engine.extract import ExtractStats
 from wsync.engine.feed import ChunkFeed
-from wsync.engine.guest import CallStats, GuestPlan, GuestSession
+from wsync.engine.guest import GuestPlan, GuestSession
+from wsync.engine.guestcall import CallStats
 from wsync.engine.helpers import HelperPool
 from wsync.engine.incremental import Incremental
 from wsync.engine.journal import Journal
