@@ -27,7 +27,7 @@ from wsync.engine.api import PullOptions
 from wsync.engine.guest import GuestSession
 from wsync.engine.guestcall import CallStats
 from wsync.errors import StagingFailed, UsageError, WsyncError
-from wsync.protocol import scripts
+from wsync.protocol import callsh, scripts
 from wsync.transports.local import LocalTransport
 
 NOBODY = 65534
@@ -373,10 +373,8 @@ def test_only_our_producer_counts_as_killable(
     arg = procs.sleep_arg(300)
     env = _slow_tar(tmp_path, arg, guest)
     opts = options(tmp_path)
-    ask = scripts._compact(
-        scripts._PRELUDE
-        + scripts._KILL
-        + 'pn=$1; shift; for p; do mine "$p" && echo y || echo n; done'
+    ask = callsh.compact(
+        callsh.PRELUDE + callsh.KILL + 'pn=$1; shift; for p; do mine "$p" && echo y || echo n; done'
     )
 
     async def go() -> list[str]:
