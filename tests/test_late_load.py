@@ -266,6 +266,51 @@ def test_a_dry_run_after_a_stopped_first_pull_lists_the_workspace_as_it_is_now(
     assert admitted == ["tar"]  # the content run resumed, no fresh listing
 
 
+def test_a_dry_run_after_a_stopped_dry_run_lists_the_workspace_as_it_is_now(
+    tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dry run stopped while its listing streams leaves its journal (no ``done`` yet)
+    and its listing staged; the next dry run must list afresh, not resume that listing
+    (it would preview the workspace as it was), and its cleanup takes the old one too.
+    A red-team review found the resume."""
+    out = tmp_path / "out"
+    run_pull(local(), workspace, out, options(tmp_path))
+    real_load = Incremental.load
+    release = threading.Event()
+    holding = threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        release.wait(20)
+
+    _hold_load(monkeypatch, lambda: True, hold)
+
+    async def go() -> None:
+        transport = local()
+        task = asyncio.create_task(
+            pull(transport, str(workspace), out, options(tmp_path, dry_run=True))
+        )
+        try:
+            assert await asyncio.to_thread(holding.wait, 30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            release.set()
+            await transport.aclose()
+
+    asyncio.run(go())
+    monkeypatch.setattr(Incremental, "load", real_load)
+    assert _staged(tmp_path)  # the stopped dry run's listing
+    assert not list((tmp_path / "state/pulls").glob("*/phase-manifest/done.json"))
+    (workspace / "added-after-the-stop.txt").write_text("new\n")
+    preview = run_pull(local(), workspace, out, options(tmp_path, dry_run=True))
+    assert not preview.reconciled
+    assert any(line.endswith("added-after-the-stop.txt") for line in preview.changes)
+    assert _staged(tmp_path) == []
+    assert list((tmp_path / "state/pulls").iterdir()) == []
+
+
 @pytest.mark.parametrize("keep", [False, True], ids=["default", "keep-staging"])
 @pytest.mark.parametrize("pull_kind", ["first", "changed", "unchanged"])
 def test_the_manifests_staging_goes_with_the_content_runs_in_one_last_call(

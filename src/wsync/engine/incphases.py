@@ -213,13 +213,14 @@ class IncrementalRunner(StreamRunner):
             if not skip:
                 await self.replay(plan, inc)
             return
-        if journal.meta is not None and journal.has_done():
+        if journal.meta is not None and (journal.has_done() or self.options.dry_run):
             # no run of that listing to resume, or the journal cannot give it back whole
-            # (a lost or damaged chunk or record), or a dry run (which must list the
-            # workspace as it is now, not adopt a listing still staged under that id; it
-            # has a journal of its own, where only an earlier dry run can have left one):
-            # the runs admitted after it go with it, so that a fresh listing never meets
-            # an older snapshot
+            # (a lost or damaged chunk or record), or a dry run, which must list the
+            # workspace as it is now: it neither adopts a listing still staged under that
+            # id nor resumes one an earlier dry run was stopped in (a dry run has a journal
+            # of its own, where only an earlier dry run can have left one).  The runs
+            # admitted after it go with it, so that a fresh listing never meets an older
+            # snapshot
             self.journal.forget()
             self.journal.phase("select").forget()
             journal.forget()

@@ -1,7 +1,8 @@
 """The durable host journal of one pull: which verified chunks are on disk.
 
 Layout under ``STATE/pulls/KEY/`` (KEY is a hash of the sandbox URI and the
-real DEST path, so the same command finds the same journal)::
+real DEST path, so the same command finds the same journal; a dry run's has
+``dry-run`` hashed in too, so that it never touches a real pull's)::
 
     lock              flock'ed while a wsync process works on this pull
     meta.json         snapshot id and the parameters it was admitted with
