@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from wsync.cli import build_parser, main
+from wsync.cli import main
+from wsync.cliargs import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = ["pull", "doctor", "demo", "daemon", "status", "jobs", "completion", "man"]

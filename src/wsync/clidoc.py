@@ -2,7 +2,7 @@
 
 Why generated and not hand-written: a hand-kept completion script or man page
 drifts from ``--help`` the first time an option is added.  Both come from the
-same :func:`wsync.cli.build_parser` (``full=True``, so the daemon commands'
+same :func:`wsync.cliargs.build_parser` (``full=True``, so the daemon commands'
 options are in too), through two small single-purpose libraries:
 
 * **shtab** writes static bash, zsh and fish completion scripts from an
@@ -55,7 +55,7 @@ def completion_script(shell: str) -> str:
     """The completion script for ``shell`` (bash, zsh or fish)."""
     import shtab
 
-    from wsync.cli import build_parser
+    from wsync.cliargs import build_parser
 
     parser = build_parser(full=True)
     _tag_paths(parser)
@@ -67,7 +67,7 @@ def man_page() -> str:
     """The wsync(1) manual page in roff."""
     from argparse_manpage.manpage import Manpage
 
-    from wsync.cli import build_parser
+    from wsync.cliargs import build_parser
 
     # argparse wraps usage lines to $COLUMNS; man fills the text itself, so
     # hand it one long line per usage instead of a terminal's worth of breaks
@@ -105,13 +105,13 @@ def _epilog_sections(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
     The exit-code table every epilog ends with is already the page's COMMENTS
     section, so it is cut; commands sharing an epilog share its section.
     """
-    from wsync.cli import _EPILOG_EXIT
+    from wsync.cliargs import EPILOG_EXIT
 
     by_text: dict[tuple[str, bool], list[str]] = {}
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, child in action.choices.items():
-                body = (child.epilog or "").replace(_EPILOG_EXIT, "").strip()
+                body = (child.epilog or "").replace(EPILOG_EXIT, "").strip()
                 raw = issubclass(child.formatter_class, argparse.RawDescriptionHelpFormatter)
                 if body:
                     by_text.setdefault((body, raw), []).append(f"wsync {name}")
