@@ -242,6 +242,14 @@ def test_a_pull_killed_after_its_swap_lists_afresh_next_time(tmp_path: Path) -> 
     assert_exact(ws, dest)
 
 
+def _journal_files(tmp_path: Path) -> dict[str, bytes | None]:
+    """Every path of the host journals, with a file's bytes (None: a directory)."""
+    return {
+        str(p.relative_to(tmp_path)): None if p.is_dir() else p.read_bytes()
+        for p in sorted((tmp_path / "state/pulls").rglob("*"))
+    }
+
+
 def test_a_dry_run_after_a_killed_pull_previews_the_workspace_as_it_is_now(
     tmp_path: Path,
 ) -> None:
@@ -251,7 +259,7 @@ def test_a_dry_run_after_a_killed_pull_previews_the_workspace_as_it_is_now(
     finishes the interrupted pull (and a second dry run previews the same)."""
     ws, dest, opts = _pulled_then_a_changed(tmp_path)
     _killed(tmp_path, ws, dest, "status", tmp_path / "state/pulls/*/phase-select/meta.json")
-    journal = sorted(p.relative_to(tmp_path) for p in (tmp_path / "state/pulls").rglob("*"))
+    journal = _journal_files(tmp_path)
     # the killed run's snapshots (its producer may still be at work in them)
     staged = sorted(p.name for p in Path(opts.staging_root).iterdir())
     (ws / "b").write_text("b three, longer\n")
@@ -261,9 +269,7 @@ def test_a_dry_run_after_a_killed_pull_previews_the_workspace_as_it_is_now(
         assert any(line.endswith(" b") for line in preview.changes), preview.changes
         assert any(line.endswith(" a") for line in preview.changes), preview.changes
         assert not preview.reconciled
-        assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "state/pulls").rglob("*")) == (
-            journal
-        )
+        assert _journal_files(tmp_path) == journal
         assert sorted(p.name for p in Path(opts.staging_root).iterdir()) == staged
     again = run_pull(LocalTransport(), ws, dest, opts)
     assert again.ok and again.reconciled, again
