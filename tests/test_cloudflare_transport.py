@@ -92,11 +92,14 @@ def test_stream_faults_map_to_honest_results(tmp_path: Path) -> None:
 
 def test_503_before_the_stream_is_retried_then_reported(tmp_path: Path) -> None:
     async def body(emu: CloudflareEmulator, t: CloudflareTransport, box: Path) -> None:
-        t.retry_delay = 0.05
-        emu.faults = CloudflareFaults(starting_for=0.3)
+        # "starting" for 2 s: the first request lands in it even on a loaded machine (0.3 s
+        # did not, once), and the retries' delays (0.4 + 0.8 + 1.6 + 3.2 s) outlast it
+        t.retry_delay = 0.4
+        emu.faults = CloudflareFaults(starting_for=2.0)
         emu._started = asyncio.get_running_loop().time()  # "the container is starting" now
         assert (await t.exec(["echo", "up"], timeout=20)).stdout == b"up\n"
         assert emu.stats["http_503"] >= 1
+        t.retry_delay = 0.05  # (every answer a 503 now: no window to outlast)
         emu.faults = CloudflareFaults(unavailable=1.0)
         with pytest.raises(TransportError, match="HTTP 503"):
             await t.exec(["true"], timeout=20)
