@@ -125,7 +125,7 @@ def test_made_up_exit_while_the_command_runs(tmp_path: Path) -> None:
     """#873: exit 0 arrives after 64 KiB; the command goes on and finishes unseen."""
 
     async def body(emu: CloudflareEmulator, client: httpx.AsyncClient, box: Path) -> None:
-        script = "head -c 200000 /dev/zero | tr '\\0' x; sleep 0.5; touch finished; exit 7"
+        script = "head -c 200000 /dev/zero | tr '\\0' x; sleep 3; touch finished; exit 7"
         _, events, _ = await run(client, ["sh", "-c", script])
         assert exit_code(events) == 0
         assert len(output(events)) == 64 * 1024
@@ -149,7 +149,7 @@ def test_zero_exit_long_line_drop_and_lost_tail(tmp_path: Path) -> None:
         _, events, _ = await run(client, ["sh", "-c", "head -c 10000 /dev/zero | tr '\\0' y; echo"])
         assert output(events) == b"y" * 4096 + b"\n"
         emu.faults = CloudflareFaults(lose_tail=1.0)
-        _, events, _ = await run(client, ["sh", "-c", "echo one; sleep 0.2; echo two; exit 5"])
+        _, events, _ = await run(client, ["sh", "-c", "echo one; sleep 1; echo two; exit 5"])
         assert output(events) == b"one\n"
         assert exit_code(events) == 5
 
@@ -171,7 +171,7 @@ def test_broken_streams(tmp_path: Path) -> None:
         emu.faults = CloudflareFaults(unavailable=1.0)
         status, _, raw = await run(client, ["true"])
         assert (status, json.loads(raw)["code"]) == (503, "capacity_exceeded")
-        emu.faults = CloudflareFaults(idle_close=0.3)
+        emu.faults = CloudflareFaults(idle_close=1.5)  # (sh starts and echoes within it)
         _, events, _ = await run(client, ["sh", "-c", "echo a; sleep 5; echo b"])
         assert (output(events), exit_code(events)) == (b"a\n", None)
         assert emu.stats["idle_close"] == 1

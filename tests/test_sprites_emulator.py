@@ -126,7 +126,8 @@ def test_stdin_gate_defeats_the_ring(tmp_path: Path) -> None:
 
 def test_merged_stderr_arrives_inside_one_stdout_frame(tmp_path: Path) -> None:
     faults = SpritesFaults(merge_stderr=1.0)
-    script = "printf AAAA; sleep 0.05; printf BBBB 1>&2; sleep 0.05; printf CCCC"
+    # (half a second apart: three reads of the pipes even on a loaded machine)
+    script = "printf AAAA; sleep 0.5; printf BBBB 1>&2; sleep 0.5; printf CCCC"
 
     async def main() -> NaiveResult:
         async with SpritesEmulator(tmp_path, faults=faults) as emu:
