@@ -190,11 +190,16 @@ def test_a_pull_with_nothing_to_do_leaves_no_late_load_running(
         released.set()
 
 
-def _stopped_first_pull(
-    tmp_path: Path, workspace: Path, admitted: list[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A first pull cancelled (SIGINT, a daemon's DELETE, --timeout) while the late load
-    holds, the content run admitted meanwhile; the load is then let go and put back."""
+def _stopped_while_loading(
+    tmp_path: Path,
+    workspace: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    until: Callable[[], bool],
+    **overrides: Any,
+) -> list[bool]:
+    """A pull into ``out`` (with ``overrides`` of its options) cancelled (SIGINT, a daemon's
+    DELETE, --timeout) while the manifest's load holds, which it does until ``until()``;
+    the load is then let go and put back.  Returns what :func:`_hold_load` saw."""
     real_load = Incremental.load
     release = threading.Event()
     holding = threading.Event()
@@ -203,12 +208,13 @@ def _stopped_first_pull(
         holding.set()
         release.wait(20)
 
-    seen = _hold_load(monkeypatch, lambda: "tar" in admitted, hold)
+    seen = _hold_load(monkeypatch, until, hold)
 
     async def go() -> None:
         transport = local()
         out = tmp_path / "out"
-        task = asyncio.create_task(pull(transport, str(workspace), out, options(tmp_path)))
+        opts = options(tmp_path, **overrides)
+        task = asyncio.create_task(pull(transport, str(workspace), out, opts))
         try:
             assert await asyncio.to_thread(holding.wait, 30)
             task.cancel()
@@ -219,8 +225,17 @@ def _stopped_first_pull(
             await transport.aclose()
 
     asyncio.run(go())
-    assert seen == [True]
     monkeypatch.setattr(Incremental, "load", real_load)
+    return seen
+
+
+def _stopped_first_pull(
+    tmp_path: Path, workspace: Path, admitted: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first pull stopped while the late load holds, the content run admitted
+    meanwhile."""
+    seen = _stopped_while_loading(tmp_path, workspace, monkeypatch, lambda: "tar" in admitted)
+    assert seen == [True]
     admitted.clear()
 
 
@@ -275,32 +290,7 @@ def test_a_dry_run_after_a_stopped_dry_run_lists_the_workspace_as_it_is_now(
     A red-team review found the resume."""
     out = tmp_path / "out"
     run_pull(local(), workspace, out, options(tmp_path))
-    real_load = Incremental.load
-    release = threading.Event()
-    holding = threading.Event()
-
-    def hold() -> None:
-        holding.set()
-        release.wait(20)
-
-    _hold_load(monkeypatch, lambda: True, hold)
-
-    async def go() -> None:
-        transport = local()
-        task = asyncio.create_task(
-            pull(transport, str(workspace), out, options(tmp_path, dry_run=True))
-        )
-        try:
-            assert await asyncio.to_thread(holding.wait, 30)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-        finally:
-            release.set()
-            await transport.aclose()
-
-    asyncio.run(go())
-    monkeypatch.setattr(Incremental, "load", real_load)
+    _stopped_while_loading(tmp_path, workspace, monkeypatch, lambda: True, dry_run=True)
     assert _staged(tmp_path)  # the stopped dry run's listing
     assert not list((tmp_path / "state/pulls").glob("*/phase-manifest/done.json"))
     (workspace / "added-after-the-stop.txt").write_text("new\n")
