@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wsync.errors import ProtocolError, UsageError
+from wsync.transports.base import error_message
 from wsync.transports.docker_protocol import (
     DEFAULT_SOCKET,
     STDERR,
@@ -28,7 +29,6 @@ from wsync.transports.docker_protocol import (
     check_container,
     check_start_answer,
     encode_frame,
-    error_message,
     exec_create_body,
     parse_docker_host,
     parse_exec_create,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import json
 import os
 import shlex
 import urllib.parse
@@ -313,6 +314,18 @@ def check_base_url(url: str, what: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UsageError(f"the {what} URL must be http(s)://HOST[:PORT][/PATH]")
     return url
+
+
+def error_message(body: bytes, limit: int = 200) -> str:
+    """``message`` of a JSON error body (Docker's ``ErrorResponse``, Connect's and envd's
+    errors), at most ``limit`` characters, else a bounded printable head of the body."""
+    try:
+        obj = json.loads(body)
+        if isinstance(obj, dict) and isinstance(obj.get("message"), str):
+            return str(obj["message"])[:limit]
+    except (ValueError, RecursionError):
+        pass
+    return body[:200].decode("utf-8", "replace").strip()
 
 
 class Transport(abc.ABC):

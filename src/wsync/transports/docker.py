@@ -70,6 +70,7 @@ from wsync.transports.base import (
     Channel,
     ExecResult,
     Transport,
+    error_message,
     float_options,
     refuse_if_killed,
     sweep_stale_kill_marks,
@@ -81,7 +82,6 @@ from wsync.transports.docker_protocol import (
     ExecCollector,
     Inspect,
     check_container,
-    error_message,
     exec_create_body,
     parse_docker_host,
     parse_exec_id,
@@ -150,7 +150,7 @@ STDIN_CHUNK = 256 * 1024
 
 
 def _error(answer: docker_http.Answer) -> str:
-    return f"HTTP {answer.status}: {error_message(answer.body)}"
+    return f"HTTP {answer.status}: {error_message(answer.body, 300)}"
 
 
 class DockerTransport(Transport):

@@ -306,17 +306,6 @@ def parse_inspect(body: bytes) -> Inspect:
     return Inspect(running, code, pid)
 
 
-def error_message(body: bytes) -> str:
-    """``message`` of an ``ErrorResponse``, else a bounded printable head of the body."""
-    try:
-        obj = json.loads(body)
-        if isinstance(obj, dict) and isinstance(obj.get("message"), str):
-            return str(obj["message"])[:300]
-    except (ValueError, RecursionError):
-        pass
-    return body[:200].decode("utf-8", "replace").strip()
-
-
 def error_body(message: str) -> bytes:
     return json.dumps({"message": message}, separators=(",", ":")).encode()
 

@@ -62,6 +62,7 @@ from wsync.transports.base import (
     ExecResult,
     Transport,
     check_base_url,
+    error_message,
     find_secret,
     float_options,
 )
@@ -74,7 +75,6 @@ from wsync.transports.e2b_protocol import (
     START_PATH,
     EndStream,
     StartCollector,
-    error_text,
     parse_content_range,
     pid_body,
     range_header,
@@ -237,7 +237,7 @@ class E2BTransport(Transport):
 
     def _refused(self, status: int, body: bytes, what: str) -> TransportError | SandboxUnreachable:
         """The error for a non-200 answer (no stream was started)."""
-        text = error_text(body)
+        text = error_message(body)
         if status in (401, 403):
             return AuthFailed(
                 f"{self.description}: authentication failed (HTTP {status}); check E2B_ACCESS_TOKEN"
@@ -449,7 +449,7 @@ class E2BTransport(Transport):
                 )
             if status in (200, 404):  # 404: the process already exited (not_found)
                 return
-            errors.append(f"HTTP {status}: {error_text(body)}")
+            errors.append(f"HTTP {status}: {error_message(body)}")
         except httpx.HTTPError as err:
             errors.append(f"{type(err).__name__}: {err}")
         await self._kill(pid, "")

@@ -44,7 +44,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 
 from wsync.errors import ProtocolError, TransportError
-from wsync.transports.base import PumpedChannel
+from wsync.transports.base import PumpedChannel, error_message
 from wsync.transports.e2b_protocol import (
     SEND_INPUT_PATH,
     STDIN_CHUNK,
@@ -55,7 +55,6 @@ from wsync.transports.e2b_protocol import (
     Start,
     decode_end_stream,
     decode_event,
-    error_text,
     send_input_body,
 )
 
@@ -203,7 +202,7 @@ class E2BChannel(PumpedChannel):
                 if status != 200:
                     raise TransportError(
                         f"{self._description}: SendInput refused "
-                        f"(HTTP {status}: {error_text(answer)})"
+                        f"(HTTP {status}: {error_message(answer)})"
                     )
                 ok = True
             finally:

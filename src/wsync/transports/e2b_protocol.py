@@ -340,17 +340,6 @@ def parse_start_request(message: bytes) -> StartRequest:
     )
 
 
-def error_text(body: bytes) -> str:
-    """``message`` of a JSON error body (Connect or envd), else a bounded printable head."""
-    try:
-        obj = json.loads(body)
-        if isinstance(obj, dict) and isinstance(obj.get("message"), str):
-            return str(obj["message"])[:200]
-    except (ValueError, RecursionError):
-        pass
-    return body[:200].decode("utf-8", "replace").strip()
-
-
 def send_input_body(pid: int, data: bytes) -> bytes:
     return _json({"process": {"pid": pid}, "input": {"stdin": base64.b64encode(data).decode()}})
 
