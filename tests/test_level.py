@@ -269,19 +269,22 @@ def test_a_fast_link_that_answers_late_is_not_taken_for_a_slow_one(tmp_path: Pat
 
 
 def test_a_narrow_link_is_taken_for_one_and_compressed_harder(tmp_path: Path) -> None:
-    """The other side of the same read: a link that carries 2.5 MB/s (20 Mbit/s) is
-    slow by both bounds, and its archive goes at -9 (and every level gives the tree)."""
+    """The other side of the same read: a link that carries 1 MB/s (8 Mbit/s) is slow
+    by both bounds, and its archive goes at -9 (and every level gives the tree).  (At
+    2.5 MB/s the 110 KB manifest crossed in 45 ms, and a fresh-clone CI run's fastest
+    small call took 25 ms longer than the read's own round trip: with that taken off,
+    the fast bound came to 6 MB/s, -6.  The manifest is now 0.2 MB, 0.2 s on the link.)"""
     ws = tmp_path / "ws"
     ws.mkdir()
     rng = random.Random(7)
-    for _ in range(1500):
+    for _ in range(3000):
         (ws / rng.randbytes(60).hex()).write_bytes(b"")
-    plan = chaos.FaultPlan.parse("bw=2500000")
-    assert plan.bw == 2_500_000
+    plan = chaos.FaultPlan.parse("bw=1000000")
+    assert plan.bw == 1_000_000
     result = run_pull(chaos.wrap(local(), plan), ws, tmp_path / "out", options(tmp_path))
     assert_exact(ws, tmp_path / "out")
     assert result.compress_level == 9
-    assert 0.5 * MB < result.link_bytes_per_s <= 2.5 * MB
+    assert 0.2 * MB < result.link_bytes_per_s <= 1.0 * MB
 
 
 def test_a_small_pull_measures_but_does_not_remember(tmp_path: Path, compressible: Path) -> None:
