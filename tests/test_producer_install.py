@@ -17,7 +17,7 @@ from wsync.errors import TransportError
 from wsync.protocol import scripts
 from wsync.protocol.hashing import ALGORITHMS
 from wsync.transports.local import LocalTransport
-from wsync.transports.ssh import _wrapped
+from wsync.transports.sshcommand import wrapped
 
 #: Dropbear refuses ssh command lines longer than this (MAX_CMD_LEN)
 DROPBEAR_MAX_CMD_LEN = 9000
@@ -62,7 +62,7 @@ class Dropbear(LocalTransport):
     capabilities = dataclasses.replace(LocalTransport.capabilities, channel=False)
 
     async def exec(self, argv, **kw):  # type: ignore[no-untyped-def,override]
-        if len(_wrapped(argv)[1]) > DROPBEAR_MAX_CMD_LEN:
+        if len(wrapped(argv)[1]) > DROPBEAR_MAX_CMD_LEN:
             raise TransportError("exec request refused (command too long)")
         return await super().exec(argv, **kw)
 

@@ -21,17 +21,10 @@ Why these choices:
   :class:`~wsync.errors.SandboxUnreachable`; failing to *re*connect for the
   same network reasons is retryable (sshd restarting, a network blip), while
   host-key and authentication failures stay fatal.
-* **Deadlines kill the command's process group.**  OpenSSH ignores channel
-  ``signal`` requests for root logins ("session signalling requires privilege
-  separation"), and closing a channel does not stop the command.  So every
-  command runs as ``exec sh -c '"$@"; exit $?' wsync-exec-NONCE ARGV...``: the
-  wrapper shell is the session leader sshd created, and its command line
-  carries a per-exec nonce.  On a deadline a second channel runs a small
-  reaper that finds the session leader with that nonce in ``/proc`` and
-  SIGKILLs its process group, exactly what ``local:`` does.  Detached children
-  (``setsid ... &``) are in other groups and survive, as the guest producer
-  must.  The price: a command killed by a signal reports ``128+N`` (the
-  wrapper's status), as any shell would.
+* **Deadlines kill the command's process group**: every command runs under a wrapper
+  shell whose command line carries a per-exec nonce, and a deadline runs a reaper on a
+  second channel (:mod:`wsync.transports.sshcommand`, shared with ``--ssh-client
+  openssh``).
 
 No key material, passphrase or password is ever logged or put in a message.
 """
@@ -40,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -62,35 +54,22 @@ from wsync.transports.base import (
     ExecResult,
     Transport,
 )
+from wsync.transports.sshcommand import (
+    CIPHERS,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_MAX_SESSIONS,
+    REAP_TIMEOUT,
+    describe,
+    parse_options,
+    reaper,
+    wrapped,
+)
 from wsync.transports.sshlib import ack_at_once, asyncssh
 from wsync.uri import SandboxURI
 
-DEFAULT_CONNECT_TIMEOUT = 20.0
-DEFAULT_MAX_SESSIONS = 8
 KEEPALIVE_INTERVAL = 15.0
 #: how long to wait for a channel we are abandoning to finish closing
 _CLOSE_GRACE = 2.0
-#: bound on the reaper exec that runs after a deadline
-_REAP_TIMEOUT = 10.0
-
-#: runs ARGV under a wrapper shell whose command line names the exec (see module doc);
-#: "; exit $?" stops shells from exec'ing "$@" in place of the wrapper
-_WRAPPER = '"$@"; exit $?'
-
-#: kills the process group led by the session leader whose argv holds "$1" exactly.
-#: Parses /proc/PID/stat with builtins only (comm may hold spaces); skips itself.
-_REAPER = r"""m=$1
-for d in /proc/[0-9]*; do
-  p=${d#/proc/}
-  [ "$p" = "$$" ] && continue
-  read -r st 2>/dev/null < "$d/stat" || continue
-  set -- ${st##*")"}
-  [ "$4" = "$p" ] || continue
-  tr '\0' '\n' 2>/dev/null < "$d/cmdline" | grep -qxF "$m" || continue
-  kill -s KILL -- "-$p" 2>/dev/null
-done
-exit 0
-"""
 
 _NETWORK_ERRORS = (OSError, TimeoutError, asyncssh.ConnectionLost)
 
@@ -199,19 +178,6 @@ class _SshChannel(Channel):
             await self._transport._reap(self._conn, self._marker)
 
 
-#: the ciphers OpenSSH offers by default, AES-GCM first: with AES-NI it runs
-#: about twice as fast as chacha20-poly1305 in asyncssh (measured 395 vs 178
-#: MiB/s on loopback), and bulk reads are most of what wsync does
-CIPHERS = (
-    "aes128-gcm@openssh.com",
-    "aes256-gcm@openssh.com",
-    "chacha20-poly1305@openssh.com",
-    "aes128-ctr",
-    "aes192-ctr",
-    "aes256-ctr",
-)
-
-
 class SshTransport(Transport):
     """Exec over one shared, lazily (re)connected SSH connection."""
 
@@ -249,40 +215,12 @@ class SshTransport(Transport):
 
     @classmethod
     def from_uri(cls, uri: SandboxURI, options: Mapping[str, Any]) -> SshTransport:
-        """Options: ``ssh_key``, ``known_hosts``, ``ssh_config`` (a path, or ``"none"``
-        to ignore ``~/.ssh/config``), ``connect_timeout`` (s), ``max_sessions``."""
-        if uri.scheme != cls.scheme or not uri.host:
-            raise UsageError(f"{uri.raw!r} is not an ssh://[user@]host[:port]/path URI")
-
-        def opt_path(key: str) -> str | None:
-            value = options.get(key)
-            if value is None or value == "":
-                return None
-            if not isinstance(value, str | Path):
-                raise UsageError(f"ssh option {key!r} must be a path")
-            return str(Path(value).expanduser()) if str(value) != "none" else "none"
-
-        try:
-            connect_timeout = float(options.get("connect_timeout") or DEFAULT_CONNECT_TIMEOUT)
-            max_sessions = int(options.get("max_sessions") or DEFAULT_MAX_SESSIONS)
-        except (TypeError, ValueError):
-            raise UsageError("ssh options connect_timeout/max_sessions must be numbers") from None
-        return cls(
-            uri.host,
-            port=uri.port,
-            user=uri.user,
-            ssh_key=opt_path("ssh_key"),
-            known_hosts=opt_path("known_hosts"),
-            ssh_config=opt_path("ssh_config"),
-            connect_timeout=connect_timeout,
-            max_sessions=max_sessions,
-        )
+        """Options: see :func:`wsync.transports.sshcommand.parse_options`."""
+        return cls(**parse_options(uri, options))
 
     @property
     def description(self) -> str:
-        user = f"{self.user}@" if self.user else ""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"ssh://{user}{host}:{self.port or 22}"
+        return describe(self.host, self.port, self.user)
 
     # -- connection ----------------------------------------------------------
 
@@ -385,7 +323,7 @@ class SshTransport(Transport):
             raise UsageError("exec needs a non-empty argv")
         if max_output < 0:
             raise UsageError("max_output must be >= 0")
-        marker, command = _wrapped(argv)
+        marker, command = wrapped(argv)
         async with self._slots:
             conn = await self._connection()
             session = _ExecSession(max_output)
@@ -436,7 +374,7 @@ class SshTransport(Transport):
         takes one of the ``max_sessions`` slots until it is closed."""
         if not argv:
             raise UsageError("open_channel needs a non-empty argv")
-        marker, command = _wrapped(argv)
+        marker, command = wrapped(argv)
         try:
             async with asyncio.timeout(timeout):
                 await self._slots.acquire()
@@ -475,10 +413,9 @@ class SshTransport(Transport):
         """
         if conn.is_closed():
             return
-        command = shlex.join(["sh", "-c", _REAPER, "wsync-reap", marker])
         with contextlib.suppress(asyncssh.Error, OSError, TimeoutError):
-            async with asyncio.timeout(_REAP_TIMEOUT):
-                await conn.run(command, check=False)
+            async with asyncio.timeout(REAP_TIMEOUT):
+                await conn.run(reaper(marker), check=False)
 
     def _result(self, conn: asyncssh.SSHClientConnection, session: _ExecSession) -> ExecResult:
         if session.error is not None:
@@ -500,18 +437,6 @@ class SshTransport(Transport):
             truncated=session.stdout.truncated or session.stderr.truncated,
             notes=tuple(notes),
         )
-
-
-def _wrapped(argv: Sequence[str]) -> tuple[str, str]:
-    """A fresh marker and the command line that runs ``argv`` under the wrapper shell
-    whose argv carries it (what the reaper looks for: see the module docstring)."""
-    marker = f"wsync-exec-{secrets.token_hex(12)}"
-    command = "exec " + shlex.join(["sh", "-c", _WRAPPER, marker, *argv])
-    try:
-        command.encode("utf-8")
-    except UnicodeEncodeError:
-        raise UsageError("exec argv is not valid UTF-8") from None
-    return marker, command
 
 
 def _reason(exc: BaseException) -> str:
