@@ -87,6 +87,11 @@ def main() -> int:
         help="add a row of wsync --exec-per-call (one exec per guest call, no helper)",
     )
     parser.add_argument(
+        "--openssh",
+        action="store_true",
+        help="add a row of wsync --ssh-client openssh (OpenSSH's client, one master)",
+    )
+    parser.add_argument(
         "--settle",
         type=float,
         default=65.0,
@@ -155,6 +160,10 @@ def main() -> int:
                     f"{py} -m wsync pull {uri} {shlex.quote(str(d))} {wsync} "
                     f"--state-dir {state_of(d)}"
                 ),
+                "wsync openssh": lambda d: (
+                    f"{py} -m wsync pull {uri} {shlex.quote(str(d))} {wsync} "
+                    f"--state-dir {state_of(d)} --ssh-client openssh"
+                ),
                 "wsync per-call": lambda d: (
                     f"{py} -m wsync pull {uri} {shlex.quote(str(d))} {wsync} "
                     f"--state-dir {state_of(d)} --exec-per-call"
@@ -176,6 +185,8 @@ def main() -> int:
             cmds = commands(port, ws)
             if args.per_call:
                 names = [*names, "wsync per-call"]
+            if args.openssh:
+                names = [*names, "wsync openssh"]
             walls: dict[str, list[float]] = {n: [] for n in names}
             extra: dict[str, list[dict[str, object]]] = {n: [] for n in names}
             time.sleep(max(0.0, deleted_at[0] + args.settle - time.monotonic()))
@@ -206,10 +217,12 @@ def main() -> int:
                 med = statistics.median(walls[name])
                 picked = min(extra[name], key=lambda r: abs(float(r["wall_s"]) - med))  # type: ignore[arg-type]
                 results.append({"scenario": label, "row": name, **picked, "wall_s": round(med, 3)})
-            for other in (base, "tar|zstd stream"):
-                if other in names:
-                    per_round = [w / o for w, o in zip(walls["wsync"], walls[other], strict=True)]
-                    ratios[f"{label}: wsync/{other}"] = round(statistics.median(per_round), 2)
+            for ours in ("wsync", "wsync openssh"):
+                for other in (base, "tar|zstd stream"):
+                    if ours in names and other in names:
+                        pairs = zip(walls[ours], walls[other], strict=True)
+                        per_round = [w / o for w, o in pairs]
+                        ratios[f"{label}: {ours}/{other}"] = round(statistics.median(per_round), 2)
 
         only = args.only or list(SCENARIOS)
         everything = ["rsync -a", "tar|zstd stream", "wsync"]

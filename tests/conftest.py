@@ -38,6 +38,7 @@ from wsync.transports.docker import DockerTransport
 from wsync.transports.e2b import E2BTransport
 from wsync.transports.k8s import K8sTransport
 from wsync.transports.local import LocalTransport
+from wsync.transports.openssh import OpensshTransport
 from wsync.transports.sprites import SpritesTransport
 from wsync.transports.ssh import SshTransport
 from wsync.uri import parse
@@ -93,6 +94,13 @@ def _ssh_case(request: pytest.FixtureRequest) -> TransportCase:
     uri = parse(server.uri("/work"))
     options = server.transport_options()
     return TransportCase("ssh", lambda: SshTransport.from_uri(uri, options))
+
+
+def _openssh_case(request: pytest.FixtureRequest) -> TransportCase:
+    server: SshdServer = request.getfixturevalue("sshd")
+    uri = parse(server.uri("/work"))
+    options = server.transport_options()
+    return TransportCase("ssh", lambda: OpensshTransport.from_uri(uri, options))
 
 
 @pytest.fixture(scope="session")
@@ -208,6 +216,7 @@ def _k8s_v4_case(request: pytest.FixtureRequest) -> TransportCase:
 REAL_TRANSPORTS = [
     pytest.param(_local_case, id="local"),
     pytest.param(_ssh_case, id="ssh", marks=pytest.mark.ssh),
+    pytest.param(_openssh_case, id="openssh", marks=pytest.mark.ssh),
     pytest.param(_sprites_case, id="sprites"),
     pytest.param(_e2b_case, id="e2b"),
     pytest.param(_daytona_case, id="daytona"),

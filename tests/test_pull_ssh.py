@@ -34,11 +34,15 @@ def ssh_args(server: SshdServer) -> list[str]:
 
 #: every fault at random, and the second call's head lost for sure: a first pull makes
 #: about 14 calls now, and in one CI run none of seed 9's draws cost a retry
+@pytest.mark.parametrize("client", ["asyncssh", "openssh"])
 @pytest.mark.parametrize("chaos", [None, "all,seed=9,hang=0.2,map=.H"])
-def test_pull_over_ssh_is_exact(tmp_path: Path, sshd: SshdServer, chaos: str | None) -> None:
+def test_pull_over_ssh_is_exact(
+    tmp_path: Path, sshd: SshdServer, chaos: str | None, client: str
+) -> None:
     ws = make_tree(tmp_path / "ws", big=2 * 1024 * 1024)
     dest = tmp_path / "out"
     extra = ["--chaos", chaos] if chaos else []
+    extra += ["--ssh-client", client]
     proc = wsync(
         "pull",
         sshd.uri(str(ws)),
@@ -61,7 +65,10 @@ def test_pull_over_ssh_is_exact(tmp_path: Path, sshd: SshdServer, chaos: str | N
         assert result["retries"] > 0
 
 
-def test_unknown_host_key_is_refused_by_default(tmp_path: Path, sshd: SshdServer) -> None:
+@pytest.mark.parametrize("client", ["asyncssh", "openssh"])
+def test_unknown_host_key_is_refused_by_default(
+    tmp_path: Path, sshd: SshdServer, client: str
+) -> None:
     ws = make_tree(tmp_path / "ws", big=1024)
     empty = tmp_path / "known_hosts"
     empty.write_text("")
@@ -76,6 +83,8 @@ def test_unknown_host_key_is_refused_by_default(tmp_path: Path, sshd: SshdServer
         str(empty),
         "--state-dir",
         str(tmp_path / "state"),
+        "--ssh-client",
+        client,
     )
     assert proc.returncode == 3
     assert "host key" in proc.stderr.lower()
@@ -92,9 +101,10 @@ def test_a_small_pull_over_ssh_is_one_exec_and_exec_per_call_still_works(
     ws.mkdir()
     (ws / "small.txt").write_text("one small file\n")
     execs = {}
-    for how in ("helper", "exec-per-call"):
+    for how in ("helper", "exec-per-call", "openssh"):
         dest = tmp_path / how
-        extra = ["--exec-per-call"] if how == "exec-per-call" else []
+        extra = {"exec-per-call": ["--exec-per-call"], "openssh": ["--ssh-client", "openssh"]}
+        extra = extra.get(how, [])
         proc = wsync(
             "pull", sshd.uri(str(ws)), str(dest), "--json",
             "--state-dir", str(tmp_path / f"{how}-state"),
@@ -108,7 +118,7 @@ def test_a_small_pull_over_ssh_is_one_exec_and_exec_per_call_still_works(
         execs[how] = result["execs"]
     # one helper; a second when a status long poll runs beside the first read (the
     # producer still writing when the first status answered: a loaded machine)
-    assert execs["helper"] <= 2
+    assert execs["helper"] <= 2 and execs["openssh"] <= 2
     assert execs["exec-per-call"] >= 7
     # and no helper outlives its pull in the guest (this server's sessions only)
     assert sshd.session_home is not None

@@ -3,7 +3,8 @@
 The conformance suite covers what a healthy connection does; these tests
 cover how it fails: every failure must come out as the right wsync error
 (fatal vs retryable) with a message that tells the user what to do, and a
-lost connection must heal on the next exec.
+lost connection must heal on the next exec.  Each runs with both clients:
+asyncssh in the process, and OpenSSH's ``ssh`` (``--ssh-client openssh``).
 """
 
 from __future__ import annotations
@@ -18,38 +19,48 @@ import pytest
 from conftest import ProcessWatch, start_sshd
 from wsync.errors import AuthFailed, SandboxUnreachable, TransportError, TransportTimeout
 from wsync.testing.sshd import SshdServer, write_keypair
-from wsync.transports.registry import open_transport
+from wsync.transports.base import Transport
+from wsync.transports.openssh import OpensshTransport
+from wsync.transports.registry import factory_for, open_transport
 from wsync.transports.ssh import SshTransport
 from wsync.uri import parse
 
 pytestmark = pytest.mark.ssh
 
 
-def ssh_transport(server: SshdServer, **overrides: Any) -> SshTransport:
-    options = {**server.transport_options(), **overrides}
+@pytest.fixture(params=["asyncssh", "openssh"])
+def client(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+def ssh_transport(server: SshdServer, client: str, **overrides: Any) -> Transport:
+    options = {**server.transport_options(), "ssh_client": client, **overrides}
     _, transport = open_transport(server.uri("/work"), options)
-    assert isinstance(transport, SshTransport)
+    assert isinstance(transport, SshTransport if client == "asyncssh" else OpensshTransport)
     return transport
 
 
-async def exec_once(transport: SshTransport, *argv: str) -> bytes:
+async def exec_once(transport: Transport, *argv: str) -> bytes:
     try:
         return (await transport.exec(list(argv), timeout=30.0)).stdout
     finally:
         await transport.aclose()
 
 
-def test_registry_builds_it_and_description_has_no_secrets(sshd: SshdServer) -> None:
-    transport = ssh_transport(sshd)
+def test_registry_builds_it_and_description_has_no_secrets(sshd: SshdServer, client: str) -> None:
+    transport = ssh_transport(sshd, client)
     assert transport.description == f"ssh://{sshd.user}@127.0.0.1:{sshd.port}"
     assert str(sshd.client_key) not in transport.description
     assert asyncio.run(exec_once(transport, "echo", "hi")) == b"hi\n"
 
 
-def test_unknown_host_key_is_refused_with_a_fix(sshd: SshdServer, tmp_path: Path) -> None:
+def test_unknown_host_key_is_refused_with_a_fix(
+    sshd: SshdServer, client: str, tmp_path: Path
+) -> None:
     empty = tmp_path / "known_hosts"
     empty.write_text("")
-    transport = ssh_transport(sshd, known_hosts=str(empty))
+    transport = ssh_transport(sshd, client, known_hosts=str(empty))
     with pytest.raises(SandboxUnreachable) as info:
         asyncio.run(exec_once(transport, "true"))
     assert not isinstance(info.value, AuthFailed)
@@ -61,32 +72,32 @@ def test_unknown_host_key_is_refused_with_a_fix(sshd: SshdServer, tmp_path: Path
 
 
 def test_host_keys_are_verified_by_default(
-    sshd: SshdServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    sshd: SshdServer, client: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No known_hosts option and an empty ~/.ssh: refuse, never trust on first use."""
     monkeypatch.setenv("HOME", str(tmp_path))
     options = {k: v for k, v in sshd.transport_options().items() if k != "known_hosts"}
-    transport = SshTransport.from_uri(parse(sshd.uri("/work")), options)
+    transport = factory_for("ssh", client).from_uri(parse(sshd.uri("/work")), options)
     with pytest.raises(SandboxUnreachable, match="host key"):
         asyncio.run(exec_once(transport, "true"))
 
 
-def test_changed_host_key_is_refused(sshd: SshdServer, tmp_path: Path) -> None:
+def test_changed_host_key_is_refused(sshd: SshdServer, client: str, tmp_path: Path) -> None:
     other = write_keypair(tmp_path / "other_host_key")
     pinned = tmp_path / "known_hosts"
     pinned.write_text(f"[127.0.0.1]:{sshd.port} {other}\n")
-    transport = ssh_transport(sshd, known_hosts=str(pinned))
+    transport = ssh_transport(sshd, client, known_hosts=str(pinned))
     with pytest.raises(SandboxUnreachable, match="host key"):
         asyncio.run(exec_once(transport, "true"))
 
 
 def test_wrong_client_key_is_auth_failed(
-    sshd: SshdServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    sshd: SshdServer, client: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     stranger = tmp_path / "id_stranger"
     write_keypair(stranger)
-    transport = ssh_transport(sshd, ssh_key=str(stranger))
+    transport = ssh_transport(sshd, client, ssh_key=str(stranger))
     with pytest.raises(AuthFailed) as info:
         asyncio.run(exec_once(transport, "true"))
     assert "authentication failed" in str(info.value)
@@ -94,11 +105,11 @@ def test_wrong_client_key_is_auth_failed(
     assert info.value.exit_code == 3
 
 
-def test_closed_port_is_unreachable() -> None:
+def test_closed_port_is_unreachable(client: str) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # nothing listens once the socket is closed
-    transport = SshTransport.from_uri(
+    transport = factory_for("ssh", client).from_uri(
         parse(f"ssh://nobody@127.0.0.1:{port}/work"), {"ssh_config": "none"}
     )
     with pytest.raises(SandboxUnreachable) as info:
@@ -108,12 +119,12 @@ def test_closed_port_is_unreachable() -> None:
 
 
 def test_deadline_closes_the_channel_and_the_connection_stays_usable(
-    sshd: SshdServer, procs: ProcessWatch
+    sshd: SshdServer, client: str, procs: ProcessWatch
 ) -> None:
     arg = procs.sleep_arg()
 
     async def main() -> bytes:
-        transport = ssh_transport(sshd, max_sessions=2)
+        transport = ssh_transport(sshd, client, max_sessions=2)
         try:
             for _ in range(3):  # more timeouts than slots: slots must come back
                 with pytest.raises(TransportTimeout):
@@ -126,14 +137,16 @@ def test_deadline_closes_the_channel_and_the_connection_stays_usable(
     assert procs.wait_gone(arg) == []
 
 
-def test_lost_connection_is_retryable_and_heals(tmp_path: Path, procs: ProcessWatch) -> None:
+def test_lost_connection_is_retryable_and_heals(
+    tmp_path: Path, procs: ProcessWatch, client: str
+) -> None:
     """Kill the server side mid-exec, then restart sshd entirely: exec recovers each time."""
     server = start_sshd(tmp_path / "sshd")
     arg = procs.sleep_arg()
     try:
 
         async def main() -> None:
-            transport = ssh_transport(server)
+            transport = ssh_transport(server, client)
             try:
                 assert (await transport.exec(["echo", "one"], timeout=30.0)).stdout == b"one\n"
                 running = asyncio.create_task(transport.exec(["sleep", arg], timeout=30.0))

@@ -12,6 +12,7 @@ from __future__ import annotations
 # module before it calls main().  asyncio, structlog and the engine are
 # imported where they are used.
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -174,7 +175,21 @@ def pull_options(args: argparse.Namespace) -> PullOptions:
     return options
 
 
+def _preconnect(args: argparse.Namespace) -> None:
+    """Start OpenSSH's master connection before the pull's modules load (their import is
+    most of a small pull's own time): the handshake runs beside it.  Any failure is left
+    for the transport to report."""
+    from wsync.errors import WsyncError
+    from wsync.transports.openssh import preconnect
+    from wsync.uri import parse
+
+    with contextlib.suppress(WsyncError, ValueError):
+        preconnect(parse(args.sandbox), transport_options(args))
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
+    if args.ssh_client == "openssh" and args.sandbox.startswith("ssh://"):
+        _preconnect(args)
     from wsync.engine.api import PullResult
     from wsync.engine.pull import pull_uri
     from wsync.progress import describe_faults, human_bytes, plural, progress_display

@@ -113,6 +113,12 @@ def add_transport_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--ssh-config", metavar="FILE", help="ssh: config file (default ~/.ssh/config)")
     g.add_argument(
+        "--ssh-client",
+        choices=("asyncssh", "openssh"),
+        help="ssh: asyncssh in this process (default), or OpenSSH's ssh(1) through one master "
+        "connection: quicker to start (a small pull), and ~/.ssh/config as ssh reads it",
+    )
+    g.add_argument(
         "--sprites-url",
         metavar="URL",
         help="sprites: API base URL (default $SPRITES_API_URL or https://api.sprites.dev)",
@@ -181,6 +187,7 @@ def transport_options(args: argparse.Namespace) -> dict[str, Any]:
         "ssh_key": args.ssh_key,
         "known_hosts": args.known_hosts,
         "ssh_config": args.ssh_config,
+        "ssh_client": args.ssh_client,
         "sprites_url": args.sprites_url,
         "token_file": args.sprites_token_file,
         "e2b_url": args.e2b_url,

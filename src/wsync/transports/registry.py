@@ -27,13 +27,27 @@ SCHEMES: dict[str, str] = {
     "k8s": "wsync.transports.k8s:K8sTransport",
 }
 
+#: (scheme, client) → "module:ClassName": another implementation of a scheme, chosen by
+#: the ``client`` option (``--ssh-client``)
+VARIANTS: dict[tuple[str, str], str] = {
+    ("ssh", "openssh"): "wsync.transports.openssh:OpensshTransport",
+}
+#: the ``client`` option's values per scheme, the default first
+CLIENTS: dict[str, tuple[str, ...]] = {"ssh": ("asyncssh", "openssh")}
+
 
 class TransportFactory(Protocol):
     def from_uri(self, uri: SandboxURI, options: Mapping[str, Any]) -> Transport: ...
 
 
-def factory_for(scheme: str) -> TransportFactory:
+def factory_for(scheme: str, client: str | None = None) -> TransportFactory:
     target = SCHEMES.get(scheme)
+    if client is not None and target is not None:
+        clients = CLIENTS.get(scheme, ())
+        if client not in clients:
+            what = f"one of {', '.join(clients)}" if clients else "not chosen"
+            raise UsageError(f"{scheme}: no client {client!r} (it is {what})")
+        target = VARIANTS.get((scheme, client), target)
     if target is None:
         known = ", ".join(f"{s}:" for s in sorted(SCHEMES))
         raise UsageError(f"unknown sandbox scheme {scheme!r} (known: {known})")
@@ -53,7 +67,8 @@ def open_transport(
     """
     options = options or {}
     uri = parse(raw_or_uri) if isinstance(raw_or_uri, str) else raw_or_uri
-    transport = factory_for(uri.scheme).from_uri(uri, options)
+    client = options.get("ssh_client") if uri.scheme == "ssh" else None
+    transport = factory_for(uri.scheme, client).from_uri(uri, options)
     chaos = options.get("chaos")
     if chaos:
         from wsync.chaos import wrap
