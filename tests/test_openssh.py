@@ -187,3 +187,42 @@ def test_the_client_option_is_checked_and_only_ssh_reads_it(tmp_path: Path) -> N
         factory_for("ssh", "putty")
     _, local = open_transport(f"local:{tmp_path}", {"ssh_client": "openssh"})
     assert isinstance(local, LocalTransport)
+
+
+def test_a_killed_pulls_directory_is_removed_by_the_next(sshd: SshdServer, tmp_path: Path) -> None:
+    """The master ends with a killed pull; its directory (named for the pull's pid) is
+    swept by the next pull's master, and only directories of processes that are gone."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = Path(f"/tmp/wsync-ssh-{gone.pid}-test{os.getpid()}")
+    stale.mkdir()
+    (stale / "log").write_text("")
+    alive = Path(f"/tmp/wsync-ssh-{os.getppid()}-test{os.getpid()}")
+    alive.mkdir()
+    try:
+
+        async def main() -> None:
+            t = transport(sshd)
+            try:
+                await t.exec(["true"], timeout=30)
+            finally:
+                await t.aclose()
+
+        asyncio.run(main())
+        assert not stale.exists()
+        assert alive.exists()
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(alive, ignore_errors=True)
+
+
+def test_a_command_that_exits_255_is_not_a_lost_connection(sshd: SshdServer) -> None:
+    async def main() -> tuple[int | None, bool]:
+        t = transport(sshd)
+        try:
+            result = await t.exec(["sh", "-c", "exit 255"], timeout=30)
+            return result.exit_status, t._master is not None and t._master.alive()
+        finally:
+            await t.aclose()
+
+    assert asyncio.run(main()) == (255, True)

@@ -10,7 +10,10 @@ asyncssh in the process, and OpenSSH's ``ssh`` (``--ssh-client openssh``).
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +178,36 @@ def test_lost_connection_is_retryable_and_heals(
         asyncio.run(main())
     finally:
         server.stop()
+
+
+def test_a_config_that_forwards_the_agent_does_not_hand_it_to_the_guest(
+    sshd: SshdServer, client: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guest is hostile: ``ForwardAgent yes`` in the user's config would let it sign
+    with the user's keys for as long as the pull runs."""
+    agent = subprocess.run(
+        ["ssh-agent", "-a", str(tmp_path / "agent.sock"), "-s"], capture_output=True, text=True
+    )
+    pid = int(agent.stdout.split("SSH_AGENT_PID=")[1].split(";")[0])
+    try:
+        monkeypatch.setenv("SSH_AUTH_SOCK", str(tmp_path / "agent.sock"))
+        config = tmp_path / "config"
+        config.write_text("Host *\n  ForwardAgent yes\n")
+        transport = ssh_transport(sshd, client, ssh_config=str(config))
+        seen = asyncio.run(exec_once(transport, "sh", "-c", "echo ${SSH_AUTH_SOCK:-none}"))
+        assert seen == b"none\n"
+    finally:
+        os.kill(pid, signal.SIGTERM)
+
+
+def test_known_hosts_file_is_the_only_trust(sshd: SshdServer, client: str, tmp_path: Path) -> None:
+    """With --known-hosts FILE, a key found elsewhere (a global known_hosts that the
+    config names) is not trusted: FILE alone decides, for both clients."""
+    empty, global_file = tmp_path / "known_hosts", tmp_path / "global_known_hosts"
+    empty.write_text("")
+    global_file.write_text(Path(str(sshd.transport_options()["known_hosts"])).read_text())
+    config = tmp_path / "config"
+    config.write_text(f"Host *\n  GlobalKnownHostsFile {global_file}\n")
+    transport = ssh_transport(sshd, client, known_hosts=str(empty), ssh_config=str(config))
+    with pytest.raises(SandboxUnreachable, match="host key"):
+        asyncio.run(exec_once(transport, "true"))

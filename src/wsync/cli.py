@@ -183,7 +183,7 @@ def _preconnect(args: argparse.Namespace) -> None:
     from wsync.transports.openssh import preconnect
     from wsync.uri import parse
 
-    with contextlib.suppress(WsyncError, ValueError):
+    with contextlib.suppress(WsyncError, ValueError, OSError):
         preconnect(parse(args.sandbox), transport_options(args))
 
 

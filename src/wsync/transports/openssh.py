@@ -31,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import errno
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -41,6 +43,7 @@ from typing import IO, Any
 
 from wsync.errors import (
     AuthFailed,
+    HostOutOfFiles,
     SandboxUnreachable,
     TransportError,
     TransportTimeout,
@@ -65,7 +68,7 @@ KEEPALIVE_INTERVAL = 15
 #: MAX_ARG_STRLEN is 128 KiB), with room to spare
 MAX_COMMAND = 120_000
 #: how long a master whose client lost it may take to exit
-_DYING = 2.0
+_DYING = 1.0
 #: how often the master's readiness is looked at
 _POLL = 0.005
 #: the key exchange put first: the one the asyncssh transport negotiates (asyncssh has
@@ -223,6 +226,8 @@ class OpensshTransport(Transport):
         # could fail the master: neither is what a pull asked for
         opts += ["-o", "ControlPersist=no", "-o", "RemoteCommand=none"]
         opts += ["-o", "ClearAllForwardings=yes"]
+        # the guest is hostile: a config's ForwardAgent would hand it the user's agent
+        opts += ["-o", "ForwardAgent=no", "-o", "ForwardX11=no"]
         if self.port is not None:
             opts += ["-p", str(self.port)]
         if self.user is not None:
@@ -237,6 +242,8 @@ class OpensshTransport(Transport):
             if not Path(known_hosts).is_file():
                 raise UsageError(f"known_hosts file {known_hosts!r} does not exist")
             opts += ["-o", f"UserKnownHostsFile={_quoted(known_hosts)}"]
+            # FILE alone, as with asyncssh: not /etc/ssh/ssh_known_hosts nor a command
+            opts += ["-o", "GlobalKnownHostsFile=none", "-o", "KnownHostsCommand=none"]
         if ssh_config == "none":
             opts += ["-F", "/dev/null"]
         elif ssh_config is not None:
@@ -263,20 +270,31 @@ class OpensshTransport(Transport):
             self._master = _EARLY.pop(tuple(self._argv), None) or self._spawn()
 
     def _spawn(self) -> _Master:
-        directory = tempfile.mkdtemp(prefix="wsync-ssh-")
-        if len(directory) > 90:  # a unix socket's path is at most 107 bytes
-            shutil.rmtree(directory, ignore_errors=True)
-            directory = tempfile.mkdtemp(prefix="wsync-ssh-", dir="/tmp")
-        control = os.path.join(directory, "m")
-        argv = [*self._argv, "--", self.host, _LIFELINE]
-        return _Master(argv, directory, control, os.path.join(directory, "log"))
+        """A new master; its directory is named for this process, so that one a killed
+        pull left is removed by the next (the master itself ended with the pull)."""
+        parent = tempfile.gettempdir()
+        if len(parent) > 60 or "%" in parent:  # a socket path has 107 bytes; ssh expands %
+            parent = "/tmp"
+        _sweep(parent)
+        directory = ""
+        try:
+            directory = tempfile.mkdtemp(prefix=f"wsync-ssh-{os.getpid()}-", dir=parent)
+            control = os.path.join(directory, "m")
+            argv = [*self._argv, "--", self.host, _LIFELINE]
+            return _Master(argv, directory, control, os.path.join(directory, "log"))
+        except OSError as exc:
+            if directory:
+                shutil.rmtree(directory, ignore_errors=True)
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise HostOutOfFiles(f"cannot start ssh (ulimit -n is {_nofile()})") from exc
+            raise TransportError(f"{self.description}: cannot start ssh: {exc}") from exc
 
-    async def _control(self) -> str:
-        """The control socket of a running master, (re)started under a lock."""
+    async def _control(self) -> _Master:
+        """A running master, (re)started under a lock."""
         async with self._lock:
             master = self._master
             if master is not None and master.ready():
-                return master.control
+                return master
             if master is not None and not master.alive():
                 self._master = None
                 await asyncio.to_thread(master.stop)
@@ -292,7 +310,7 @@ class OpensshTransport(Transport):
                     raise failure
                 await asyncio.sleep(_POLL)
             self._ever_connected = True
-            return master.control
+            return master
 
     def _failure(self, master: _Master) -> Exception:
         """The master's failure as wsync's error (see the module docstring)."""
@@ -302,12 +320,12 @@ class OpensshTransport(Transport):
         low = text.lower()
         if "host key verification failed" in low or "host identification has changed" in low:
             port = self.port or 22
-            scan = f"ssh-keyscan -p {port} {self.host} >> ~/.ssh/known_hosts"
+            scan = f"ssh-keyscan -p {port} {shlex.quote(self.host)} >> ~/.ssh/known_hosts"
             return SandboxUnreachable(
                 f"{desc}: host key not verified; if you trust this host, record its key "
                 f"(`{scan}`) or pass --known-hosts FILE"
             )
-        if "permission denied" in low or "too many authentication failures" in low:
+        if "permission denied (" in low or "too many authentication failures" in low:
             return AuthFailed(
                 f"{desc}: authentication failed ({last}); check the user name and pass "
                 "--ssh-key PATH"
@@ -348,8 +366,8 @@ class OpensshTransport(Transport):
             raise UsageError("max_output must be >= 0")
         marker, command = wrapped(argv)
         async with self._slots:
-            control = await self._control()
-            client = self._client(control, command)
+            master = await self._control()
+            client = self._client(master.control, command)
             finished = False
             try:
                 result = await self._local.exec(
@@ -360,17 +378,17 @@ class OpensshTransport(Transport):
             finally:
                 if not finished:
                     await self._reap(marker)
-        if result.exit_status == 255 and await self._master_died():
+        if result.exit_status == 255 and await self._died(master):
             raise TransportError(f"{self.description}: connection lost during exec")
         return result
 
-    async def _master_died(self) -> bool:
+    @staticmethod
+    async def _died(master: _Master) -> bool:
         """After a client's exit 255 (ssh's own failures, or the command's status): the
-        master ended, or ends within :data:`_DYING` (a client can see the connection go
-        before the master has exited)."""
-        master = self._master
+        master the client used ended, or ends within :data:`_DYING` (a client can see the
+        connection go before the master has exited)."""
         deadline = asyncio.get_running_loop().time() + _DYING
-        while master is not None and master.alive():
+        while master.alive():
             if asyncio.get_running_loop().time() > deadline:
                 return False
             await asyncio.sleep(_POLL)
@@ -388,8 +406,9 @@ class OpensshTransport(Transport):
             raise TransportTimeout(timeout) from None
         try:
             async with asyncio.timeout(timeout):
-                control = await self._control()
-            inner = await self._local.open_channel(self._client(control, command), timeout=timeout)
+                master = await self._control()
+            client = self._client(master.control, command)
+            inner = await self._local.open_channel(client, timeout=timeout)
         except TimeoutError:
             self._slots.release()
             raise TransportTimeout(timeout) from None
@@ -412,6 +431,29 @@ class OpensshTransport(Transport):
         client = self._client(master.control, reaper(marker))
         with contextlib.suppress(TransportError, OSError):
             await self._local.exec(client, stdin=b"", timeout=REAP_TIMEOUT)
+
+
+def _sweep(parent: str) -> None:
+    """Remove the master directories of pulls that are gone (killed: the master ended
+    with them, its directory stayed), ours only."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            pid = entry.name.split("-")[2] if entry.name.startswith("wsync-ssh-") else ""
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid() or entry.is_symlink():
+                    continue
+                try:
+                    os.kill(int(pid), 0)
+                except ProcessLookupError:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _nofile() -> int:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def preconnect(uri: SandboxURI, options: Mapping[str, Any]) -> None:

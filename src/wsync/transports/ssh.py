@@ -229,6 +229,8 @@ class SshTransport(Transport):
             "port": self.port if self.port is not None else (),
             "connect_timeout": self._connect_timeout,
             "keepalive_interval": KEEPALIVE_INTERVAL,
+            # the guest is hostile: a config's ForwardAgent must not hand it the agent
+            "agent_forwarding": False,
             "encryption_algs": CIPHERS,
         }
         if self.user is not None:
