@@ -19,7 +19,7 @@ a link says.  Why that is sound:
    with a ``..`` component or a leading ``/`` are refused.  A component that is a symlink
    fails with ``ELOOP`` and one that is a file with ``ENOTDIR``, so the fd reached is a real
    directory inside ``root`` (by induction on the components).  A member under a symlinked
-   directory is refused, whatever the link's target.  Cached fds (:class:`_DirStack`) stay
+   directory is refused, whatever the link's target.  Cached fds (:class:`DirStack`) stay
    right by 1: a name that was a directory when opened still is.
 3. The leaf is created in that directory with ``O_CREAT | O_EXCL | O_NOFOLLOW``, ``mkdirat``,
    ``symlinkat`` or ``linkat``, each of which fails with ``EEXIST`` on an existing name and
@@ -57,7 +57,10 @@ every 64 MiB or 8192 members, so the filesystem cannot drop more than 64 MiB bel
 ``min_free_bytes``.
 
 Speed (one ``openat`` + ``write`` + ``futimens`` + ``close`` per small file, ``fchmod`` only when
-the umask changed the mode): file data is written straight from the reader's buffer.
+the umask changed the mode): a large file's data is written straight from the reader's buffer;
+a file of up to 1 MiB is read into memory and created by one of a few writer threads
+(:mod:`wsync.engine.writers`: the kernel's create is most of a small file's cost), after the
+same checks, in a directory fd reached the same way.
 Directories are created 0o700 so read-only ones do not block their children; their final mode
 and mtime are applied at the end in reverse creation order, which puts every directory after
 all its descendants.  Nothing is fsynced: the caller syncs the filesystem before swapping
@@ -70,10 +73,9 @@ import contextlib
 import dataclasses
 import errno
 import os
-import secrets
 import stat
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -81,30 +83,35 @@ import xxhash
 
 from wsync.engine import tarstream
 from wsync.engine.api import ExtractLimits, MiB
+from wsync.engine.extractfs import (
+    DIR_FLAGS,
+    FILE_FLAGS,
+    DirStack,
+    abandon,
+    check_link_target,
+    clamp_time,
+    create_file,
+    finish_file,
+    hash_at,
+    refuse_os,
+    replacement_name,
+    set_times,
+    split_name,
+    umask,
+)
 from wsync.engine.tarstream import TarReader, show_name
-from wsync.errors import DiskLow, HostileArchive, HostIOError, LimitExceeded, WsyncError
+from wsync.engine.writers import Writers
+from wsync.errors import DiskLow, HostileArchive, HostIOError, LimitExceeded
 
 __all__ = ["ExtractStats", "FileHook", "Written", "extract_tar_stream", "written"]
 
-#: longest member name or link target, in bytes
-_MAX_NAME = 64 * 1024
 #: bytes of directory paths kept for the final metadata pass
 _MAX_DIR_META = 512 * MiB
 _SPACE_CHECK_BYTES = 64 * MiB
 _SPACE_CHECK_MEMBERS = 8192
-#: directory fds kept open along the current path
-_WINDOW = 48
 _CHUNK = 64 * MiB
-
-_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_NS = 1_000_000_000
-#: what ``os.utime(ns=...)`` takes: beyond it (after 2262, before 1677) whole seconds are set
-_MIN_NS = -(2**63)
-_MAX_NS = 2**63 - 1
-#: what ``os.utime(times=...)`` takes (a 64-bit ``time_t``)
-_MIN_TIME_T = -(2**63)
-_MAX_TIME_T = 2**63 - 1
+#: files up to this size are read into memory and created by :mod:`wsync.engine.writers`
+_SMALL = 1 * MiB
 
 _REGULAR = frozenset((tarstream.REGTYPE, tarstream.AREGTYPE, tarstream.CONTTYPE))
 #: the other types created: directories, symlinks, hardlinks (refused with a payload)
@@ -164,9 +171,9 @@ def extract_tar_stream(
     """
     try:
         if isinstance(root, int):
-            root_fd = os.open(".", _DIR_FLAGS, dir_fd=root)
+            root_fd = os.open(".", DIR_FLAGS, dir_fd=root)
         else:
-            root_fd = os.open(root, _DIR_FLAGS)
+            root_fd = os.open(root, DIR_FLAGS)
     except OSError as exc:
         raise HostIOError(f"cannot open extraction root {str(root)!r}: {exc.strerror}") from exc
     try:
@@ -182,69 +189,6 @@ def extract_tar_stream(
         os.close(root_fd)
 
 
-def _umask() -> int | None:
-    """The process umask without changing it (racy ``os.umask`` is not thread-safe)."""
-    try:
-        with Path("/proc/self/status").open("rb") as f:
-            for line in f:
-                if line.startswith(b"Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _split(name: bytes, *, is_dir: bool) -> list[bytes]:
-    """Validated components of a member name; ``[]`` is the root itself (``.`` or ``./``)."""
-    if not name:
-        raise HostileArchive("member with an empty name")
-    if b"\0" in name:
-        raise HostileArchive(f"{show_name(name)}: NUL byte in name")
-    if len(name) > _MAX_NAME:
-        raise HostileArchive(f"{show_name(name)}: name longer than {_MAX_NAME} bytes")
-    if name[0] == 0x2F:  # "/"
-        raise HostileArchive(f"{show_name(name)}: absolute name")
-    parts = [p for p in name.split(b"/") if p and p != b"."]
-    if b".." in parts:
-        raise HostileArchive(f"{show_name(name)}: '..' component")
-    if not is_dir and (not parts or name.endswith(b"/")):
-        raise HostileArchive(f"{show_name(name)}: not a file name")
-    return parts
-
-
-def _check_link_target(name: bytes, target: bytes) -> None:
-    """Refuse only a symlink target that cannot be stored; where it points is data."""
-    if not target:
-        raise HostileArchive(f"{show_name(name)}: symlink with an empty target")
-    if b"\0" in target or len(target) > _MAX_NAME:
-        raise HostileArchive(f"{show_name(name)}: malformed symlink target")
-
-
-def _clamp_time(mtime_ns: int) -> int:
-    """``mtime_ns`` limited to what the host's 64-bit ``time_t`` holds (module docstring)."""
-    return min(max(mtime_ns, _MIN_TIME_T * _NS), _MAX_TIME_T * _NS)
-
-
-def _utime(
-    path: int | bytes,
-    atime_ns: int,
-    mtime_ns: int,
-    *,
-    dir_fd: int | None = None,
-    follow_symlinks: bool = True,
-) -> None:
-    """Set ``mtime_ns`` exactly, or in whole seconds where nanoseconds overflow 64 bits."""
-    if _MIN_NS <= mtime_ns <= _MAX_NS:
-        os.utime(path, ns=(atime_ns, mtime_ns), dir_fd=dir_fd, follow_symlinks=follow_symlinks)
-    else:
-        os.utime(
-            path,
-            times=(atime_ns // _NS, mtime_ns // _NS),
-            dir_fd=dir_fd,
-            follow_symlinks=follow_symlinks,
-        )
-
-
 #: what the filesystem holds of a file once written: (inode, permission bits, size, mtime_ns)
 Written = tuple[int, int, int, int]
 #: hears (path, xxh3_128 hex, what was written) of every regular file written
@@ -254,86 +198,6 @@ FileHook = Callable[[bytes, str, Written], None]
 def written(st: os.stat_result) -> Written:
     """A file's :data:`Written` from its ``stat``."""
     return st.st_ino, stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns
-
-
-def _hash_at(dir_fd: int, leaf: bytes, shown: str) -> str:
-    """xxh3_128 of the regular file ``leaf`` in ``dir_fd`` (never through a symlink)."""
-    digest = xxhash.xxh3_128()
-    try:
-        fd = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        try:
-            while block := os.read(fd, 1 << 20):
-                digest.update(block)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise HostIOError(f"{shown}: {exc.strerror or exc}") from exc
-    return digest.hexdigest()
-
-
-def _replacement_name() -> bytes:
-    """A fresh name for an entry read again, moved over the old one once complete."""
-    return b".wsync-again-" + secrets.token_hex(8).encode()
-
-
-def _refuse_os(exc: OSError, what: str) -> WsyncError:
-    """Map an ``OSError`` from path resolution to a refusal or a host error."""
-    if exc.errno == errno.ENOENT:
-        return HostileArchive(f"{what}: parent directory is not an earlier member")
-    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-        return HostileArchive(f"{what}: path crosses a symlink or a non-directory")
-    if exc.errno == errno.EEXIST:
-        return HostileArchive(f"{what}: name already exists in the archive")
-    if exc.errno == errno.ENAMETOOLONG:
-        return HostileArchive(f"{what}: name too long for the host")
-    return HostIOError(f"{what}: {exc.strerror or exc}")
-
-
-class _DirStack:
-    """Open directory fds along the most recently used path, at most ``_WINDOW`` of them.
-
-    Tar emits members depth-first, so the parent of the next member is almost always on the
-    stack already and costs no syscall.  Open fds are always a suffix of the stack; a path
-    whose ancestors fell out of the window is walked again from the root.
-    """
-
-    def __init__(self, root_fd: int) -> None:
-        self.root_fd = root_fd
-        self._names: list[bytes] = []
-        self._fds: list[int] = []
-
-    def fd_for(self, parts: Sequence[bytes]) -> int:
-        """An fd for directory ``parts`` (never through a symlink); valid until the next call."""
-        names = self._names
-        fds = self._fds
-        limit = min(len(names), len(parts))
-        n = 0
-        while n < limit and names[n] == parts[n]:
-            n += 1
-        if n and fds[n - 1] < 0:
-            n = 0
-        self._truncate(n)
-        fd = fds[n - 1] if n else self.root_fd
-        for comp in parts[n:]:
-            fd = os.open(comp, _DIR_FLAGS, dir_fd=fd)
-            names.append(comp)
-            fds.append(fd)
-            old = len(fds) - _WINDOW - 1
-            if old >= 0 and fds[old] >= 0:
-                os.close(fds[old])
-                fds[old] = -1
-        return fd
-
-    def _truncate(self, n: int) -> None:
-        fds = self._fds
-        while len(fds) > n:
-            fd = fds.pop()
-            self._names.pop()
-            if fd >= 0:
-                os.close(fd)
-
-    def close(self) -> None:
-        self._truncate(0)
 
 
 class _Extractor:
@@ -349,12 +213,12 @@ class _Extractor:
     ) -> None:
         self.reader = TarReader(stream, self._count)
         self.root_fd = root_fd
-        self.dirs = _DirStack(root_fd)
+        self.dirs = DirStack(root_fd)
         self.limits = limits
         self.check_cancel = check_cancel
         self.stats = stats if stats is not None else ExtractStats()
         self.members = 0
-        self.umask = _umask()
+        self.umask = umask()
         self.atime_ns = time.time_ns()
         #: (path, mode, mtime_ns) of every directory, in creation order
         self.dir_meta: list[tuple[bytes, int, int]] = []
@@ -367,6 +231,8 @@ class _Extractor:
         #: write every entry under a fresh name and rename it over (see extract_tar_stream)
         self.replace = False
         self.on_file: FileHook | None = None
+        #: small files' creators (see _small_file)
+        self.writers = Writers()
 
     def _fresh(self) -> bool:
         """Whether a non-directory is written under a fresh name and renamed over."""
@@ -377,9 +243,11 @@ class _Extractor:
             self._check_space(0)
             while self._member():
                 pass
+            self.writers.drain()  # a create changes its directory's mtime
             self._finish_dirs()
             return self.stats
         finally:
+            self.writers.close()
             self.dirs.close()
             self.reader.close()
 
@@ -410,7 +278,10 @@ class _Extractor:
             return False
         kind, name, link, mode, size, mtime_ns = member
         self._count(name)
-        mtime_ns = _clamp_time(mtime_ns)
+        if kind == tarstream.LNKTYPE or self._fresh():
+            # a hardlink's target, or a name a later archive replaces, may be pending
+            self.writers.drain()
+        mtime_ns = clamp_time(mtime_ns)
         mode &= 0o7777
         if kind in _REGULAR:
             self._file(name, mode, size, mtime_ns)
@@ -443,11 +314,19 @@ class _Extractor:
             return self.root_fd
         try:
             return self.dirs.fd_for(parts[:-1])
+        except FileNotFoundError:
+            # a component may be a file a writer has not created yet: once it has, the
+            # walk fails as it always did (ENOTDIR: "crosses a non-directory")
+            self.writers.drain()
+            try:
+                return self.dirs.fd_for(parts[:-1])
+            except OSError as exc:
+                raise refuse_os(exc, show_name(name)) from exc
         except OSError as exc:
-            raise _refuse_os(exc, show_name(name)) from exc
+            raise refuse_os(exc, show_name(name)) from exc
 
     def _file(self, name: bytes, mode: int, size: int, mtime_ns: int) -> None:
-        parts = _split(name, is_dir=False)
+        parts = split_name(name, is_dir=False)
         if mode & 0o7000:
             raise HostileArchive(f"{show_name(name)}: setuid, setgid or sticky bit on a file")
         if size < 0:
@@ -460,11 +339,14 @@ class _Extractor:
         if self.unchecked_bytes >= _SPACE_CHECK_BYTES:
             self._check_space(size)
         parent = self._parent(parts, name)
-        leaf = _replacement_name() if self._fresh() else parts[-1]
+        if size <= _SMALL and not self._fresh():
+            self._small_file(parent, parts, name, mode, size, mtime_ns)
+            return
+        leaf = replacement_name() if self._fresh() else parts[-1]
         try:
-            fd = os.open(leaf, _FILE_FLAGS, mode, dir_fd=parent)
+            fd = os.open(leaf, FILE_FLAGS, mode, dir_fd=parent)
         except OSError as exc:
-            raise _refuse_os(exc, show_name(name)) from exc
+            raise refuse_os(exc, show_name(name)) from exc
         digest = xxhash.xxh3_128() if self.on_file is not None else None
         try:
             remaining = size
@@ -477,25 +359,54 @@ class _Extractor:
                         self.check_cancel()
                     self._check_space(remaining)
             self.reader.skip_padding(size)
-            if self.umask is None or mode & self.umask:
-                os.fchmod(fd, mode)
-            _utime(fd, self.atime_ns, mtime_ns)
-            st = os.fstat(fd) if digest is not None else None
-        except OSError as exc:
-            raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
-        finally:
-            try:
-                os.close(fd)
-            except OSError as exc:
-                raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
+        except BaseException as exc:
+            abandon(fd, name, exc)
+        chmod = self.umask is None or bool(mode & self.umask)
+        st = finish_file(fd, name, mode, chmod, self.atime_ns, mtime_ns, digest is not None)
         self.stats.bytes += size
         if leaf is parts[-1] or not self._replace(parent, leaf, parts[-1], name):
             self.stats.files += 1
         if self.on_file is not None and digest is not None and st is not None:
             self.on_file(b"/".join(parts), digest.hexdigest(), written(st))
 
+    def _small_file(
+        self, parent: int, parts: list[bytes], name: bytes, mode: int, size: int, mtime_ns: int
+    ) -> None:
+        """Read a small file's bytes and have a writer thread create it (see
+        :mod:`wsync.engine.writers`): in a dup of its directory's fd, which the window of
+        fds may close meanwhile, with the same flags, mode and times as :meth:`_file`."""
+        data = self.reader.read(size, "a file", short_ok=True)
+        if len(data) != size:
+            raise HostileArchive(f"truncated archive: stream ends inside {show_name(name)}")
+        self.reader.skip_padding(size)
+        hook = self.on_file
+        path = b"/".join(parts)
+        digest = xxhash.xxh3_128(data).hexdigest() if hook is not None else ""
+        chmod = self.umask is None or bool(mode & self.umask)
+        try:
+            dir_fd = os.dup(parent)
+        except OSError as exc:
+            raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
+        leaf, atime_ns = parts[-1], self.atime_ns
+
+        def create() -> os.stat_result | None:
+            try:
+                return create_file(
+                    dir_fd, leaf, name, mode, data, chmod, atime_ns, mtime_ns, hook is not None
+                )
+            finally:
+                os.close(dir_fd)
+
+        def created(st: os.stat_result | None) -> None:
+            if hook is not None and st is not None:
+                hook(path, digest, written(st))
+
+        self.writers.submit(create, size, created)
+        self.stats.bytes += size
+        self.stats.files += 1
+
     def _dir(self, name: bytes, mode: int, mtime_ns: int) -> None:
-        parts = _split(name, is_dir=True)
+        parts = split_name(name, is_dir=True)
         if mode & 0o4000:
             raise HostileArchive(f"{show_name(name)}: setuid bit on a directory")
         if not parts:
@@ -511,7 +422,7 @@ class _Extractor:
                 # read again: the newer mode and mtime win in the final pass
                 self.dir_updates[b"/".join(parts)] = (mode, mtime_ns)
                 return
-            raise _refuse_os(exc, show_name(name)) from exc
+            raise refuse_os(exc, show_name(name)) from exc
         path = b"/".join(parts)
         self.dir_meta_bytes += len(path) + 64
         if self.dir_meta_bytes > _MAX_DIR_META:
@@ -520,26 +431,26 @@ class _Extractor:
         self.stats.dirs += 1
 
     def _symlink(self, name: bytes, target: bytes, mtime_ns: int) -> None:
-        parts = _split(name, is_dir=False)
-        _check_link_target(name, target)
+        parts = split_name(name, is_dir=False)
+        check_link_target(name, target)
         parent = self._parent(parts, name)
-        leaf = _replacement_name() if self._fresh() else parts[-1]
+        leaf = replacement_name() if self._fresh() else parts[-1]
         try:
             os.symlink(target, leaf, dir_fd=parent)
         except OSError as exc:
-            raise _refuse_os(exc, show_name(name)) from exc
+            raise refuse_os(exc, show_name(name)) from exc
         try:
-            _utime(leaf, self.atime_ns, mtime_ns, dir_fd=parent, follow_symlinks=False)
+            set_times(leaf, self.atime_ns, mtime_ns, dir_fd=parent, follow_symlinks=False)
         except OSError as exc:
             raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
         if leaf is parts[-1] or not self._replace(parent, leaf, parts[-1], name):
             self.stats.symlinks += 1
 
     def _hardlink(self, name: bytes, target: bytes) -> None:
-        parts = _split(name, is_dir=False)
+        parts = split_name(name, is_dir=False)
         shown = f"{show_name(name)}: hardlink target {show_name(target)}"
         try:
-            tparts = _split(target, is_dir=False)
+            tparts = split_name(target, is_dir=False)
         except HostileArchive as exc:
             raise HostileArchive(f"{shown} is refused ({exc.args[0]})") from exc
         try:
@@ -558,7 +469,7 @@ class _Extractor:
             if not stat.S_ISREG(st.st_mode):
                 raise HostileArchive(f"{shown} is not an earlier regular file")
             parent = self._parent(parts, name)
-            leaf = _replacement_name() if self._fresh() else parts[-1]
+            leaf = replacement_name() if self._fresh() else parts[-1]
             try:
                 os.link(
                     tparts[-1],
@@ -568,11 +479,11 @@ class _Extractor:
                     follow_symlinks=False,
                 )
             except OSError as exc:
-                raise _refuse_os(exc, show_name(name)) from exc
+                raise refuse_os(exc, show_name(name)) from exc
             if leaf is parts[-1] or not self._replace(parent, leaf, parts[-1], name):
                 self.stats.hardlinks += 1
             if self.on_file is not None:  # what was written is the linked inode's
-                self.on_file(b"/".join(parts), _hash_at(tparent, tparts[-1], shown), written(st))
+                self.on_file(b"/".join(parts), hash_at(tparent, tparts[-1], shown), written(st))
         finally:
             os.close(tparent)
 
@@ -622,10 +533,10 @@ class _Extractor:
             parts = path.split(b"/")
             try:
                 parent = dirs.fd_for(parts[:-1])
-                fd = os.open(parts[-1], _DIR_FLAGS, dir_fd=parent)
+                fd = os.open(parts[-1], DIR_FLAGS, dir_fd=parent)
                 try:
                     os.fchmod(fd, mode)
-                    _utime(fd, self.atime_ns, mtime_ns)
+                    set_times(fd, self.atime_ns, mtime_ns)
                 finally:
                     os.close(fd)
             except OSError as exc:
@@ -636,6 +547,6 @@ class _Extractor:
             mode, mtime_ns = self.root_meta
             try:
                 os.fchmod(self.root_fd, mode)
-                _utime(self.root_fd, self.atime_ns, mtime_ns)
+                set_times(self.root_fd, self.atime_ns, mtime_ns)
             except OSError as exc:
                 raise HostIOError(f"extraction root: {exc.strerror or exc}") from exc

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from wsync.engine.beneath import open_beneath
-from wsync.engine.extract import _clamp_time, _utime
+from wsync.engine.extractfs import clamp_time, set_times
 from wsync.engine.hostscan import parts_of
 from wsync.engine.itemize import escape
 from wsync.errors import HostileArchive, HostIOError
@@ -210,12 +210,12 @@ def set_dir_meta(tmp_fd: int, dirs: Iterable[DirLike]) -> None:
             mode, path = entry.mode & 0o7777, entry.path
             if mode & 0o4000:
                 raise HostileArchive(f"{escape(path)}: setuid bit on a directory")
-            mtime_ns = _clamp_time(entry.mtime_ns)
+            mtime_ns = clamp_time(entry.mtime_ns)
             try:
                 if path == b".":
                     tmp.close()
                     os.fchmod(tmp_fd, mode)
-                    _utime(tmp_fd, atime_ns, mtime_ns)
+                    set_times(tmp_fd, atime_ns, mtime_ns)
                     continue
                 parent, leaf = _split(path)
                 fd = os.open(
@@ -228,7 +228,7 @@ def set_dir_meta(tmp_fd: int, dirs: Iterable[DirLike]) -> None:
                     # a reused tree's unchanged directory already has both: no write
                     if stat.S_IMODE(st.st_mode) != mode or st.st_mtime_ns != mtime_ns:
                         os.fchmod(fd, mode)
-                        _utime(fd, atime_ns, mtime_ns)
+                        set_times(fd, atime_ns, mtime_ns)
                 finally:
                     os.close(fd)
             except OSError as exc:
