@@ -28,7 +28,7 @@ from typing import Any
 #: threads creating files
 THREADS = 4
 #: payload bytes held by pending jobs, at most (the extractor waits beyond)
-MAX_PENDING_BYTES = 8 * 1024 * 1024
+MAX_PENDING_BYTES = 4 * 1024 * 1024
 #: pending jobs at most (each holds a directory fd): no more than an eighth of the
 #: descriptors the process may open (``ulimit -n 48`` still leaves the rest of the pull
 #: its fds)
