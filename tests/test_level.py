@@ -120,6 +120,41 @@ def test_each_span_loses_one_round_trip_but_never_all_of_it() -> None:
     assert meter.rate(1.0) == pytest.approx(2 * level.SAMPLE / (0.2 * level.MIN_FLOWING))
 
 
+def test_reads_that_follow_each_other_each_lose_their_round_trip() -> None:
+    """The fresh-clone CI failure of d3b69aa: a 0.5 s round trip, a manifest read as two
+    reads of which the second began a moment before the first ended (one span of 1 s).
+    Taking one round trip off the span left 0.5 s: 1.5 MB/s for a fast link, and -9.
+    Each read's own wait is taken off where no other read was flowing."""
+    meter = LinkMeter()
+    meter.begin(0.0)
+    meter.begin(0.49)
+    meter.end(0.5, 4 * level.SAMPLE, 0.0)
+    meter.end(0.995, 8 * level.SAMPLE, 0.49)
+    assert meter.rate() == pytest.approx(12 * level.SAMPLE / 0.995)
+    flowing = 0.025  # [0.49, 0.5] and [0.98, 0.995]: the link carried bytes then
+    assert meter.rate(0.49) == pytest.approx(12 * level.SAMPLE / flowing)
+    assert level.level_for(meter.rate(0.49)) == 1  # fast, as it is
+    # reads in parallel hide each other's waits: only the time all were waiting goes
+    meter = LinkMeter()
+    for _ in range(4):
+        meter.begin(0.0)
+    for _ in range(4):
+        meter.end(1.0, level.SAMPLE, 0.0)
+    assert meter.rate(0.2) == pytest.approx(4 * level.SAMPLE / 0.8)
+
+
+def test_past_max_reads_the_meter_takes_one_round_trip_a_span() -> None:
+    meter = LinkMeter()
+    for i in range(level.MAX_READS + 10):
+        meter.begin(float(i))
+        meter.end(i + 0.5, level.SAMPLE, float(i))
+    n = level.MAX_READS + 10
+    assert meter.rate(0.1) == pytest.approx(n * level.SAMPLE / (n * 0.4))
+    meter.begin(1e6)
+    meter.end(1e6 + 0.5, level.SAMPLE, 1e6)  # one more span: the same way, not a fresh list
+    assert meter.rate(0.1) == pytest.approx((n + 1) * level.SAMPLE / ((n + 1) * 0.4))
+
+
 def test_the_share_clock_counts_each_second_once_among_the_reads_in_flight() -> None:
     """A read's time alone on the link: two reads sharing two seconds had one each; a
     read joined halfway by three others had 1 + 1/4 of its two seconds."""

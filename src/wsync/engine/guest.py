@@ -428,7 +428,8 @@ class GuestSession(GuestCalls):
                 sizer.loss(asked[0], 0 if fault == "hash-mismatch" else payload)
 
         meter = self.link.meter
-        meter.begin(time.monotonic())
+        began = time.monotonic()
+        meter.begin(began)
         got = 0
         try:
             envelope = await self.call(
@@ -447,7 +448,7 @@ class GuestSession(GuestCalls):
             got = len(envelope.payload)
             return envelope.payload
         finally:
-            meter.end(time.monotonic(), got)
+            meter.end(time.monotonic(), got, began)
 
     async def read_direct(self, offset: int, length: int, digest: str) -> bytes | None:
         """``data[offset:offset+length]`` through the backend's file API, or None.
@@ -501,7 +502,7 @@ class GuestSession(GuestCalls):
                 self.direct = False
             return None
         finally:
-            link.meter.end(time.monotonic(), len(data))
+            link.meter.end(time.monotonic(), len(data), started)
         self.stats.transferred += len(data)
         if len(data) != length or self.algorithm.digest(data) != digest:
             log.info("file API read damaged", fault="file-api-mismatch", asked=length)

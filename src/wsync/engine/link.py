@@ -47,7 +47,8 @@ class Link:
         return self.meter.rate()
 
     def ceiling(self) -> float | None:
-        """The same with one round trip taken off each span of reads: an over-estimate."""
+        """The same with each read's round trip taken off where no other read flowed: an
+        over-estimate."""
         return self.meter.rate(self.latency or 0.0)
 
     def read_deadline(self, kind: str, size: int, stalls: int = 0) -> float:

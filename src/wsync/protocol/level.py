@@ -41,10 +41,10 @@ byte back), which for one or two reads is most of the time: counted whole, one m
 read on an HTTP exec backend (100 ms a call) rates a 50 MB/s link at 1.6 MB/s, which
 would compress at ``-9`` what ``-1`` sends sooner.  The session's fastest call with a
 small answer costs at least one round trip, and more where its guest work is heavier
-than a read's, so taking it off every span over-rates the link instead: the same read
-through a 100 Mbit/s loopback proxy (13 ms of transfer beside a 10-15 ms round trip)
-came out at 30 MB/s, and ``-1`` was 20% slower there than ``-3``.  Hence the two
-bounds of rule 3.
+than a read's, so taking it off every read (where no other read was flowing)
+over-rates the link instead: the same read through a 100 Mbit/s loopback proxy (13 ms
+of transfer beside a 10-15 ms round trip) came out at 30 MB/s, and ``-1`` was 20%
+slower there than ``-3``.  Hence the two bounds of rule 3.
 
 The key of a link is the transport's description: the host (and user and port) for
 ``ssh://``, the sandbox itself for the cloud backends.
@@ -80,6 +80,9 @@ GZIP_MAX = 9
 MIN_FLOWING = 0.02
 #: links remembered at most (the oldest go first)
 REMEMBERED = 256
+#: reads whose times the meter keeps for :meth:`LinkMeter.rate` with a latency (a
+#: level is chosen from a few reads; past this many, one round trip a span is taken off)
+MAX_READS = 4096
 
 
 def level_for(rate: float | None) -> int:
@@ -99,7 +102,7 @@ def choose(
     """The level for the next producer run (see the module docstring for the order).
 
     ``run_rate`` is this run's rate counted whole (for a few reads, an under-estimate);
-    ``run_ceiling`` the same with each span's round trip taken off (an over-estimate;
+    ``run_ceiling`` the same with each read's round trip taken off (an over-estimate;
     None: take ``run_rate``).
     """
     if run_rate is not None and run_bytes >= TRUSTED:
@@ -140,6 +143,10 @@ class LinkMeter:
         #: counts 1/n while n reads are in flight (a read's share of the link)
         self._virtual = 0.0
         self._virtual_at = 0.0
+        #: (began, ended) of the reads of finished spans, and of the span in flight
+        self._reads: list[tuple[float, float]] = []
+        self._span_reads: list[tuple[float | None, float]] = []
+        self._kept = True
 
     def _advance(self, now: float) -> None:
         if self._in_flight > 0:
@@ -162,27 +169,55 @@ class LinkMeter:
             self._since = now
         self._in_flight += 1
 
-    def end(self, now: float, nbytes: int) -> None:
-        """A read that began ends, having carried ``nbytes`` (0 if it failed)."""
+    def end(self, now: float, nbytes: int, began: float | None = None) -> None:
+        """A read that began (at ``began``; None: with its span) ends, having carried
+        ``nbytes`` (0 if it failed)."""
         if self._in_flight <= 0:
             raise ValueError("a read ended that never began")
         self._advance(now)
         self._in_flight -= 1
         self._pending += nbytes
+        self._span_reads.append((began, now))
         if self._in_flight == 0:
+            reads = self._span_reads
             self._busy += max(0.0, now - self._since)
             self.bytes += self._pending
             self._pending = 0
             self._spans += 1
+            if self._kept and len(self._reads) + len(self._span_reads) <= MAX_READS:
+                since = self._since
+                self._reads += [(since if b is None else max(b, since), e) for b, e in reads]
+            else:  # too many to keep: one round trip a span from now on
+                self._kept, self._reads = False, []
+            self._span_reads = []
 
     def rate(self, latency: float = 0.0) -> float | None:
-        """Bytes per second over the busy time so far, each span's first ``latency``
-        seconds left out (but at least :data:`MIN_FLOWING` of it is counted); None
-        before :data:`SAMPLE` bytes."""
+        """Bytes per second over the busy time so far, with the first ``latency`` seconds
+        of every read left out where no other read was flowing then (but at least
+        :data:`MIN_FLOWING` of the busy time is counted); None before :data:`SAMPLE` bytes.
+
+        Why per read, not per span: reads issued one after another as the guest indexes
+        chunks overlap by a moment, and make one span of several round trips (a 0.5 s
+        round trip, two reads: a span of 1 s, half of it taken off, rated a fast link
+        slow by both bounds on a loaded CI machine)."""
         if self.bytes < SAMPLE or self._busy <= 0:
             return None
-        flowing = max(self._busy - self._spans * max(0.0, latency), self._busy * MIN_FLOWING)
-        return self.bytes / flowing
+        latency = max(0.0, latency)
+        if latency and self._kept:
+            flowing = _union(sorted((b + latency, e) for b, e in self._reads if b + latency < e))
+        else:
+            flowing = self._busy - self._spans * latency
+        return self.bytes / max(flowing, self._busy * MIN_FLOWING)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """The time covered by sorted ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in intervals:
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def parse_links(data: bytes) -> dict[str, tuple[float, float]]:
