@@ -21,6 +21,7 @@ from wsync.engine.fsutil import rmtree
 from wsync.errors import (
     GuestToolsMissing,
     HostileArchive,
+    IntegrityFailed,
     StagingFailed,
     UsageError,
     WsyncError,
@@ -991,6 +992,42 @@ def test_a_stream_that_comes_whole_but_wrong_is_read_again(tmp_path: Path) -> No
     # read at once)
     assert 1 <= result.faults.get("chunk-hash-mismatch", 0) <= 2, result.faults
     assert result.retries == 0
+
+
+class StagedFileEdited(ScriptLog):
+    """A guest whose staged stream changes under its index before the first read (another
+    user of the guest, a full disk's torn write): each read's envelope hashes what the
+    guest sent, which is not the bytes the index hashed."""
+
+    def __init__(self, staging: Path, **kw: object) -> None:
+        super().__init__(**kw)
+        self.staging = staging
+        self.edited: list[Path] = []
+
+    def note(self, text: str) -> None:
+        super().note(text)
+        if self.ran[-1] == "read" and not self.edited:
+            for data in sorted(self.staging.glob("*/data")):
+                with data.open("r+b") as f:
+                    first = f.read(1)
+                    f.seek(0)
+                    f.write(bytes([first[0] ^ 0x80]))
+                self.edited.append(data)
+
+
+def test_a_chunk_whose_reads_never_match_its_index_fails_integrity(tmp_path: Path) -> None:
+    """Every read of the chunk verifies (the guest hashes what it sends) and every one
+    disagrees with the index: after the attempt budget the pull fails with integrity not
+    established (exit 6), each attempt counted, and DEST is not created."""
+    ws = make_tree(tmp_path / "ws", big=2 * 1024 * 1024, small=5)
+    transport = StagedFileEdited(tmp_path / "staging")
+    opts = options(tmp_path, helpers=False, max_attempts=3, chunk_size=512 * 1024)
+    with pytest.raises(IntegrityFailed) as failed:
+        run_pull(transport, ws, tmp_path / "out", opts)
+    assert transport.edited, transport.ran
+    assert failed.value.exit_code == 6
+    assert "never matched its index hash" in str(failed.value)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("closing", ["transport", "helpers"])

@@ -559,12 +559,10 @@ class FleetManager:
         # authority, and its refusal is what the audit trail and /metrics record
         delay = BACKOFF_MIN
         give_up = time.monotonic() + (self.config.shutdown_grace if self._shutting_down else 1e9)
-        while True:
+        ok: bool | None = None
+        while ok is None:
             try:
-                ok: bool = await self._store(
-                    self.store.finish(run.job, run.fence, outcome, backoff)
-                )
-                break
+                ok = await self._store(self.store.finish(run.job, run.fence, outcome, backoff))
             except StoreDown as err:
                 if time.monotonic() > give_up:
                     log.error("store.record_lost", error=str(err), note="the lease expires")

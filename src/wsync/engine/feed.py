@@ -93,18 +93,23 @@ class ChunkFeed(io.RawIOBase):
             self._next += 1
 
     def _open_next(self) -> bool:
+        path = self._wait_next()
+        if path is None:
+            return False
+        self._file = path.open("rb")  # outside the lock: publish() never waits for a disk
+        return True
+
+    def _wait_next(self) -> Path | None:
+        """The next chunk's file once it is published; None past the last chunk."""
         with self._cond:
             while True:
                 if self._abort is not None:
                     raise FeedAborted(self._abort)
                 if self._next in self._ready:
-                    path = self._ready.pop(self._next)
-                    break
+                    return self._ready.pop(self._next)
                 if self._total is not None and self._next >= self._total:
-                    return False
+                    return None
                 self._cond.wait()
-        self._file = path.open("rb")
-        return True
 
     def check_cancel(self) -> None:
         if self._abort is not None:

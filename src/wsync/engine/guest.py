@@ -275,12 +275,14 @@ class GuestSession(GuestCalls):
         assert self.algorithm is not None
         algorithm = self.algorithm
         size = self._install_size(encoding, size)
+        installed = ""  # the last part's answer: the digest of the whole script
         for part in range(scripts.install_parts(size, encoding)):
             build = functools.partial(self._install_argv, part, size, encoding)
             envelope = await self.call("install", build, max_length=_SMALL)
             if not envelope.ok:
                 raise StagingFailed(records.printable(envelope.text))
-        if envelope.text != algorithm.digest(scripts.PRODUCER.encode()):
+            installed = envelope.text
+        if installed != algorithm.digest(scripts.PRODUCER.encode()):
             raise StagingFailed("the producer script arrived damaged in the guest")
 
     def _install_argv(self, part: int, size: int, encoding: str, nonce: str) -> list[str]:

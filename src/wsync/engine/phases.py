@@ -433,6 +433,7 @@ class StreamRunner:
                 wait = _LONG_POLL
                 # the first status may have come with the admission (through a helper)
                 first, self.session.first_status = self.session.first_status, None
+                done: DoneRecord | None = None
                 while True:
                     if first is not None:
                         status, first = first, None
@@ -622,6 +623,6 @@ class StreamRunner:
             self.stats.faults["chunk-hash-mismatch"] += 1
             self.stats.retries += 1
             log.info(
-                "retry", call=f"chunk {chunk.seq}", fault="chunk-hash-mismatch", asked=len(buf)
+                "retry", call=f"chunk {chunk.seq}", fault="chunk-hash-mismatch", asked=chunk.length
             )
         raise IntegrityFailed(f"chunk {chunk.seq} never matched its index hash")
