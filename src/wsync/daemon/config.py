@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextvars
 import os
 import re
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from wsync.daemon.configfile import ConfigError as ConfigError
+from wsync.daemon.configfile import read_config_file
 from wsync.daemon.confine import Forbidden
 from wsync.daemon.dsn import check_store_url
 from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
@@ -57,12 +58,6 @@ _LIMITS = ExtractLimits()
 #: shortest API token accepted, from WSYNC_API_TOKEN or the token file alike
 MIN_TOKEN_LENGTH = 16
 SANDBOX_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-class ConfigError(UsageError):
-    """The configuration cannot be used; exit code 2 like every usage error."""
-
-    template = "config error: {}"
 
 
 class _Strict(BaseModel):
@@ -528,69 +523,6 @@ def format_validation_error(err: pydantic.ValidationError) -> str:
         msg = item["msg"].removeprefix("Value error, ")
         lines.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(lines)
-
-
-def read_config_file(path: Path) -> dict[str, Any]:
-    """The TOML file as a dict, its relative paths anchored to its directory."""
-    try:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
-    except OSError as err:
-        raise ConfigError(f"cannot read {path}: {err.strerror}") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: invalid TOML: {err}") from None
-    return _anchor_paths(data, path.absolute().parent)
-
-
-def _anchor(value: Any, base: Path) -> Any:
-    """A relative path string → absolute under ``base``; anything else unchanged."""
-    if isinstance(value, str) and value and not value.startswith(("/", "~")):
-        return str(base / value)
-    return value
-
-
-def _anchor_list(value: Any, base: Path) -> Any:
-    return [_anchor(v, base) for v in value] if isinstance(value, list) else value
-
-
-def _anchor_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
-    """Anchor the path-valued keys of a config file to the file's directory.
-
-    Only keys whose value is a host path are touched; type errors are left for
-    the schema to report with the key's name.
-    """
-    data = dict(data)
-    if "state_dir" in data:
-        data["state_dir"] = _anchor(data["state_dir"], base)
-    if "engine_dir" in data:
-        data["engine_dir"] = _anchor(data["engine_dir"], base)
-    if "dest_roots" in data:
-        data["dest_roots"] = _anchor_list(data["dest_roots"], base)
-    api = data.get("api")
-    if isinstance(api, dict):
-        api = dict(api)
-        if "token_file" in api:
-            api["token_file"] = _anchor(api["token_file"], base)
-        if "local_roots" in api:
-            api["local_roots"] = _anchor_list(api["local_roots"], base)
-        listen = api.get("listen")
-        if isinstance(listen, str) and listen.startswith("unix:"):
-            api["listen"] = "unix:" + _anchor(listen[len("unix:") :], base)
-        data["api"] = api
-    boxes = data.get("sandboxes")
-    if isinstance(boxes, dict):
-        anchored: dict[str, Any] = {}
-        for name, box in boxes.items():
-            if isinstance(box, dict):
-                box = dict(box)
-                if "dest" in box:
-                    box["dest"] = _anchor(box["dest"], base)
-                uri = box.get("uri")
-                if isinstance(uri, str) and uri.startswith("local:") and uri[6:7] != "/":
-                    box["uri"] = "local:" + _anchor(uri[len("local:") :], base)
-            anchored[name] = box
-        data["sandboxes"] = anchored
-    return data
 
 
 #: top-level keys of the schema, the only names a ``WSYNC_…`` variable can set

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -39,10 +38,10 @@ from typing import Any, TypeVar
 import structlog
 
 from wsync.engine.api import ProgressCallback, PullOptions, PullResult
-from wsync.engine.destdir import DestDir
+from wsync.engine.destcheck import check_dest
 from wsync.engine.extract import ExtractStats
 from wsync.engine.feed import ChunkFeed, extract_feed
-from wsync.engine.fsutil import EarlyFlush, host_io, overlaps, syncfs
+from wsync.engine.fsutil import EarlyFlush, host_io, syncfs
 from wsync.engine.helpers import HelperPool
 from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
@@ -60,7 +59,6 @@ from wsync.errors import (
     LimitExceeded,
     StagingFailed,
     UnstableFiles,
-    UsageError,
     WsyncError,
 )
 from wsync.protocol import level
@@ -70,52 +68,6 @@ from wsync.transports.registry import open_transport
 log = structlog.get_logger("wsync.pull")
 
 _T = TypeVar("_T")
-
-
-def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOptions) -> DestDir:
-    """Refuse destinations that would lose data or loop; open and lock DEST's parent.
-
-    The returned :class:`DestDir` holds DEST's parent open (reached from
-    ``options.dest_root`` without symlinks when that is set) and the DEST
-    lock; every write of the pull goes through it.  The caller closes it.
-    """
-    target = DestDir.open(Path(dest), options.dest_root)
-    try:
-        real = target.path
-        inner = getattr(transport, "inner", transport)
-        if inner.scheme == "local":
-            source = Path(os.path.expanduser(workspace)).resolve()
-            if real == source or source in real.parents:
-                raise UsageError(f"DEST {dest} is inside the source workspace {source}")
-            if real in source.parents:
-                raise UsageError(f"the source workspace {source} is inside DEST {dest}")
-        state = Path(options.state_dir).resolve()
-        if overlaps(real, state):
-            # the swap would put the guest's tree over the journal, or move it away
-            raise UsageError(
-                f"DEST {dest} and wsync's state directory {state} (--state-dir) overlap; "
-                "a pull replaces DEST whole"
-            )
-        registry = DestRegistry(options.state_dir)
-        # for the whole pull: a second pull into DEST, or into a DEST inside it or around
-        # it, fails here, at once
-        target.lock(registry.owns)
-        st = target.stat()
-        if st is not None and stat.S_ISLNK(st.st_mode):
-            raise UsageError(f"DEST is a symlink; name the directory itself: {dest}")
-        if st is not None and not stat.S_ISDIR(st.st_mode):
-            raise UsageError(f"DEST exists and is not a directory: {dest}")
-        if st is not None:
-            target.check_not_mount(st)
-            if not target.is_empty() and not options.force and not registry.owns(real):
-                raise UsageError(
-                    f"DEST {dest} is a non-empty directory that wsync did not write; "
-                    "it would be replaced entirely (pass --force to allow this)"
-                )
-    except BaseException:
-        target.close()
-        raise
-    return target
 
 
 class _Pull(IncrementalRunner):
