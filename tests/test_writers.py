@@ -3,14 +3,25 @@ extractor's thread, in order; nothing runs after close; pending work stays bound
 
 from __future__ import annotations
 
+import io
+import os
+import subprocess
+import sys
+import tarfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from extract_helpers import LIMITS, build, extract, make_root, member
+from wsync.engine import extract as extract_mod
 from wsync.engine import writers
+from wsync.engine.extract import extract_tar_stream
 from wsync.engine.writers import Writers
-from wsync.errors import HostileArchive
+from wsync.errors import HostileArchive, HostIOError
+
+CHR = tarfile.CHRTYPE
 
 
 def test_results_come_back_in_order_in_the_callers_thread() -> None:
@@ -86,3 +97,106 @@ def test_pending_bytes_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         w.close()
     assert max(in_flight) <= 100
+
+
+# ------------------------------------------------- the extractor's use of the writers
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("how", ["refused-member", "duplicate"])
+def test_a_failed_extraction_leaves_no_descriptor_open(tmp_path: Path, how: str) -> None:
+    """A job holds a dup of its directory's fd until it runs: the jobs that never run (cancelled
+    at close, or submitted after an earlier job failed) release theirs.  The daemon runs
+    pulls in its own process, so a guest must not leak its fds a failed pull at a time."""
+    files = [member(f"d/f{i}", data=b"x") for i in range(200)]
+    if how == "refused-member":
+        archive = build(member("d", tarfile.DIRTYPE, mode=0o755), *files, member("dev", CHR))
+    else:  # the duplicate's error comes back at a later submit
+        archive = build(
+            member("d", tarfile.DIRTYPE, mode=0o755),
+            member("d/a", data=b"1"),
+            member("d/a", data=b"2"),
+            *files,
+        )
+    before = _open_fds()
+    for n in range(5):
+        (tmp_path / str(n)).mkdir()
+        with pytest.raises(HostileArchive):
+            extract(archive, make_root(tmp_path / str(n)))
+    assert _open_fds() == before
+
+
+def test_an_earlier_members_error_is_the_one_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small file the host fails to write (a full disk, a quota), then a member the
+    extractor refuses itself: the host's error is the pull's, not the guest's refusal that
+    came after it (exit 8, not 7)."""
+    real = extract_mod.create_file
+
+    def full_disk(dir_fd: int, leaf: bytes, name: bytes, *args: object) -> object:
+        if leaf == b"big":
+            raise HostIOError("host write failed: 'big': No space left on device")
+        return real(dir_fd, leaf, name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(extract_mod, "create_file", full_disk)
+    root = make_root(tmp_path)
+    with pytest.raises(HostIOError, match="No space left") as failed:
+        extract(build(member("big", data=b"x" * 100), member("dev", CHR)), root)
+    assert failed.value.exit_code == 8
+    with pytest.raises(HostIOError, match="No space left"):
+        extract(build(member("big", data=b"x"), *[member(f"f{i}") for i in range(3)]), root)
+
+
+_STUCK_WRITER = """
+import io, sys, threading, time
+import wsync.engine.extract as ex
+from wsync.engine.api import ExtractLimits
+
+def stuck(*args):
+    threading.Event().wait(600)  # a create the kernel does not finish (a hung NFS DEST)
+
+ex.create_file = stuck
+data = open(sys.argv[1], "rb").read()
+run = lambda: ex.extract_tar_stream(io.BytesIO(data), sys.argv[2], ExtractLimits(min_free_bytes=0))
+threading.Thread(target=run, daemon=True).start()
+time.sleep(0.5)
+print("gave up", flush=True)
+"""
+
+
+def test_a_stuck_writer_does_not_keep_the_process_alive(tmp_path: Path) -> None:
+    """The pull gives up on a stuck extractor thread after a bound (it is a daemon thread);
+    a writer thread stuck in a create must not then hold the process at exit."""
+    archive = tmp_path / "a.tar"
+    archive.write_bytes(build(member("f", data=b"x")))
+    root = make_root(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", _STUCK_WRITER, str(archive), str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "gave up\n"
+
+
+def test_a_link_read_again_over_its_own_inode_leaves_no_fresh_name(tmp_path: Path) -> None:
+    """rename(2) between two links of one inode does nothing and succeeds: the fresh name a
+    later archive's member was written under must still go (two archives, and a farm)."""
+    first = build(member("f", data=b"x"), member("g", tarfile.LNKTYPE, link="f"))
+    again = build(member("g", tarfile.LNKTYPE, link="f"))
+    (tmp_path / "stream").mkdir()
+    (tmp_path / "farm").mkdir()
+    root = make_root(tmp_path / "stream")
+    extract(first + again, root)
+    assert sorted(os.listdir(root)) == ["f", "g"]
+    farm = make_root(tmp_path / "farm")
+    (farm / "f").write_text("x")
+    os.link(farm / "f", farm / "g")
+    extract_tar_stream(io.BufferedReader(io.BytesIO(again)), farm, LIMITS, replace=True)  # type: ignore[arg-type]
+    assert sorted(os.listdir(farm)) == ["f", "g"]
+    assert (farm / "f").stat().st_ino == (farm / "g").stat().st_ino

@@ -72,6 +72,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import os
 import stat
 import time
@@ -101,7 +102,15 @@ from wsync.engine.extractfs import (
 )
 from wsync.engine.tarstream import TarReader, show_name
 from wsync.engine.writers import Writers
-from wsync.errors import DiskLow, HostileArchive, HostIOError, LimitExceeded
+from wsync.errors import (
+    DiskLow,
+    HostileArchive,
+    HostIOError,
+    HostOutOfFiles,
+    Interrupted,
+    LimitExceeded,
+    WsyncError,
+)
 
 __all__ = ["ExtractStats", "FileHook", "Written", "extract_tar_stream", "written"]
 
@@ -246,6 +255,12 @@ class _Extractor:
             self.writers.drain()  # a create changes its directory's mtime
             self._finish_dirs()
             return self.stats
+        except WsyncError as exc:
+            if not isinstance(exc, Interrupted):
+                # a pending job is an earlier member: its error is the first (a full disk
+                # must not be reported as the hostile member that came after it)
+                self.writers.drain()
+            raise
         finally:
             self.writers.close()
             self.dirs.close()
@@ -386,7 +401,8 @@ class _Extractor:
         try:
             dir_fd = os.dup(parent)
         except OSError as exc:
-            raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
+            kind = HostOutOfFiles if exc.errno in (errno.EMFILE, errno.ENFILE) else HostIOError
+            raise kind(f"{show_name(name)}: {exc.strerror or exc}") from exc
         leaf, atime_ns = parts[-1], self.atime_ns
 
         def create() -> os.stat_result | None:
@@ -401,7 +417,7 @@ class _Extractor:
             if hook is not None and st is not None:
                 hook(path, digest, written(st))
 
-        self.writers.submit(create, size, created)
+        self.writers.submit(create, size, created, functools.partial(os.close, dir_fd))
         self.stats.bytes += size
         self.stats.files += 1
 
@@ -502,6 +518,10 @@ class _Extractor:
             raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
         try:
             os.rename(new, leaf, src_dir_fd=parent, dst_dir_fd=parent)
+            # where ``leaf`` already was this very inode (a hardlink of the file read
+            # again), rename(2) does nothing and succeeds: the fresh name must still go
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(new, dir_fd=parent)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(new, dir_fd=parent)
