@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,7 +27,7 @@ from wsync.errors import (
     UsageError,
     WsyncError,
 )
-from wsync.protocol import scripts
+from wsync.protocol import records, scripts
 from wsync.protocol.hashing import ALGORITHMS
 from wsync.transports.local import LocalTransport
 
@@ -1028,6 +1029,43 @@ def test_a_chunk_whose_reads_never_match_its_index_fails_integrity(tmp_path: Pat
     assert failed.value.exit_code == 6
     assert "never matched its index hash" in str(failed.value)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [
+        ("digest", "whole stream"),
+        ("chunks", "index lists"),
+        ("length", "index covers"),
+    ],
+)
+def test_a_done_record_that_disagrees_with_the_stream_fails_integrity(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, field: str, message: str
+) -> None:
+    """The guest's ``done`` record is the last word on the stream: every chunk may verify and
+    the tree extract, and a record that names another whole-stream hash, chunk count or
+    length still fails the pull (exit 6) before DEST is touched."""
+    real = records.parse_status
+
+    def lying(payload: bytes, algorithm: Any, index_from: int = -1) -> records.StatusReport:
+        report = real(payload, algorithm, index_from)
+        if report.done is None:
+            return report
+        done = report.done
+        lie = {"digest": "0" * len(done.digest), "chunks": done.chunks + 1,
+               "length": done.length + 1}[field]  # fmt: skip
+        return dataclasses.replace(report, done=dataclasses.replace(done, **{field: lie}))
+
+    monkeypatch.setattr(records, "parse_status", lying)
+    ws = make_tree(tmp_path / "ws", big=300 * 1024, small=5)
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (dest / "kept").write_text("what DEST held before\n")
+    opts = options(tmp_path, helpers=False, force=True)
+    with pytest.raises(IntegrityFailed, match=message) as failed:
+        run_pull(LocalTransport(), ws, dest, opts)
+    assert failed.value.exit_code == 6
+    assert sorted(os.listdir(dest)) == ["kept"]
 
 
 @pytest.mark.parametrize("closing", ["transport", "helpers"])
