@@ -95,6 +95,37 @@ def test_an_identical_copy_on_the_host_is_rehashed_not_fetched(
     assert result.changed_files <= 2  # f6.txt and the src directory's new mtime
 
 
+def _swap_link(dest: Path, name: str, target: str) -> int:
+    """Replace DEST's symlink ``name`` by a new one to ``target``, its mtime and its
+    directory's put back: kind, mode, size and mtime as recorded, only the inode and ctime
+    tell.  Returns the new link's inode."""
+    link = dest / name
+    st, parent = os.lstat(link), os.stat(link.parent)
+    link.unlink()
+    link.symlink_to(target)
+    os.utime(link, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+    os.utime(link.parent, ns=(parent.st_atime_ns, parent.st_mtime_ns))
+    return os.lstat(link).st_ino
+
+
+def test_a_symlink_remade_on_the_host_is_read_again(
+    pulled: tuple[Path, Path, PullOptions],
+) -> None:
+    """Two symlinks remade on the host with the mtime put back: one to the same target is
+    kept as it is (its target read again, nothing fetched), one to another target of the
+    same length (same size) is repaired."""
+    ws, dest, opts = pulled
+    same = _swap_link(dest, "link-to-blob", "blob.bin")
+    _swap_link(dest, "src/link-up", "../zero.bin")  # "../blob.bin" has as many bytes
+    (ws / "src" / "f6.txt").write_text("changed in the guest\n")  # so the tree is rebuilt
+    result = go(ws, dest, opts)
+    assert_exact(ws, dest)
+    assert os.readlink(dest / "src" / "link-up") == "../blob.bin"
+    assert os.lstat(dest / "link-to-blob").st_ino == same  # linked into the new tree
+    assert go(ws, dest, opts).changed_files == 0
+    assert result.changed_files <= 3  # f6.txt, link-up and the src directory's new mtime
+
+
 def test_state_lost_between_swap_and_commit_costs_a_rehash(
     pulled: tuple[Path, Path, PullOptions],
 ) -> None:
