@@ -200,3 +200,23 @@ def test_a_link_read_again_over_its_own_inode_leaves_no_fresh_name(tmp_path: Pat
     extract_tar_stream(io.BufferedReader(io.BytesIO(again)), farm, LIMITS, replace=True)  # type: ignore[arg-type]
     assert sorted(os.listdir(farm)) == ["f", "g"]
     assert (farm / "f").stat().st_ino == (farm / "g").stat().st_ino
+
+
+def test_of_two_failing_files_the_first_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's error, raised at a later submit or at the drain, is the first: the jobs
+    still pending came after it, and their errors are not reported in its place."""
+    real = extract_mod.create_file
+
+    def failing(dir_fd: int, leaf: bytes, name: bytes, *args: object) -> object:
+        if leaf in (b"a", b"b"):
+            raise HostIOError(f"{leaf.decode()!r}: No space left on device")
+        return real(dir_fd, leaf, name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(extract_mod, "create_file", failing)
+    archive = build(member("a", data=b"1"), member("b", data=b"2"), member("c", data=b"3"))
+    for n in range(20):  # wherever a's error comes back, b's is never reported instead
+        (tmp_path / str(n)).mkdir()
+        with pytest.raises(HostIOError, match="'a'"):
+            extract(archive, make_root(tmp_path / str(n)))

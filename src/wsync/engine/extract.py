@@ -256,9 +256,10 @@ class _Extractor:
             self._finish_dirs()
             return self.stats
         except WsyncError as exc:
-            if not isinstance(exc, Interrupted):
+            if not isinstance(exc, Interrupted) and not self.writers.failed:
                 # a pending job is an earlier member: its error is the first (a full disk
-                # must not be reported as the hostile member that came after it)
+                # must not be reported as the hostile member that came after it); after a
+                # job's own error, what is pending came later
                 self.writers.drain()
             raise
         finally:

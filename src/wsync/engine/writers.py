@@ -85,6 +85,8 @@ class Writers:
         self._jobs: queue.SimpleQueue[_Job | None] | None = None
         self._pending: deque[_Pending] = deque()
         self._bytes = 0
+        #: a job's error was raised (the first: what is pending now came after it)
+        self.failed = False
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self._max_jobs = MAX_PENDING_JOBS if soft < 0 else max(1, min(MAX_PENDING_JOBS, soft // 8))
 
@@ -134,7 +136,11 @@ class Writers:
     def _collect_one(self) -> None:
         item = self._pending.popleft()
         self._bytes -= item.nbytes
-        result = item.future.result()  # a job's exception is raised here, in submission order
+        try:
+            result = item.future.result()  # a job's exception is raised here, in order
+        except BaseException:
+            self.failed = True
+            raise
         if item.done is not None:
             item.done(result)
 
