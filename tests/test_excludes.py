@@ -57,6 +57,10 @@ def tricky_tree(root: Path) -> None:
         b"-dash",
         b"#hash",
         b"trailing ",
+        b"notes.txt\n",  # "$" matches before a final newline: "notes.txt" must not
+        b"notes.txt",
+        b"dir\nx/node_modules/m.js",  # "." must match a newline: "**" goes through it
+        b"dir\nx/f1.log",
     ]
     for name in files:
         path = os.fsencode(root) + b"/" + name
@@ -141,6 +145,9 @@ CASES: list[list[str]] = [
     ["src/**/"],
     ["a[!a]"],
     ["deep/a[^x]"],
+    ["node_modules/", "**/f1*", "notes.txt"],
+    ["dir?x/"],
+    ["*.txt"],
 ]
 
 
@@ -268,7 +275,21 @@ def patterns(draw: st.DrawFn) -> str:
 
 
 def random_tree(root: Path) -> None:
-    names = ["a", "b", "ab", "ba", "a.py", "b.py", "x", "xa", "\u00e9", "a\u00e9", ".py", "aa"]
+    names = [
+        "a",
+        "b",
+        "ab",
+        "ba",
+        "a.py",
+        "b.py",
+        "x",
+        "xa",
+        "\u00e9",
+        "a\u00e9",
+        ".py",
+        "aa",
+        "a\n",
+    ]
     for i, first in enumerate(names):
         (root / first).mkdir(parents=True) if i % 2 else (root / first).write_text(first)
     for d in names[1::2]:

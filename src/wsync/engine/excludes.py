@@ -186,15 +186,26 @@ def _compile(lines: list[str]) -> GitIgnoreSpec:
 
 
 def _pattern(line: str) -> GitIgnoreSpecPattern:
-    """pathspec's pattern, with negated classes kept off ``/``: in rsync (and git) a class
+    """pathspec's pattern, with negated classes kept off ``/`` (in rsync and git a class
     never matches the slash between names, but the regex ``[^a]`` does, so ``a[!a]`` would
-    match the directory ``x/a/`` by the trailing slash that marks it as a directory."""
+    match the directory ``x/a/`` by the trailing slash that marks it as a directory), and
+    newlines in names matched as any other byte."""
     from pathspec.patterns.gitignore.spec import GitIgnoreSpecPattern
 
     pattern = GitIgnoreSpecPattern(line)
     regex = pattern.regex
-    if regex is not None and "[^" in regex.pattern:
-        pattern.regex = re.compile(_NEGATED_CLASS.sub("[^/", regex.pattern))
+    if regex is None:
+        return pattern
+    text = regex.pattern
+    if "[^" in text:
+        text = _NEGATED_CLASS.sub("[^/", text)
+    # a name may hold a newline, which rsync matches like any byte: "." must match it
+    # (else "**" stops at it) and the end must be the end ("$" also matches before a
+    # final newline, so "notes.txt" excluded a file named "notes.txt\n")
+    text = text.replace("|$)", r"|\Z)")
+    if text.endswith("$") and not _trailing_escape(text[:-1]):
+        text = text[:-1] + r"\Z"
+    pattern.regex = re.compile(text, regex.flags | re.DOTALL)
     return pattern
 
 
