@@ -995,6 +995,39 @@ def test_a_stream_that_comes_whole_but_wrong_is_read_again(tmp_path: Path) -> No
     assert result.retries == 0
 
 
+_FAILING_TAR = """#!/bin/sh
+# the guest's tar, failing an archive run on a file whose name is not UTF-8, as busybox
+# tar prints it: raw
+case "$*" in *-cf*) printf 'tar: ./caf\\351: Cannot open: Permission denied\\n' >&2; exit 2 ;; esac
+exec {real} "$@"
+"""
+
+
+def test_a_run_that_failed_on_a_name_not_utf8_fails_once_and_the_next_pull_works(
+    tmp_path: Path,
+) -> None:
+    """A failed run's message names a file in bytes that are not UTF-8 (a busybox tar):
+    the status that carries it is read (the name escaped), the pull fails with the guest's
+    reason, and the next pull starts afresh.  Refusing the record made every later pull
+    fail the same way, ``--full`` too: nothing ever learnt that the run had failed."""
+    ws = _small_workspace(tmp_path / "ws")
+    real = shutil.which("tar")
+    assert real
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    (shims / "tar").write_text(_FAILING_TAR.format(real=real))
+    (shims / "tar").chmod(0o755)
+    env = {"PATH": f"{shims}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+    dest = tmp_path / "out"
+    opts = options(tmp_path, helpers=False)
+    with pytest.raises(StagingFailed, match=r"tar exited 2: tar: \./caf\\xe9: Cannot open"):
+        run_pull(LocalTransport(env=env), ws, dest, opts)
+    assert not dest.exists()
+    result = run_pull(LocalTransport(env={"HOME": str(tmp_path)}), ws, dest, opts)
+    assert result.ok
+    assert_exact(ws, dest)
+
+
 class StagedFileEdited(ScriptLog):
     """A guest whose staged stream changes under its index before the first read (another
     user of the guest, a full disk's torn write): each read's envelope hashes what the

@@ -121,6 +121,33 @@ def test_status_with_done_failed_and_tar_errors() -> None:
 STATUS_HEAD = b"exists 1\nalive 1\nlaunched 1\nindex_size 300\ndata_size 240"
 
 
+@pytest.mark.parametrize(
+    ("words", "shown"),
+    [
+        (b"tar exited 2: tar: ./caf\xe9: Cannot open", "./caf\\xe9: Cannot open"),
+        # U+2028 and U+0085 end a line to str.splitlines(): a record ends at "\n" only
+        ("tar exited 2: ./a\u2028b\x85c: gone".encode(), "./a\\u2028b\\x85c: gone"),
+        # the producer cuts the message at 400 bytes, inside a character
+        (("x" * 10 + "\u00e9").encode()[:-1], "xxxxxxxxxx\\xc3"),
+    ],
+)
+def test_a_failed_record_in_any_bytes_is_read(words: bytes, shown: str) -> None:
+    """The guest's failure message names files, in whatever bytes they have: it is read
+    (escaped for a terminal), or no run would ever learn that the run failed."""
+    for index in (b"", b"\nindex_from 0\nindex_tail 0\nindex_follows\n"):
+        payload = b"exists 1\nfailed " + words + b"\nalive 0\nlaunched 1\nindex_size 0\n"
+        st_ = parse_status(payload + b"data_size 0" + index, XXH, index_from=0 if index else -1)
+        assert st_.failed is not None and shown in st_.failed, st_.failed
+        assert not st_.alive and st_.index_size == 0
+
+
+def test_only_the_failure_message_may_be_any_bytes() -> None:
+    with pytest.raises(ProtocolError, match="'alive' is not UTF-8"):
+        parse_status(STATUS_HEAD.replace(b"alive 1", b"alive 1\xe9"), XXH)
+    with pytest.raises(ProtocolError, match="not UTF-8"):
+        parse_fields(b"proto 1\nworkspace \xe9")
+
+
 @pytest.mark.parametrize("errors", [b"", b"\ntar_err_follows\ntar: x: file changed\n"])
 def test_status_carries_the_index_from_the_asked_offset(errors: bytes) -> None:
     tail = INDEX[10:]

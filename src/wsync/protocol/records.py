@@ -15,9 +15,15 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+from collections.abc import Collection
 
 from wsync.errors import ProtocolError
 from wsync.protocol.hashing import Algorithm, is_hex
+
+#: the bytes of a record's key: ASCII letters, digits and ``_``
+_KEY_BYTES = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+#: status fields the guest's text fills (see :func:`parse_fields`)
+_FREE_STATUS = frozenset({"failed"})
 
 
 def printable(text: str | bytes, limit: int = 300) -> str:
@@ -28,20 +34,30 @@ def printable(text: str | bytes, limit: int = 300) -> str:
     return out + ("…" if len(text) > limit else "")
 
 
-def parse_fields(payload: bytes) -> dict[str, str]:
-    """``key value`` lines → dict; keys are ``[a-z0-9_]+``, the value may hold spaces."""
-    try:
-        text = payload.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ProtocolError("record is not UTF-8", "malformed") from None
+def parse_fields(payload: bytes, free: Collection[str] = ()) -> dict[str, str]:
+    """``key value`` lines → dict; keys are ``[a-z0-9_]+``, the value may hold spaces.
+
+    Lines end at ``\n`` only.  The values of the keys in ``free`` are the guest's own words
+    (a failure message that names a file, cut at a byte count): any bytes but a newline,
+    undecodable ones shown escaped.  Refusing them would refuse the record that says a run
+    failed, on every run after it: nothing would ever learn it failed and start afresh.
+    Every other value must be UTF-8.
+    """
     fields: dict[str, str] = {}
-    for line in text.splitlines():
+    for line in payload.split(b"\n"):
         if not line:
             continue
-        key, _, value = line.partition(" ")
-        if not key or not all(c.isascii() and (c.isalnum() or c == "_") for c in key):
+        raw_key, _, raw_value = line.partition(b" ")
+        if not raw_key or not all(c in _KEY_BYTES for c in raw_key):
             raise ProtocolError(f"bad record line {printable(line, 60)!r}", "malformed")
-        fields[key] = value
+        key = raw_key.decode("ascii")
+        if key in free:
+            fields[key] = raw_value.decode("utf-8", "backslashreplace")
+            continue
+        try:
+            fields[key] = raw_value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError(f"record field {key!r} is not UTF-8", "malformed") from None
     return fields
 
 
@@ -226,7 +242,7 @@ def parse_status(payload: bytes, algorithm: Algorithm, index_from: int = -1) -> 
     index_tail = b""
     before, marked, after = payload.partition(INDEX_MARK)
     if marked:
-        fields = parse_fields(before)
+        fields = parse_fields(before, _FREE_STATUS)
         size = _int(fields, "index_tail")
         if index_from < 0 or _int(fields, "index_from") != index_from or len(after) < size:
             raise ProtocolError("status: an index tail that was not asked for", "malformed")
@@ -235,7 +251,7 @@ def parse_status(payload: bytes, algorithm: Algorithm, index_from: int = -1) -> 
             raise ProtocolError("status: bytes after the index tail", "malformed")
         payload = before + rest
     head, sep, tail = payload.partition(b"\n" + TAR_ERR_MARK.encode() + b"\n")
-    fields = parse_fields(head)
+    fields = parse_fields(head, _FREE_STATUS)
     if fields.get("exists") != "1":
         return StatusReport(False, False, False, 0, 0, None, None, "")
     done = None
