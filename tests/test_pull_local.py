@@ -972,18 +972,23 @@ _LYING_BASE64 = """#!/bin/sh
 """
 
 
+def _shimmed(tmp_path: Path, tool: str, script: str) -> dict[str, str]:
+    """A guest environment whose ``tool`` is ``script`` (``{real}`` in it: the real one)."""
+    real = shutil.which(tool)
+    assert real
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    (shims / tool).write_text(script.format(real=real))
+    (shims / tool).chmod(0o755)
+    return {"PATH": f"{shims}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+
+
 def test_a_stream_that_comes_whole_but_wrong_is_read_again(tmp_path: Path) -> None:
     """A guest whose ``base64`` encodes other bytes than the stream's: each chunk taken
     from the status fails the index's hash, is counted as a mismatch and read; the tree
     is exact."""
     ws = _small_workspace(tmp_path / "ws")
-    real = shutil.which("base64")
-    assert real
-    shims = tmp_path / "shims"
-    shims.mkdir()
-    (shims / "base64").write_text(_LYING_BASE64.format(real=real))
-    (shims / "base64").chmod(0o755)
-    env = {"PATH": f"{shims}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+    env = _shimmed(tmp_path, "base64", _LYING_BASE64)
     transport = ScriptLog(env=env)
     result = run_pull(transport, ws, tmp_path / "out", options(tmp_path, helpers=False))
     assert_exact(ws, tmp_path / "out")
@@ -1011,13 +1016,7 @@ def test_a_run_that_failed_on_a_name_not_utf8_fails_once_and_the_next_pull_works
     reason, and the next pull starts afresh.  Refusing the record made every later pull
     fail the same way, ``--full`` too: nothing ever learnt that the run had failed."""
     ws = _small_workspace(tmp_path / "ws")
-    real = shutil.which("tar")
-    assert real
-    shims = tmp_path / "shims"
-    shims.mkdir()
-    (shims / "tar").write_text(_FAILING_TAR.format(real=real))
-    (shims / "tar").chmod(0o755)
-    env = {"PATH": f"{shims}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+    env = _shimmed(tmp_path, "tar", _FAILING_TAR)
     dest = tmp_path / "out"
     opts = options(tmp_path, helpers=False)
     with pytest.raises(StagingFailed, match=r"tar exited 2: tar: \./caf\\xe9: Cannot open"):
