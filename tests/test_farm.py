@@ -70,6 +70,18 @@ def test_missing_entry_fails_clearly(trees: tuple[Path, int, Path, int]) -> None
         build_farm(dfd, tfd, [(b"gone", "f")], lambda: None)
 
 
+def test_a_file_that_became_a_directory_is_a_change_not_an_immutable_file(
+    trees: tuple[Path, int, Path, int],
+) -> None:
+    """link(2) of a directory fails with EPERM, as for an immutable file: where DEST's
+    entry is a directory now, the error says DEST changed (run again), not chattr."""
+    dest, dfd, _, tfd = trees
+    (dest / "was-a-link").mkdir()
+    with pytest.raises(HostIOError, match="DEST changed during the pull") as failed:
+        build_farm(dfd, tfd, [(b"was-a-link", "l")], lambda: None)
+    assert "immutable" not in str(failed.value)
+
+
 def test_hostile_names_are_refused(trees: tuple[Path, int, Path, int]) -> None:
     _, dfd, _, tfd = trees
     for bad in (b"..", b"a/..", b"a/"):

@@ -119,6 +119,7 @@ def make_entry(dest: _Parents, tmp: _Parents, path: bytes, *, is_dir: bool) -> N
     """One entry of the farm: a fresh 0700 directory, or DEST's entry at the same path
     linked as itself (a symlink is never followed); HostIOError saying why not."""
     parent, leaf = _split(path)
+    source: int | None = None
     try:
         into = tmp.get(parent)
         if is_dir:
@@ -127,7 +128,17 @@ def make_entry(dest: _Parents, tmp: _Parents, path: bytes, *, is_dir: bool) -> N
             source = dest.get(parent)
             os.link(leaf, leaf, src_dir_fd=source, dst_dir_fd=into, follow_symlinks=False)
     except OSError as exc:
+        if exc.errno == errno.EPERM and source is not None and _is_dir(source, leaf):
+            # link(2) of a directory is EPERM too: the scan saw a non-directory there
+            exc = OSError(errno.ENOTDIR, "it became a directory")
         raise _farm_error(path, exc) from exc
+
+
+def _is_dir(dir_fd: int, leaf: bytes) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(leaf, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def join_groups(
