@@ -220,3 +220,47 @@ def test_of_two_failing_files_the_first_is_reported(
         (tmp_path / str(n)).mkdir()
         with pytest.raises(HostIOError, match="'a'"):
             extract(archive, make_root(tmp_path / str(n)))
+
+
+_STUCK_JOURNAL_WRITE = """
+import threading
+from wsync.engine.winddown import WriterPool
+
+pool = WriterPool(2, "wsync-journal")
+pool.submit(threading.Event().wait, 600)  # a write the kernel does not finish
+pool.shutdown(wait=False, cancel_futures=True)  # the wind-down's, then it gives up
+print("gave up", flush=True)
+"""
+
+
+def test_a_stuck_journal_write_does_not_keep_the_process_alive() -> None:
+    """The journal's writer pool is daemon threads too: after the wind-down gave up on a
+    write (a hung state directory), the process still ends."""
+    done = subprocess.run(
+        [sys.executable, "-c", _STUCK_JOURNAL_WRITE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "gave up\n"
+
+
+def test_the_pool_runs_hands_back_and_cancels() -> None:
+    from wsync.engine.winddown import WriterPool
+
+    pool = WriterPool(2, "wsync-test")
+    gate = threading.Event()
+    blocked = [pool.submit(gate.wait, 10) for _ in range(2)]
+    queued = pool.submit(lambda: 1)
+    failing = pool.submit(int, "x")
+    assert len(pool.pending) == 4
+    pool.shutdown(wait=False, cancel_futures=True)
+    assert queued.cancelled() and failing.cancelled()
+    with pytest.raises(RuntimeError):
+        pool.submit(lambda: 2)
+    gate.set()
+    assert [f.result(10) for f in blocked] == [True, True]
+    assert pool.pending == set()
+    pool = WriterPool(1, "wsync-test")
+    with pytest.raises(ValueError):
+        pool.submit(int, "x").result(10)
+    assert pool.submit(int, "7").result(10) == 7
+    pool.shutdown(wait=True)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import os
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
@@ -24,21 +26,70 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-class WriterPool(concurrent.futures.ThreadPoolExecutor):
-    """The journal writer pool, which knows its writes still in flight (so that a
-    cancelled pull can wait for them with a bound instead of ``shutdown(wait=True)``)."""
+class WriterPool:
+    """Threads for blocking writes (the journal's chunks, the extractor's small files),
+    which knows its writes still in flight, so that a stopping pull waits for them with a
+    bound instead of ``shutdown(wait=True)``.
+
+    Daemon threads over a queue, not a ``ThreadPoolExecutor``: Python joins an executor's
+    threads at exit without a bound, so one write stuck on a hung filesystem would keep a
+    stopped pull's process alive after the wind-down gave up on it.  A journal write is
+    temp-file, fsync, rename: one cut short by the exit leaves a temp file the next run
+    removes.
+    """
 
     def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
-        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self._max = max_workers
+        self._prefix = thread_name_prefix
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._threads = 0
+        self._shutdown = False
         self.pending: set[concurrent.futures.Future[Any]] = set()
 
     def submit(
         self, fn: Callable[_P, _R], /, *args: _P.args, **kwargs: _P.kwargs
     ) -> concurrent.futures.Future[_R]:
-        future = super().submit(fn, *args, **kwargs)
+        if self._shutdown:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        future: concurrent.futures.Future[_R] = concurrent.futures.Future()
         self.pending.add(future)
         future.add_done_callback(self.pending.discard)
+        self._jobs.put((future, functools.partial(fn, *args, **kwargs)))
+        if self._threads < self._max:
+            name = f"{self._prefix}_{self._threads}"
+            threading.Thread(target=_work, args=(self._jobs,), name=name, daemon=True).start()
+            self._threads += 1
         return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop taking work; with ``cancel_futures`` drop what has not started; with
+        ``wait`` wait for what is running (only where it must: never on the loop)."""
+        self._shutdown = True
+        if cancel_futures:
+            for future in list(self.pending):
+                future.cancel()
+        for _ in range(self._threads):
+            self._jobs.put(None)
+        if wait:
+            for future in list(self.pending):
+                if not future.cancelled():
+                    future.exception()
+
+
+_Job = tuple["concurrent.futures.Future[Any]", Callable[[], Any]]
+
+
+def _work(jobs: queue.SimpleQueue[_Job | None]) -> None:
+    while (item := jobs.get()) is not None:
+        future, job = item
+        if not future.set_running_or_notify_cancel():
+            continue  # cancelled before it started
+        try:
+            result = job()
+        except BaseException as exc:  # the submitter's to raise
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
 
 
 async def await_thread(thread: threading.Thread, bound: float | None) -> bool:

@@ -19,21 +19,21 @@ extraction returned or failed.
 A job may hold a resource (the extractor's jobs hold a dup of a directory fd, closed when
 they run): its ``release`` runs instead when the job never will (cancelled by
 :meth:`Writers.close`, or its submit failed on an earlier job's error), so a failed
-extraction leaks nothing into a long-running daemon.  The threads are daemon threads, not
-a ``ThreadPoolExecutor``'s: Python joins those at exit without a limit, and a create
-stuck on a hung filesystem must not keep a stopped pull's process alive (the pull gives up
-on its extractor thread after a bound: :mod:`wsync.engine.winddown`).
+extraction leaks nothing into a long-running daemon.  The threads are
+:class:`~wsync.engine.winddown.WriterPool`'s daemon threads: a create stuck on a hung
+filesystem must not keep a stopped pull's process alive (the pull gives up on its extractor
+thread after a bound).
 """
 
 from __future__ import annotations
 
-import queue
 import resource
-import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
+
+from wsync.engine.winddown import WriterPool
 
 #: threads creating files
 THREADS = 4
@@ -43,8 +43,6 @@ MAX_PENDING_BYTES = 4 * 1024 * 1024
 #: descriptors the process may open (``ulimit -n 48`` still leaves the rest of the pull
 #: its fds)
 MAX_PENDING_JOBS = 64
-
-_Job = tuple["Future[Any]", Callable[[], Any]]
 
 
 class _Pending:
@@ -65,24 +63,11 @@ class _Pending:
         self.release = release
 
 
-def _work(jobs: queue.SimpleQueue[_Job | None]) -> None:
-    while (item := jobs.get()) is not None:
-        future, job = item
-        if not future.set_running_or_notify_cancel():
-            continue  # cancelled by close(): its release ran there
-        try:
-            result = job()
-        except BaseException as exc:  # handed to the extractor's thread, in order
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
-
-
 class Writers:
     """Jobs run by :data:`THREADS` threads, their results handed back in order of submission."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_Job | None] | None = None
+        self._pool: WriterPool | None = None
         self._pending: deque[_Pending] = deque()
         self._bytes = 0
         #: a job's error was raised (the first: what is pending now came after it)
@@ -101,33 +86,24 @@ class Writers:
         too much is pending; raises the first error of a finished job (then ``release()``
         runs: the job never will)."""
         try:
-            jobs = self._start()
+            if self._pool is None:
+                self._pool = WriterPool(THREADS, "wsync-writer")
             self._collect(block=False)
             while self._pending and (
                 self._bytes + nbytes > MAX_PENDING_BYTES or len(self._pending) >= self._max_jobs
             ):
                 self._collect_one()
+            future = self._pool.submit(job)
         except BaseException:
             if release is not None:
                 release()
             raise
-        future: Future[Any] = Future()
         self._pending.append(_Pending(future, nbytes, done, release))
         self._bytes += nbytes
-        jobs.put((future, job))
 
     def drain(self) -> None:
         """Wait for every pending job; raise the first error among them."""
         self._collect(block=True)
-
-    def _start(self) -> queue.SimpleQueue[_Job | None]:
-        if self._jobs is None:
-            self._jobs = queue.SimpleQueue()
-            for n in range(THREADS):
-                threading.Thread(
-                    target=_work, args=(self._jobs,), name=f"wsync-writer-{n}", daemon=True
-                ).start()
-        return self._jobs
 
     def _collect(self, *, block: bool) -> None:
         while self._pending and (block or self._pending[0].future.done()):
@@ -158,7 +134,6 @@ class Writers:
                 if not item.future.cancelled():
                     item.future.exception()  # waits; retrieved: never reported as unhandled
         finally:
-            jobs, self._jobs = self._jobs, None
-            if jobs is not None:
-                for _ in range(THREADS):
-                    jobs.put(None)
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.shutdown(wait=False)
