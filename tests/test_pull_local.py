@@ -9,6 +9,7 @@ import os
 import shlex
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -1182,3 +1183,27 @@ def test_a_guest_whose_gzip_fails_gets_the_producer_plain(tmp_path: Path) -> Non
     assert_exact(ws, tmp_path / "out")
     gz64 = scripts.install_parts(scripts.INSTALL_PART_GZ64, "gz64")
     assert transport.ran.count("install") == gz64 + scripts.install_parts()
+
+
+def test_pulls_in_one_process_leave_no_writer_threads(tmp_path: Path) -> None:
+    """The daemon pulls in its own process, every few minutes: a pull with nothing to swap,
+    a dry run and a failed pull end their journal and writer threads like any other."""
+    ws = _small_workspace(tmp_path / "ws")
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+
+    def writer_threads() -> list[str]:
+        names = [t.name for t in threading.enumerate()]
+        return [n for n in names if n.startswith(("wsync-journal", "wsync-writer"))]
+
+    run_pull(LocalTransport(), ws, dest, opts)  # the first, a full pull
+    run_pull(LocalTransport(), ws, dest, opts)  # nothing changed
+    (ws / "new.txt").write_text("new\n")
+    run_pull(LocalTransport(), ws, dest, dataclasses.replace(opts, dry_run=True))
+    with pytest.raises(UsageError):
+        run_pull(LocalTransport(), ws / "missing", tmp_path / "other", opts)
+    run_pull(LocalTransport(), ws, dest, opts)
+    deadline = time.monotonic() + 30
+    while writer_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert writer_threads() == []

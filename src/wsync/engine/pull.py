@@ -380,6 +380,16 @@ _PERMANENT = (StagingFailed, HostileArchive, UnstableFiles)
 
 
 async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
+    try:
+        return await _attempt_phases(runner)
+    finally:
+        # every path ends the journal's writer threads (a pull with nothing to swap, a dry
+        # run, a failure): they are daemon threads that would wait for work forever, one
+        # set a pull in a daemon process
+        runner.io.shutdown(wait=False)
+
+
+async def _attempt_phases(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
     async with runner.ticking():
         try:
             done = await runner.run()
