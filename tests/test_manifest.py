@@ -4,6 +4,9 @@ trailing bytes, and fuzzed."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -22,7 +25,7 @@ from wsync.protocol.manifest import (
 SAMPLE = (
     b"d 755 4096 1796108389.0447479200 1796108389.0447479200 2173675\0.\0\0"
     b"l 777 1 1796108389.0447479200 1796108389.0447479200 2173678\0./l\0a\nb\0"
-    b"f 4644 3 -1.5 0 0 00ff00ff00ff00ff\0./d/\xff\nx\0\0"
+    b"f 4644 3 -2.5 0 0 00ff00ff00ff00ff\0./d/\xff\nx\0\0"
 )
 EXPECTED = [
     Entry(b".", "d", 0o755, 4096, 1796108389044747920, 1796108389044747920, 2173675, b""),
@@ -81,7 +84,21 @@ def test_times() -> None:
     assert parse_time(b"12") == 12_000_000_000
     assert parse_time(b"12.5") == 12_500_000_000
     assert parse_time(b"12.") == 12_000_000_000
-    assert parse_time(b"-0.25") == -250_000_000
+    # find prints the floor of the seconds, then the fraction forward from it
+    assert parse_time(b"-1.75") == -250_000_000
+    assert parse_time(b"-77984598.4000000000") == -77_984_597_600_000_000
+    assert parse_time(b"-3") == -3_000_000_000
+
+
+def test_a_time_before_1970_reads_as_find_prints_it(tmp_path: Path) -> None:
+    """The parser and GNU find agree on a pre-1970 time with a fraction."""
+    target = tmp_path / "old"
+    target.write_text("x")
+    os.utime(target, ns=(-77_984_597_600_000_000, -77_984_597_600_000_000))
+    printed = subprocess.run(
+        ["find", str(target), "-printf", "%T@"], capture_output=True, check=True
+    ).stdout
+    assert parse_time(printed) == -77_984_597_600_000_000
 
 
 @given(st.binary(max_size=400), st.integers(min_value=1, max_value=50))

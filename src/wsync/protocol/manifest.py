@@ -11,7 +11,9 @@ fields::
 - ``MODE``: the permission bits in octal (``%m``);
 - ``SIZE``: decimal bytes;
 - ``MTIME``/``CTIME``: decimal seconds with an optional fraction and sign (``%T@``; busybox
-  ``stat -c %Y`` gives whole seconds); ``CTIME`` and ``INO`` are ``0`` where unknown;
+  ``stat -c %Y`` gives whole seconds); the sign is the whole seconds' alone, the fraction
+  counts forward from them (``-2.25`` is 1.75 s before the epoch, as ``find`` prints it);
+  ``CTIME`` and ``INO`` are ``0`` where unknown;
 - ``DIGEST``: a content hash, only from guests that cannot give ctime and inode;
 - ``PATH``: ``.`` or ``./``-prefixed, as ``find .`` prints it, any byte but NUL;
 - ``TARGET``: a symlink's target, empty otherwise.
@@ -66,13 +68,23 @@ class Entry(NamedTuple):
 
 def parse_time(text: bytes) -> int:
     """``b"1700000000.1234567890"`` → nanoseconds (digits beyond 9 are dropped, not
-    rounded: the same guest always prints the same digits, which is all a diff needs)."""
-    negative = text[:1] == b"-"
-    whole, _, frac = (text[1:] if negative else text).partition(b".")
-    if not whole.isdigit() or len(whole) > 20 or len(frac) > 20 or (frac and not frac.isdigit()):
+    rounded: the same guest always prints the same digits, which is all a diff needs).
+
+    As GNU ``find -printf %T@`` prints a time: the whole seconds, signed (the floor), then
+    the fraction, which counts forward: ``-2.25`` is 1.75 s before the epoch (``touch -d
+    @-1.75`` makes it), not 2.25 s."""
+    whole, _, frac = text.partition(b".")
+    digits = whole[1:] if whole[:1] == b"-" else whole
+    if not digits.isdigit() or len(digits) > 20 or len(frac) > 20 or (frac and not frac.isdigit()):
         raise ProtocolError(f"malformed manifest time: {text[:40]!r}")
-    ns = int(whole) * _NS + (int(frac[:9].ljust(9, b"0")) if frac else 0)
-    return -ns if negative else ns
+    return _ns(whole, frac[:9].ljust(9, b"0"))
+
+
+def _ns(whole: bytes, frac9: bytes) -> int:
+    """Nanoseconds of signed whole seconds and a 9-digit fraction that counts forward."""
+    if whole[:1] != b"-":
+        return int(whole + frac9)  # one int() for the common case: the parser's hot path
+    return int(whole) * _NS + int(frac9)
 
 
 class ManifestParser:
@@ -135,8 +147,8 @@ class ManifestParser:
                         kinds[kind],
                         int(mode, 8) & 0o7777,
                         int(size),
-                        int(mt + mf[:9] + pad[len(mf) :] if mf else mt + pad),
-                        int(ct + cf[:9] + pad[len(cf) :] if cf else ct + pad),
+                        _ns(mt, mf[:9] + pad[len(mf) :] if mf else pad),
+                        _ns(ct, cf[:9] + pad[len(cf) :] if cf else pad),
                         int(ino),
                         target,
                         digest.decode() if digest else "",
