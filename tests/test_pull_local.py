@@ -17,7 +17,16 @@ from typing import Any
 
 import pytest
 
-from helpers import assert_exact, busybox_bin, local, make_tree, options, run_pull, tool_dir
+from helpers import (
+    assert_exact,
+    busybox_bin,
+    local,
+    make_tree,
+    options,
+    run_pull,
+    tool_dir,
+    writer_around_tar,
+)
 from wsync.engine.api import PullOptions
 from wsync.engine.fsutil import rmtree
 from wsync.errors import (
@@ -25,6 +34,7 @@ from wsync.errors import (
     HostileArchive,
     IntegrityFailed,
     StagingFailed,
+    UnstableFiles,
     UsageError,
     WsyncError,
 )
@@ -1207,3 +1217,28 @@ def test_pulls_in_one_process_leave_no_writer_threads(tmp_path: Path) -> None:
     while writer_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert writer_threads() == []
+
+
+def test_a_directory_that_became_a_file_while_read_is_a_change_not_a_hostile_archive(
+    tmp_path: Path,
+) -> None:
+    """``rm -rf d && touch d`` while the guest's tar reads the workspace: the re-read
+    round archives a file where the first read put a directory.  That is a workspace that
+    changed while read (exit 24, run again), not a hostile archive (exit 7); DEST is not
+    made, and the next pull, the workspace at rest, is exact."""
+    ws = tmp_path / "ws"
+    (ws / "d").mkdir(parents=True)
+    (ws / "d" / "inner").write_text("inner\n")
+    (ws / "keep").write_text("keep\n")
+    guest = writer_around_tar(
+        tmp_path,
+        'real_tar "$@"; rc=$?\n[ $N = 1 ] && { rm -rf "$WS/d"; echo file > "$WS/d"; }\nexit $rc',
+    )
+    dest = tmp_path / "out"
+    opts = options(tmp_path, helpers=False)
+    with pytest.raises(UnstableFiles, match="a directory, then a non-directory") as failed:
+        run_pull(guest, ws, dest, opts)
+    assert failed.value.exit_code == 24
+    assert not dest.exists()
+    run_pull(LocalTransport(), ws, dest, opts)
+    assert_exact(ws, dest)

@@ -109,6 +109,7 @@ from wsync.errors import (
     HostOutOfFiles,
     Interrupted,
     LimitExceeded,
+    UnstableFiles,
     WsyncError,
 )
 
@@ -527,8 +528,11 @@ class _Extractor:
             with contextlib.suppress(OSError):
                 os.unlink(new, dir_fd=parent)
             if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
-                raise HostileArchive(
-                    f"{show_name(name)}: read again as a non-directory where a directory is"
+                # a directory read first, a non-directory when read again (or when the
+                # changed entries were archived): what ``rm -rf d && touch d`` during the
+                # read gives; the snapshot is discarded, and the next run reads it afresh
+                raise UnstableFiles(
+                    f"{show_name(name)} (a directory, then a non-directory); run the pull again"
                 ) from exc
             raise HostIOError(f"{show_name(name)}: {exc.strerror or exc}") from exc
         return existed
