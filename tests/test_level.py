@@ -300,7 +300,11 @@ def test_a_fast_link_that_answers_late_is_not_taken_for_a_slow_one(tmp_path: Pat
     transport = chaos.wrap(local(), "slow=0.5")
     result = run_pull(transport, ws, tmp_path / "out", options(tmp_path))
     assert_exact(ws, tmp_path / "out")
-    assert result.compress_level == level.DEFAULT
+    # counted whole, the wait rates the link slow by both bounds: -9.  With it taken off
+    # the fast bound is whatever the machine moves 0.7 MB at: on a quiet one the default
+    # (the bounds disagree); a loaded 2-core CI run once measured 0.93 MB/s and chose -6.
+    # Either way the link is not taken for a slow one.
+    assert result.compress_level in (level.DEFAULT, 6), result
 
 
 def test_a_narrow_link_is_taken_for_one_and_compressed_harder(tmp_path: Path) -> None:
