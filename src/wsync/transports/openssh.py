@@ -49,15 +49,14 @@ from wsync.errors import (
     TransportTimeout,
     UsageError,
 )
-from wsync.transports.base import DEFAULT_MAX_OUTPUT, Capabilities, Channel, ExecResult, Transport
+from wsync.transports.base import DEFAULT_MAX_OUTPUT, Channel, ExecResult
 from wsync.transports.local import LocalTransport
 from wsync.transports.sshcommand import (
     CIPHERS,
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MAX_SESSIONS,
     REAP_TIMEOUT,
-    describe,
-    parse_options,
+    SshTransportBase,
     reaper,
     wrapped,
 )
@@ -168,13 +167,8 @@ class _OpensshChannel(Channel):
             await self._transport._reap(self._marker)
 
 
-class OpensshTransport(Transport):
+class OpensshTransport(SshTransportBase):
     """Exec through one OpenSSH master connection (see the module docstring)."""
-
-    scheme = "ssh"
-    capabilities = Capabilities(
-        stdin=True, binary_safe=True, separate_stderr=True, channel=True, long_argv=True
-    )
 
     def __init__(
         self,
@@ -189,8 +183,9 @@ class OpensshTransport(Transport):
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         client: str = "ssh",
     ) -> None:
-        if max_sessions < 1:
-            raise UsageError("ssh option max_sessions must be >= 1")
+        super().__init__(
+            host, port=port, user=user, connect_timeout=connect_timeout, max_sessions=max_sessions
+        )
         if not host or host.startswith("-"):
             raise UsageError(f"ssh: {host!r} is not a host name")
         found = shutil.which(client)
@@ -199,15 +194,7 @@ class OpensshTransport(Transport):
                 f"--ssh-client openssh needs OpenSSH's client ({client!r} is not on PATH); "
                 "install openssh-client or use --ssh-client asyncssh"
             )
-        self.host = host
-        self.port = port
-        self.user = user
-        self._connect_timeout = connect_timeout
-        self._max_sessions = max_sessions
-        self._slots = asyncio.Semaphore(max_sessions)
-        self._lock = asyncio.Lock()
         self._master: _Master | None = None
-        self._ever_connected = False
         self._local = LocalTransport()
         self._argv = [found, *self._options(ssh_key, known_hosts, ssh_config, connect_timeout)]
 
@@ -251,16 +238,6 @@ class OpensshTransport(Transport):
                 raise UsageError(f"ssh config {ssh_config!r} does not exist")
             opts += ["-F", ssh_config]
         return opts
-
-    @classmethod
-    def from_uri(cls, uri: SandboxURI, options: Mapping[str, Any]) -> OpensshTransport:
-        """The asyncssh transport's options (``ssh_key``, ``known_hosts``, ``ssh_config``,
-        ``connect_timeout``, ``max_sessions``), the same meanings."""
-        return cls(**parse_options(uri, options))
-
-    @property
-    def description(self) -> str:
-        return describe(self.host, self.port, self.user)
 
     # -- the master --------------------------------------------------------------------
 
@@ -416,11 +393,6 @@ class OpensshTransport(Transport):
             self._slots.release()
             raise
         return _OpensshChannel(self, inner, marker)
-
-    @property
-    def channel_limit(self) -> int:
-        """Channels hold a ``max_sessions`` slot while open: two are left for execs."""
-        return max(0, self._max_sessions - 2)
 
     async def _reap(self, marker: str) -> None:
         """Best effort: kill a stopped command's process group in the guest (see

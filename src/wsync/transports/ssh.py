@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,24 +48,20 @@ from wsync.errors import (
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
     BoundedBuffer,
-    Capabilities,
     Channel,
     ChannelInbox,
     ExecResult,
-    Transport,
 )
 from wsync.transports.sshcommand import (
     CIPHERS,
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MAX_SESSIONS,
     REAP_TIMEOUT,
-    describe,
-    parse_options,
+    SshTransportBase,
     reaper,
     wrapped,
 )
 from wsync.transports.sshlib import ack_at_once, asyncssh
-from wsync.uri import SandboxURI
 
 KEEPALIVE_INTERVAL = 15.0
 #: how long to wait for a channel we are abandoning to finish closing
@@ -178,13 +174,8 @@ class _SshChannel(Channel):
             await self._transport._reap(self._conn, self._marker)
 
 
-class SshTransport(Transport):
+class SshTransport(SshTransportBase):
     """Exec over one shared, lazily (re)connected SSH connection."""
-
-    scheme = "ssh"
-    capabilities = Capabilities(
-        stdin=True, binary_safe=True, separate_stderr=True, channel=True, long_argv=True
-    )
 
     def __init__(
         self,
@@ -198,29 +189,13 @@ class SshTransport(Transport):
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
     ) -> None:
-        if max_sessions < 1:
-            raise UsageError("ssh option max_sessions must be >= 1")
-        self.host = host
-        self.port = port
-        self.user = user
+        super().__init__(
+            host, port=port, user=user, connect_timeout=connect_timeout, max_sessions=max_sessions
+        )
         self._ssh_key = ssh_key
         self._known_hosts = known_hosts
         self._ssh_config = ssh_config
-        self._connect_timeout = connect_timeout
-        self._slots = asyncio.Semaphore(max_sessions)
-        self._max_sessions = max_sessions
-        self._lock = asyncio.Lock()
         self._conn: asyncssh.SSHClientConnection | None = None
-        self._ever_connected = False
-
-    @classmethod
-    def from_uri(cls, uri: SandboxURI, options: Mapping[str, Any]) -> SshTransport:
-        """Options: see :func:`wsync.transports.sshcommand.parse_options`."""
-        return cls(**parse_options(uri, options))
-
-    @property
-    def description(self) -> str:
-        return describe(self.host, self.port, self.user)
 
     # -- connection ----------------------------------------------------------
 
@@ -399,11 +374,6 @@ class SshTransport(Transport):
             raise
         session.chan = chan
         return _SshChannel(self, conn, chan, session, marker)
-
-    @property
-    def channel_limit(self) -> int:
-        """Channels hold a ``max_sessions`` slot while open: two are left for execs."""
-        return max(0, self._max_sessions - 2)
 
     @staticmethod
     async def _reap(conn: asyncssh.SSHClientConnection, marker: str) -> None:

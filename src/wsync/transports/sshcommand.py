@@ -17,13 +17,15 @@ survive, as the guest producer must.  The price: a command killed by a signal re
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from wsync.errors import UsageError
+from wsync.transports.base import Capabilities, Transport
 from wsync.uri import SandboxURI
 
 #: runs ARGV under a wrapper shell whose command line names the exec (see module doc);
@@ -118,3 +120,48 @@ def parse_options(uri: SandboxURI, options: Mapping[str, Any]) -> dict[str, Any]
         "connect_timeout": connect_timeout,
         "max_sessions": max_sessions,
     }
+
+
+class SshTransportBase(Transport):
+    """What both ssh clients' transports share: the options, the description (one key
+    for the journal and the state whichever client pulls) and the session slots (every
+    exec and open channel holds one of ``max_sessions``)."""
+
+    scheme = "ssh"
+    capabilities = Capabilities(
+        stdin=True, binary_safe=True, separate_stderr=True, channel=True, long_argv=True
+    )
+
+    def __init__(
+        self,
+        host: str,
+        *,
+        port: int | None = None,
+        user: str | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+    ) -> None:
+        if max_sessions < 1:
+            raise UsageError("ssh option max_sessions must be >= 1")
+        self.host = host
+        self.port = port
+        self.user = user
+        self._connect_timeout = connect_timeout
+        self._max_sessions = max_sessions
+        self._slots = asyncio.Semaphore(max_sessions)
+        self._lock = asyncio.Lock()
+        self._ever_connected = False
+
+    @classmethod
+    def from_uri(cls, uri: SandboxURI, options: Mapping[str, Any]) -> Self:
+        """Options: see :func:`parse_options`."""
+        return cls(**parse_options(uri, options))
+
+    @property
+    def description(self) -> str:
+        return describe(self.host, self.port, self.user)
+
+    @property
+    def channel_limit(self) -> int:
+        """Channels hold a ``max_sessions`` slot while open: two are left for execs."""
+        return max(0, self._max_sessions - 2)
