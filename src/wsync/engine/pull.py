@@ -199,9 +199,6 @@ class _Pull(IncrementalRunner):
             busy = any(not done.is_set() for done in in_tree)
             await self.drop_tmp(tmp, reused, busy=busy, broken=type(exc) is HostIOError)
             raise
-        finally:
-            # every write was awaited on success; after a failure none is waited for here
-            self.io.shutdown(wait=False)
         return self.outcome
 
     @property
@@ -385,7 +382,8 @@ async def _attempt(runner: _Pull) -> tuple[ExtractStats, int, int, str | None]:
     finally:
         # every path ends the journal's writer threads (a pull with nothing to swap, a dry
         # run, a failure): they are daemon threads that would wait for work forever, one
-        # set a pull in a daemon process
+        # set a pull in a daemon process.  Every write was awaited on success; after a
+        # failure none is waited for here (the wind-down waited, with a bound)
         runner.io.shutdown(wait=False)
 
 
