@@ -1242,3 +1242,28 @@ def test_a_directory_that_became_a_file_while_read_is_a_change_not_a_hostile_arc
     assert not dest.exists()
     run_pull(LocalTransport(), ws, dest, opts)
     assert_exact(ws, dest)
+
+
+def test_a_file_that_became_a_directory_while_read_is_a_change_not_a_hostile_archive(
+    tmp_path: Path,
+) -> None:
+    """The reverse: ``rm f && mkdir f`` while the guest's tar reads the workspace; the
+    re-read round archives a directory where the first read put a file.  Exit 24 (run
+    again), not exit 7; DEST is not made, and the next pull is exact."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "f").write_text("a file first\n")
+    (ws / "keep").write_text("keep\n")
+    guest = writer_around_tar(
+        tmp_path,
+        'real_tar "$@"; rc=$?\n'
+        '[ $N = 1 ] && { rm -f "$WS/f"; mkdir "$WS/f"; echo x > "$WS/f/inner"; }\nexit $rc',
+    )
+    dest = tmp_path / "out"
+    opts = options(tmp_path, helpers=False)
+    with pytest.raises(UnstableFiles, match="a non-directory, then a directory") as failed:
+        run_pull(guest, ws, dest, opts)
+    assert failed.value.exit_code == 24
+    assert not dest.exists()
+    run_pull(LocalTransport(), ws, dest, opts)
+    assert_exact(ws, dest)

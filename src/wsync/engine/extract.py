@@ -436,10 +436,18 @@ class _Extractor:
         try:
             os.mkdir(parts[-1], 0o700, dir_fd=parent)
         except OSError as exc:
-            if exc.errno == errno.EEXIST and self._fresh() and self._is_dir(parent, parts):
-                # read again: the newer mode and mtime win in the final pass
-                self.dir_updates[b"/".join(parts)] = (mode, mtime_ns)
-                return
+            if exc.errno == errno.EEXIST and self._fresh():
+                if self._is_dir(parent, parts):
+                    # read again: the newer mode and mtime win in the final pass
+                    self.dir_updates[b"/".join(parts)] = (mode, mtime_ns)
+                    return
+                # a non-directory read first (or kept by the farm), a directory when read
+                # again: what ``rm f && mkdir f`` during the read gives (the reverse of
+                # :meth:`_replace`'s case); the snapshot is discarded, the next run reads
+                # it afresh
+                raise UnstableFiles(
+                    f"{show_name(name)} (a non-directory, then a directory); run the pull again"
+                ) from exc
             raise refuse_os(exc, show_name(name)) from exc
         path = b"/".join(parts)
         self.dir_meta_bytes += len(path) + 64
