@@ -47,6 +47,7 @@ class Entry:
     ino: int
     target: bytes
     digest: str = ""
+    record: bytes = b""  # no fingerprints: every load here parses every record
 
 
 def entries(n: int, changed_every: int = 0) -> Iterator[Entry]:

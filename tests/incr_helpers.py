@@ -4,9 +4,11 @@ real state, diff and farm with a plain copy standing in for the transfer and ext
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import shutil
 import stat
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from wsync.engine.farm import build_farm, set_dir_meta
 from wsync.engine.fsutil import remove_tree_at, swap_at
 from wsync.engine.hostscan import kind_of
 from wsync.engine.incdiff import Diff
+from wsync.engine.incremental import read_manifest
 from wsync.engine.incstate import PullState
 from wsync.engine.prefarm import Prefarm
 
@@ -35,6 +38,7 @@ class Entry:
     ino: int
     target: bytes
     digest: str = ""
+    record: bytes = b""  # no fingerprint: the state keeps none, the next load parses all
 
 
 def manifest(root: Path) -> Iterator[Entry]:
@@ -60,6 +64,19 @@ def manifest(root: Path) -> Iterator[Entry]:
                 st.st_ino,
                 target,
             )
+
+
+#: the options key the helpers' pulls run under when they read a listing (see ``listing``)
+OPTIONS = "test-options"
+#: what the guest's producer runs for a manifest, with GNU find (wsync.protocol.producer)
+FIND_FORMAT = "%y %m %s %T@ %C@ %i\\0%p\\0%l\\0"
+
+
+def listing(root: Path) -> bytes:
+    """The guest's manifest of ``root`` as its producer writes it (GNU find)."""
+    return subprocess.run(
+        ["find", ".", "-printf", FIND_FORMAT], cwd=root, capture_output=True, check=True
+    ).stdout
 
 
 def hash_file(path: bytes) -> str:
@@ -94,14 +111,19 @@ def pull(
     key: str = "local:guest",
     excludes: Excludes | None = None,
     during: Callable[[], None] | None = None,
+    parse: bool = False,
 ) -> Applied:
     """One pull of ``guest`` into ``dest``: manifest, diff, farm, copy, dir meta, swap, commit.
     ``during`` runs after the farm and the copy, before the swap (the host at work in DEST
-    while the pull transfers)."""
+    while the pull transfers).  With ``parse`` the manifest is the guest's listing, read
+    as a pull reads it (known records and all: :func:`listing`), else lstat entries."""
     excludes = excludes or Excludes.none()
     dest.mkdir(exist_ok=True)
     with PullState.open(state_dir, dest, key) as state:
-        state.load_manifest(manifest(guest), excludes)
+        if parse:
+            read_manifest(io.BytesIO(listing(guest)), state, excludes, 10**9, OPTIONS)
+        else:
+            state.load_manifest(manifest(guest), excludes)
         dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
         found = os.fstat(dest_fd)
         try:
@@ -143,7 +165,7 @@ def pull(
         os.close(parent)
         dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            state.commit(dest_fd, hashes)
+            state.commit(dest_fd, hashes, options=OPTIONS if parse else "")
         finally:
             os.close(dest_fd)
         return Applied(diff, fetched, made, lines)

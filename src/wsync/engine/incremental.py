@@ -94,13 +94,18 @@ def can_select(plan: GuestPlan, *, stdin: bool) -> bool:
     return stdin or plan.probe.has("base64")
 
 
-def read_manifest(stream: BinaryIO, state: PullState, excludes: Excludes, max_files: int) -> int:
+def read_manifest(
+    stream: BinaryIO, state: PullState, excludes: Excludes, max_files: int, options: str
+) -> int:
     """Parse the decompressed manifest ``stream`` into ``state``; return the entries read.
 
     The stream was verified chunk by chunk, so a record that does not parse is the guest's
-    doing: refused like a hostile archive (the snapshot is discarded).
+    doing: refused like a hostile archive (the snapshot is discarded).  Records the state
+    holds from the last pull (made under the same ``options``) are not parsed again but
+    copied (:meth:`PullState.known`).
     """
-    parser = ManifestParser()
+    known = state.known(options)
+    parser = ManifestParser(known)
 
     def entries() -> Iterator[Entry]:
         while block := stream.read(_READ):
@@ -112,9 +117,10 @@ def read_manifest(stream: BinaryIO, state: PullState, excludes: Excludes, max_fi
         yield from parser.entries()
 
     try:
-        state.load_manifest(entries(), excludes, max_entries=max_files)
+        state.load_manifest(entries(), excludes, max_entries=max_files, known=known)
     except ProtocolError as exc:
         raise HostileArchive(f"the guest's manifest: {exc}") from exc
+    log.debug("manifest loaded", records=parser.count, known=known.matched)
     return parser.count
 
 
@@ -252,7 +258,7 @@ class Incremental:
         """The manifest phase's consumer (extractor thread)."""
         with self.busy:
             self.entries = read_manifest(
-                stream, self.state, self.excludes, self.options.limits.max_files
+                stream, self.state, self.excludes, self.options.limits.max_files, self.options_key()
             )
             self.loaded = True
 
@@ -443,7 +449,13 @@ class Incremental:
         db = self.state.db
         restat = (lambda: prevtree.restat(db, dest_fd)) if self.reused else None
         try:
-            self.state.commit(dest_fd, iter(self.hashes), restat, listing=self.manifest_digest)
+            self.state.commit(
+                dest_fd,
+                iter(self.hashes),
+                restat,
+                listing=self.manifest_digest,
+                options=self.options_key(),
+            )
         finally:
             os.close(dest_fd)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from wsync.engine.fsutil import host_io
@@ -22,8 +22,12 @@ CACHE_KIB = 16 * 1024
 STATE_COLUMNS = """
     path BLOB PRIMARY KEY, kind TEXT NOT NULL, mode INT, size INT, mtime INT, ctime INT,
     ino INT, target BLOB, digest TEXT, hash TEXT,
-    hkind TEXT, hmode INT, hsize INT, hmtime INT, hctime INT, hino INT
+    hkind TEXT, hmode INT, hsize INT, hmtime INT, hctime INT, hino INT,
+    parent BLOB, record BLOB
 """
+#: the columns a state written before the manifest's known records (ALTER TABLE adds them;
+#: their rows have none, so each is parsed once more and then has them)
+_ADDED = (("parent", "BLOB"), ("record", "BLOB"))
 
 INSERT_HOST = "INSERT OR REPLACE INTO s.host VALUES (?,?,?,?,?,?,?)"
 
@@ -90,6 +94,18 @@ LEFT JOIN base o ON o.path = m.path
 LEFT JOIN s.host h ON h.path = m.path
 """
 
+#: the manifest's records the parser found among the state's (see ``PullState.known``): each
+#: is the recorded row, byte for byte the same record; ``s.unlisted`` holds the recorded
+#: records it did not meet.  OR IGNORE: a path the guest also listed otherwise is a
+#: duplicate, which the load refuses (its count of rows falls short)
+COPY_KNOWN = """
+INSERT OR IGNORE INTO s.man
+  (path, parent, kind, mode, size, mtime, ctime, ino, target, digest, record)
+SELECT path, parent, kind, mode, size, mtime, ctime, ino, target, digest, record
+FROM main.state
+WHERE record IS NOT NULL AND record NOT IN (SELECT record FROM s.unlisted)
+"""
+
 #: the diff's scan of the entries the farm links as they are (kept, not directories: the
 #: farm makes those afresh), before the commit scans DEST again (see KEPT_MOVED)
 KEPT = """
@@ -123,10 +139,11 @@ WHERE EXISTS (
 #: extractor wrote that DEST holds with another inode, mode, size or mtime now (changed on the
 #: host between the swap and this commit) is left out, fetched next time
 COMMIT = """
-INSERT INTO main.state
+INSERT INTO main.state (path, kind, mode, size, mtime, ctime, ino, target, digest, hash,
+  hkind, hmode, hsize, hmtime, hctime, hino, parent, record)
 SELECT m.path, m.kind, m.mode, m.size, m.mtime, m.ctime, m.ino, m.target, m.digest,
   CASE WHEN m.kind = 'f' THEN coalesce(fh.hash, CASE WHEN p.act = 'keep' THEN p.hash END) END,
-  h.kind, h.mode, h.size, h.mtime, h.ctime, h.ino
+  h.kind, h.mode, h.size, h.mtime, h.ctime, h.ino, m.parent, m.record
 FROM s.man m
 JOIN s.host h ON h.path = m.path AND h.kind = m.kind
 LEFT JOIN s.hashes fh ON fh.path = m.path
@@ -148,6 +165,7 @@ def connect(path: Path) -> sqlite3.Connection:
             db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
             db.execute(f"CREATE TABLE IF NOT EXISTS state ({STATE_COLUMNS}) WITHOUT ROWID")
             db.execute("COMMIT")
+        _add_columns(db)
         # a torn or edited file must cost a full pull, never a wrong diff
         verdict = db.execute("PRAGMA quick_check(1)").fetchone()
         if verdict is None or verdict[0] != "ok":
@@ -161,6 +179,35 @@ def connect(path: Path) -> sqlite3.Connection:
     return db
 
 
+def _add_columns(db: sqlite3.Connection) -> None:
+    """Bring a state of an older wsync to today's columns (once, under a write lock)."""
+    have = {row[1] for row in db.execute("PRAGMA main.table_info(state)")}
+    missing = [(name, kind) for name, kind in _ADDED if name not in have]
+    if not missing:
+        return
+    with immediate(db):
+        have = {row[1] for row in db.execute("PRAGMA main.table_info(state)")}
+        for name, kind in missing:
+            if name not in have:  # another pull may have added it meanwhile
+                db.execute(f"ALTER TABLE main.state ADD COLUMN {name} {kind}")
+
+
+@contextlib.contextmanager
+def immediate(db: sqlite3.Connection) -> Iterator[None]:
+    """A write transaction on the state file, taken at once, committed at the end."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        db.execute("COMMIT")
+    except BaseException:
+        # after SQLITE_FULL or an I/O error SQLite has rolled back already: a second
+        # ROLLBACK would raise "no transaction is active" in place of the real error
+        if db.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
+        raise
+
+
 def scratch(db: sqlite3.Connection) -> None:
     """The per-run tables, in a private temporary database (gone when the connection is)."""
     db.execute("ATTACH DATABASE '' AS s")
@@ -169,8 +216,9 @@ def scratch(db: sqlite3.Connection) -> None:
     db.execute("PRAGMA s.synchronous = OFF")
     db.execute(
         "CREATE TABLE s.man (path BLOB PRIMARY KEY, parent BLOB, kind TEXT, mode INT, size INT, "
-        "mtime INT, ctime INT, ino INT, target BLOB, digest TEXT) WITHOUT ROWID"
+        "mtime INT, ctime INT, ino INT, target BLOB, digest TEXT, record BLOB) WITHOUT ROWID"
     )
+    db.execute("CREATE TABLE s.unlisted (record BLOB PRIMARY KEY) WITHOUT ROWID")
     db.execute(
         "CREATE TABLE s.host (path BLOB PRIMARY KEY, kind TEXT, mode INT, size INT, mtime INT, "
         "ctime INT, ino INT) WITHOUT ROWID"

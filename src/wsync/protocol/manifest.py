@@ -22,12 +22,23 @@ The guest is hostile: the parser bounds every field, accepts nothing it cannot r
 exactly, and raises :class:`~wsync.errors.ProtocolError` and nothing else on bad input.
 Path *meaning* (``..``, empty components) is judged by the host state
 (:func:`wsync.engine.incstate.check_path`), not here.
+
+**Known records.**  Most records of a workspace's manifest are byte for byte the ones the
+last pull read.  Given the fingerprints of those (``known``: xxh3_128 of the record's three
+fields, which the host state keeps beside each entry it recorded), the parser does not parse
+a record it finds among them: it removes the fingerprint from ``known`` and counts it in
+:attr:`ManifestParser.matched`; what is left in ``known`` at the end is what the guest no
+longer lists as it was.  Every other record is parsed and checked as ever, and carries its
+fingerprint (:attr:`Entry.record`) for the state to keep.  A matched record was parsed and
+checked when it was first read (the same bytes); hashing is a tenth of the parse.
 """
 
 from __future__ import annotations
 
 import re
 from typing import NamedTuple
+
+import xxhash
 
 from wsync.errors import ProtocolError
 
@@ -64,6 +75,22 @@ class Entry(NamedTuple):
     ino: int
     target: bytes
     digest: str = ""
+    #: the record's fingerprint (see the module docstring), ``b""`` when not asked for
+    record: bytes = b""
+
+
+def fingerprint(header: bytes, path: bytes, target: bytes) -> bytes:
+    """The fingerprint of one record, from its three fields as the guest wrote them."""
+    return xxhash.xxh3_128_digest(b"\0".join((header, path, target)))
+
+
+class Known:
+    """Records read before, by fingerprint (see the module docstring): the parser takes
+    each out of :attr:`left` as it meets it, and counts it in :attr:`matched`."""
+
+    def __init__(self, records: set[bytes]) -> None:
+        self.left = records
+        self.matched = 0
 
 
 def parse_time(text: bytes) -> int:
@@ -88,13 +115,17 @@ def _ns(whole: bytes, frac9: bytes) -> int:
 
 
 class ManifestParser:
-    """Feed bytes with :meth:`receive_data`, take records with :meth:`entries`."""
+    """Feed bytes with :meth:`receive_data`, take records with :meth:`entries`.
 
-    def __init__(self) -> None:
+    With ``known`` every record is fingerprinted, and a known one is taken out of it
+    instead of parsed (see the module docstring); :attr:`count` counts every record."""
+
+    def __init__(self, known: Known | None = None) -> None:
         self._tail = b""
         self._fields: list[bytes] = []
         self._ready: list[Entry] = []
         self._eof = False
+        self._known = known
         self.count = 0
 
     def receive_data(self, data: bytes) -> None:
@@ -123,8 +154,19 @@ class ManifestParser:
         kinds = _KINDS
         pad = _PAD
         new = tuple.__new__  # Entry's own __new__ adds a Python call per record
+        fingerprints = self._known is not None
+        known = self._known.left if self._known is not None else set()
+        matched = 0
+        hash128 = xxhash.xxh3_128_digest
+        record = b""
         triples = iter(fields)  # zip stops before a partial triple (kept in _fields)
         for header, raw, target in zip(triples, triples, triples, strict=False):
+            if fingerprints:
+                record = hash128(b"\0".join((header, raw, target)))
+                if record in known:
+                    known.discard(record)
+                    matched += 1
+                    continue
             m = match(header) if len(header) <= MAX_HEADER else None
             if m is None:
                 raise ProtocolError(f"malformed manifest record: {header[:80]!r}")
@@ -152,10 +194,13 @@ class ManifestParser:
                         int(ino),
                         target,
                         digest.decode() if digest else "",
+                        record,
                     ),
                 )
             )
         self.count += whole // 3
+        if self._known is not None:
+            self._known.matched += matched
 
     def entries(self) -> list[Entry]:
         """The complete records parsed so far (each returned once)."""
