@@ -4,6 +4,7 @@ real state, diff and farm with a plain copy standing in for the transfer and ext
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import os
 import shutil
@@ -120,8 +121,11 @@ def pull(
     excludes = excludes or Excludes.none()
     dest.mkdir(exist_ok=True)
     with PullState.open(state_dir, dest, key) as state:
+        digest = ""
         if parse:
-            read_manifest(io.BytesIO(listing(guest)), state, excludes, 10**9, OPTIONS)
+            data = listing(guest)
+            digest = hashlib.sha256(data).hexdigest()
+            read_manifest(io.BytesIO(data), state, excludes, 10**9, OPTIONS)
         else:
             state.load_manifest(manifest(guest), excludes)
         dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
@@ -165,7 +169,7 @@ def pull(
         os.close(parent)
         dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            state.commit(dest_fd, hashes, options=OPTIONS if parse else "")
+            state.commit(dest_fd, hashes, listing=digest, options=OPTIONS if parse else "")
         finally:
             os.close(dest_fd)
         return Applied(diff, fetched, made, lines)

@@ -330,7 +330,7 @@ def test_scratch_tables_live_outside_the_state_file(env: tuple[Path, Path, Path]
             os.close(fd)
     assert path.read_bytes() == before
     tables = {r[0] for r in sqlite3.connect(path).execute("SELECT name FROM sqlite_master")}
-    assert tables <= {"meta", "state", "sqlite_autoindex_meta_1"}
+    assert tables <= {"meta", "state", "records", "sqlite_autoindex_meta_1"}
 
 
 def test_a_commit_that_fails_midway_keeps_the_old_baseline(

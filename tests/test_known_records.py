@@ -214,22 +214,14 @@ def test_the_entry_limit_counts_known_records(tmp_path: Path) -> None:
         assert read_manifest(io.BytesIO(data), st, Excludes.none(), 51, OPTIONS) == 51
 
 
-def test_a_state_of_an_older_wsync_gains_the_columns(tmp_path: Path) -> None:
-    """A state written before records were kept: its columns are added, its baseline still
-    holds (no full pull), and every record is parsed once, then known."""
+def test_a_state_of_an_older_wsync_keeps_its_baseline(tmp_path: Path) -> None:
+    """A state written before records were kept (no ``records`` table): it is added, the
+    baseline holds (no full pull), and every record is parsed once, then known."""
     guest, dest, state = _tree(tmp_path / "guest"), tmp_path / "dest", tmp_path / "state"
     pull(state, guest, dest, parse=True)
-    path = state_path(state, dest)
-    db = sqlite3.connect(path)
-    columns = [r[1] for r in db.execute("PRAGMA table_info(state)")]
-    assert columns[-2:] == ["parent", "record"]
-    old = ", ".join(columns[:-2])
-    db.executescript(
-        f"CREATE TABLE old ({old}, PRIMARY KEY (path)) WITHOUT ROWID;"  # noqa: S608 (our columns)
-        f"INSERT INTO old SELECT {old} FROM state; DROP TABLE state;"
-        "ALTER TABLE old RENAME TO state;"
-    )
-    db.close()
+    with sqlite3.connect(state_path(state, dest)) as db:
+        db.execute("DROP TABLE records")
+        db.execute("DELETE FROM meta WHERE k = 'records'")
     with PullState.open(state, dest, "local:guest") as st:
         assert st.has_baseline()
         assert st.known(OPTIONS).left == set()
@@ -239,3 +231,43 @@ def test_a_state_of_an_older_wsync_gains_the_columns(tmp_path: Path) -> None:
     assert treediff(guest, dest) == []
     rows, matched = _loads(state, guest, dest)
     assert matched == len(rows)
+
+
+def test_an_older_wsyncs_commit_makes_the_records_stale(tmp_path: Path) -> None:
+    """A rolled-back install commits the same file: its state rows and listing, not the
+    records (it knows no such table).  Its rows may describe other records now, so none
+    is known until the next commit of this wsync writes them again."""
+    guest, dest, state = _tree(tmp_path / "guest"), tmp_path / "dest", tmp_path / "state"
+    pull(state, guest, dest, parse=True)
+    with sqlite3.connect(state_path(state, dest)) as db:
+        # what an older wsync's commit of a later listing leaves: other rows, another key
+        db.execute("UPDATE state SET mode = 448 WHERE path = x'64302f66302e747874'")
+        db.execute("UPDATE meta SET v = 'a later listing' WHERE k = 'listing'")
+    with PullState.open(state, dest, "local:guest") as st:
+        assert st.has_baseline()
+        assert st.known(OPTIONS).left == set()
+    pull(state, guest, dest, parse=True)
+    with PullState.open(state, dest, "local:guest") as st:
+        assert len(st.known(OPTIONS).left) == 51
+
+
+def test_a_pull_that_changes_nothing_keeps_the_records(tmp_path: Path) -> None:
+    """A no-op pull writes a listing key of its own (the no-op record), and the records,
+    which still describe the same rows, stay known with it."""
+    guest, dest, state = _tree(tmp_path / "guest"), tmp_path / "dest", tmp_path / "state"
+    pull(state, guest, dest, parse=True)
+    with PullState.open(state, dest, "local:guest") as st:
+        st.record_noop("key", "another listing", "a scan")
+        assert len(st.known(OPTIONS).left) == 51
+
+
+def test_sizes_past_64_bits_are_counted_exactly(tmp_path: Path) -> None:
+    """The room a whole-tree run needs is the sum of what the guest claims, sizes past
+    2**63 (kept as BLOBs) included, known or parsed."""
+    huge = [2**63, 2**64 + 5, int.from_bytes(b"9e999999\x01", "little")]
+    data = b"d 755 0 1 1 1\0.\0\0" + b"".join(
+        b"f 644 %d 1 1 %d\0./f%d\0\0" % (size, i + 2, i) for i, size in enumerate(huge)
+    )
+    with PullState.open(tmp_path / "state", tmp_path / "dest", "k") as st:
+        st.load_manifest(feed(ManifestParser(Known(set())), [data]), Excludes.none())
+        assert st.listed_kb == -(-sum(huge) // 1024)

@@ -22,12 +22,18 @@ CACHE_KIB = 16 * 1024
 STATE_COLUMNS = """
     path BLOB PRIMARY KEY, kind TEXT NOT NULL, mode INT, size INT, mtime INT, ctime INT,
     ino INT, target BLOB, digest TEXT, hash TEXT,
-    hkind TEXT, hmode INT, hsize INT, hmtime INT, hctime INT, hino INT,
-    parent BLOB, record BLOB
+    hkind TEXT, hmode INT, hsize INT, hmtime INT, hctime INT, hino INT
 """
-#: the columns a state written before the manifest's known records (ALTER TABLE adds them;
-#: their rows have none, so each is parsed once more and then has them)
-_ADDED = (("parent", "BLOB"), ("record", "BLOB"))
+
+#: the manifest record (and parent) of each entry of ``state`` (see ``PullState.known``), in
+#: a table of its own: the state's own table keeps the columns every wsync writes, so an
+#: older wsync (a rolled-back install) still reads and commits the same file; its commit
+#: leaves this table stale, which the ``records`` meta key tells (it names the listing of
+#: the commit that wrote both)
+RECORDS_TABLE = """
+CREATE TABLE IF NOT EXISTS records (
+  path BLOB PRIMARY KEY, parent BLOB NOT NULL, record BLOB NOT NULL) WITHOUT ROWID
+"""
 
 INSERT_HOST = "INSERT OR REPLACE INTO s.host VALUES (?,?,?,?,?,?,?)"
 
@@ -101,9 +107,17 @@ LEFT JOIN s.host h ON h.path = m.path
 COPY_KNOWN = """
 INSERT OR IGNORE INTO s.man
   (path, parent, kind, mode, size, mtime, ctime, ino, target, digest, record)
-SELECT path, parent, kind, mode, size, mtime, ctime, ino, target, digest, record
-FROM main.state
-WHERE record IS NOT NULL AND record NOT IN (SELECT record FROM s.unlisted)
+SELECT o.path, r.parent, o.kind, o.mode, o.size, o.mtime, o.ctime, o.ino, o.target, o.digest,
+  r.record
+FROM main.records r JOIN main.state o USING (path)
+WHERE r.record NOT IN (SELECT record FROM s.unlisted)
+"""
+
+#: the records of the entries a commit recorded (after COMMIT, in its transaction)
+COMMIT_RECORDS = """
+INSERT INTO main.records
+SELECT m.path, m.parent, m.record FROM s.man m JOIN main.state o USING (path)
+WHERE m.record IS NOT NULL
 """
 
 #: the diff's scan of the entries the farm links as they are (kept, not directories: the
@@ -139,11 +153,10 @@ WHERE EXISTS (
 #: extractor wrote that DEST holds with another inode, mode, size or mtime now (changed on the
 #: host between the swap and this commit) is left out, fetched next time
 COMMIT = """
-INSERT INTO main.state (path, kind, mode, size, mtime, ctime, ino, target, digest, hash,
-  hkind, hmode, hsize, hmtime, hctime, hino, parent, record)
+INSERT INTO main.state
 SELECT m.path, m.kind, m.mode, m.size, m.mtime, m.ctime, m.ino, m.target, m.digest,
   CASE WHEN m.kind = 'f' THEN coalesce(fh.hash, CASE WHEN p.act = 'keep' THEN p.hash END) END,
-  h.kind, h.mode, h.size, h.mtime, h.ctime, h.ino, m.parent, m.record
+  h.kind, h.mode, h.size, h.mtime, h.ctime, h.ino
 FROM s.man m
 JOIN s.host h ON h.path = m.path AND h.kind = m.kind
 LEFT JOIN s.hashes fh ON fh.path = m.path
@@ -160,12 +173,11 @@ def connect(path: Path) -> sqlite3.Connection:
         db.execute(f"PRAGMA cache_size = -{CACHE_KIB}")
         db.execute("PRAGMA synchronous = FULL")
         tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
-        if not {"meta", "state"} <= tables:  # a write lock only the first time
-            db.execute("BEGIN IMMEDIATE")
-            db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
-            db.execute(f"CREATE TABLE IF NOT EXISTS state ({STATE_COLUMNS}) WITHOUT ROWID")
-            db.execute("COMMIT")
-        _add_columns(db)
+        if not {"meta", "state", "records"} <= tables:  # a write lock only the first time
+            with immediate(db):
+                db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
+                db.execute(f"CREATE TABLE IF NOT EXISTS state ({STATE_COLUMNS}) WITHOUT ROWID")
+                db.execute(RECORDS_TABLE)
         # a torn or edited file must cost a full pull, never a wrong diff
         verdict = db.execute("PRAGMA quick_check(1)").fetchone()
         if verdict is None or verdict[0] != "ok":
@@ -177,19 +189,6 @@ def connect(path: Path) -> sqlite3.Connection:
     # the scratch tables take many statements: one implicit transaction each is slow
     db.isolation_level = "DEFERRED"
     return db
-
-
-def _add_columns(db: sqlite3.Connection) -> None:
-    """Bring a state of an older wsync to today's columns (once, under a write lock)."""
-    have = {row[1] for row in db.execute("PRAGMA main.table_info(state)")}
-    missing = [(name, kind) for name, kind in _ADDED if name not in have]
-    if not missing:
-        return
-    with immediate(db):
-        have = {row[1] for row in db.execute("PRAGMA main.table_info(state)")}
-        for name, kind in missing:
-            if name not in have:  # another pull may have added it meanwhile
-                db.execute(f"ALTER TABLE main.state ADD COLUMN {name} {kind}")
 
 
 @contextlib.contextmanager

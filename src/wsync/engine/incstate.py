@@ -39,7 +39,10 @@ Most of a manifest is the last one again, byte for byte.  The state keeps each r
 entry's record fingerprint (:mod:`wsync.protocol.manifest`, "known records"), and the load
 copies the rows of the records the parser met unchanged from the state in one statement
 instead of parsing and inserting them one by one (a 59k-entry manifest with 1% changed:
-0.5 s down to 0.2 s); the table it gives is the one a parse of every record gives.
+0.5 s down to 0.2 s); the table it gives is the one a parse of every record gives.  The
+records have a table of their own beside ``state``, whose columns stay those every wsync
+writes: an older wsync (a rolled-back install) reads and commits the same file, and its
+commit, which leaves the records stale, is told by the ``records`` meta key.
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ _NOOP_KEYS = ("noop_key", "noop_manifest", "noop_host")
 _LISTING = "listing"
 #: the meta key of the options the recorded state was made under (see :meth:`PullState.known`)
 _OPTIONS = "options"
+#: the meta key naming the listing whose commit wrote the ``records`` table: the records
+#: describe the state's rows while it names the last listing (see :meth:`PullState.known`)
+_RECORDS = "records"
 #: the most recorded records :meth:`PullState.known` hands the parser (about 80 bytes of
 #: memory each); a larger state parses every record, as without them
 KNOWN_MAX = 300_000
@@ -218,11 +224,21 @@ class PullState:
         with self._errors():
             if not self.has_baseline() or self._meta(_OPTIONS) != options:
                 return Known(records)
+            if not self._records_current():
+                return Known(records)
             for (record,) in self.db.execute(
-                "SELECT record FROM main.state WHERE record IS NOT NULL LIMIT ?", (KNOWN_MAX + 1,)
+                "SELECT record FROM main.records LIMIT ?", (KNOWN_MAX + 1,)
             ):
                 records.add(bytes(record))
         return Known(records if len(records) <= KNOWN_MAX else set())
+
+    def _records_current(self) -> bool:
+        """The ``records`` table describes the state's rows: the commit that wrote it is the
+        last one (an older wsync's commit rewrites the rows and the listing, not the records
+        or their key).  Between two commits only a no-op record writes the listing, and
+        :meth:`record_noop` keeps the two in step."""
+        listing = self._meta(_LISTING)
+        return bool(listing) and self._meta(_RECORDS) == listing
 
     def load_manifest(
         self,
@@ -289,10 +305,14 @@ class PullState:
                 )
                 if cur.rowcount <= 0:
                     break
-            # total(): a float that never overflows (sparse files can pass 2**63 bytes)
-            listed = db.execute("SELECT total(size) FROM s.man WHERE kind = 'f'").fetchone()[0]
+            # summed here, not by SQL: a guest may claim sizes past 2**63 (stored as BLOBs,
+            # which SQL's sum() and total() would read as text)
+            listed = sum(
+                incsql.py_int(size)
+                for (size,) in db.execute("SELECT size FROM s.man WHERE kind = 'f'")
+            )
             db.commit()
-        self.listed_kb = -(-int(listed) // 1024)
+        self.listed_kb = -(-listed // 1024)
         self._loaded = True
         self._diffed = False
 
@@ -453,10 +473,10 @@ class PullState:
         if not (manifest and host):
             return
         with self._errors():
-            self.db.executemany(
-                "INSERT OR REPLACE INTO main.meta VALUES (?, ?)",
-                [*zip(_NOOP_KEYS, (key, manifest, host), strict=True), (_LISTING, manifest)],
-            )
+            meta = [*zip(_NOOP_KEYS, (key, manifest, host), strict=True), (_LISTING, manifest)]
+            if self._records_current():  # the rows the records describe stay as they are
+                meta.append((_RECORDS, manifest))
+            self.db.executemany("INSERT OR REPLACE INTO main.meta VALUES (?, ?)", meta)
             self.db.commit()
 
     def refresh_ctimes(self, dest_fd: int) -> str:
@@ -577,12 +597,15 @@ class PullState:
             db.commit()
             with incsql.immediate(db):
                 db.execute("DELETE FROM main.state")
-                keys = [(k,) for k in (*_NOOP_KEYS, _LISTING, _OPTIONS)]
+                db.execute("DELETE FROM main.records")
+                keys = [(k,) for k in (*_NOOP_KEYS, _LISTING, _OPTIONS, _RECORDS)]
                 db.executemany("DELETE FROM main.meta WHERE k = ?", keys)
                 db.execute(incsql.COMMIT)
                 meta = [("sandbox", self.sandbox_key), ("version", SCHEMA_VERSION)]
                 if listing:
                     meta.append((_LISTING, listing))
+                    db.execute(incsql.COMMIT_RECORDS)
+                    meta.append((_RECORDS, listing))
                 if options:
                     meta.append((_OPTIONS, options))
                 db.executemany("INSERT OR REPLACE INTO main.meta VALUES (?, ?)", meta)
