@@ -10,6 +10,8 @@ import os
 import random
 import shutil
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -271,3 +273,74 @@ def test_sizes_past_64_bits_are_counted_exactly(tmp_path: Path) -> None:
     with PullState.open(tmp_path / "state", tmp_path / "dest", "k") as st:
         st.load_manifest(feed(ManifestParser(Known(set())), [data]), Excludes.none())
         assert st.listed_kb == -(-sum(huge) // 1024)
+
+
+def test_records_read_under_other_rules_are_parsed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wsync that reads a record differently (tighter bounds, another ``check_path``)
+    bumps RECORD_RULES: what an earlier one recorded is parsed again, never copied."""
+    guest, dest, state = _tree(tmp_path / "guest"), tmp_path / "dest", tmp_path / "state"
+    pull(state, guest, dest, parse=True)
+    monkeypatch.setattr(incstate, "RECORD_RULES", "2")
+    with PullState.open(state, dest, "local:guest") as st:
+        assert st.known(OPTIONS).left == set()
+    (guest / "d3" / "f3.txt").write_text("changed\n")
+    pull(state, guest, dest, parse=True)  # a commit writes them under today's rules
+    with PullState.open(state, dest, "local:guest") as st:
+        assert len(st.known(OPTIONS).left) == 51
+
+
+def _pull_cli(ws: Path, dest: Path, *extra: str) -> str:
+    state = ["--state-dir", str(dest.parent / "state")]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "wsync",
+            "pull",
+            f"local:{ws}",
+            str(dest),
+            *state,
+            "--debug",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert treediff(ws, dest) == []
+    (line,) = [x for x in done.stderr.splitlines() if "manifest loaded" in x and "known=" in x]
+    return line
+
+
+def test_a_pull_copies_known_records_and_full_parses_everything(tmp_path: Path) -> None:
+    """End to end: the second pull of a workspace copies what it knows, and ``--full``,
+    which relies on nothing recorded, parses every record."""
+    ws, dest = _tree(tmp_path / "ws"), tmp_path / "dest"
+    assert "known=0 records=51" in _pull_cli(ws, dest)
+    (ws / "d0" / "f0.txt").write_text("changed\n")
+    assert "known=50 records=51" in _pull_cli(ws, dest)  # the file rewritten in place
+    (ws / "d1" / "f1.txt").write_text("changed too\n")
+    assert "known=0 records=51" in _pull_cli(ws, dest, "--full")
+    # other excludes, other options: nothing is known (an excluded entry was never kept)
+    assert "known=0 records=51" in _pull_cli(ws, dest, "--exclude", "*.nothing")
+
+
+@pytest.mark.parametrize("use_known", [False, True])
+def test_the_limit_stops_the_load_before_what_follows_it(tmp_path: Path, use_known: bool) -> None:
+    """Known records count against the limit as they are met: past it, the load stops
+    there with either route (a bad path after the limit is not reached)."""
+    guest, dest, state = tmp_path / "g", tmp_path / "d", tmp_path / "s"
+    guest.mkdir()
+    (guest / "a").write_text("a")
+    (guest / "b").write_text("b")
+    pull(state, guest, dest, parse=True)
+    data = listing(guest) + b"f 644 1 1 1 9\0./c\0\0f 644 1 1 1 9\0./a/../x\0\0"
+    with PullState.open(state, dest, "local:guest") as st:
+        known = st.known(OPTIONS) if use_known else Known(set())
+        with pytest.raises(LimitExceeded):
+            st.load_manifest(
+                feed(ManifestParser(known), [data]), Excludes.none(), max_entries=3, known=known
+            )

@@ -68,7 +68,7 @@ from wsync.errors import (
     ProtocolError,
     UsageError,
 )
-from wsync.protocol.manifest import Entry, ManifestParser
+from wsync.protocol.manifest import Entry, Known, ManifestParser
 
 log = structlog.get_logger("wsync.incremental")
 
@@ -95,16 +95,23 @@ def can_select(plan: GuestPlan, *, stdin: bool) -> bool:
 
 
 def read_manifest(
-    stream: BinaryIO, state: PullState, excludes: Excludes, max_files: int, options: str
+    stream: BinaryIO,
+    state: PullState,
+    excludes: Excludes,
+    max_files: int,
+    options: str,
+    *,
+    trust_known: bool = True,
 ) -> int:
     """Parse the decompressed manifest ``stream`` into ``state``; return the entries read.
 
     The stream was verified chunk by chunk, so a record that does not parse is the guest's
     doing: refused like a hostile archive (the snapshot is discarded).  Records the state
     holds from the last pull (made under the same ``options``) are not parsed again but
-    copied (:meth:`PullState.known`).
+    copied (:meth:`PullState.known`), unless not ``trust_known`` (``--full``: nothing
+    recorded is relied on).
     """
-    known = state.known(options)
+    known = state.known(options) if trust_known else Known(set())
     parser = ManifestParser(known)
 
     def entries() -> Iterator[Entry]:
@@ -258,7 +265,12 @@ class Incremental:
         """The manifest phase's consumer (extractor thread)."""
         with self.busy:
             self.entries = read_manifest(
-                stream, self.state, self.excludes, self.options.limits.max_files, self.options_key()
+                stream,
+                self.state,
+                self.excludes,
+                self.options.limits.max_files,
+                self.options_key(),
+                trust_known=not self.options.full,
             )
             self.loaded = True
 

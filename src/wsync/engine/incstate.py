@@ -84,6 +84,10 @@ _OPTIONS = "options"
 #: the meta key naming the listing whose commit wrote the ``records`` table: the records
 #: describe the state's rows while it names the last listing (see :meth:`PullState.known`)
 _RECORDS = "records"
+#: how this wsync reads a record into a row (the parser's bounds, ``check_path``, what is
+#: dropped): a wsync that reads one differently bumps it, and records kept under another
+#: value are parsed again, never copied
+RECORD_RULES = "1"
 #: the most recorded records :meth:`PullState.known` hands the parser (about 80 bytes of
 #: memory each); a larger state parses every record, as without them
 KNOWN_MAX = 300_000
@@ -238,7 +242,7 @@ class PullState:
         or their key).  Between two commits only a no-op record writes the listing, and
         :meth:`record_noop` keeps the two in step."""
         listing = self._meta(_LISTING)
-        return bool(listing) and self._meta(_RECORDS) == listing
+        return listing is not None and self._meta(_RECORDS) == _records_key(listing)
 
     def load_manifest(
         self,
@@ -270,13 +274,17 @@ class PullState:
             batch: list[tuple[object, ...]] = []
             insert = "INSERT OR REPLACE INTO s.man VALUES (?,?,?,?,?,?,?,?,?,?,?)"
             count = 0
+
+            def matched() -> int:  # the known records met so far count against the limit
+                return 0 if known is None else known.matched
+
             for e in entries:
                 path = e.path
                 check_path(path)
                 if e.kind == "s" or excludes.excluded(path, e.kind == "d"):
                     continue
                 count += 1
-                if max_entries is not None and count > max_entries:
+                if max_entries is not None and count + matched() > max_entries:
                     raise LimitExceeded(f"the guest's manifest has more than {max_entries} entries")
                 parent = (path.rpartition(b"/")[0] or b".") if path != b"." else b""
                 batch.append(
@@ -475,7 +483,7 @@ class PullState:
         with self._errors():
             meta = [*zip(_NOOP_KEYS, (key, manifest, host), strict=True), (_LISTING, manifest)]
             if self._records_current():  # the rows the records describe stay as they are
-                meta.append((_RECORDS, manifest))
+                meta.append((_RECORDS, _records_key(manifest)))
             self.db.executemany("INSERT OR REPLACE INTO main.meta VALUES (?, ?)", meta)
             self.db.commit()
 
@@ -605,7 +613,7 @@ class PullState:
                 if listing:
                     meta.append((_LISTING, listing))
                     db.execute(incsql.COMMIT_RECORDS)
-                    meta.append((_RECORDS, listing))
+                    meta.append((_RECORDS, _records_key(listing)))
                 if options:
                     meta.append((_OPTIONS, options))
                 db.executemany("INSERT OR REPLACE INTO main.meta VALUES (?, ?)", meta)
@@ -640,6 +648,11 @@ class PullState:
         """Drop the baseline: the next pull into DEST is a full one."""
         self.close()
         incsql.remove_db(self.path)
+
+
+def _records_key(listing: str) -> str:
+    """The ``records`` meta value of a commit (or no-op) of ``listing``."""
+    return f"{RECORD_RULES}:{listing}"
 
 
 def _batches(rows: Iterator[_T]) -> Iterator[list[_T]]:
