@@ -37,9 +37,10 @@ against an empty state: every file is fetched and every directory created.
 
 Most of a manifest is the last one again, byte for byte.  The state keeps each recorded
 entry's record fingerprint (:mod:`wsync.protocol.manifest`, "known records"), and the load
-copies the rows of the records the parser met unchanged from the state in one statement
-instead of parsing and inserting them one by one (a 59k-entry manifest with 1% changed:
-0.5 s down to 0.2 s); the table it gives is the one a parse of every record gives.  The
+(:mod:`wsync.engine.incload`) copies the rows of the records the parser met unchanged from
+the state in one statement instead of parsing and inserting them one by one (a 59k-entry
+manifest with 1% changed: 0.5 s down to 0.2 s); the table is the one a parse of every
+record gives.  The
 records have a table of their own beside ``state``, whose columns stay those every wsync
 writes: an older wsync (a rolled-back install) reads and commits the same file, and its
 commit, which leaves the records stale, is told by the ``records`` meta key.
@@ -53,24 +54,22 @@ import os
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Protocol, TypeVar
 
 import structlog
 
-from wsync.engine import hostscan, incsql
+from wsync.engine import hostscan, incload, incsql
 from wsync.engine.excludes import Excludes
 from wsync.engine.extract import Written
 from wsync.engine.fsutil import host_io
 from wsync.engine.incdiff import Diff
-from wsync.errors import HostileArchive, HostIOError, LimitExceeded, StagingFailed, UnstableFiles
+from wsync.engine.incload import ManifestEntry
+from wsync.errors import HostIOError
 from wsync.protocol.manifest import Known
 
 log = structlog.get_logger("wsync.incstate")
 
-_T = TypeVar("_T")
-
 #: rows per executemany while streaming
-BATCH = 4096
+BATCH = incload.BATCH
 #: DEST rows a scan for the next diff holds in memory before it writes them to the scratch
 #: table (about 25 MB): a no-op pull (see :meth:`PullState.noop_matches`) never writes them
 HOLD = 100_000
@@ -93,47 +92,10 @@ RECORD_RULES = "1"
 KNOWN_MAX = 300_000
 
 
-class ManifestEntry(Protocol):
-    """What the diff reads of :class:`wsync.protocol.manifest.Entry` (structural)."""
-
-    @property
-    def path(self) -> bytes: ...
-    @property
-    def kind(self) -> str: ...
-    @property
-    def mode(self) -> int: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def mtime_ns(self) -> int: ...
-    @property
-    def ctime_ns(self) -> int: ...
-    @property
-    def ino(self) -> int: ...
-    @property
-    def target(self) -> bytes: ...
-    @property
-    def digest(self) -> str: ...
-    @property
-    def record(self) -> bytes: ...
-
-
 def state_path(state_dir: Path, dest: Path) -> Path:
     real = os.path.realpath(dest)
     key = hashlib.sha256(os.fsencode(real)).hexdigest()
     return state_dir / "incremental" / f"{key}.sqlite"
-
-
-def check_path(path: bytes) -> None:
-    """A manifest path must name an entry inside the workspace; HostileArchive if not."""
-    if path == b".":
-        return
-    bad = not path or b"\0" in path or path.startswith(b"/") or path.endswith(b"/")
-    bad = bad or b"//" in path
-    if not bad and (path.startswith(b".") or b"/." in path):  # only then can "." or ".." be a part
-        bad = any(part in (b".", b"..") for part in path.split(b"/"))
-    if bad:
-        raise HostileArchive(f"the manifest names {path!r}, not a path inside the workspace")
 
 
 class PullState:
@@ -252,87 +214,16 @@ class PullState:
         max_entries: int | None = None,
         known: Known | None = None,
     ) -> None:
-        """Stream the guest's manifest into the scratch table, dropping excluded entries and
-        sockets (tar never archives them), then entries whose parent is not a directory of
-        the manifest (a directory renamed while ``find`` walked it).
-
-        ``max_entries`` (the extractor's ``max_files``) bounds what a hostile guest can make
-        the host create: the farm makes every directory listed, without an archive to count.
-
-        ``known`` is what :meth:`known` gave the parser of ``entries``, after it parsed
-        them: the records it met there are copied from the state (they passed every check
-        when first read), as the same rows their parse would give.  A path listed twice
-        is the workspace changing under ``find`` (or a guest's lie): UnstableFiles, as
-        either record may be the wrong one.
-        """
+        """Stream the guest's manifest into the scratch table (:func:`incload.load`)."""
         with self._errors():
-            db = self.db
-            db.execute("DELETE FROM s.man")
-            db.execute("DELETE FROM s.hashes")
-            db.execute("DELETE FROM s.unlisted")
+            self.db.execute("DELETE FROM s.hashes")  # the extractor's, for this manifest
             self._hash_batch.clear()
-            batch: list[tuple[object, ...]] = []
-            insert = "INSERT OR REPLACE INTO s.man VALUES (?,?,?,?,?,?,?,?,?,?,?)"
-            count = 0
-
-            def matched() -> int:  # the known records met so far count against the limit
-                return 0 if known is None else known.matched
-
-            for e in entries:
-                path = e.path
-                check_path(path)
-                if e.kind == "s" or excludes.excluded(path, e.kind == "d"):
-                    continue
-                count += 1
-                if max_entries is not None and count + matched() > max_entries:
-                    raise LimitExceeded(f"the guest's manifest has more than {max_entries} entries")
-                parent = (path.rpartition(b"/")[0] or b".") if path != b"." else b""
-                batch.append(
-                    (path, parent, e.kind, e.mode & 0o7777, e.size, e.mtime_ns,
-                     e.ctime_ns, e.ino, e.target, e.digest, e.record or None)
-                )  # fmt: skip
-                if len(batch) >= BATCH:
-                    incsql.insert_rows(db, insert, batch)
-                    batch.clear()
-            incsql.insert_rows(db, insert, batch)
-            if known is not None and known.matched:
-                count += known.matched
-                if max_entries is not None and count > max_entries:
-                    raise LimitExceeded(f"the guest's manifest has more than {max_entries} entries")
-                for rows in _batches(iter(known.left)):
-                    db.executemany("INSERT INTO s.unlisted VALUES (?)", [(r,) for r in rows])
-                db.execute(incsql.COPY_KNOWN)
-            self._refuse_duplicates(count)
-            root = db.execute("SELECT kind FROM s.man WHERE path = ?", (b".",)).fetchone()
-            if root is None or root[0] != "d":
-                raise StagingFailed("the guest's manifest has no root directory entry")
-            while True:
-                cur = db.execute(
-                    "DELETE FROM s.man WHERE path != x'2e' AND NOT EXISTS "
-                    "(SELECT 1 FROM s.man p WHERE p.path = s.man.parent AND p.kind = 'd')"
-                )
-                if cur.rowcount <= 0:
-                    break
-            # summed here, not by SQL: a guest may claim sizes past 2**63 (stored as BLOBs,
-            # which SQL's sum() and total() would read as text)
-            listed = sum(
-                incsql.py_int(size)
-                for (size,) in db.execute("SELECT size FROM s.man WHERE kind = 'f'")
+            self.listed_kb = incload.load(
+                self.db, entries, excludes, max_entries=max_entries, known=known
             )
-            db.commit()
-        self.listed_kb = -(-listed // 1024)
+            self.db.commit()
         self._loaded = True
         self._diffed = False
-
-    def _refuse_duplicates(self, count: int) -> None:
-        """``count`` entries went into ``s.man``: fewer rows mean a path listed twice."""
-        rows = self.db.execute("SELECT count(*) FROM s.man").fetchone()[0]
-        if rows == count:
-            return
-        raise UnstableFiles(
-            f"the guest's manifest lists {count - rows} path(s) more than once: the "
-            "workspace changed while it was listed; run again"
-        )
 
     # -- the diff -----------------------------------------------------------------------
 
@@ -593,7 +484,7 @@ class PullState:
                 if self._diffed:
                     db.execute(incsql.KEPT_MOVED)
             else:
-                for batch in _batches(restat()):
+                for batch in incload.batches(restat()):
                     gone = [(path,) for path, row in batch if row is None]
                     db.executemany("DELETE FROM s.host WHERE path = ?", gone)
                     incsql.insert_rows(db, incsql.INSERT_HOST, [row for _, row in batch if row])
@@ -653,15 +544,3 @@ class PullState:
 def _records_key(listing: str) -> str:
     """The ``records`` meta value of a commit (or no-op) of ``listing``."""
     return f"{RECORD_RULES}:{listing}"
-
-
-def _batches(rows: Iterator[_T]) -> Iterator[list[_T]]:
-    """``rows`` in lists of at most BATCH (``itertools.batched`` is Python 3.12)."""
-    batch: list[_T] = []
-    for item in rows:
-        batch.append(item)
-        if len(batch) >= BATCH:
-            yield batch
-            batch = []
-    if batch:
-        yield batch

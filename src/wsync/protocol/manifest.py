@@ -21,7 +21,7 @@ fields::
 The guest is hostile: the parser bounds every field, accepts nothing it cannot read
 exactly, and raises :class:`~wsync.errors.ProtocolError` and nothing else on bad input.
 Path *meaning* (``..``, empty components) is judged by the host state
-(:func:`wsync.engine.incstate.check_path`), not here.
+(:func:`wsync.engine.incload.check_path`), not here.
 
 **Known records.**  Most records of a workspace's manifest are byte for byte the ones the
 last pull read.  Given the fingerprints of those (``known``: xxh3_128 of the record's three

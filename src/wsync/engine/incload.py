@@ -1,0 +1,158 @@
+"""Loading the guest's manifest into the incremental state's scratch table (``s.man``).
+
+The manifest is the guest's word: every path is checked to name an entry inside the
+workspace (:func:`check_path`), excluded entries and sockets are dropped (tar never archives
+them), the entry count is bounded (the farm makes every directory listed, without an archive
+to count), and entries whose parent is not a directory of the manifest go (a directory
+renamed while ``find`` walked it).  A path listed twice is refused: either record may be
+the wrong one.
+
+**Known records** (:mod:`wsync.protocol.manifest`): the records the parser met byte for
+byte among those the state recorded were not parsed; their rows are copied from the state
+(``incsql.COPY_KNOWN``), the very rows their parse would give, since they passed every
+check here when first read.  The table is the one a parse of every record gives.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable, Iterator
+from typing import Protocol, TypeVar
+
+from wsync.engine import incsql
+from wsync.engine.excludes import Excludes
+from wsync.errors import HostileArchive, LimitExceeded, StagingFailed, UnstableFiles
+from wsync.protocol.manifest import Known
+
+#: rows per executemany (the state's too)
+BATCH = 4096
+
+_T = TypeVar("_T")
+
+
+class ManifestEntry(Protocol):
+    """What the diff reads of :class:`wsync.protocol.manifest.Entry` (structural)."""
+
+    @property
+    def path(self) -> bytes: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def mode(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def mtime_ns(self) -> int: ...
+    @property
+    def ctime_ns(self) -> int: ...
+    @property
+    def ino(self) -> int: ...
+    @property
+    def target(self) -> bytes: ...
+    @property
+    def digest(self) -> str: ...
+    @property
+    def record(self) -> bytes: ...
+
+
+def check_path(path: bytes) -> None:
+    """A manifest path must name an entry inside the workspace; HostileArchive if not."""
+    if path == b".":
+        return
+    bad = not path or b"\0" in path or path.startswith(b"/") or path.endswith(b"/")
+    bad = bad or b"//" in path
+    if not bad and (path.startswith(b".") or b"/." in path):  # only then can "." or ".." be a part
+        bad = any(part in (b".", b"..") for part in path.split(b"/"))
+    if bad:
+        raise HostileArchive(f"the manifest names {path!r}, not a path inside the workspace")
+
+
+def load(
+    db: sqlite3.Connection,
+    entries: Iterable[ManifestEntry],
+    excludes: Excludes,
+    *,
+    max_entries: int | None = None,
+    known: Known | None = None,
+) -> int:
+    """Fill ``s.man`` from ``entries`` (see the module docstring); return the listed
+    regular files' bytes in KiB, rounded up (what a whole-tree run needs in the guest's
+    staging before compression).
+
+    ``max_entries`` is the extractor's ``max_files``.  ``known`` is what
+    :meth:`~wsync.engine.incstate.PullState.known` gave the parser of ``entries``, after
+    it parsed them: the records it met count against the limit as they are met.
+    """
+    db.execute("DELETE FROM s.man")
+    db.execute("DELETE FROM s.unlisted")
+    batch: list[tuple[object, ...]] = []
+    insert = "INSERT OR REPLACE INTO s.man VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+    count = 0
+
+    def matched() -> int:
+        return 0 if known is None else known.matched
+
+    for e in entries:
+        path = e.path
+        check_path(path)
+        if e.kind == "s" or excludes.excluded(path, e.kind == "d"):
+            continue
+        count += 1
+        if max_entries is not None and count + matched() > max_entries:
+            raise LimitExceeded(f"the guest's manifest has more than {max_entries} entries")
+        parent = (path.rpartition(b"/")[0] or b".") if path != b"." else b""
+        batch.append(
+            (path, parent, e.kind, e.mode & 0o7777, e.size, e.mtime_ns,
+             e.ctime_ns, e.ino, e.target, e.digest, e.record or None)
+        )  # fmt: skip
+        if len(batch) >= BATCH:
+            incsql.insert_rows(db, insert, batch)
+            batch.clear()
+    incsql.insert_rows(db, insert, batch)
+    if known is not None and known.matched:
+        count += known.matched
+        if max_entries is not None and count > max_entries:
+            raise LimitExceeded(f"the guest's manifest has more than {max_entries} entries")
+        for rows in batches(iter(known.left)):
+            db.executemany("INSERT INTO s.unlisted VALUES (?)", [(r,) for r in rows])
+        db.execute(incsql.COPY_KNOWN)
+    _refuse_duplicates(db, count)
+    root = db.execute("SELECT kind FROM s.man WHERE path = ?", (b".",)).fetchone()
+    if root is None or root[0] != "d":
+        raise StagingFailed("the guest's manifest has no root directory entry")
+    while True:
+        cur = db.execute(
+            "DELETE FROM s.man WHERE path != x'2e' AND NOT EXISTS "
+            "(SELECT 1 FROM s.man p WHERE p.path = s.man.parent AND p.kind = 'd')"
+        )
+        if cur.rowcount <= 0:
+            break
+    # summed here, not by SQL: a guest may claim sizes past 2**63 (stored as BLOBs, which
+    # SQL's sum() and total() would read as text)
+    listed = sum(
+        incsql.py_int(size) for (size,) in db.execute("SELECT size FROM s.man WHERE kind = 'f'")
+    )
+    return -(-listed // 1024)
+
+
+def _refuse_duplicates(db: sqlite3.Connection, count: int) -> None:
+    """``count`` entries went into ``s.man``: fewer rows mean a path listed twice."""
+    rows = db.execute("SELECT count(*) FROM s.man").fetchone()[0]
+    if rows == count:
+        return
+    raise UnstableFiles(
+        f"the guest's manifest lists {count - rows} path(s) more than once: the "
+        "workspace changed while it was listed; run again"
+    )
+
+
+def batches(rows: Iterator[_T]) -> Iterator[list[_T]]:
+    """``rows`` in lists of at most BATCH (``itertools.batched`` is Python 3.12)."""
+    batch: list[_T] = []
+    for item in rows:
+        batch.append(item)
+        if len(batch) >= BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
