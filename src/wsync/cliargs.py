@@ -340,7 +340,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         "--full",
         action="store_true",
         help="archive the whole workspace even when DEST holds an earlier pull of it "
-        "(default: only what changed)",
+        "(default: only what changed), relying on nothing the last pull recorded",
     )
     p.add_argument(
         "--exclude",
