@@ -109,10 +109,10 @@ def load(
             incsql.insert_rows(db, insert, batch)
             batch.clear()
     incsql.insert_rows(db, insert, batch)
+    count += matched()  # (those met after the last parsed entry too)
+    if max_entries is not None and count > max_entries:
+        raise LimitExceeded(f"the guest's manifest has more than {max_entries} entries")
     if known is not None and known.matched:
-        count += known.matched
-        if max_entries is not None and count > max_entries:
-            raise LimitExceeded(f"the guest's manifest has more than {max_entries} entries")
         for rows in batches(iter(known.left)):
             db.executemany("INSERT INTO s.unlisted VALUES (?)", [(r,) for r in rows])
         db.execute(incsql.COPY_KNOWN)

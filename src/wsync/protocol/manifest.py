@@ -27,7 +27,7 @@ Path *meaning* (``..``, empty components) is judged by the host state
 last pull read.  Given the fingerprints of those (``known``: xxh3_128 of the record's three
 fields, which the host state keeps beside each entry it recorded), the parser does not parse
 a record it finds among them: it removes the fingerprint from ``known`` and counts it in
-:attr:`ManifestParser.matched`; what is left in ``known`` at the end is what the guest no
+:attr:`Known.matched`; what is left in ``known`` at the end is what the guest no
 longer lists as it was.  Every other record is parsed and checked as ever, and carries its
 fingerprint (:attr:`Entry.record`) for the state to keep.  A matched record was parsed and
 checked when it was first read (the same bytes); hashing is a tenth of the parse.
@@ -157,12 +157,11 @@ class ManifestParser:
         fingerprints = self._known is not None
         known = self._known.left if self._known is not None else set()
         matched = 0
-        hash128 = xxhash.xxh3_128_digest
         record = b""
         triples = iter(fields)  # zip stops before a partial triple (kept in _fields)
         for header, raw, target in zip(triples, triples, triples, strict=False):
             if fingerprints:
-                record = hash128(b"\0".join((header, raw, target)))
+                record = fingerprint(header, raw, target)
                 if record in known:
                     known.discard(record)
                     matched += 1
