@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar, cast
 
-from wsync import interrupts, stdstreams
+from wsync import interrupts, mallocopts, stdstreams
 from wsync.cliargs import build_parser, transport_options
 from wsync.errors import Interrupted, UsageError, WsyncError
 
@@ -262,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     if argv is None:  # the process's own streams (not a caller's, in-process); idempotent
         stdstreams.tame()
+        mallocopts.tune()  # and its allocator, before the pull's threads start
     args = list(sys.argv[1:] if argv is None else argv)
     installed = interrupts.install_for_cli(args)
     if argv is not None:
