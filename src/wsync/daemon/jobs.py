@@ -246,6 +246,10 @@ class JobManager:
         self._accepting = False
         self._shutting_down = False
         self._threads: list[PullThread[PullResult]] = []
+        #: ended jobs whose record the store refused (a full disk, a lock held too long),
+        #: written again by :meth:`_resave` until it takes them
+        self._unsaved: dict[str, Job] = {}
+        self._resaving: asyncio.Task[None] | None = None
 
     # -- lifecycle --------------------------------------------------------
 
@@ -294,6 +298,12 @@ class JobManager:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
         self._schedulers.clear()
+        if self._resaving is not None:
+            self._resaving.cancel()
+            await asyncio.gather(self._resaving, return_exceptions=True)
+        for job in list(self._unsaved.values()):  # a last try: else the next start requeues it
+            if self._save(job):
+                del self._unsaved[job.id]
         self.events.close()
 
     def busy_threads(self) -> int:
@@ -432,7 +442,7 @@ class JobManager:
         structlog.contextvars.bind_contextvars(job_id=job.id, sandbox=job.sandbox, snapshot="")
         job.state, job.started_at, job.attempts = "running", time.time(), job.attempts + 1
         job.finished_at = job.result = job.error = job.error_kind = job.exit_code = None
-        self.store.save(job)
+        self._save(job)  # if refused, the store says queued until the job's end is recorded
         self._announce(job)
         log.info("pull.start", uri=job.uri, dest=job.dest, attempt=job.attempts)
         state = "failed"
@@ -469,7 +479,14 @@ class JobManager:
             self._queue.insert(0, job.id)
         else:
             job.finished_at = time.time()
-        self.store.save(job)
+        if not self._save(job):
+            # the pull is over whatever the store says: the queue goes on, and the record
+            # is written again until it lands
+            self._unsaved[job.id] = job
+            if self._resaving is None or self._resaving.done():
+                self._resaving = asyncio.get_running_loop().create_task(
+                    self._resave(), name="resave jobs"
+                )
         if state != "queued":
             self.metrics.observe_pull(label, state, elapsed, summary)
         log.info(
@@ -484,6 +501,27 @@ class JobManager:
         )
         self._announce(job)
         self._pump()
+
+    def _save(self, job: Job) -> bool:
+        """Record ``job``; False (logged) when the store refused."""
+        try:
+            self.store.save(job)
+        except WsyncError as err:
+            log.warning("job.save_failed", job_id=job.id, state=job.state, error=str(err))
+            return False
+        self._unsaved.pop(job.id, None)  # a later record of the job replaces the one kept
+        return True
+
+    async def _resave(self) -> None:
+        """Write the records the store refused again, backing off to 30 s, until none is
+        left (the fleet's job records retry the same way)."""
+        delay = 1.0
+        while self._unsaved:
+            await asyncio.sleep(delay)
+            for job in list(self._unsaved.values()):
+                if self._save(job):
+                    log.info("job.saved", job_id=job.id, state=job.state)
+            delay = min(delay * 2, 30.0)
 
     def _start_thread(
         self, job: Job, run: _Running, box: SandboxConfig | None
