@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from test_daemon_harness import TOKEN, DaemonProcess, base_config, make_tree, running
+from wsync.daemon.config import check_dest
 from wsync.daemon.confine import Forbidden, check_local_source, confine_dest, confine_source
+from wsync.errors import UsageError
 
 # -- the confinement walk itself, on real directories -----------------------
 
@@ -240,3 +242,34 @@ def test_a_configured_dest_over_the_state_is_a_config_error(tmp_path: Path) -> N
         with pytest.raises(Forbidden, match="state directory"):
             check_dest(str(dest), [tmp_path], (state,))
     assert check_dest(str(roots / "other"), [tmp_path], (state,)) == roots / "other"
+
+
+def test_a_dest_below_a_reserved_name_is_refused_before_anything_is_made(
+    tmp_path: Path,
+) -> None:
+    """wsync keeps ``.NAME.wsync-lock`` (and -prev, -old, -tmp-*) beside a DEST: a request
+    for ``ROOT/.a.wsync-lock/x`` used to be accepted and its parents made at run time before
+    the engine refused the name, leaving a directory where the pulls of ``ROOT/a`` take
+    their lock (each failed with EISDIR from then on; found by an independent review)."""
+    roots = tmp_path / "roots"
+    for name in (".a.wsync-lock", ".a.wsync-prev", ".a.wsync-old", ".a.wsync-tmp-0123456789ab"):
+        with pytest.raises(UsageError, match="wsync's own"):
+            check_dest(str(roots / name / "x"), [roots])
+        with pytest.raises(UsageError, match="wsync's own"):
+            confine_dest(roots / name / "x", [roots])
+    assert not roots.exists()  # confine_dest made nothing, not even the root
+    roots.mkdir()
+    (roots / "link").symlink_to(roots / ".a.wsync-lock")  # a link in a root names one
+    with pytest.raises(UsageError, match="wsync's own"):
+        check_dest(str(roots / "link" / "x"), [roots])
+    assert sorted(p.name for p in roots.iterdir()) == ["link"]
+
+    make_tree(tmp_path / "ws", seed=31)
+    extra = f'[sandboxes.a]\nuri = "local:{tmp_path}/ws"\ndest = "{roots}/a"\n'
+    with running(tmp_path, base_config(tmp_path, extra)) as daemon:
+        status, body = daemon.request(
+            "POST", "/v1/pulls", {"sandbox": "a", "dest": f"{roots}/.a.wsync-lock/x"}
+        )
+        assert status == 422 and "wsync's own" in body["error"], body
+        assert not (roots / ".a.wsync-lock").exists()
+        assert daemon.wait_job(daemon.pull("a")["id"])["exit_code"] == 0

@@ -47,6 +47,7 @@ from wsync.daemon.configfile import read_config_file
 from wsync.daemon.confine import Forbidden
 from wsync.daemon.dsn import check_store_url
 from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
+from wsync.engine.destdir import refuse_reserved
 from wsync.engine.excludes import Excludes, check_pattern
 from wsync.engine.fsutil import overlaps
 from wsync.errors import UsageError
@@ -489,9 +490,11 @@ def check_dest(raw: str, roots: list[Path], keep_out: Sequence[Path] = ()) -> Pa
         raise UsageError(f"dest {raw!r} must be an absolute path")
     if ".." in path.parts:
         raise UsageError(f"dest {raw!r} must not contain '..'")
+    refuse_reserved(path)
     if not roots:
         raise DestForbidden("no dest_roots are configured, so no destination is allowed")
     resolved = path.resolve(strict=False)
+    refuse_reserved(resolved)  # a link in a root may name one too
     for kept in keep_out:
         if overlaps(resolved, kept.resolve(strict=False)):
             raise DestForbidden(

@@ -30,6 +30,7 @@ import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from wsync.engine.destdir import refuse_reserved
 from wsync.errors import HostIOError, UsageError
 
 
@@ -136,6 +137,7 @@ def confine_dest(dest: Path, roots: Sequence[Path]) -> Path:
     never through a symlink), and DEST itself must not be a symlink.
     """
     what = f"dest {dest}"
+    refuse_reserved(dest)  # before a missing parent is made: it could be another DEST's lock
     root = find_root(dest, roots, strict=True)
     if root is None:
         allowed = ", ".join(str(r) for r in roots) or "none configured"

@@ -55,6 +55,19 @@ _LOCK_TRIES = 16
 _RESERVED = re.compile(r"\..+\.wsync-(lock|prev|old|tmp-.*)", re.DOTALL)
 
 
+def refuse_reserved(dest: Path) -> None:
+    """UsageError when a component of ``dest`` is a name wsync gives an entry beside a
+    DEST: a pull into ".X.wsync-lock" would leave a directory where the pulls of X take
+    their lock (they would fail for good); a tree in ".X.wsync-prev" (or below it: a
+    daemon's confinement creates missing parents) is X's next pull's to take over or
+    remove.  The daemon checks a requested DEST with it before it creates anything."""
+    if any(_RESERVED.fullmatch(part) for part in dest.parts):
+        raise UsageError(
+            f"DEST {dest}: names like .NAME.wsync-lock, -prev, -old and -tmp-* are "
+            "wsync's own, beside a DEST; choose another name"
+        )
+
+
 class DestDir:
     """An open fd on DEST's parent, the DEST lock, and the writes made through them."""
 
@@ -81,15 +94,7 @@ class DestDir:
         dest = Path(os.path.abspath(dest))
         if dest == dest.parent:
             raise UsageError("DEST cannot be the filesystem root")
-        if any(_RESERVED.fullmatch(part) for part in dest.parts):
-            # a pull into ".X.wsync-lock" would leave a directory where the pulls of X take
-            # their lock (they would fail for good); a tree in ".X.wsync-prev" (or below
-            # it: a daemon's confinement creates missing parents) is X's next pull's to
-            # take over or remove
-            raise UsageError(
-                f"DEST {dest}: names like .NAME.wsync-lock, -prev, -old and -tmp-* are "
-                "wsync's own, beside a DEST; choose another name"
-            )
+        refuse_reserved(dest)
         if root is None:
             with _refusing(dest, None, dest.parent):
                 fd = os.open(dest.parent, _DIR_FLAGS)
