@@ -556,6 +556,38 @@ jitter = 0
     assert all(gap >= 1.0 for gap in gaps), gaps
 
 
+def test_a_refused_schedule_does_not_stop_the_others(tmp_path: Path, pg_dsn: str) -> None:
+    """Sandbox ``a``'s DEST becomes a symlink out of the root: its scheduled pulls are
+    refused, once an interval, and ``b``'s (sorted after it) go on.  The due sandboxes were
+    fired in one loop under one ``except``: ``a``'s refusal ended the loop before ``b`` at
+    every poll, and ``a`` stayed due (found by an independent review)."""
+    make_tree(tmp_path / "ws", seed=5)
+    (tmp_path / "outside").mkdir()
+    box = "".join(
+        f'[sandboxes.{name}]\nuri = "local:{tmp_path}/ws"\ndest = "{tmp_path}/roots/{name}"\n'
+        "interval = 1\njitter = 0\n"
+        for name in ("a", "b")
+    )
+    count = "SELECT count(*) FROM wsync_jobs WHERE sandbox = %s"
+    with fleet(tmp_path, pg_dsn, box) as group:
+        daemon = group.add()
+        done = count + " AND state = 'succeeded'"
+        daemon.wait_until(lambda: group.sql(done, "a")[0][0] >= 1, timeout=60, what="a pulled")
+        (tmp_path / "roots" / "a").rename(tmp_path / "a-was")
+        (tmp_path / "roots" / "a").symlink_to(tmp_path / "outside")
+        since = time.monotonic()
+        daemon.wait_until(lambda: "schedule.refused" in daemon.log(), timeout=60, what="refusal")
+        before = group.sql(count, "b")[0][0]
+        daemon.wait_until(
+            lambda: group.sql(count, "b")[0][0] >= before + 2, timeout=60, what="b pulled on"
+        )
+        refusals = daemon.log().count("schedule.refused")
+        elapsed = time.monotonic() - since
+    assert list((tmp_path / "outside").iterdir()) == []
+    # one refusal an interval (1 s), not one a poll (4 a second)
+    assert refusals <= elapsed + 2, (refusals, elapsed)
+
+
 def test_any_daemon_answers_get_events_and_delete(tmp_path: Path, pg_dsn: str) -> None:
     with fleet(tmp_path, pg_dsn, big_sandbox(tmp_path), lease=5.0) as group:
         daemons = group.add_many(2)

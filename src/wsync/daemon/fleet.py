@@ -122,6 +122,9 @@ class FleetManager:
         self._shutting_down = False
         self._store_ok = False
         self._pending: set[asyncio.Task[Any]] = set()
+        #: schedules refused here (DEST no longer allowed, say), by name: not tried again
+        #: before this monotonic time (one refusal an interval, not one a poll)
+        self._refused: dict[str, float] = {}
 
     # -- lifecycle --------------------------------------------------------
 
@@ -377,14 +380,25 @@ class FleetManager:
             boxes = {n: b for n, b in self.config.sandboxes.items() if b.interval is not None}
             if not boxes:
                 continue
+            now = time.monotonic()
+            tried = sorted(n for n in boxes if self._refused.get(n, 0.0) <= now)
             try:
-                due = await self._store(self.store.due_schedules(sorted(boxes)))
-                for name in due:
-                    await self._fire(name, boxes[name])
+                due = await self._store(self.store.due_schedules(tried))
             except StoreDown:
                 continue
-            except WsyncError as err:
-                log.warning("schedule.refused", error=str(err))
+            for name in due:
+                # one sandbox refused (its DEST made a symlink out of the root, say) must
+                # not stop the schedules sorted after it (found by an independent review)
+                try:
+                    await self._fire(name, boxes[name])
+                except StoreDown:
+                    break
+                except WsyncError as err:
+                    interval = boxes[name].interval or POLL_INTERVAL
+                    self._refused[name] = time.monotonic() + interval
+                    log.warning("schedule.refused", sandbox=name, error=str(err))
+                else:
+                    self._refused.pop(name, None)
 
     def _shortest_interval(self) -> float:
         intervals = [b.interval for b in self.config.sandboxes.values() if b.interval]
