@@ -331,6 +331,42 @@ def test_token_file_unix_socket_and_state_dir_lock(tmp_path: Path) -> None:
         daemon.close()
 
 
+def test_a_unix_socket_a_daemon_answers_on_is_not_taken_a_dead_ones_is(tmp_path: Path) -> None:
+    """A second daemon (a state dir of its own) told to listen where a running one does is
+    refused, as TCP refuses (it used to unlink the live socket as stale and take the
+    address: the first ran on, unreachable; found by an independent review).  The socket
+    a kill -9 left is taken over, and a clean exit removes only its own file."""
+    from wsync.daemon.client import DaemonClient
+
+    sock = tmp_path / "api.sock"
+    first, second, third = (tmp_path / n for n in ("a", "b", "c"))
+    daemons = []
+    try:
+        for home in (first, second, third):
+            home.mkdir()
+            daemons.append(DaemonProcess(home, base_config(home)))
+        daemons[0].start(("--listen", f"unix:{sock}"))
+        refused = _run_daemon(
+            ["--config", str(second / "config.toml"), "--listen", f"unix:{sock}"],
+            {"WSYNC_API_TOKEN": TOKEN},
+        )
+        assert refused.returncode == 2 and "in use" in refused.stderr, refused.stderr
+        client = DaemonClient("http://unused", str(sock), TOKEN)
+        assert client.request("GET", "/v1/status")["listen"] == f"unix:{sock}"
+        daemons[0].kill9()  # its socket file stays, nobody answers
+        assert sock.exists()
+        daemons[2].start(("--listen", f"unix:{sock}"))
+        assert client.request("GET", "/v1/status")["listen"] == f"unix:{sock}"
+        sock.rename(tmp_path / "moved.sock")  # someone else's file at the path now
+        sock.touch()
+        daemons[2].signal(signal.SIGTERM)
+        assert daemons[2].wait_exit() == 0
+        assert sock.exists(), "a clean exit removes only the socket it bound"
+    finally:
+        for daemon in daemons:
+            daemon.close()
+
+
 def test_log_redaction_masks_secret_keys_registered_values_and_url_passwords() -> None:
     from wsync.daemon.logs import REDACTED, redact, register_secret
 

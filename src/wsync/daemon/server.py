@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import fcntl
 import ipaddress
 import json
@@ -99,6 +100,29 @@ class _Server(uvicorn.Server):
         yield
 
 
+#: the unix sockets this process bound, by path: (device, inode) of the file it made
+_BOUND: dict[str, tuple[int, int]] = {}
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove the socket file at ``path`` if nobody listens on it (a killed daemon's);
+    OSError EADDRINUSE if a process answers there (another daemon: taking its address
+    would leave it running unreachable, as TCP refuses too)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(2.0)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return
+    except OSError:
+        return  # not ours to judge (no access, say): bind says what is wrong
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, "Address already in use (a process answers on it)")
+
+
 def bind(listen: str) -> tuple[socket.socket, str]:
     """Create the listening socket; returns it and the address actually bound."""
     target = parse_listen(listen)
@@ -106,12 +130,14 @@ def bind(listen: str) -> tuple[socket.socket, str]:
         path = Path(target)
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(path.lstat().st_mode):
-                path.unlink()  # a stale socket from a killed daemon
+                _remove_stale(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(str(path))
         path.chmod(0o660)
         sock.listen(128)
+        st = path.lstat()
+        _BOUND[str(path)] = (st.st_dev, st.st_ino)
         return sock, f"unix:{path}"
     host, port = target
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -338,10 +364,14 @@ def _say(message: str) -> None:
 
 
 def _unlink_socket(address: str) -> None:
-    """Remove our unix socket on the way out (a TCP address has nothing to remove)."""
+    """Remove our unix socket on the way out, if the file there is still the one we bound
+    (a TCP address has nothing to remove)."""
     if address.startswith("unix:"):
+        path = address[len("unix:") :]
         with contextlib.suppress(OSError):
-            os.unlink(address[len("unix:") :])
+            st = os.lstat(path)
+            if _BOUND.get(path) == (st.st_dev, st.st_ino):
+                os.unlink(path)
 
 
 def _holder(state_dir: Path) -> str:
