@@ -588,6 +588,24 @@ def test_a_refused_schedule_does_not_stop_the_others(tmp_path: Path, pg_dsn: str
     assert refusals <= elapsed + 2, (refusals, elapsed)
 
 
+def test_a_nul_byte_in_a_request_is_the_requests_error_not_the_stores(
+    tmp_path: Path, pg_dsn: str
+) -> None:
+    """``/v1/pulls/%00`` reached PostgreSQL, whose refusal (no NUL in text) the daemon took
+    for an outage: 503 ``store-unavailable``, a store error counted and ``/readyz`` 503
+    (found by an independent review)."""
+    with fleet(tmp_path, pg_dsn, f'[sandboxes.box]\nuri = "local:{tmp_path}/ws"\n') as group:
+        daemon = group.add()
+        daemon.wait_until(lambda: daemon.request("GET", "/readyz", token=None)[0] == 200)
+        errors = metric(daemon, "wsync_fleet_store_errors_total")
+        assert daemon.request("GET", "/v1/pulls/%00")[0] == 404
+        assert daemon.request("DELETE", "/v1/pulls/a%00b")[0] == 404
+        status, body = daemon.request("GET", "/v1/pulls?sandbox=%00")
+        assert status == 422 and "NUL" in body["error"], body
+        assert daemon.request("GET", "/readyz", token=None)[0] == 200
+        assert metric(daemon, "wsync_fleet_store_errors_total") == errors
+
+
 def test_any_daemon_answers_get_events_and_delete(tmp_path: Path, pg_dsn: str) -> None:
     with fleet(tmp_path, pg_dsn, big_sandbox(tmp_path), lease=5.0) as group:
         daemons = group.add_many(2)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 
 import psycopg
+import pytest
 
 from test_daemon_fleet import pg_dsn  # noqa: F401 - the fixture
-from wsync.daemon.pgstore import PgStore, new_owner_id
+from wsync.daemon.pgstore import PgStore, StoreDown, new_owner_id
 from wsync.daemon.store import Job, new_job_id
+from wsync.errors import InternalError
 
 RACERS = 6
 ROUNDS = 5
@@ -60,3 +62,24 @@ def test_a_due_schedule_is_won_by_exactly_one_of_many_racing_daemons(
         jobs = conn.execute("SELECT count(*) FROM wsync_jobs").fetchone()
     # the first winner queued the job; the later ones reconciled into it (still queued)
     assert jobs == (1,)
+
+
+def test_a_value_the_store_refuses_is_an_error_of_the_query_not_an_outage(
+    pg_dsn: str,  # noqa: F811 - the fixture
+) -> None:
+    """PostgreSQL's text holds no NUL: such a value in a query is refused with a DataError,
+    which the store had reported as ``StoreDown`` (a fleet daemon answered 503 and turned
+    ``/readyz`` to 503 for any caller's ``/v1/pulls/%00``; found by an independent review)."""
+
+    async def ask() -> None:
+        store = PgStore(pg_dsn, new_owner_id(), 10.0)
+        await store.open()
+        try:
+            with pytest.raises(InternalError, match="refused a value") as refused:
+                await store.get("j-\x00")
+            assert not isinstance(refused.value, StoreDown)
+            assert await store.get("j-0") is None  # the store itself is fine
+        finally:
+            await store.close()
+
+    asyncio.run(ask())

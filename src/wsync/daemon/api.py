@@ -119,6 +119,14 @@ def _status_for(err: WsyncError) -> int:
     return 500
 
 
+def _job_id(value: str) -> str:
+    """A job id as asked for: no id holds a NUL (PostgreSQL's text cannot: a fleet's store
+    refused the query, and the daemon took that for the store being down)."""
+    if "\x00" in value:
+        raise UnknownJob(f"no job {value!r}")
+    return value
+
+
 def create_app(state: AppState) -> FastAPI:
     """Build the ASGI app around a running :class:`JobService`."""
     app = FastAPI(
@@ -190,17 +198,19 @@ def create_app(state: AppState) -> FastAPI:
         for value in state_ or []:
             if value not in STATES:
                 raise UsageError(f"state: unknown state {value!r} (known: {', '.join(STATES)})")
+        if sandbox is not None and "\x00" in sandbox:
+            raise UsageError("sandbox: contains a NUL byte")
         jobs = await state.manager.list_jobs(states=state_, sandbox=sandbox, limit=limit)
         return JobList(jobs=[JobOut(**j.to_json()) for j in jobs])
 
     @app.get("/v1/pulls/{job_id}", dependencies=v1, responses=errors)
     async def get_pull(job_id: str) -> JobOut:
-        return JobOut(**(await state.manager.get(job_id)).to_json())
+        return JobOut(**(await state.manager.get(_job_id(job_id))).to_json())
 
     @app.delete("/v1/pulls/{job_id}", status_code=202, dependencies=v1, responses=errors)
     async def cancel_pull(job_id: str) -> JobOut:
         """Cancel a queued or running job; a running pull keeps its journal."""
-        return JobOut(**(await state.manager.cancel(job_id)).to_json())
+        return JobOut(**(await state.manager.cancel(_job_id(job_id))).to_json())
 
     @app.get(
         "/v1/events",

@@ -50,6 +50,7 @@ from psycopg_pool import AsyncConnectionPool
 from psycopg_pool.base import AttemptWithBackoff
 
 from wsync.daemon.store import STATES, Job, StoreUnavailable
+from wsync.errors import InternalError
 
 SCHEMA_VERSION = 1
 CHANNEL = "wsync_events"
@@ -212,6 +213,10 @@ class PgStore:
                 return await cur.fetchall() if cur.description else []
         except psycopg.errors.UniqueViolation:
             raise
+        except psycopg.errors.DataError as err:
+            # the store is up and refused a value (a NUL byte in text, a number out of
+            # range): an error of this query, not of the store (readiness stays)
+            raise InternalError(f"job store refused a value: {_say(err)}") from None
         except (psycopg.Error, OSError, TimeoutError) as err:
             raise StoreDown(_say(err)) from None
         except Exception as err:  # psycopg_pool.PoolTimeout and friends
