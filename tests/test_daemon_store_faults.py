@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from test_daemon_harness import DaemonProcess, make_tree
+from test_daemon_harness import DaemonProcess, base_config, make_tree, running
 
 
 @pytest.fixture
@@ -94,3 +96,43 @@ dest = "{roots}/fast"
         assert "job.saved" in daemon.log()
     finally:
         daemon.close()
+
+
+def test_a_write_lock_held_on_the_job_store_does_not_freeze_the_api(tmp_path: Path) -> None:
+    """An operator's ``sqlite3`` shell holds a write transaction on jobs.db while a pull
+    runs: each of the pull's saves waited 5 s for it on the event loop, and ``/healthz``
+    went unanswered for as long as the lock lasted (found by an independent review).
+    Now a write gives up after a quarter second; the job's end is recorded once the lock
+    is gone."""
+    src = tmp_path / "src"
+    make_tree(src)
+    (tmp_path / "roots").mkdir()
+    extra = (
+        f'[sandboxes.slow]\nuri = "local:{src}"\ndest = "{tmp_path}/roots/slow"\n'
+        'chaos = "slow=0.3"\n'
+    )
+    with running(tmp_path, base_config(tmp_path, extra)) as daemon:
+        job = daemon.pull("slow")
+        daemon.wait_job(job["id"], ("running",))
+        shell = sqlite3.connect(daemon.state_dir / "jobs.db", isolation_level=None)
+        shell.execute("BEGIN IMMEDIATE")
+        slowest = 0.0
+        try:
+            # until the pull is over (its DEST swapped) and a little more
+            end = time.monotonic() + 120
+            over = None
+            while time.monotonic() < end and (over is None or time.monotonic() < over + 2):
+                asked = time.monotonic()
+                status, _ = daemon.request("GET", "/healthz", token=None, timeout=60)
+                slowest = max(slowest, time.monotonic() - asked)
+                assert status == 200
+                if over is None and (tmp_path / "roots" / "slow" / "README.md").exists():
+                    over = time.monotonic()
+                time.sleep(0.1)
+            assert over is not None, "the pull did not end"
+        finally:
+            shell.execute("ROLLBACK")
+            shell.close()
+        # a wait of 5 s a save stacks up to many; a quarter second a write stays far below
+        assert slowest < 4.0, slowest
+        assert daemon.wait_job(job["id"], timeout=120)["exit_code"] == 0

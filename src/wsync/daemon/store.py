@@ -104,13 +104,21 @@ _COLUMNS = [f.name for f in dataclasses.fields(Job)]
 _JSON_COLUMNS = ("progress", "result")
 
 
+#: how long a write waits for another connection's lock (an operator's ``sqlite3`` shell
+#: in a transaction): the store runs on the event loop, which answers nothing meanwhile
+#: (``/healthz`` included: at 5 s a wait, a liveness probe killed the daemon).  A write
+#: refused then is best effort (progress), written again later (a job's end) or the
+#: request's error (a submit)
+BUSY_TIMEOUT = 0.25
+
+
 class JobStore:
     """A small synchronous DAO used only from the daemon's event-loop thread."""
 
     def __init__(self, path: Path) -> None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(path, isolation_level=None, timeout=5.0)
+            self._db = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(_SCHEMA)
