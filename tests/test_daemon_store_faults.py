@@ -89,11 +89,19 @@ dest = "{roots}/fast"
             lambda: (roots / "fast" / "README.md").exists(), timeout=60, what="the queued pull"
         )
         assert (roots / "slow" / "README.md").exists()
-        assert "job.save_failed" in daemon.log()
-        filler.unlink()  # space again: both records land
+        assert "job.save_failed" in daemon.log_path.read_text(encoding="utf-8")
+        # the API tells the end the store has not taken yet
+        assert daemon.job(slow["id"])["state"] == "succeeded"
+        filler.unlink()  # space again: both records land in the store
         for job_id in (slow["id"], fast["id"]):
             assert daemon.wait_job(job_id, timeout=120)["exit_code"] == 0
-        assert "job.saved" in daemon.log()
+
+        def stored() -> bool:
+            with contextlib.closing(sqlite3.connect(daemon.state_dir / "jobs.db")) as db:
+                states = db.execute("SELECT state FROM jobs").fetchall()
+            return sorted(states) == [("succeeded",), ("succeeded",)]
+
+        daemon.wait_until(stored, timeout=120, what="both records in the store")
     finally:
         daemon.close()
 

@@ -359,9 +359,10 @@ class JobManager:
         return self.live(job)
 
     def live(self, job: Job) -> Job:
-        """The in-memory record of a running job (fresher progress than the store's)."""
+        """The in-memory record of a running job (fresher progress than the store's), or
+        of an ended one whose end the store has not taken yet."""
         run = self._running.get(job.id)
-        return run.job if run is not None else job
+        return run.job if run is not None else self._unsaved.get(job.id, job)
 
     def list_jobs(
         self, *, states: Iterable[str] | None = None, sandbox: str | None = None, limit: int = 100
