@@ -7,17 +7,26 @@ behind it stalled)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import sqlite3
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from test_daemon_harness import DaemonProcess, base_config, make_tree, running
+from wsync.daemon.config import load_config
+from wsync.daemon.jobs import JobManager
+from wsync.daemon.metrics import Metrics
+from wsync.daemon.store import Job, JobStore, StoreUnavailable, new_job_id
+from wsync.engine.api import ProgressCallback, PullOptions, PullResult
+from wsync.errors import WsyncError
 
 
 @pytest.fixture
@@ -144,3 +153,196 @@ def test_a_write_lock_held_on_the_job_store_does_not_freeze_the_api(tmp_path: Pa
         # a wait of 5 s a save stacks up to many; a quarter second a write stays far below
         assert slowest < 4.0, slowest
         assert daemon.wait_job(job["id"], timeout=120)["exit_code"] == 0
+
+
+# -- in process: a JobManager on a real JobStore, an operator's shell holding its lock -----
+
+
+class _Puller:
+    """The engine's place in JobManager (its ``puller``): each pull waits for ``release``."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.release = threading.Event()
+
+    async def __call__(
+        self,
+        uri: str,
+        dest: Path,
+        options: PullOptions,
+        transport_options: Mapping[str, Any] | None,
+        on_progress: ProgressCallback | None,
+    ) -> PullResult:
+        self.calls.append(dest.name)
+        while not self.release.is_set():  # noqa: ASYNC110 - set from the test's thread
+            await asyncio.sleep(0.01)
+        return PullResult(ok=True, sandbox=uri, dest=str(dest))
+
+
+def _manager(tmp_path: Path, puller: _Puller) -> tuple[JobManager, JobStore]:
+    (tmp_path / "roots").mkdir()
+    (tmp_path / "ws").mkdir()
+    boxes = "".join(
+        f'[sandboxes.{name}]\nuri = "local:{tmp_path}/ws"\ndest = "{tmp_path}/roots/{name}"\n'
+        for name in ("box", "other")
+    )
+    path = tmp_path / "c.toml"
+    path.write_text(
+        f'state_dir = "{tmp_path}/state"\ndest_roots = ["{tmp_path}/roots"]\n'
+        f"[limits]\nmax_concurrent = 1\n{boxes}",
+        encoding="utf-8",
+    )
+    store = JobStore(tmp_path / "jobs.db")
+    return JobManager(load_config(path), store, Metrics(), puller=puller), store
+
+
+@contextlib.contextmanager
+def _locked(tmp_path: Path) -> Iterator[None]:
+    """An operator's ``sqlite3`` shell in a write transaction on jobs.db."""
+    with contextlib.closing(sqlite3.connect(tmp_path / "jobs.db", isolation_level=None)) as db:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        finally:
+            db.execute("ROLLBACK")
+
+
+async def _until(predicate: Callable[[], object], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def _stored(tmp_path: Path, job_id: str) -> str:
+    with contextlib.closing(sqlite3.connect(tmp_path / "jobs.db")) as db:
+        return str(db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()[0])
+
+
+def test_a_cancel_the_store_refuses_leaves_the_job_to_run(tmp_path: Path) -> None:
+    """The queued job was taken off the queue before its cancelled record was refused:
+    it stayed 'queued' in the store, never ran, and every later request for its DEST was
+    merged into it (found by a review of the quarter-second lock wait)."""
+    puller = _Puller()
+    manager, store = _manager(tmp_path, puller)
+
+    async def run() -> None:
+        await manager.start()
+        manager.submit("box", None)
+        await _until(lambda: puller.calls == ["box"])
+        queued, _ = manager.submit("other", None)
+        with _locked(tmp_path), pytest.raises(WsyncError, match="locked"):
+            manager.cancel(queued.id)
+        puller.release.set()
+        await _until(lambda: manager.get(queued.id).state == "succeeded")
+        assert puller.calls == ["box", "other"]
+        await manager.shutdown(5)
+
+    try:
+        asyncio.run(run())
+    finally:
+        store.close()
+
+
+def test_a_new_request_is_not_merged_into_a_job_whose_end_is_unrecorded(tmp_path: Path) -> None:
+    """A job over but still 'running' in the store (its end refused) held the dedupe index:
+    a new request got it back, "reconciled", and no pull ran.  Now the request records that
+    end first (or, while the store takes no writes, is refused: 503)."""
+    puller = _Puller()
+    manager, store = _manager(tmp_path, puller)
+
+    async def run() -> None:
+        await manager.start()
+        first, _ = manager.submit("box", None)
+        await _until(lambda: puller.calls == ["box"])
+        with _locked(tmp_path):
+            puller.release.set()
+            await _until(lambda: manager.get(first.id).state == "succeeded")
+            assert _stored(tmp_path, first.id) == "running"
+            with pytest.raises(StoreUnavailable):
+                manager.submit("box", None)
+        again, reconciled = manager.submit("box", None)
+        assert not reconciled and again.id != first.id
+        assert _stored(tmp_path, first.id) == "succeeded"
+        await _until(lambda: manager.get(again.id).state == "succeeded")
+        assert puller.calls == ["box", "box"]
+        await manager.shutdown(5)
+
+    try:
+        asyncio.run(run())
+    finally:
+        store.close()
+
+
+def test_a_refused_prune_after_the_insert_leaves_the_new_job_queued(tmp_path: Path) -> None:
+    """submit() stores the job, then prunes old records: a lock taken in between made the
+    prune fail and the stored job never reached the queue (stranded, holding its DEST)."""
+    puller = _Puller()
+    puller.release.set()
+    manager, store = _manager(tmp_path, puller)
+    insert = store.insert
+    shell = sqlite3.connect(tmp_path / "jobs.db", isolation_level=None)
+
+    def insert_then_lock(job: Job) -> None:
+        insert(job)
+        shell.execute("BEGIN IMMEDIATE")  # another writer, right after the insert
+
+    async def run() -> None:
+        await manager.start()
+        store.insert = insert_then_lock  # type: ignore[method-assign]
+        job, _ = manager.submit("box", None)
+        store.insert = insert  # type: ignore[method-assign]
+        shell.execute("ROLLBACK")
+        await _until(lambda: manager.get(job.id).state == "succeeded")
+        await manager.shutdown(5)
+
+    try:
+        asyncio.run(run())
+    finally:
+        shell.close()
+        store.close()
+
+
+def test_a_shutdown_records_what_the_store_refused_before(tmp_path: Path) -> None:
+    """The last try at shutdown removed a record it had just written a second time: a
+    KeyError, and the daemon's stop crashed (exit 1, daemon.json and socket left)."""
+    puller = _Puller()
+    manager, store = _manager(tmp_path, puller)
+
+    async def run() -> str:
+        await manager.start()
+        job, _ = manager.submit("box", None)
+        await _until(lambda: puller.calls == ["box"])
+        with _locked(tmp_path):
+            puller.release.set()
+            await _until(lambda: manager.get(job.id).state == "succeeded")
+        await manager.shutdown(5)  # before the first resave (1 s): its last try lands it
+        return job.id
+
+    try:
+        job_id = asyncio.run(run())
+    finally:
+        store.close()
+    assert _stored(tmp_path, job_id) == "succeeded"
+
+
+def test_a_lock_held_at_start_does_not_stop_the_daemon(tmp_path: Path) -> None:
+    """A job 'running' when the last daemon died is queued again at start; a refused
+    record of that used to end the start (the job runs all the same now)."""
+    puller = _Puller()
+    puller.release.set()
+    manager, store = _manager(tmp_path, puller)
+    job = Job(id=new_job_id(), sandbox="box", uri=f"local:{tmp_path}/ws", dest="x")
+    job.dest, job.state = str(tmp_path / "roots" / "box"), "running"
+    store.insert(job)
+
+    async def run() -> None:
+        with _locked(tmp_path):
+            assert await manager.start() == 1
+        await _until(lambda: manager.get(job.id).state == "succeeded")
+        await manager.shutdown(5)
+
+    try:
+        asyncio.run(run())
+    finally:
+        store.close()

@@ -53,7 +53,7 @@ from wsync.daemon.config import (
 from wsync.daemon.confine import Forbidden, check_local_source, confine_dest, confine_source
 from wsync.daemon.metrics import Metrics
 from wsync.daemon.pullthread import PullCancelled, PullThread
-from wsync.daemon.store import FINAL_STATES, Job, JobStore, new_job_id
+from wsync.daemon.store import FINAL_STATES, Job, JobStore, StoreUnavailable, new_job_id
 from wsync.engine.api import ProgressCallback, PullOptions, PullResult
 from wsync.errors import InternalError, UsageError, WsyncError
 from wsync.uri import parse
@@ -259,7 +259,7 @@ class JobManager:
         for job in resumed:
             if job.state == "running":
                 job.state = "queued"
-                self.store.save(job)
+                self._save(job)  # refused: the row says running, and it runs all the same
             self._queue.append(job.id)
             log.info("job.requeued", job_id=job.id, sandbox=job.sandbox, attempts=job.attempts)
         self._accepting = True
@@ -302,8 +302,7 @@ class JobManager:
             self._resaving.cancel()
             await asyncio.gather(self._resaving, return_exceptions=True)
         for job in list(self._unsaved.values()):  # a last try: else the next start requeues it
-            if self._save(job):
-                del self._unsaved[job.id]
+            self._save(job)
         self.events.close()
 
     def busy_threads(self) -> int:
@@ -335,8 +334,14 @@ class JobManager:
             raise NotAccepting("the daemon is shutting down and takes no new jobs")
         name, uri, real_dest = self.resolve(sandbox, dest)
         existing = self.store.find_active(uri, real_dest)
+        if existing is not None and existing.id in self._unsaved:
+            # over, though the store has not taken its end yet: record it now, so that the
+            # new job is not merged into it (and the dedupe index lets it in)
+            if not self._save(self._unsaved[existing.id]):
+                raise StoreUnavailable("it takes no writes now (a job's end is unrecorded)")
+            existing = self.store.find_active(uri, real_dest)
         if existing is not None:
-            return existing, True
+            return self.live(existing), True
         job = Job(id=new_job_id(), sandbox=name, uri=uri, dest=real_dest, trigger=trigger)
         try:
             self.store.insert(job)
@@ -344,9 +349,10 @@ class JobManager:
             raced = self.store.find_active(uri, real_dest)
             if raced is None:
                 raise InternalError("job store refused a job with no active duplicate") from None
-            return raced, True
-        self.store.prune(self.config.limits.keep_finished_jobs)
-        self._queue.append(job.id)
+            return self.live(raced), True
+        self._queue.append(job.id)  # stored: it must run whatever comes next
+        with contextlib.suppress(WsyncError):  # pruning old records can wait for the next job
+            self.store.prune(self.config.limits.keep_finished_jobs)
         log.info("job.queued", job_id=job.id, sandbox=name, dest=real_dest, trigger=trigger)
         self._announce(job)
         self._pump()
@@ -382,11 +388,11 @@ class JobManager:
             run.cancel_requested = True
             run.stop()
             return job  # the job task records the final state
-        with contextlib.suppress(ValueError):
-            self._queue.remove(job_id)
         job.state = "cancelled"
         job.finished_at = time.time()
-        self.store.save(job)
+        self.store.save(job)  # first: refused, the job stays queued and runs (the caller's error)
+        with contextlib.suppress(ValueError):
+            self._queue.remove(job_id)
         self.metrics.pulls.labels(self._label(job.sandbox), "cancelled").inc()
         self._announce(job)
         self._pump()
@@ -422,7 +428,9 @@ class JobManager:
             if len(self._running) >= self.config.limits.max_concurrent:
                 break
             job = self.store.get(job_id)
-            if job is None or job.state != "queued":
+            # "running" in the store, queued here: the last daemon's run, requeued by
+            # start() with that record refused (it runs); anything else ended meanwhile
+            if job is None or job.state not in ("queued", "running"):
                 self._queue.remove(job_id)
                 continue
             if per_box.get(job.sandbox, 0) >= self.config.sandbox_concurrency(job.sandbox):
@@ -519,10 +527,12 @@ class JobManager:
         delay = 1.0
         while self._unsaved:
             await asyncio.sleep(delay)
+            saved = False
             for job in list(self._unsaved.values()):
                 if self._save(job):
+                    saved = True
                     log.info("job.saved", job_id=job.id, state=job.state)
-            delay = min(delay * 2, 30.0)
+            delay = 1.0 if saved else min(delay * 2, 30.0)
 
     def _start_thread(
         self, job: Job, run: _Running, box: SandboxConfig | None
