@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from test_daemon_harness import TOKEN, DaemonProcess, base_config, make_tree, running
-from wsync.daemon.config import check_dest
+from wsync.daemon.config import DestForbidden, check_dest
 from wsync.daemon.confine import Forbidden, check_local_source, confine_dest, confine_source
 from wsync.errors import UsageError
 
@@ -273,3 +273,14 @@ def test_a_dest_below_a_reserved_name_is_refused_before_anything_is_made(
         assert status == 422 and "wsync's own" in body["error"], body
         assert not (roots / ".a.wsync-lock").exists()
         assert daemon.wait_job(daemon.pull("a")["id"])["exit_code"] == 0
+
+
+def test_a_dest_in_a_symlink_loop_is_forbidden_not_a_crash(tmp_path: Path) -> None:
+    """Resolving a DEST through a symlink loop raised RuntimeError, which nothing caught:
+    a scheduler's task died (in a fleet, every schedule's) and a request got a bare 500
+    (found by a review)."""
+    roots = tmp_path / "roots"
+    roots.mkdir()
+    (roots / "loop").symlink_to(roots / "loop")
+    with pytest.raises(DestForbidden, match="cannot be resolved"):
+        check_dest(str(roots / "loop" / "x"), [roots])

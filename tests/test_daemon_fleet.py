@@ -588,6 +588,31 @@ def test_a_refused_schedule_does_not_stop_the_others(tmp_path: Path, pg_dsn: str
     assert refusals <= elapsed + 2, (refusals, elapsed)
 
 
+def test_a_reload_tries_a_refused_schedule_again_at_once(tmp_path: Path, pg_dsn: str) -> None:
+    """A refused schedule waits its interval (at most a minute) before it is tried again;
+    a reload, which may have mended it, clears that wait (a daily sandbox would otherwise
+    have waited a day after its DEST was fixed; found by a review)."""
+    make_tree(tmp_path / "ws", seed=6)
+    (tmp_path / "outside").mkdir()
+    dest = tmp_path / "roots" / "a"
+    box = (
+        f'[sandboxes.a]\nuri = "local:{tmp_path}/ws"\ndest = "{dest}"\n'
+        "interval = 3600\njitter = 0\n"
+    )
+    count = "SELECT count(*) FROM wsync_jobs WHERE sandbox = 'a' AND state = 'succeeded'"
+    due = "UPDATE wsync_schedule SET next_at = now() WHERE sandbox = 'a' RETURNING sandbox"
+    with fleet(tmp_path, pg_dsn, box) as group:
+        daemon = group.add()
+        daemon.wait_until(lambda: group.sql(count)[0][0] == 1, timeout=60, what="a pulled")
+        dest.rename(tmp_path / "a-was")
+        dest.symlink_to(tmp_path / "outside")
+        group.sql(due)
+        daemon.wait_until(lambda: "schedule.refused" in daemon.log(), timeout=60, what="refusal")
+        dest.unlink()  # mended, and the config reloaded: due still, tried again at once
+        daemon.signal(signal.SIGHUP)
+        daemon.wait_until(lambda: group.sql(count)[0][0] == 2, timeout=30, what="a again")
+
+
 def test_a_nul_byte_in_a_request_is_the_requests_error_not_the_stores(
     tmp_path: Path, pg_dsn: str
 ) -> None:

@@ -493,7 +493,10 @@ def check_dest(raw: str, roots: list[Path], keep_out: Sequence[Path] = ()) -> Pa
     refuse_reserved(path)
     if not roots:
         raise DestForbidden("no dest_roots are configured, so no destination is allowed")
-    resolved = path.resolve(strict=False)
+    try:
+        resolved = path.resolve(strict=False)
+    except (RuntimeError, OSError) as err:  # a symlink loop (RuntimeError before 3.13)
+        raise DestForbidden(f"dest {raw!r} cannot be resolved: {err}") from None
     refuse_reserved(resolved)  # a link in a root may name one too
     for kept in keep_out:
         if overlaps(resolved, kept.resolve(strict=False)):

@@ -76,6 +76,9 @@ T = TypeVar("T")
 BUSY_BACKOFF = 2.0
 #: the dispatcher looks for claimable jobs at least this often (expired leases, back-offs)
 POLL_INTERVAL = 1.0
+#: the longest a schedule this daemon refused waits before it is tried again (a daily
+#: sandbox whose DEST was mended need not wait a day)
+REFUSED_RETRY_MAX = 60.0
 #: longest gap between lease renewals, which also carry the progress other daemons read
 RENEW_EVERY = 2.0
 #: backoff bounds while the store is unreachable
@@ -197,6 +200,7 @@ class FleetManager:
 
     def reload(self, config: DaemonConfig) -> None:
         self.config = config
+        self._refused.clear()  # the new config may have mended what was refused
         self._wake.set()
 
     def running_jobs(self) -> list[Job]:
@@ -394,8 +398,8 @@ class FleetManager:
                 except StoreDown:
                     break
                 except WsyncError as err:
-                    interval = boxes[name].interval or POLL_INTERVAL
-                    self._refused[name] = time.monotonic() + interval
+                    wait = min(boxes[name].interval or POLL_INTERVAL, REFUSED_RETRY_MAX)
+                    self._refused[name] = time.monotonic() + wait
                     log.warning("schedule.refused", sandbox=name, error=str(err))
                 else:
                     self._refused.pop(name, None)
