@@ -259,6 +259,7 @@ def test_a_new_request_is_not_merged_into_a_job_whose_end_is_unrecorded(tmp_path
             puller.release.set()
             await _until(lambda: manager.get(first.id).state == "succeeded")
             assert _stored(tmp_path, first.id) == "running"
+            assert manager.list_jobs(states=["running"]) == []  # over: not listed as running
             with pytest.raises(StoreUnavailable):
                 manager.submit("box", None)
         again, reconciled = manager.submit("box", None)

@@ -373,9 +373,12 @@ class JobManager:
     def list_jobs(
         self, *, states: Iterable[str] | None = None, sandbox: str | None = None, limit: int = 100
     ) -> list[Job]:
-        return [
+        wanted = None if states is None else set(states)
+        found = (
             self.live(job) for job in self.store.list(states=states, sandbox=sandbox, limit=limit)
-        ]
+        )
+        # a job whose end the store has not taken yet is listed as what it is now
+        return [job for job in found if wanted is None or job.state in wanted]
 
     def cancel(self, job_id: str) -> Job:
         job = self.get(job_id)
