@@ -390,6 +390,9 @@ class FleetManager:
                 due = await self._store(self.store.due_schedules(tried))
             except StoreDown:
                 continue
+            except WsyncError as err:  # the store refused the query: the loop goes on
+                log.warning("schedule.failed", error=str(err))
+                continue
             for name in due:
                 # one sandbox refused (its DEST made a symlink out of the root, say) must
                 # not stop the schedules sorted after it (found by an independent review)
