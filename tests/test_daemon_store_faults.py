@@ -333,8 +333,8 @@ def test_a_lock_held_at_start_does_not_stop_the_daemon(tmp_path: Path) -> None:
     puller = _Puller()
     puller.release.set()
     manager, store = _manager(tmp_path, puller)
-    job = Job(id=new_job_id(), sandbox="box", uri=f"local:{tmp_path}/ws", dest="x")
-    job.dest, job.state = str(tmp_path / "roots" / "box"), "running"
+    dest = str(tmp_path / "roots" / "box")
+    job = Job(new_job_id(), "box", f"local:{tmp_path}/ws", dest, state="running")
     store.insert(job)
 
     async def run() -> None:

@@ -1219,49 +1219,40 @@ def test_pulls_in_one_process_leave_no_writer_threads(tmp_path: Path) -> None:
     assert writer_threads() == []
 
 
-def test_a_directory_that_became_a_file_while_read_is_a_change_not_a_hostile_archive(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("before", "change", "says"),
+    [
+        # rm -rf d && touch d: a file where the first read put a directory
+        ("dir", 'rm -rf "$WS/d"; echo file > "$WS/d"', "a directory, then a non-directory"),
+        # the reverse, rm d && mkdir d: a directory where the first read put a file
+        (
+            "file",
+            'rm -f "$WS/d"; mkdir "$WS/d"; echo x > "$WS/d/inner"',
+            "a non-directory, then a directory",
+        ),
+    ],
+)
+def test_an_entry_that_changed_kind_while_read_is_a_change_not_a_hostile_archive(
+    tmp_path: Path, before: str, change: str, says: str
 ) -> None:
-    """``rm -rf d && touch d`` while the guest's tar reads the workspace: the re-read
-    round archives a file where the first read put a directory.  That is a workspace that
-    changed while read (exit 24, run again), not a hostile archive (exit 7); DEST is not
-    made, and the next pull, the workspace at rest, is exact."""
-    ws = tmp_path / "ws"
-    (ws / "d").mkdir(parents=True)
-    (ws / "d" / "inner").write_text("inner\n")
-    (ws / "keep").write_text("keep\n")
-    guest = writer_around_tar(
-        tmp_path,
-        'real_tar "$@"; rc=$?\n[ $N = 1 ] && { rm -rf "$WS/d"; echo file > "$WS/d"; }\nexit $rc',
-    )
-    dest = tmp_path / "out"
-    opts = options(tmp_path, helpers=False)
-    with pytest.raises(UnstableFiles, match="a directory, then a non-directory") as failed:
-        run_pull(guest, ws, dest, opts)
-    assert failed.value.exit_code == 24
-    assert not dest.exists()
-    run_pull(LocalTransport(), ws, dest, opts)
-    assert_exact(ws, dest)
-
-
-def test_a_file_that_became_a_directory_while_read_is_a_change_not_a_hostile_archive(
-    tmp_path: Path,
-) -> None:
-    """The reverse: ``rm f && mkdir f`` while the guest's tar reads the workspace; the
-    re-read round archives a directory where the first read put a file.  Exit 24 (run
-    again), not exit 7; DEST is not made, and the next pull is exact."""
+    """``d`` changes kind while the guest's tar reads the workspace: the re-read round
+    archives it as the other kind.  That is a workspace that changed while read (exit 24,
+    run again), not a hostile archive (exit 7); DEST is not made, and the next pull, the
+    workspace at rest, is exact."""
     ws = tmp_path / "ws"
     ws.mkdir()
-    (ws / "f").write_text("a file first\n")
+    if before == "dir":
+        (ws / "d").mkdir()
+        (ws / "d" / "inner").write_text("inner\n")
+    else:
+        (ws / "d").write_text("a file first\n")
     (ws / "keep").write_text("keep\n")
     guest = writer_around_tar(
-        tmp_path,
-        'real_tar "$@"; rc=$?\n'
-        '[ $N = 1 ] && { rm -f "$WS/f"; mkdir "$WS/f"; echo x > "$WS/f/inner"; }\nexit $rc',
+        tmp_path, f'real_tar "$@"; rc=$?\n[ $N = 1 ] && {{ {change}; }}\nexit $rc'
     )
     dest = tmp_path / "out"
     opts = options(tmp_path, helpers=False)
-    with pytest.raises(UnstableFiles, match="a non-directory, then a directory") as failed:
+    with pytest.raises(UnstableFiles, match=says) as failed:
         run_pull(guest, ws, dest, opts)
     assert failed.value.exit_code == 24
     assert not dest.exists()
