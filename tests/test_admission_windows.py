@@ -220,6 +220,37 @@ def _generations(snap: Path) -> list[str]:
     return sorted(p.name for p in snap.glob("lock.*"))
 
 
+#: ``setsid``, slow to start: the launch stays in the admission's process group a while
+_SLOW_SETSID = """#!/bin/sh
+sleep 0.5
+exec {real} "$@"
+"""
+
+
+@pytest.mark.parametrize("status_wait", [None, 0.005], ids=["plain", "carried-status"])
+def test_the_admission_answers_only_once_its_producer_detached(
+    tmp_path: Path, workspace: Path, guest_path: str, status_wait: float | None
+) -> None:
+    """A backend may kill the admission's process group as soon as it answers: the
+    answer waits for the producer's own pid record (it has left the group by then),
+    also where the answer carries a first status that gave up looking long before
+    (one look, 5 ms, where the launch takes half a second to detach)."""
+    env = shimmed_env(tmp_path, guest_path, "setsid", _SLOW_SETSID)
+
+    async def go() -> None:
+        session, comp = await _session(env, tmp_path, workspace)
+        assert not await session.admit("s-slow", str(workspace), comp, status_wait=status_wait)
+        snap = Path(session.staging_root, "s-slow")
+        assert (snap / "pid").read_text().strip() == (snap / "pid.launch").read_text().strip()
+        if status_wait is not None:
+            assert session.first_status is not None  # the status came along
+        status = await _finished(session)
+        assert status.done is not None and status.failed is None
+        await session.cleanup()
+
+    asyncio.run(go())
+
+
 def test_a_later_run_restarts_a_snapshot_whose_producer_died_mid_stream(
     tmp_path: Path, workspace: Path, guest_path: str, procs: ProcessWatch
 ) -> None:

@@ -205,7 +205,7 @@ idle() {
   [ -f "$d/done" ] || [ -f "$d/failed" ] && return 1
   return 0
 }
-a=reconciled go=1
+a=reconciled go=1 lp=
 if mkdir "$d/launch"; then
   printf '%s %s' "$n" "$f" > "$d/launch/size"
 elif [ ! -d "$d/launch" ]; then
@@ -229,18 +229,24 @@ if [ "$go" ]; then
     kill $!
     no pid-failed
   }
-  # answer once the launch has detached (the producer writes its pid in its own
-  # session) or ended (another producer holds the snapshot): a backend that kills
-  # our process group when it gives up on us, or once we exit, must not catch it
-  # (looks 5 ms apart, the pid file read without a fork: the producer takes a few
-  # programs to get there, and this wait is on the path of every pull, the smallest
-  # included; 2000 looks, or 10 s)
+  lp=$!
+fi
+# answer once the launch has detached (the producer writes its pid in its own
+# session) or ended (another producer holds the snapshot): a backend that kills
+# our process group when it gives up on us, or once we exit, must not catch it
+# (looks 5 ms apart, the pid file read without a fork: the producer takes a few
+# programs to get there, and this wait is on the path of every pull, the smallest
+# included; 2000 looks, or 10 s).  An admission that carries the first status waits
+# after it: the producer has detached by then, as a rule, and the status's own wait
+# for the producer's first chunk did not wait behind this one
+detached() {
+  [ -n "$lp" ] || return 0
   i=0
-  until [ $i -ge 2000 ] || { rd "$d/pid"; [ "$v_" = $! ]; } || ! alive $!; do
+  until [ $i -ge 2000 ] || { rd "$d/pid"; [ "$v_" = "$lp" ]; } || ! alive "$lp"; do
     sleep 0.005 || { sleep 1; i=$((i+199)); }
     i=$((i+1))
   done
-fi
+}
 """
 #: the admission's answer: alone, or with the snapshot's first status after it, long poll
 #: included.  The status comes from the producer's ``--status`` mode: its text was hashed
@@ -248,6 +254,7 @@ fi
 #: Without an answer from it (the producer gone since), the admission's alone: the host
 #: then asks for the status itself
 ADMIT_ANSWER = r"""
+detached
 emit ok "$a $(cat "$d/launch/size")"
 """
 ADMIT_STATUS_ANSWER = r"""
@@ -255,6 +262,7 @@ r="$a $(cat "$d/launch/size")"
 p=$(sh "$prod" --status "$d" 0 "$sw" "$sil"; echo .)
 p=${p%.}
 [ -n "$p" ] && r="$r${nl}$p"
+detached
 emit ok "$r"
 """
 

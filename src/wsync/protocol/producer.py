@@ -65,16 +65,19 @@ al() {
 }
 # a long poll: up to w looks, until the index grows past io, a result is written or
 # (checked once) no producer runs; then the index from io comes along.  Looks are
-# 50 ms apart, the first ten 10 ms (a small workspace's producer is done by then, and
-# each look is two forks in the guest).  Liveness is asked again only if time passed
+# 50 ms apart, the first twenty 5 ms (a small workspace's producer is done by then;
+# a look is one fork, the sleep, as the index's size is read from isize).  Liveness is
+# asked again only if time passed
 al
 k=0 dw=0
 while [ $alive = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/failed" ]; do
   # the producer writes the index's size to isize after each line (a hint read without
-  # a fork; the answer below measures the index itself); without it, wc
+  # a fork; the answer below measures the index itself); without it, wc.  No index yet:
+  # the producer is starting (an admission's status runs before it has detached)
   rd "$d/isize"
   case $v_ in
-    ''|0?*|*[!0-9]*|????????????????*) isz=$(wc -c < "$d/index") || break ;;
+    ''|0?*|*[!0-9]*|????????????????*)
+      if [ -f "$d/index" ]; then isz=$(wc -c < "$d/index") || break; else isz=0; fi ;;
     *) isz=$v_ ;;
   esac
   if [ $((isz + 0)) -gt "$io" ]; then
@@ -86,7 +89,7 @@ while [ $alive = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/fa
     [ "$il" -gt 0 ] && [ -f "$d/comp.rc" ] && [ "$dw" -lt 5 ] || break
     dw=$((dw + 1))
     sleep 0.002 2>/dev/null || break
-  elif [ $k -lt 10 ]; then sleep 0.01 2>/dev/null || break; else sleep 0.05 2>/dev/null || break; fi
+  elif [ $k -lt 20 ]; then sleep 0.005 2>/dev/null || break; else sleep 0.05 2>/dev/null || break; fi
   k=$((k + 1))
 done
 [ $k = 0 ] || al

@@ -334,7 +334,7 @@ def snapshot_dir(staging_root: str, snapshot: str) -> str:
 #: one look of the status script's long poll, seconds
 STATUS_LOOK = 0.05
 #: the long poll's first looks are shorter: this many, of this many seconds each
-FAST_LOOKS, FAST_LOOK = 10, 0.01
+FAST_LOOKS, FAST_LOOK = 20, 0.005
 
 
 def status_looks(wait: float) -> int:
