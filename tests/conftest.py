@@ -298,6 +298,17 @@ def procs() -> Iterator[ProcessWatch]:
         watch.kill_all()
 
 
+@pytest.fixture
+def no_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No run's stream comes whole with a status: every run's staging stays in the guest
+    for the pull's last cleanup (or a rerun), as a run too big to come whole does, for
+    tests of that path with a small workspace (a run that comes whole removes its own
+    staging: tests/test_inline_clean.py)."""
+    from wsync.protocol import scripts
+
+    monkeypatch.setattr(scripts, "STATUS_INLINE_MAX", 0)
+
+
 # -- guest kill markers ------------------------------------------------------
 
 

@@ -272,3 +272,19 @@ async def echo_until_its_end(channel: Channel) -> None:
             pass
     assert channel.ended
     await channel.aclose()
+
+
+def counting_cleanups(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
+    """The snapshots each guest cleanup call of the test names, in order (the calls go on
+    as usual)."""
+    from wsync.engine.guest import GuestSession
+
+    calls: list[tuple[str, ...]] = []
+    cleanup = GuestSession.cleanup
+
+    async def counting(session: GuestSession, *snapshots: str) -> None:
+        calls.append(snapshots or (session.snapshot,))
+        await cleanup(session, *snapshots)
+
+    monkeypatch.setattr(GuestSession, "cleanup", counting)
+    return calls

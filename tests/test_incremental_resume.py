@@ -105,6 +105,11 @@ def test_resumed_archive_older_than_the_fresh_manifest_is_repaired_next_time(
     ws.mkdir()
     for i in range(8):
         (ws / f"blob{i}").write_bytes(rng.randbytes(256 * 1024))
+    # and a listing too long to come whole with its admission (one that does removes its
+    # own staging: tests/test_inline_clean.py), so that the guest still holds it
+    (ws / "many").mkdir()
+    for i in range(6000):
+        (ws / "many" / f"{i}").touch()
     edited = ws / "blob0"
     dest, state, stage = tmp_path / "out", tmp_path / "state", tmp_path / "stage"
     args = argv(ws, dest, state, stage)

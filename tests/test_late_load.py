@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 
 import pytest
 
-from helpers import assert_exact, local, make_tree, options, run_pull
+from helpers import assert_exact, counting_cleanups, local, make_tree, options, run_pull
 from wsync.engine import incremental
 from wsync.engine.guest import GuestSession
 from wsync.engine.guestcall import CallStats
@@ -243,6 +243,7 @@ def _staged(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in (tmp_path / "staging").iterdir() if p.name.startswith("s"))
 
 
+@pytest.mark.usefixtures("no_inline")  # (a run that comes whole cleans itself)
 def test_a_pull_stopped_during_the_late_load_leaves_no_tree_and_resumes(
     tmp_path: Path, workspace: Path, admitted: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -281,6 +282,7 @@ def test_a_dry_run_after_a_stopped_first_pull_lists_the_workspace_as_it_is_now(
     assert admitted == ["tar"]  # the content run resumed, no fresh listing
 
 
+@pytest.mark.usefixtures("no_inline")  # (a run that comes whole cleans itself)
 def test_a_dry_run_after_a_stopped_dry_run_lists_the_workspace_as_it_is_now(
     tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -301,6 +303,7 @@ def test_a_dry_run_after_a_stopped_dry_run_lists_the_workspace_as_it_is_now(
     assert list((tmp_path / "state/pulls").iterdir()) == []
 
 
+@pytest.mark.usefixtures("no_inline")  # (a run that comes whole cleans itself)
 @pytest.mark.parametrize("keep", [False, True], ids=["default", "keep-staging"])
 @pytest.mark.parametrize("pull_kind", ["first", "changed", "unchanged"])
 def test_the_manifests_staging_goes_with_the_content_runs_in_one_last_call(
@@ -348,20 +351,14 @@ def test_the_manifests_staging_goes_with_the_content_runs_in_one_last_call(
         assert staged == []
 
 
+@pytest.mark.usefixtures("no_inline")  # (a run that comes whole cleans itself)
 def test_a_first_pull_that_fails_for_good_removes_both_runs_staging(
     tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A failure that the same snapshot would repeat discards it at once (the guest's
     disk may be what failed): the manifest's staging, left for the last cleanup, goes in
     the same call."""
-    calls: list[tuple[str, ...]] = []
-    cleanup = GuestSession.cleanup
-
-    async def counting(session: GuestSession, *snapshots: str) -> None:
-        calls.append(snapshots or (session.snapshot,))
-        await cleanup(session, *snapshots)
-
-    monkeypatch.setattr(GuestSession, "cleanup", counting)
+    calls = counting_cleanups(monkeypatch)
     real_admit = GuestSession.admit
 
     async def admit(self: GuestSession, *args: Any, **kwargs: Any) -> bool:
@@ -396,6 +393,7 @@ def test_a_cleanup_removes_the_snapshot_it_names(tmp_path: Path, workspace: Path
     asyncio.run(go())
 
 
+@pytest.mark.usefixtures("no_inline")  # (a run that comes whole cleans itself)
 @pytest.mark.parametrize("where", ["diff", "apply", "upload"])
 def test_a_pull_over_a_baseline_stopped_after_its_listing_leaves_no_staging_after_its_rerun(
     tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch, where: str

@@ -755,6 +755,7 @@ def repull(
     assert [p.name for p in (tmp_path / "staging").iterdir() if p.name in calls[0]] == []
 
 
+@pytest.mark.usefixtures("no_inline")  # (a run that comes whole cleans itself)
 def test_the_guest_staging_goes_while_the_host_commits(
     tmp_path: Path,
     workspace: Path,

@@ -119,7 +119,9 @@ def test_a_small_pull_over_ssh_is_one_exec_and_exec_per_call_still_works(
     # one helper; a second when a status long poll runs beside the first read (the
     # producer still writing when the first status answered: a loaded machine)
     assert execs["helper"] <= 2 and execs["openssh"] <= 2
-    assert execs["exec-per-call"] >= 7
+    # the probe, the producer's install, the listing's and the archive's admissions (each
+    # carries its small stream whole and removes its staging: no read, no cleanup)
+    assert execs["exec-per-call"] >= 5
     # and no helper outlives its pull in the guest (this server's sessions only)
     assert sshd.session_home is not None
     home = f"HOME={sshd.session_home}"

@@ -94,6 +94,11 @@ class ProducerVanished(StagingFailed):
     kind = "vanished"
 
 
+class ListMissing(StagingFailed):
+    """A ``select`` run's admission found no uploaded list: the snapshot's staging went
+    after the upload (a killed run's admission still removing it, a wiped ``/tmp``)."""
+
+
 class IntegrityFailed(WsyncError):
     exit_code = 6
     kind = "integrity"

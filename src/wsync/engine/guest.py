@@ -20,6 +20,7 @@ import structlog
 from wsync.engine.guestcall import GuestCalls
 from wsync.errors import (
     GuestToolsMissing,
+    ListMissing,
     StagingFailed,
     UsageError,
     WsyncError,
@@ -133,6 +134,7 @@ class GuestSession(GuestCalls):
         prune: tuple[str, ...] = (),
         need_kb: int | None = None,
         status_wait: float | None = None,
+        clean: bool = False,
     ) -> bool:
         """Start (or adopt) the snapshot's producer.  True when adopted.
 
@@ -143,7 +145,9 @@ class GuestSession(GuestCalls):
         offset 0 (long poll and small stream included), kept in :attr:`first_status`: a
         call less per producer run (a round trip of 0.1-0.3 s on the HTTP backends).  It
         is a few hundred bytes longer than the plain one: as an exec it goes only while it
-        fits (:meth:`_exec_fits`), else the plain admission and a status call go.
+        fits (:meth:`_exec_fits`), else the plain admission and a status call go.  With
+        ``clean`` such a status that carries the finished stream whole also removes its
+        staging (:attr:`records.StatusReport.cleaned`).
         """
         assert self.algorithm is not None
         self.snapshot = snapshot
@@ -168,6 +172,7 @@ class GuestSession(GuestCalls):
                 need_kb=need_kb,
                 status_looks=looks if carry else -1,
                 inline=inline if carry else 0,
+                clean=clean,
             )
 
         def build(nonce: str) -> list[str]:
@@ -199,6 +204,7 @@ class GuestSession(GuestCalls):
                 prune=prune,
                 need_kb=need_kb,
                 status_wait=status_wait,
+                clean=clean,
             )
         if not envelope.ok:
             self._admission_failed(envelope.text, workspace)
@@ -229,7 +235,7 @@ class GuestSession(GuestCalls):
                 "installing it afresh"
             )
         if text == "list-missing":
-            raise StagingFailed("the list of entries to archive is missing from the staging")
+            raise ListMissing("the list of entries to archive is missing from the staging")
         if text == "unsafe-root":
             raise StagingFailed(
                 f"the staging root {records.printable(self.staging_root)} is no longer a "

@@ -127,6 +127,13 @@ class StreamRunner:
         self.done: DoneRecord | None = None
         #: the run's stream, when a status carried it whole (small runs: no read calls)
         self.inline: bytes | None = None
+        #: and the guest removed its staging then: nothing is left there to read
+        self.inline_cleaned = False
+        #: admissions may ask the guest to remove the staging of a stream they carry whole
+        #: (off for a fresh start after one vanished under a retried admission: see pull)
+        self.self_clean = True
+        #: an admission asked for that
+        self.asked_clean = False
         #: files taken as last read although they kept changing (best effort only)
         self.unstable: list[str] = []
         #: journal writes run here, so that a cancelled pull can wait for the
@@ -209,6 +216,11 @@ class StreamRunner:
             self.emit("admit")
         self.snapshots.append(snapshot)
         chosen = await self.choose_level(plan, manifest=journal is self.manifest_journal)
+        # (a guest base64 that encodes other bytes keeps its staging: the host reads what
+        # its copy got wrong)
+        clean = self.self_clean and not self.options.keep_staging
+        clean = clean and plan.probe.has("base64_exact")
+        self.asked_clean = self.asked_clean or clean
         self.reconciled = await self.session.admit(
             snapshot,
             self.workspace,
@@ -218,7 +230,12 @@ class StreamRunner:
             prune=prune,
             need_kb=need_kb,
             status_wait=_CARRIED_POLL,
+            clean=clean,
         )
+        first = self.session.first_status
+        if first is not None and first.cleaned:
+            # its stream came whole and its staging is gone: no cleanup call for it
+            self.snapshots = [s for s in self.snapshots if s != snapshot]
         self.earlier_run = self.earlier_run or self.reconciled
         if journal is not self.manifest_journal:
             # an adopted producer kept the level an earlier run gave it
@@ -421,7 +438,8 @@ class StreamRunner:
         """Follow the guest index until ``done``; fetch every chunk; return (chunks, length)."""
         queue: asyncio.Queue[Chunk | None] = asyncio.Queue()
         index = IndexParser(plan.algorithm, self.options.chunk_size)
-        self.inline = None  # another run's (a manifest's) never stands in for this one's
+        # another run's (a manifest's) never stands in for this one's
+        self.inline, self.inline_cleaned = None, False
         limits = self.options.limits
         try:
             async with asyncio.TaskGroup() as group:
@@ -445,8 +463,8 @@ class StreamRunner:
                         raise ProducerVanished("the guest staging directory disappeared")
                     if status.failed is not None:
                         raise StagingFailed(status.failed)
-                    if status.inline is not None:
-                        self.inline = status.inline
+                    if status.inline is not None or status.cleaned:
+                        self.inline, self.inline_cleaned = status.inline, status.cleaned
                     self.progress.archive_produced = status.data_size
                     grew = index.consumed < status.index_size
                     for chunk in index.receive_data(status.index_tail):
@@ -603,6 +621,13 @@ class StreamRunner:
             if plan.algorithm.digest(data) == chunk.digest:
                 return data
             self.stats.faults["chunk-hash-mismatch"] += 1
+        if self.inline_cleaned:
+            # the answer that carried it was verified whole, and the probe saw the guest's
+            # base64 encode right: the guest contradicts itself
+            raise IntegrityFailed(
+                f"chunk {chunk.seq}: the stream the guest sent whole is not the one its "
+                "index describes, and it removed its staging"
+            )
         # the manifest (a fraction of an archive) is read by exec reads only, so that the
         # file API's reads and ``chunks`` both count archive chunks alone
         if self.chunk_journal is not self.manifest_journal:

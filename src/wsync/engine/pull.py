@@ -57,6 +57,8 @@ from wsync.errors import (
     IntegrityFailed,
     Interrupted,
     LimitExceeded,
+    ListMissing,
+    ProducerVanished,
     StagingFailed,
     UnstableFiles,
     WsyncError,
@@ -126,7 +128,14 @@ class _Pull(IncrementalRunner):
         need = None
         if inc is not None:
             need = inc.state.listed_kb if inc.loaded else self.late_listed_kb
-        journaled = await self.admit_phase(plan, journal, snapshot, run, need_kb=need)
+        try:
+            journaled = await self.admit_phase(plan, journal, snapshot, run, need_kb=need)
+        except ListMissing:
+            # its staging went between the upload and the admission: the admission of a
+            # killed run of this pull that removed it once its stream was out (it never
+            # reached us), or a wiped /tmp.  Once more, the list first
+            await self.session.upload_list(snapshot, listing)
+            journaled = await self.admit_phase(plan, journal, snapshot, run, need_kb=need)
         replace = run == "select"
         tmp, tmp_fd, reused, early = await self.farm_tmp(reuse=replace and self.keeps_prev)
         hook = None
@@ -480,16 +489,24 @@ async def _pull(
             try:
                 stats, chunks, length, old = await _attempt(runner)
             except StagingFailed as exc:
-                if not runner.reconciled:
+                # a snapshot that vanished where admissions remove the staging of what they
+                # carry whole: an attempt of an admission given up on (a deadline) removed
+                # it while a retry of that admission was still reading it
+                cleaned = runner.asked_clean and isinstance(exc, ProducerVanished)
+                if not runner.reconciled and not cleaned:
                     raise
                 raise_if_cancelled()  # no fresh start for a pull being stopped
                 # we adopted a snapshot from an earlier run and it had failed or
-                # died (and is now discarded): start afresh once
-                log.warning("adopted snapshot failed; starting a fresh one", error=str(exc))
+                # died, or ours vanished (and is now discarded): start afresh once
+                log.warning("snapshot failed; starting a fresh one", error=str(exc))
                 runner = _Pull(
                     transport, workspace, real, options, journal, on_progress, runner.stats, helpers
                 )
-                runner.warnings.append(f"an adopted snapshot had failed ({exc}); started afresh")
+                runner.self_clean = not cleaned
+                if not cleaned:
+                    runner.warnings.append(
+                        f"an adopted snapshot had failed ({exc}); started afresh"
+                    )
                 stats, chunks, length, old = await _attempt(runner)
     except TimeoutError:
         journal.close()

@@ -117,6 +117,9 @@ p="$p${nl}workspace $w"
 for t in tar zstd gzip xxhsum b2sum sha256sum setsid base64 dd wc find ls du id stat readlink xargs; do
   if command -v "$t" >/dev/null 2>&1; then p="$p${nl}has_$t 1"; else p="$p${nl}has_$t 0"; fi
 done
+# a base64 that encodes what it is given: a status may then carry a small run's stream
+# whole and remove its staging with it (the producer's carried)
+[ "$(printf wsync-probe | base64)" = d3N5bmMtcHJvYmU= ] && p="$p${nl}has_base64_exact 1"
 x=$(printf wsync-probe | xxhsum -H2)
 p="$p${nl}test_xxh128 $x"
 # the other hash tools only where xxhsum does not answer the digest the host expects
@@ -152,10 +155,10 @@ ADMIT_ARGS = r"""
 n=${11}
 shift 11
 """
-#: (its status's looks and inline bound come before the producer's arguments)
+#: (its status's looks, inline bound and clean flag come before the producer's arguments)
 ADMIT_STATUS_ARGS = r"""
-n=${11} sw=${12} sil=${13}
-shift 13
+n=${11} sw=${12} sil=${13} sc=${14}
+shift 14
 """
 ADMIT = r"""
 # the listed size: digits, or none ("-")
@@ -259,7 +262,7 @@ emit ok "$a $(cat "$d/launch/size")"
 """
 ADMIT_STATUS_ANSWER = r"""
 r="$a $(cat "$d/launch/size")"
-p=$(sh "$prod" --status "$d" 0 "$sw" "$sil"; echo .)
+p=$(sh "$prod" --status "$d" 0 "$sw" "$sil" "$sc"; echo .)
 p=${p%.}
 [ -n "$p" ] && r="$r${nl}$p"
 detached

@@ -56,7 +56,7 @@ STATUS_FN = r"""
 # the status of snapshot dir $1 into p: the status call's answer, and the one an
 # admission carries (the call that follows it, saved)
 st() {
-d=$1 io=$2 w=$3 il=$4
+d=$1 io=$2 w=$3 il=$4 b=
 if [ ! -d "$d" ]; then p="exists 0"; return 0; fi
 touch "$d"
 al() {
@@ -72,12 +72,12 @@ al
 k=0 dw=0
 while [ $alive = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/failed" ]; do
   # the producer writes the index's size to isize after each line (a hint read without
-  # a fork; the answer below measures the index itself); without it, wc.  No index yet:
-  # the producer is starting (an admission's status runs before it has detached)
+  # a fork; the answer below measures the index itself); without it, wc.  No index yet
+  # counts as empty: the producer is starting (an admission's status runs before it has
+  # detached)
   rd "$d/isize"
   case $v_ in
-    ''|0?*|*[!0-9]*|????????????????*)
-      if [ -f "$d/index" ]; then isz=$(wc -c < "$d/index") || break; else isz=0; fi ;;
+    ''|0?*|*[!0-9]*|????????????????*) isz=$(wc -c < "$d/index") || isz=0 ;;
     *) isz=$v_ ;;
   esac
   if [ $((isz + 0)) -gt "$io" ]; then
@@ -106,7 +106,7 @@ p="$p${nl}index_size $((isz + 0))${nl}data_size $((dsz + 0))"
 # for every small run: the host checks each chunk against the index's hash as a read's)
 if [ "$il" -gt 0 ] && [ "$io" -ge 0 ] && [ -f "$d/done" ] && [ $((dsz + 0)) -gt 0 ] &&
   [ $((dsz + 0)) -le "$il" ]; then
-  b=$(base64 < "$d/data" | tr -d '\n') && p="$p${nl}data_b64 $b"
+  b=$(base64 < "$d/data" | tr -d '\n') && p="$p${nl}data_b64 $b" || b=
 fi
 if [ "$io" -ge 0 ] && [ $((isz + 0)) -gt "$io" ]; then
   t=$(dd if="$d/index" bs=65536 iflag=skip_bytes,count_bytes skip="$io" count=65536; echo .)
@@ -191,13 +191,26 @@ nl='
     + GC_FN
     + LSN
     + r"""
+# a finished stream the status carried whole is the host's from then on (the host asks
+# for this only of a guest whose base64 encoded the probe's text right, and checks each
+# chunk against the index the same answer carries): its staging goes now, which saves
+# the pull's cleanup call.  Renamed away first: a rerun of a pull killed meanwhile sees
+# the whole snapshot or none, never half of one (nor loses a list it uploads again to
+# this removal)
+carried() {
+  [ -n "$b" ] && mv "$d" "$d.$$" || return 0
+  rm -rf "$d.$$"
+  p="cleaned 1${nl}$p"
+}
 # the admission's helpers, from this hashed text (see STATUS_FN and GC_FN); nothing
-# else runs: --status SNAPSHOT_DIR INDEX_FROM LOOKS INLINE prints the snapshot's
-# status, --gc ROOT SNAPSHOT_ID TTL_MINUTES PRODUCER_NAME removes stale snapshots
+# else runs: --status SNAPSHOT_DIR INDEX_FROM LOOKS INLINE CLEAN prints the snapshot's
+# status (with CLEAN 1, a stream it carried whole has its staging removed: see
+# carried), --gc ROOT SNAPSHOT_ID TTL_MINUTES PRODUCER_NAME removes stale snapshots
 case ${1-} in
   --status)
-    [ $# = 5 ] || exit 2
+    [ $# = 6 ] || exit 2
     st "$2" "$3" "$4" "$5"
+    [ "$6" = 1 ] && carried
     printf '%s' "$p"
     exit 0 ;;
   --gc)

@@ -230,6 +230,9 @@ class StatusReport:
     #: a small finished stream, whole (``scripts.status``'s ``inline``): unverified here;
     #: each chunk of it counts only once it hashes to the index's digest, as a read's
     inline: bytes | None = None
+    #: the guest removed the snapshot's staging after it sent ``inline`` (an admission's
+    #: status asked to: ``scripts.admit``'s ``clean``): nothing is left there to read
+    cleaned: bool = False
 
 
 TAR_ERR_MARK = "tar_err_follows"
@@ -281,6 +284,7 @@ def parse_status(payload: bytes, algorithm: Algorithm, index_from: int = -1) -> 
         tar_errors=printable(tail, 2000) if sep else "",
         index_tail=index_tail,
         inline=_inline(fields.get("data_b64"), data_size),
+        cleaned=fields.get("cleaned") == "1",
     )
 
 

@@ -211,6 +211,7 @@ def admit(
     need_kb: int | None = None,
     status_looks: int = -1,
     inline: int = 0,
+    clean: bool = False,
 ) -> list[str]:
     """``mode`` is the producer's: ``tar`` (the whole workspace), ``manifest`` (one record
     per entry, ``prune`` naming find ``-name`` globs left out in the guest) or ``select``
@@ -235,7 +236,9 @@ def admit(
     (whose hash the admission has just checked), so the script is only a few hundred
     bytes longer than the plain one; the caller sends it as an exec only while it fits
     (:meth:`wsync.engine.guest.GuestSession._exec_fits`: a command line under
-    :data:`EXEC_CARRY_MAX`, or a URL under :data:`URL_ARGV_MAX`).
+    :data:`EXEC_CARRY_MAX`, or a URL under :data:`URL_ARGV_MAX`).  With ``clean`` too, a
+    status that carries the finished stream whole removes the snapshot's staging and
+    says ``cleaned 1`` (the stream is the host's then: no cleanup call is needed for it).
     """
     check_snapshot_id(snapshot)
     if not -1 <= status_looks <= 600 or not 0 <= inline <= STATUS_INLINE_MAX:
@@ -256,7 +259,7 @@ def admit(
         str(need_kb)
         if mode == "tar" and need_kb is not None and 0 <= need_kb < NEED_KB_MAX
         else NONE,
-        *((str(status_looks), str(inline)) if status_looks >= 0 else ()),
+        *((str(status_looks), str(inline), "1" if clean else "0") if status_looks >= 0 else ()),
         *prune,
     )
     name = "admit_status" if status_looks >= 0 else "admit"

@@ -1,0 +1,212 @@
+"""A run whose finished stream comes whole with its admission cleans its own staging.
+
+An admission that carries the first status also carries the finished stream of a small run
+(``data_b64``); asked to (``clean``: the probe saw the guest's ``base64`` encode its text
+right), it then removes the snapshot's staging and says so, and the pull makes no cleanup
+call for it: a small first pull is three guest calls instead of four, a pull that finds
+nothing changed two instead of three (a round trip of 0.1-0.3 s each on the HTTP
+backends).  The host checks every chunk of such a stream against the index the same
+answer carried; one that does not match is the guest contradicting itself (the answer was
+verified whole), and with nothing left to read the pull fails clearly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import (
+    assert_exact,
+    counting_cleanups,
+    guest_shell_path,
+    local,
+    make_tree,
+    options,
+    run_pull,
+)
+from test_pull_local import _LYING_BASE64, _shimmed
+from wsync.engine.guest import GuestSession
+from wsync.engine.guestcall import CallStats
+from wsync.errors import IntegrityFailed
+from wsync.protocol import records, scripts
+from wsync.transports.local import LocalTransport
+
+KiB = 1024
+
+
+@pytest.fixture(params=["dash", "busybox"])
+def guest_path(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return guest_shell_path(request.param, tmp_path / "tools")
+
+
+def _staged(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "staging").iterdir() if p.name.startswith("s"))
+
+
+@pytest.mark.parametrize("clean", [True, False], ids=["clean", "keep"])
+def test_an_admission_removes_the_staging_of_a_stream_it_carried_whole(
+    tmp_path: Path, guest_path: str, clean: bool
+) -> None:
+    small = make_tree(tmp_path / "small", big=2 * KiB, small=3)
+    env = {"PATH": guest_path, "HOME": str(tmp_path)}
+
+    async def go() -> records.StatusReport | None:
+        session = GuestSession(LocalTransport(env=env), options(tmp_path), CallStats())
+        plan = await session.probe(str(small))
+        await session.admit("s-small", str(small), plan.compressor, status_wait=5.0, clean=clean)
+        return session.first_status
+
+    status = asyncio.run(go())
+    assert status is not None and status.done is not None and status.inline is not None
+    assert len(status.inline) == status.done.length
+    assert status.cleaned is clean
+    assert (Path(tmp_path / "staging" / "s-small").exists()) is not clean
+
+
+def test_a_stream_too_big_to_come_whole_keeps_its_staging(tmp_path: Path) -> None:
+    big = make_tree(tmp_path / "big", big=2 * scripts.STATUS_INLINE_MAX, small=3)
+
+    async def go() -> records.StatusReport | None:
+        session = GuestSession(local(), options(tmp_path), CallStats())
+        plan = await session.probe(str(big))
+        await session.admit("s-big", str(big), plan.compressor, status_wait=5.0, clean=True)
+        return session.first_status
+
+    status = asyncio.run(go())
+    assert status is not None and status.inline is None and not status.cleaned
+    assert (tmp_path / "staging" / "s-big" / "data").is_file()
+
+
+def test_a_small_pull_makes_no_cleanup_call_and_leaves_no_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = make_tree(tmp_path / "ws", big=2 * KiB, small=3)
+    dest = tmp_path / "out"
+    calls = counting_cleanups(monkeypatch)
+    opts = options(tmp_path, helpers=False)  # one exec per call: execs count the calls
+    first = run_pull(local(), ws, dest, opts)
+    assert first.ok and first.mode == "full" and not first.warnings, first.warnings
+    assert_exact(ws, dest)
+    (ws / "src" / "f1.txt").write_text("changed\n")
+    second = run_pull(local(), ws, dest, opts)
+    assert second.ok and second.mode == "incremental" and second.changed_files == 1
+    assert_exact(ws, dest)
+    third = run_pull(local(), ws, dest, opts)  # nothing changed
+    assert third.ok and third.changed_files == 0 and not third.warnings
+    assert calls == [] and _staged(tmp_path) == []
+    # probe and two admissions (the producer installed once, by the first); probe and one
+    assert (third.execs, second.execs) == (2, 4)  # the list's upload is the second's fourth
+
+
+def test_keep_staging_keeps_a_small_runs_staging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The content run's staging stays for the operator to look at (the listing's goes
+    beside the diff, as for any run)."""
+    ws = make_tree(tmp_path / "ws", big=2 * KiB, small=3)
+    calls = counting_cleanups(monkeypatch)
+    result = run_pull(local(), ws, tmp_path / "out", options(tmp_path, keep_staging=True))
+    assert result.ok
+    assert _staged(tmp_path) == [result.snapshot]
+    assert len(calls) == 1 and result.snapshot not in calls[0], calls
+
+
+def test_a_stream_that_contradicts_its_index_after_its_staging_went_fails_clearly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer's envelope verified, so the guest itself sent a stream its index does
+    not describe; with its staging removed there is nothing to read instead."""
+    ws = make_tree(tmp_path / "ws", big=2 * KiB, small=3)
+    real = records._inline
+
+    def lying(text: str | None, size: int) -> bytes | None:
+        data = real(text, size)
+        return None if data is None else bytes(b ^ 0xFF for b in data)
+
+    monkeypatch.setattr(records, "_inline", lying)
+    dest = tmp_path / "out"
+    with pytest.raises(IntegrityFailed, match="removed its staging"):
+        run_pull(local(), ws, dest, options(tmp_path))
+    assert not dest.exists()
+
+
+def test_a_list_whose_staging_went_before_its_admission_is_uploaded_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed run's admission may still be removing a snapshot it carried whole while
+    the rerun uploads that snapshot's list again (the upload sees it launched and keeps
+    it); the admission then finds no list: the list goes up once more, and the pull ends
+    exact rather than failing the run."""
+    ws = make_tree(tmp_path / "ws", big=2 * KiB, small=3)
+    dest = tmp_path / "out"
+    run_pull(local(), ws, dest, options(tmp_path))
+    (ws / "src" / "f2.txt").write_text("changed\n")
+    real = GuestSession.upload_list
+    uploads: list[str] = []
+
+    async def upload_then_lose(session: GuestSession, snapshot: str, data: bytes) -> None:
+        await real(session, snapshot, data)
+        uploads.append(snapshot)
+        if len(uploads) == 1:  # the staging goes, as that late removal would take it
+            shutil.rmtree(Path(session.staging_root, snapshot))
+
+    monkeypatch.setattr(GuestSession, "upload_list", upload_then_lose)
+    result = run_pull(local(), ws, dest, options(tmp_path))
+    assert result.ok and result.changed_files == 1, result
+    assert_exact(ws, dest)
+    assert len(uploads) == 2 and uploads[0] == uploads[1]
+
+
+def test_a_guest_whose_base64_lies_keeps_its_staging_and_the_pull_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe's own text, encoded wrong: no run cleans itself, the copies that come
+    whole fail their hashes and are read from the staging, and the pull is exact."""
+    ws = make_tree(tmp_path / "ws", big=2 * KiB, small=3)
+    env = _shimmed(tmp_path, "base64", _LYING_BASE64)
+
+    async def probe() -> bool:
+        session = GuestSession(LocalTransport(env=env), options(tmp_path), CallStats())
+        return (await session.probe(str(ws))).probe.has("base64_exact")
+
+    assert not asyncio.run(probe())
+    calls = counting_cleanups(monkeypatch)
+    result = run_pull(LocalTransport(env=env), ws, tmp_path / "out", options(tmp_path))
+    assert result.ok and result.faults.get("chunk-hash-mismatch", 0) >= 1, result.faults
+    assert_exact(ws, tmp_path / "out")
+    assert len(calls) == 1 and _staged(tmp_path) == []
+
+
+def test_a_snapshot_removed_under_a_retried_admission_starts_the_pull_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An admission given up on at its deadline goes on in the guest and may remove the
+    staging of the stream it carried while the retry of that admission, which adopted
+    the same snapshot, still reads it: the snapshot is gone for this pull.  It starts
+    afresh once, its admissions no longer asking for that, and ends exact."""
+    ws = make_tree(tmp_path / "ws", big=2 * KiB, small=3)
+    real = GuestSession.admit
+    vanished: list[str] = []
+
+    async def admit(self: GuestSession, snapshot: str, *args: Any, **kwargs: Any) -> bool:
+        adopted = await real(self, snapshot, *args, **kwargs)
+        if kwargs.get("mode", "tar") == "tar" and not vanished:
+            # the retry's answer (a status before the stream was done), then the late
+            # removal by the attempt given up on
+            vanished.append(snapshot)
+            self.first_status = None
+            shutil.rmtree(Path(self.staging_root, snapshot), ignore_errors=True)
+        return adopted
+
+    monkeypatch.setattr(GuestSession, "admit", admit)
+    calls = counting_cleanups(monkeypatch)
+    result = run_pull(local(), ws, tmp_path / "out", options(tmp_path))
+    assert result.ok and vanished, result
+    assert_exact(ws, tmp_path / "out")
+    # the vanished run discarded; the fresh start's two runs kept their staging for the
+    # pull's last cleanup
+    assert [len(c) for c in calls] == [1, 2] and _staged(tmp_path) == []
