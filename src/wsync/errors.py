@@ -94,6 +94,13 @@ class ProducerVanished(StagingFailed):
     kind = "vanished"
 
 
+class StagingGone(ProducerVanished):
+    """The snapshot's staging is gone from the guest during the pull (``exists 0``), or
+    a stream that came whole with its staging removed is not the one its index describes:
+    where admissions remove the staging of what they carry whole, the pull starts afresh
+    once without that (see :func:`wsync.engine.pull.pull`)."""
+
+
 class ListMissing(StagingFailed):
     """A ``select`` run's admission found no uploaded list: the snapshot's staging went
     after the upload (a killed run's admission still removing it, a wiped ``/tmp``)."""

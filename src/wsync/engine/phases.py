@@ -42,8 +42,10 @@ from wsync.errors import (
     HostIOError,
     IntegrityFailed,
     LimitExceeded,
+    ListMissing,
     ProducerVanished,
     StagingFailed,
+    StagingGone,
     UsageError,
     WsyncError,
     first_error,
@@ -460,7 +462,9 @@ class StreamRunner:
                         inline = scripts.STATUS_INLINE_MAX if index.consumed == 0 else 0
                         status = await self.session.status(index.consumed, wait, inline)
                     if not status.exists:
-                        raise ProducerVanished("the guest staging directory disappeared")
+                        raise StagingGone("the guest staging directory disappeared")
+                    if status.failed == "no list":  # (a select run's producer, said short)
+                        raise ListMissing("the list of entries to archive is missing")
                     if status.failed is not None:
                         raise StagingFailed(status.failed)
                     if status.inline is not None or status.cleaned:
@@ -593,6 +597,22 @@ class StreamRunner:
                     self.progress.bytes_resumed += chunk.length
                     self.progress.chunks_done += 1
                     return
+        inline, end = self.inline, chunk.offset + chunk.length
+        algorithm = self.session.algorithm
+        if self.inline_cleaned and not (
+            inline is not None
+            and algorithm is not None
+            and end <= len(inline)
+            and algorithm.digest(inline[chunk.offset : end]) == chunk.digest
+        ):
+            # the answer that carried it was verified whole, so the guest's base64 encoded
+            # other bytes (right on the probe's text, wrong here), and its staging is gone
+            # (said here, on the loop's own task, not in a worker: see pull)
+            self.stats.faults["chunk-hash-mismatch"] += 1
+            raise StagingGone(
+                f"chunk {chunk.seq}: the stream the guest sent whole is not the one its "
+                "index describes, and it removed its staging"
+            )
         queue.put_nowait(chunk)
 
     async def worker(
@@ -621,13 +641,6 @@ class StreamRunner:
             if plan.algorithm.digest(data) == chunk.digest:
                 return data
             self.stats.faults["chunk-hash-mismatch"] += 1
-        if self.inline_cleaned:
-            # the answer that carried it was verified whole, and the probe saw the guest's
-            # base64 encode right: the guest contradicts itself
-            raise IntegrityFailed(
-                f"chunk {chunk.seq}: the stream the guest sent whole is not the one its "
-                "index describes, and it removed its staging"
-            )
         # the manifest (a fraction of an archive) is read by exec reads only, so that the
         # file API's reads and ``chunks`` both count archive chunks alone
         if self.chunk_journal is not self.manifest_journal:

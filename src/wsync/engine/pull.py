@@ -58,8 +58,8 @@ from wsync.errors import (
     Interrupted,
     LimitExceeded,
     ListMissing,
-    ProducerVanished,
     StagingFailed,
+    StagingGone,
     UnstableFiles,
     WsyncError,
 )
@@ -489,24 +489,27 @@ async def _pull(
             try:
                 stats, chunks, length, old = await _attempt(runner)
             except StagingFailed as exc:
-                # a snapshot that vanished where admissions remove the staging of what they
-                # carry whole: an attempt of an admission given up on (a deadline) removed
-                # it while a retry of that admission was still reading it
-                cleaned = runner.asked_clean and isinstance(exc, ProducerVanished)
+                # a snapshot whose staging is gone where admissions remove the staging of
+                # what they carry whole: an admission attempt given up on (a deadline)
+                # removed it under its retry, or the guest's base64 encoded other bytes
+                # than it did for the probe: afresh once, no admission removing anything
+                cleaned = runner.asked_clean and isinstance(exc, StagingGone)
                 if not runner.reconciled and not cleaned:
                     raise
                 raise_if_cancelled()  # no fresh start for a pull being stopped
                 # we adopted a snapshot from an earlier run and it had failed or
-                # died, or ours vanished (and is now discarded): start afresh once
+                # died, or ours is gone (and is now discarded): start afresh once
                 log.warning("snapshot failed; starting a fresh one", error=str(exc))
                 runner = _Pull(
                     transport, workspace, real, options, journal, on_progress, runner.stats, helpers
                 )
                 runner.self_clean = not cleaned
-                if not cleaned:
-                    runner.warnings.append(
-                        f"an adopted snapshot had failed ({exc}); started afresh"
-                    )
+                what = (
+                    "a snapshot's guest staging was lost"
+                    if cleaned
+                    else "an adopted snapshot had failed"
+                )
+                runner.warnings.append(f"{what} ({exc}); started afresh")
                 stats, chunks, length, old = await _attempt(runner)
     except TimeoutError:
         journal.close()

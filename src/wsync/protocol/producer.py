@@ -114,6 +114,8 @@ if [ "$io" -ge 0 ] && [ $((isz + 0)) -gt "$io" ]; then
   p="$p${nl}index_from $io${nl}index_tail ${#t}${nl}index_follows${nl}$t"
 fi
 if [ -s "$d/tar.err" ]; then p="$p${nl}tar_err_follows${nl}$(head -c 2000 "$d/tar.err")"; fi
+# renamed away meanwhile (an admission that carried it removed it): what was read may be torn
+[ -d "$d" ] || { p="exists 0"; b=; }
 }
 """
 
@@ -198,7 +200,7 @@ nl='
 # the whole snapshot or none, never half of one (nor loses a list it uploads again to
 # this removal)
 carried() {
-  [ -n "$b" ] && mv "$d" "$d.$$" || return 0
+  [ -n "$b" ] && [ ! -s "$d/unstable" ] && [ ! -s "$d/gone" ] && mv "$d" "$d.$$" || return 0
   rm -rf "$d.$$"
   p="cleaned 1${nl}$p"
 }
@@ -455,6 +457,7 @@ sel() {
   fi
 }
 choose() {
+  [ -f list ] || fail "no list"
   exists list live
   mv -f live sel0 || fail "cannot write the list"
   tick
