@@ -343,3 +343,29 @@ def test_a_select_run_launched_without_its_list_fails_and_dest_stays(
     monkeypatch.setattr(GuestSession, "upload_list", real)
     assert run_pull(local(), ws, dest, options(tmp_path)).ok
     assert_exact(ws, dest)
+
+
+def test_a_list_upload_refused_once_goes_up_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed run's admission renaming the snapshot away in the middle of the rerun's
+    upload makes the guest refuse the list ("cannot write the list"): it is uploaded once
+    more, and the pull ends exact."""
+    ws = make_tree(tmp_path / "ws", big=2 * KiB, small=3)
+    dest = tmp_path / "out"
+    run_pull(local(), ws, dest, options(tmp_path))
+    (ws / "src" / "f0.txt").write_text("changed\n")
+    real = GuestSession.upload_list
+    uploads: list[str] = []
+
+    async def refused_once(session: GuestSession, snapshot: str, data: bytes) -> None:
+        uploads.append(snapshot)
+        if len(uploads) == 1:
+            raise StagingFailed("uploading the list: cannot write the list")
+        await real(session, snapshot, data)
+
+    monkeypatch.setattr(GuestSession, "upload_list", refused_once)
+    result = run_pull(local(), ws, dest, options(tmp_path))
+    assert result.ok and result.changed_files == 1, result
+    assert_exact(ws, dest)
+    assert len(uploads) == 2

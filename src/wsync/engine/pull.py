@@ -122,7 +122,7 @@ class _Pull(IncrementalRunner):
             extra["list"] = hashlib.sha256(listing).hexdigest()
         snapshot = self.choose_snapshot(plan, journal, run, extra)
         if run == "select":
-            await self.session.upload_list(snapshot, listing)
+            await self.upload(snapshot, listing)
         # a whole-tree run's room check in the guest takes the size the listing gave (or,
         # loaded late, its count)
         need = None
@@ -134,7 +134,7 @@ class _Pull(IncrementalRunner):
             # its staging went between the upload and the admission: the admission of a
             # killed run of this pull that removed it once its stream was out (it never
             # reached us), or a wiped /tmp.  Once more, the list first
-            await self.session.upload_list(snapshot, listing)
+            await self.upload(snapshot, listing)
             journaled = await self.admit_phase(plan, journal, snapshot, run, need_kb=need)
         replace = run == "select"
         tmp, tmp_fd, reused, early = await self.farm_tmp(reuse=replace and self.keeps_prev)
@@ -350,6 +350,16 @@ class _Pull(IncrementalRunner):
             self.journal.remove()
         except WsyncError as exc:
             self.warnings.append(f"journal not removed: {exc}")
+
+    async def upload(self, snapshot: str, listing: bytes) -> None:
+        """The select run's list, once more where the guest refused it: a killed run of
+        this pull may still be removing that snapshot's staging (the admission that
+        carried its stream whole), under the upload."""
+        try:
+            await self.session.upload_list(snapshot, listing)
+        except StagingFailed as exc:
+            log.info("list upload refused; once more", error=str(exc))
+            await self.session.upload_list(snapshot, listing)
 
     async def clean_staging(self) -> None:
         """The staging of every run this pull admitted, in one call."""
