@@ -50,6 +50,14 @@ def _staged(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in (tmp_path / "staging").iterdir() if p.name.startswith("s"))
 
 
+def _pulled(tmp_path: Path) -> tuple[Path, Path]:
+    """A small workspace and the DEST a first pull made of it."""
+    ws = make_tree(tmp_path / "ws", big=2 * KiB, small=3)
+    dest = tmp_path / "out"
+    run_pull(local(), ws, dest, options(tmp_path))
+    return ws, dest
+
+
 @pytest.mark.parametrize("clean", [True, False], ids=["clean", "keep"])
 def test_an_admission_removes_the_staging_of_a_stream_it_carried_whole(
     tmp_path: Path, guest_path: str, clean: bool
@@ -148,9 +156,7 @@ def test_a_list_whose_staging_went_before_its_admission_is_uploaded_again(
     the rerun uploads that snapshot's list again (the upload sees it launched and keeps
     it); the admission then finds no list: the list goes up once more, and the pull ends
     exact rather than failing the run."""
-    ws = make_tree(tmp_path / "ws", big=2 * KiB, small=3)
-    dest = tmp_path / "out"
-    run_pull(local(), ws, dest, options(tmp_path))
+    ws, dest = _pulled(tmp_path)
     (ws / "src" / "f2.txt").write_text("changed\n")
     real = GuestSession.upload_list
     uploads: list[str] = []
@@ -226,9 +232,7 @@ def test_a_small_run_with_a_gone_or_unstable_list_keeps_its_staging_for_them(
     """The host reads a run's ``gone`` and ``unstable`` lists after its stream: a run that
     has one keeps its staging (and the pull's last cleanup takes it).  Here a changed file
     is deleted between the listing and the select run: DEST loses it, as the guest did."""
-    ws = make_tree(tmp_path / "ws", big=2 * KiB, small=3)
-    dest = tmp_path / "out"
-    run_pull(local(), ws, dest, options(tmp_path))
+    ws, dest = _pulled(tmp_path)
     (ws / "src" / "f2.txt").write_text("changed\n")
     (ws / "src" / "f1.txt").write_text("changed too\n")
     real = GuestSession.upload_list
@@ -297,8 +301,10 @@ def test_a_status_of_a_snapshot_removed_while_it_was_read_says_it_is_gone(
         session = GuestSession(LocalTransport(env=env), options(tmp_path), CallStats())
         plan = await session.probe(str(small))
         await session.admit("s-torn", str(small), plan.compressor, status_wait=5.0)
-        assert session.first_status is not None and session.first_status.done is not None
-        return Path(session.staging_root)
+        for _ in range(600):  # (the admission's status may come before the end)
+            if (await session.status(0, 1.0)).done is not None:
+                return Path(session.staging_root)
+        raise AssertionError("the producer never finished")
 
     root = asyncio.run(finished())
     shim = tmp_path / "shim"
@@ -323,9 +329,7 @@ def test_a_select_run_launched_without_its_list_fails_and_dest_stays(
     """Where a rerun's admission passed the list check on a launched snapshot that was
     then removed and made again, a select producer starts with no list: it fails
     ("missing"), never archives nothing as if nothing changed."""
-    ws = make_tree(tmp_path / "ws", big=2 * KiB, small=3)
-    dest = tmp_path / "out"
-    run_pull(local(), ws, dest, options(tmp_path))
+    ws, dest = _pulled(tmp_path)
     (ws / "src" / "f2.txt").write_text("changed, and longer than before\n")
     before = (dest / "src" / "f2.txt").read_bytes()
     real = GuestSession.upload_list
@@ -351,9 +355,7 @@ def test_a_list_upload_refused_once_goes_up_again(
     """A killed run's admission renaming the snapshot away in the middle of the rerun's
     upload makes the guest refuse the list ("cannot write the list"): it is uploaded once
     more, and the pull ends exact."""
-    ws = make_tree(tmp_path / "ws", big=2 * KiB, small=3)
-    dest = tmp_path / "out"
-    run_pull(local(), ws, dest, options(tmp_path))
+    ws, dest = _pulled(tmp_path)
     (ws / "src" / "f0.txt").write_text("changed\n")
     real = GuestSession.upload_list
     uploads: list[str] = []
