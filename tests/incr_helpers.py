@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
+from wsync.engine import hostscan
 from wsync.engine.excludes import Excludes
 from wsync.engine.farm import build_farm, set_dir_meta
 from wsync.engine.fsutil import remove_tree_at, swap_at
@@ -193,3 +194,17 @@ class EarlyFarms:
 
         monkeypatch.setattr(Prefarm, "build", built)
         monkeypatch.setattr(Prefarm, "finish", finished)
+
+
+class Rehashes:
+    """Counts the files the diff re-hashes (a moved ctime or inode costs one)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        real = hostscan.file_hash
+
+        def counted(*args: object, **kwargs: object) -> str | None:
+            self.count += 1
+            return real(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(hostscan, "file_hash", counted)

@@ -276,11 +276,11 @@ def test_a_fetched_file_changed_after_the_swap_is_repaired_by_the_next_pull(
     (ws / "src" / "f2.txt").write_text("changed too\n")
     real = Incremental.commit
 
-    def edited_first(self: Incremental) -> None:
+    def edited_first(self: Incremental, **kw: bool) -> None:
         with open(dest / "src" / "f1.txt", "ab") as f:
             f.write(b"host edit\n")
         os.chmod(dest / "src" / "f2.txt", 0o600)
-        real(self)
+        real(self, **kw)
 
     monkeypatch.setattr(Incremental, "commit", edited_first)
     during = go(ws, dest, opts)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers import assert_exact, make_tree, options, run_pull
-from incr_helpers import EarlyFarms
+from incr_helpers import EarlyFarms, Rehashes
 from wsync.engine import hostscan, linker, prefarm
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.excludes import Excludes
@@ -255,20 +255,6 @@ def test_a_pull_with_changes_farms_early_and_is_exact(
     assert (counted.built, counted.finished) == (1, 1)
     assert_exact(ws, dest)
     assert leftovers(dest) == []
-
-
-class Rehashes:
-    """Counts the files the diff re-hashes (a moved ctime or inode costs one)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
-        real = hostscan.file_hash
-
-        def counted(*args: object, **kwargs: object) -> str | None:
-            self.count += 1
-            return real(*args, **kwargs)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(hostscan, "file_hash", counted)
 
 
 def test_an_unneeded_early_farm_goes_and_costs_the_next_pull_no_rehash(

@@ -26,12 +26,13 @@ import pytest
 
 import wsync
 from helpers import assert_exact, make_tree, options, run_pull
+from incr_helpers import Rehashes
 from wsync.engine import hostscan, prevtree
 from wsync.engine import pull as pull_module
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.destdir import DestDir
 from wsync.engine.incremental import Incremental
-from wsync.engine.incstate import state_path
+from wsync.engine.incstate import PullState, state_path
 from wsync.engine.pull import _Pull
 from wsync.engine.pull import pull as wsync_pull
 from wsync.errors import Fenced, HostIOError
@@ -224,7 +225,10 @@ def test_a_full_pull_drops_the_kept_tree(pulled: tuple[Path, Path, PullOptions])
 
 
 def recorded_vs_disk(dest: Path, opts: PullOptions, *, ignore_ctime: bool = False) -> list[bytes]:
-    """Paths whose recorded host signature is not what ``lstat`` of DEST says now."""
+    """Paths whose recorded host signature is not what ``lstat`` of DEST says now (a ctime
+    that moved into the last commit's window counts as recorded: the diff keeps it)."""
+    with PullState.open(opts.state_dir, dest, "") as state:
+        lo, hi = state.window()
     db = sqlite3.connect(state_path(opts.state_dir, dest))
     try:
         rows = db.execute("SELECT path, hkind, hmode, hsize, hmtime, hctime, hino FROM state")
@@ -235,7 +239,7 @@ def recorded_vs_disk(dest: Path, opts: PullOptions, *, ignore_ctime: bool = Fals
     for path, signature in recorded.items():
         st = os.lstat(os.fsencode(dest) + b"/" + path if path != b"." else os.fsencode(dest))
         now = hostscan.row(path, st)[1:]
-        if ignore_ctime:
+        if ignore_ctime or lo <= st.st_ctime_ns <= hi:
             signature, now = signature[:4] + signature[5:], now[:4] + now[5:]
         if signature != now:
             wrong.append(path)
@@ -243,19 +247,22 @@ def recorded_vs_disk(dest: Path, opts: PullOptions, *, ignore_ctime: bool = Fals
 
 
 def test_the_commit_after_a_reuse_records_dest_as_it_is(
-    pulled: tuple[Path, Path, PullOptions],
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The commit lstats only what the pull made and keeps the diff's scan for the rest:
     a recorded signature may differ from DEST only in the ctime of an entry the reuse
-    linked anew (re-hashed once by the next pull, which then finds nothing to do)."""
+    linked anew (re-hashed once by the next pull, which then finds nothing to do).  A
+    reuse opens no ctime window (see test_ctime_window)."""
     ws, dest, opts = pulled
     for round_no in (2, 3):
         change(ws, round_no)
         pull(ws, dest, opts)
         for path in recorded_vs_disk(dest, opts):
             assert recorded_vs_disk(dest, opts, ignore_ctime=True) == [], path
+    rehashes = Rehashes(monkeypatch)
     result = pull(ws, dest, opts)
     assert result.changed_files == 0 and result.files == 0
+    assert 0 < rehashes.count < 10
     assert recorded_vs_disk(dest, opts) == []
 
 
@@ -283,11 +290,11 @@ def test_dest_edited_while_the_pull_reuses_the_tree_is_repaired_next_time(
     assert_shares_only(dest)
 
 
-def test_a_tree_that_could_not_be_kept_costs_a_full_rescan_not_a_rehash(
+def test_a_tree_that_could_not_be_kept_costs_no_rehash(
     pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """When the old tree cannot be kept it is removed, which moves the ctime of every kept
-    inode: the commit must then record DEST from a full scan."""
+    inode, within the commit's window: the next pull re-hashes nothing."""
     ws, dest, opts = pulled
     change(ws, 2)
     pull(ws, dest, opts)  # a reuse, so the next pull reuses too
@@ -296,6 +303,10 @@ def test_a_tree_that_could_not_be_kept_costs_a_full_rescan_not_a_rehash(
     pull(ws, dest, opts)
     assert not prev_of(dest).exists()
     assert recorded_vs_disk(dest, opts) == []
+    monkeypatch.undo()
+    rehashes = Rehashes(monkeypatch)
+    assert pull(ws, dest, opts).changed_files == 0
+    assert rehashes.count == 0
 
 
 @pytest.mark.skipif(

@@ -779,10 +779,10 @@ def test_the_guest_staging_goes_while_the_host_commits(
         called.set()
         assert await asyncio.to_thread(committing_now.wait, 30), "no commit meanwhile"
 
-    def committing(inc: Incremental) -> None:
+    def committing(inc: Incremental, **kw: bool) -> None:
         committing_now.set()
         assert called.wait(30), "the guest staging was not being removed meanwhile"
-        commit(inc)
+        commit(inc, **kw)
 
     calls = watch_cleanups(monkeypatch, before)
     monkeypatch.setattr(Incremental, "commit", committing)

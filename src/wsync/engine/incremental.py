@@ -36,11 +36,13 @@ the state is committed with the extractor's file hashes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO, TypeVar
@@ -79,6 +81,9 @@ _READ = 1 << 20
 _LEN = struct.Struct(">I")
 #: a hash log record's inode, mode and size (its mtime follows in 16 bytes)
 _WRITTEN = struct.Struct("<QIQ")
+#: how far before a pull's start its ctime window opens: a ctime is read off the kernel's
+#: coarse clock, which lags the one ``time.time_ns`` reads by up to a tick
+_WINDOW_SLACK_NS = 100_000_000
 
 
 def can_list(plan: GuestPlan) -> bool:
@@ -210,6 +215,9 @@ class Incremental:
         self, options: PullOptions, target: DestDir, sandbox_key: str, hashes: HashLog
     ) -> None:
         self.options = options
+        #: this pull's ctime window opens here, before its first scan of DEST (see
+        #: :meth:`PullState.window`)
+        self.window_lo = time.time_ns() - _WINDOW_SLACK_NS
         self.excludes: Excludes = options.excludes
         self.target = target
         self.state = PullState.open(options.state_dir, target.path, sandbox_key)
@@ -453,13 +461,26 @@ class Incremental:
         assert self.diff is not None
         set_dir_meta(tmp_fd, self.diff.dirs())
 
-    def commit(self) -> None:
-        """Record DEST as this sandbox's baseline (after the old tree was removed)."""
+    def commit(self, *, kept_prev: bool = False) -> None:
+        """Record DEST as this sandbox's baseline (after the swap, while the old tree is
+        removed).  After a diff only what this pull made is looked at again
+        (:func:`prevtree.restat`): every entry it kept is the inode the diff scanned, whose
+        ctime its links and unlinks move within the window :meth:`close_window` closes.
+
+        A reused previous tree that is kept again (``kept_prev``) moved no ctime of what
+        it kept (only of the few entries it linked anew: the next pull re-hashes those):
+        no window is opened, so an edit of DEST during this pull that only its ctime tells
+        is still seen by the next pull."""
         dest_fd = open_dest(self.target)
         if dest_fd is None:
             return
         db = self.state.db
-        restat = (lambda: prevtree.restat(db, dest_fd)) if self.reused else None
+        # (without a listing no window is recorded: DEST is scanned whole)
+        restat = (
+            functools.partial(prevtree.restat, db, dest_fd)
+            if self.reuses and self.manifest_digest
+            else None
+        )
         try:
             self.state.commit(
                 dest_fd,
@@ -467,9 +488,15 @@ class Incremental:
                 restat,
                 listing=self.manifest_digest,
                 options=self.options_key(),
+                window_lo=None if self.reused and kept_prev else self.window_lo,
             )
         finally:
             os.close(dest_fd)
+
+    def close_window(self) -> None:
+        """After the commit and after the old tree is gone (or kept): no link or unlink of
+        this pull moves a ctime of DEST from now on."""
+        self.state.close_window(time.time_ns())
 
     def refresh_after_farm(self) -> None:
         """An early farm was made and removed without a change to DEST: record the ctimes

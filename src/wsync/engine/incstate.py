@@ -3,8 +3,11 @@
 One SQLite file per DEST, ``STATE/incremental/<sha256 of DEST's real path>.sqlite``, holds
 the sandbox key of the last successful pull into DEST and, per entry of the tree it left:
 the guest's manifest record, the xxh3_128 of the file's bytes as written on the host, and
-the host ``lstat`` signature (kind, mode, size, mtime, ctime, inode) taken after that pull
-finished (after the old tree was removed: linking and unlinking change ctimes).
+the host ``lstat`` signature (kind, mode, size, mtime, ctime, inode): for what that pull
+wrote, taken after it; for what it kept, the diff's scan.  Linking a kept inode into the new
+tree and unlinking the old tree move its ctime and nothing else, so the commit also records
+the window of time those moves fell in (:meth:`PullState.window`) instead of scanning DEST
+again once the old tree is gone (as long again as the removal, on a large tree).
 
 Why SQLite: a workspace may hold a million entries, and wsync's memory must stay bounded
 (issue 8: peak RSS <= 200 MB for a 1M-entry manifest).  The manifest and a scan of DEST are
@@ -20,7 +23,8 @@ The diff, per entry of the (excluded-filtered) manifest:
 - DEST's signature differs from the recorded one in kind, mode, size or mtime: **tampered**
   (edited or chmod'ed on the host), fetch;
 - only the inode or ctime differ (a pull that failed after building its farm, a kill -9
-  between the swap and the commit, a ``touch -r`` edit on the host): **re-hash** the file
+  between the swap and the commit, a ``touch -r`` edit on the host), the ctime not into the
+  last commit's window: **re-hash** the file
   (or re-read the link) and compare with the recorded hash; equal keeps it, else fetch.
   This is what makes an interrupted pull cost a local re-hash, never a wrong tree;
 - otherwise it is kept: the farm links it into the new tree.
@@ -80,6 +84,10 @@ _NOOP_KEYS = ("noop_key", "noop_manifest", "noop_host")
 _LISTING = "listing"
 #: the meta key of the options the recorded state was made under (see :meth:`PullState.known`)
 _OPTIONS = "options"
+#: the meta key of the last commit's ctime window (see :meth:`PullState.window`)
+_WINDOW = "ctime_window"
+#: no window: an empty range (``lo > hi``)
+NO_WINDOW = (1, 0)
 #: the meta key naming the listing whose commit wrote the ``records`` table: the records
 #: describe the state's rows while it names the last listing (see :meth:`PullState.known`)
 _RECORDS = "records"
@@ -270,7 +278,8 @@ class PullState:
             else:
                 db.execute("CREATE TEMP VIEW base AS SELECT * FROM s.nostate")
             db.execute("DELETE FROM s.plan")
-            db.execute(incsql.PLAN)
+            lo, hi = self.window()
+            db.execute(incsql.PLAN, {"lo": lo, "hi": hi})
             if self._recheck(dest_fd, own_links) and self.has_baseline():
                 # verified by their bytes: record where they are now, so the next pull
                 # does not hash them again (the hash recorded stays the same)
@@ -375,6 +384,9 @@ class PullState:
             meta = [*zip(_NOOP_KEYS, (key, manifest, host), strict=True), (_LISTING, manifest)]
             if self._records_current():  # the rows the records describe stay as they are
                 meta.append((_RECORDS, _records_key(manifest)))
+            window = self._window()
+            if window is not None:  # and so do the ctimes the window describes
+                meta.append((_WINDOW, _window_value(manifest, *window)))
             self.db.executemany("INSERT OR REPLACE INTO main.meta VALUES (?, ?)", meta)
             self.db.commit()
 
@@ -448,6 +460,7 @@ class PullState:
         *,
         listing: str = "",
         options: str = "",
+        window_lo: int | None = None,
     ) -> None:
         """Record the tree now in DEST (open at ``dest_fd``) as this sandbox's baseline.
 
@@ -464,7 +477,9 @@ class PullState:
         done to an entry since that scan differs from it next time.  Scanned again, a kept
         entry the host changed during the pull (see ``incsql.KEPT_MOVED``) is left out.
         ``listing`` is the manifest's stream digest (:meth:`last_listing`), ``options``
-        what the pull's options key was (:meth:`known`).
+        what the pull's options key was (:meth:`known`), ``window_lo`` when the pull began
+        (in ns, before its first scan of DEST): it opens the ctime window that
+        :meth:`close_window` closes once the old tree is gone (see :meth:`window`).
         """
         if not self._loaded:
             raise RuntimeError("load_manifest() first")
@@ -497,7 +512,7 @@ class PullState:
             with incsql.immediate(db):
                 db.execute("DELETE FROM main.state")
                 db.execute("DELETE FROM main.records")
-                keys = [(k,) for k in (*_NOOP_KEYS, _LISTING, _OPTIONS, _RECORDS)]
+                keys = [(k,) for k in (*_NOOP_KEYS, _LISTING, _OPTIONS, _RECORDS, _WINDOW)]
                 db.executemany("DELETE FROM main.meta WHERE k = ?", keys)
                 db.execute(incsql.COMMIT)
                 meta = [("sandbox", self.sandbox_key), ("version", SCHEMA_VERSION)]
@@ -505,9 +520,52 @@ class PullState:
                     meta.append((_LISTING, listing))
                     db.execute(incsql.COMMIT_RECORDS)
                     meta.append((_RECORDS, _records_key(listing)))
+                    if window_lo is not None:
+                        meta.append((_WINDOW, _window_value(listing, window_lo, None)))
                 if options:
                     meta.append((_OPTIONS, options))
                 db.executemany("INSERT OR REPLACE INTO main.meta VALUES (?, ?)", meta)
+
+    def window(self) -> tuple[int, int]:
+        """The ctime window of the last commit, ``(lo, hi)`` in ns: from before that pull
+        first scanned DEST to after its old tree was gone.  Its farm's links and the old
+        tree's unlinks move the ctime of every inode it kept and nothing else of them; a
+        kept entry's row is the diff's scan, taken before, so its ctime now differs from
+        the one recorded, within the window.  Such an entry is kept without a re-hash (the
+        plan's ``:lo``/``:hi``).  What the window also hides, an edit during that pull with
+        the size kept and the mtime put back, a rescan after the removal hid too (the link
+        and unlink move the same ctime after the edit).  Empty (:data:`NO_WINDOW`) when
+        there is none, it is still open (killed before the old tree was gone: every moved
+        ctime is then re-hashed, as before), or another commit came since (an older wsync's:
+        its rows are a rescan's, and it leaves this key as it was)."""
+        with self._errors():
+            window = self._window()
+        if window is None or window[1] is None:
+            return NO_WINDOW
+        return window[0], window[1]
+
+    def _window(self) -> tuple[int, int | None] | None:
+        """The window recorded for the current listing, closed or not; None if none."""
+        value, listing = self._meta(_WINDOW), self._meta(_LISTING)
+        if value is None or listing is None:
+            return None
+        parts = value.rsplit(":", 2)  # (a listing's digest has colons of its own)
+        if len(parts) != 3 or parts[0] != listing or not parts[1].lstrip("-").isdigit():
+            return None
+        hi = int(parts[2]) if parts[2].lstrip("-").isdigit() else None
+        return int(parts[1]), hi
+
+    def close_window(self, hi: int) -> None:
+        """Close the window the last :meth:`commit` opened, at ``hi`` ns: after the old
+        tree was removed (or kept), and after the commit."""
+        with self._errors():
+            window = self._window()
+            listing = self._meta(_LISTING)
+            if window is None or window[1] is not None or listing is None:
+                return
+            value = _window_value(listing, window[0], hi)
+            self.db.execute("INSERT OR REPLACE INTO main.meta VALUES (?, ?)", (_WINDOW, value))
+            self.db.commit()
 
     def add_hash(self, path: bytes, digest: str, written: Written | None = None) -> None:
         """Note the xxh3_128 of a file the extractor wrote (``on_file`` can be this method),
@@ -539,6 +597,11 @@ class PullState:
         """Drop the baseline: the next pull into DEST is a full one."""
         self.close()
         incsql.remove_db(self.path)
+
+
+def _window_value(listing: str, lo: int, hi: int | None) -> str:
+    """The ``ctime_window`` meta value: the listing it belongs to, then its bounds."""
+    return f"{listing}:{lo}:{'' if hi is None else hi}"
 
 
 def _records_key(listing: str) -> str:

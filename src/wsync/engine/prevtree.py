@@ -246,14 +246,15 @@ def prune(db: sqlite3.Connection, prev_fd: int, check_cancel: Callable[[], None]
 
 
 def restat(db: sqlite3.Connection, dest_fd: int) -> Iterator[tuple[bytes, HostRow | None]]:
-    """After a pull that reused the tree (:func:`reuse`), the lstat rows of what it made in
-    DEST (now at ``dest_fd``): every directory and every fetched entry; None for one that
-    is gone.  Streamed: the caller writes them to ``s.host`` as they come (a million-entry
-    change must not be a million rows in memory).
+    """After a pull that diffed DEST (the tree reused by :func:`reuse`, or a farm), the
+    lstat rows of what it made in DEST (now at ``dest_fd``): every directory and every
+    fetched entry; None for one that is gone.  Streamed: the caller writes them to
+    ``s.host`` as they come (a million-entry change must not be a million rows in memory).
 
-    Every other row stays the diff's scan, also for an entry the reuse linked anew (a link
-    moves the inode's ctime, so the next pull re-hashes it once): recording its lstat now
-    would record whatever was done to it since the scan, which no later pull would see."""
+    Every other row stays the diff's scan, also for an entry the farm or the reuse linked
+    anew (a link moves the inode's ctime: within the commit's ctime window, or, after a
+    reuse that opens none, re-hashed once by the next pull): recording its lstat now would
+    record whatever was done to it since the scan, which no later pull would see."""
     parents = _Parents(dest_fd)
     try:
         for (raw,) in db.execute(_TOUCHED):

@@ -367,28 +367,42 @@ class _Pull(IncrementalRunner):
             await self.clean_snapshot(*dict.fromkeys(self.snapshots))
 
     async def finish_host(self, old: str | None) -> None:
-        """The old tree removed (or kept), then the state committed."""
+        """The old tree removed (or kept) while the state is committed, then the commit's
+        ctime window closed (:meth:`PullState.window`): the commit takes the kept entries
+        from the diff's scan, so it need not wait for the unlinks that move their ctimes."""
         inc = self.inc
         kept = False
         if old is not None and inc is not None and self.keeps_prev and self.swapped:
             old = await self.keep_prev(inc, old)
             kept = old is None
-        if inc is not None and not kept:
-            # the old tree is removed (or went some other way): unlinking moved the ctime
-            # of every kept inode, so the commit must scan DEST whole
-            inc.reused = False
-        if old is not None:
-            try:
-                await in_thread(self.target.removal(old))
-            except (HostIOError, OSError) as exc:
-                self.warnings.append(f"the previous tree was not fully removed: {exc}")
-        if inc is not None and self.swapped:
-            # after the old tree is gone: unlinking it changed the ctimes of kept files
-            try:
-                await in_thread(lambda: inc.locked(inc.commit))
-                self.tree_bytes = await in_thread(lambda: inc.locked(inc.tree_bytes))
-            except (WsyncError, OSError) as exc:
-                self.warnings.append(f"incremental state not recorded (next pull re-checks): {exc}")
+        removal = None if old is None else asyncio.ensure_future(self.remove_old(old))
+        try:
+            committed = False
+            if inc is not None and self.swapped:
+                try:
+                    await in_thread(lambda: inc.locked(lambda: inc.commit(kept_prev=kept)))
+                    committed = True
+                    self.tree_bytes = await in_thread(lambda: inc.locked(inc.tree_bytes))
+                except (WsyncError, OSError) as exc:
+                    self.warnings.append(
+                        f"incremental state not recorded (next pull re-checks): {exc}"
+                    )
+            if removal is not None:
+                await removal
+            if inc is not None and committed:
+                try:
+                    await in_thread(lambda: inc.locked(inc.close_window))
+                except (WsyncError, OSError) as exc:  # the next pull re-hashes what moved
+                    self.warnings.append(f"incremental state not fully recorded: {exc}")
+        finally:
+            if removal is not None and not removal.done():
+                removal.cancel()
+
+    async def remove_old(self, old: str) -> None:
+        try:
+            await in_thread(self.target.removal(old))
+        except (HostIOError, OSError) as exc:
+            self.warnings.append(f"the previous tree was not fully removed: {exc}")
 
 
 #: failures that the same snapshot would repeat on every run: it is discarded at once

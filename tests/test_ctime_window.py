@@ -1,0 +1,259 @@
+"""The commit's ctime window (:meth:`wsync.engine.incstate.PullState.window`): an incremental
+pull records the entries it kept from the diff's scan and closes a window over its own links
+and unlinks instead of scanning DEST again after removing the old tree.  What must hold:
+the next pull re-hashes nothing it kept, and an edit made after the pull, even one that
+puts the size and mtime back, is still seen and repaired; a window left open (a kill before
+the old tree was gone) or written under another listing hides nothing; a ``--keep-prev``
+pull that reused and kept its tree (it moved no ctime of what it kept) opens none, so it
+still sees an edit made during it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_exact, make_tree, options, run_pull
+from incr_helpers import Rehashes
+from wsync.engine import hostscan, prevtree
+from wsync.engine.api import PullOptions, PullResult
+from wsync.engine.incremental import Incremental
+from wsync.engine.incstate import NO_WINDOW, PullState, state_path
+from wsync.transports.local import LocalTransport
+
+
+def pull(ws: Path, dest: Path, opts: PullOptions) -> PullResult:
+    result = run_pull(LocalTransport(), ws, dest, opts)
+    assert result.ok, result.error
+    assert_exact(ws, dest)
+    return result
+
+
+def window(dest: Path, opts: PullOptions) -> tuple[int, int]:
+    with PullState.open(opts.state_dir, dest, "") as state:
+        return state.window()
+
+
+def edit_in_place(path: Path) -> None:
+    """Rewrite ``path`` with other bytes of the same size and put its mtime back: only
+    its ctime tells (what ``touch -r`` after an edit leaves)."""
+    st = path.stat()
+    data = path.read_bytes()
+    path.write_bytes(bytes(b ^ 0x20 for b in data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size
+
+
+def after(hi: int) -> None:
+    """Wait until the kernel's coarse clock, which stamps ctimes, is past ``hi``."""
+    while time.time_ns() < hi + 50_000_000:
+        time.sleep(0.01)
+
+
+@pytest.fixture(params=[False, True], ids=["default", "keep-prev"])
+def pulled(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Path, PullOptions]:
+    """A workspace pulled whole, then incrementally after a change."""
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=30)
+    dest = tmp_path / "out"
+    opts = options(tmp_path, keep_prev=request.param)
+    assert pull(ws, dest, opts).mode == "full"
+    (ws / "src" / "f1.txt").write_text("changed once\n")
+    assert pull(ws, dest, opts).mode == "incremental"
+    return ws, dest, opts
+
+
+def test_an_incremental_pull_scans_dest_once(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit lstats what the pull made; it does not walk DEST again after the old
+    tree's removal (which took as long again on a large tree)."""
+    ws, dest, opts = pulled
+    scans = 0  # (with --keep-prev this pull reuses the tree the last one kept)
+    real = hostscan.scan
+
+    def counted(dest_fd: int) -> object:
+        nonlocal scans
+        scans += 1
+        return real(dest_fd)
+
+    monkeypatch.setattr(hostscan, "scan", counted)
+    (ws / "src" / "f2.txt").write_text("changed twice\n")
+    assert pull(ws, dest, opts).changed_files == 1
+    assert scans == 1
+    lo, hi = window(dest, opts)
+    if opts.keep_prev:
+        assert (lo, hi) == NO_WINDOW
+    else:
+        assert lo < hi <= time.time_ns()
+
+
+def test_what_a_pull_kept_is_not_rehashed_by_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=30)
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    pull(ws, dest, opts)
+    (ws / "src" / "f2.txt").write_text("changed twice\n")
+    pull(ws, dest, opts)
+    rehashes = Rehashes(monkeypatch)
+    (ws / "src" / "f3.txt").write_text("changed thrice\n")
+    assert pull(ws, dest, opts).changed_files == 1
+    result = pull(ws, dest, opts)
+    assert result.changed_files == 0 and result.files == 0
+    assert rehashes.count == 0
+
+
+def test_an_edit_after_the_pull_with_size_and_mtime_put_back_is_repaired(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws, dest, opts = pulled
+    after(window(dest, opts)[1])
+    edit_in_place(dest / "src" / "f5.txt")  # kept by the last pull
+    edit_in_place(dest / "src" / "f1.txt")  # fetched by it
+    rehashes = Rehashes(monkeypatch)
+    result = pull(ws, dest, opts)  # asserts DEST exact
+    assert result.changed_files == 2
+    assert rehashes.count == 2
+
+
+def test_a_window_left_open_hides_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed after the commit, before the old tree was gone: the window stays open and
+    counts as none, so every moved ctime is re-hashed, and an edit made at once (its
+    ctime inside what the window would have been) is repaired."""
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=30)
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    pull(ws, dest, opts)
+    monkeypatch.setattr(Incremental, "close_window", lambda self: None)
+    (ws / "src" / "f2.txt").write_text("changed twice\n")
+    pull(ws, dest, opts)
+    monkeypatch.undo()
+    assert window(dest, opts) == NO_WINDOW
+    edit_in_place(dest / "src" / "f5.txt")
+    rehashes = Rehashes(monkeypatch)
+    result = pull(ws, dest, opts)
+    assert result.changed_files == 1
+    assert rehashes.count > 1  # every file the killed pull kept
+    rehashes.count = 0
+    assert pull(ws, dest, opts).changed_files == 0
+    assert rehashes.count == 0
+
+
+def test_a_window_of_another_commit_hides_nothing(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An older wsync (a rolled-back install) commits without a window and leaves the
+    key as it was: its listing is another one, and the window no longer counts."""
+    ws, dest, opts = pulled
+    db = sqlite3.connect(state_path(opts.state_dir, dest))
+    with db:
+        db.execute("UPDATE meta SET v = 'xxh128:zstdl:1:other' WHERE k = 'listing'")
+    db.close()
+    assert window(dest, opts) == NO_WINDOW
+    (ws / "src" / "f2.txt").write_text("changed twice\n")
+    rehashes = Rehashes(monkeypatch)
+    pull(ws, dest, opts)
+    assert rehashes.count > 1
+
+
+def test_an_edit_during_a_pull_that_reuses_its_kept_tree_is_seen_next_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--keep-prev``: the reused tree's kept entries are DEST's inodes, never linked
+    anew, so their ctimes move only by someone else's hand; no window is opened, and an
+    edit made while the pull ran, with the size and mtime put back, is repaired by the
+    next pull."""
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=30)
+    dest = tmp_path / "out"
+    opts = options(tmp_path, keep_prev=True)
+    pull(ws, dest, opts)
+    for round_no in (1, 2):  # the second reuses the tree the first kept
+        (ws / "src" / f"f{round_no}.txt").write_text(f"round {round_no}\n")
+        pull(ws, dest, opts)
+    reuse = prevtree.reuse
+
+    def edit_then_reuse(*args: object, **kw: object) -> tuple[int, int]:
+        edit_in_place(dest / "src" / "f5.txt")
+        return reuse(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prevtree, "reuse", edit_then_reuse)
+    (ws / "src" / "f3.txt").write_text("round 3\n")
+    result = run_pull(LocalTransport(), ws, dest, opts)
+    assert result.ok, result.error
+    monkeypatch.undo()
+    assert (dest / "src" / "f5.txt").read_bytes() != (ws / "src" / "f5.txt").read_bytes()
+    assert window(dest, opts) == NO_WINDOW
+    assert pull(ws, dest, opts).changed_files == 1  # and DEST is exact again
+
+
+def test_a_full_pull_records_a_window_too(tmp_path: Path) -> None:
+    ws = make_tree(tmp_path / "ws", big=1024, small=3)
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    before = time.time_ns()
+    pull(ws, dest, opts)
+    lo, hi = window(dest, opts)
+    assert before - 100_000_000 <= lo < hi <= time.time_ns()
+    assert pull(ws, dest, dataclasses.replace(opts, full=True)).mode == "full"
+    assert window(dest, opts)[1] > hi
+
+
+# -- the recorded value -------------------------------------------------------------------
+
+
+def state_with(tmp_path: Path, listing: str | None, value: str | None) -> PullState:
+    state = PullState.open(tmp_path / "state", tmp_path / "dest", "key")
+    for k, v in (("listing", listing), ("ctime_window", value)):
+        if v is not None:
+            state.db.execute("INSERT OR REPLACE INTO main.meta VALUES (?, ?)", (k, v))
+    state.db.commit()
+    return state
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("xxh128:zstdl:9:ab:100:200", (100, 200)),
+        ("xxh128:zstdl:9:ab:-5:7", (-5, 7)),
+        ("xxh128:zstdl:9:ab:100:", NO_WINDOW),  # open
+        ("xxh128:zstdl:9:cd:100:200", NO_WINDOW),  # another listing's
+        ("100:200", NO_WINDOW),
+        ("xxh128:zstdl:9:ab:x:200", NO_WINDOW),
+        ("xxh128:zstdl:9:ab:100:2e5", NO_WINDOW),
+        ("", NO_WINDOW),
+        (None, NO_WINDOW),
+    ],
+)
+def test_the_window_read_back(tmp_path: Path, value: str | None, expected: tuple[int, int]) -> None:
+    with state_with(tmp_path, "xxh128:zstdl:9:ab", value) as state:
+        assert state.window() == expected
+
+
+def test_closing_a_window_only_closes_this_listings_open_one(tmp_path: Path) -> None:
+    with state_with(tmp_path, "L:1", "L:1:100:") as state:
+        state.close_window(300)
+        assert state.window() == (100, 300)
+        state.close_window(400)  # closed already: stays
+        assert state.window() == (100, 300)
+    with state_with(tmp_path / "other", "L:2", "L:1:100:") as state:
+        state.close_window(300)
+        assert state.window() == NO_WINDOW
+
+
+def test_a_noop_record_carries_the_window_to_its_listing(tmp_path: Path) -> None:
+    """A pull that found nothing to do under a new listing (a directory's ctime moved in
+    the guest, say) leaves DEST's ctimes as the window describes them."""
+    with state_with(tmp_path, "L:1", "L:1:100:300") as state:
+        state.record_noop("key", "L:2", "host")
+        assert state.window() == (100, 300)
+    with state_with(tmp_path / "open", "L:1", "L:1:100:") as state:
+        state.record_noop("key", "L:2", "host")  # open it was, open it stays
+        assert state.window() == NO_WINDOW
+        assert state.db.execute("SELECT v FROM meta WHERE k = 'ctime_window'").fetchone() == (
+            "L:2:100:",
+        )
