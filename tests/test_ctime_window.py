@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import sqlite3
+import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ from helpers import assert_exact, make_tree, options, run_pull
 from incr_helpers import Rehashes
 from wsync.engine import hostscan, prevtree
 from wsync.engine.api import PullOptions, PullResult
+from wsync.engine.destdir import DestDir
 from wsync.engine.incremental import Incremental
 from wsync.engine.incstate import NO_WINDOW, PullState, state_path
 from wsync.transports.local import LocalTransport
@@ -189,6 +193,97 @@ def test_an_edit_during_a_pull_that_reuses_its_kept_tree_is_seen_next_time(
     assert (dest / "src" / "f5.txt").read_bytes() != (ws / "src" / "f5.txt").read_bytes()
     assert window(dest, opts) == NO_WINDOW
     assert pull(ws, dest, opts).changed_files == 1  # and DEST is exact again
+
+
+def slow_removal(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """The old tree's removal takes ``seconds`` more (a large tree), then ends early in a
+    second of the wall clock (so that an edit right after the pull shares its second)."""
+    real = DestDir.removal
+
+    def slowly(self: DestDir, name: str) -> Callable[[], None]:
+        run = real(self, name)
+
+        def go() -> None:
+            run()
+            time.sleep(seconds)
+            while time.time() % 1 > 0.2:
+                time.sleep(0.01)
+
+        return go
+
+    monkeypatch.setattr(DestDir, "removal", slowly)
+
+
+def test_the_window_is_dests_clock_not_the_hosts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DEST on a file server whose clock is behind the host's (NFS, SMB: the server
+    stamps ctimes): here the host's clock runs a second ahead.  An edit half a second after
+    the pull, size and mtime put back, is repaired.  (Found by review: the window was the
+    host's clock, and hid it.)"""
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=30)
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    pull(ws, dest, opts)
+    real_ns = time.time_ns
+    monkeypatch.setattr(time, "time_ns", lambda: real_ns() + 1_000_000_000)
+    slow_removal(monkeypatch, 1.0)
+    (ws / "src" / "f1.txt").write_text("changed once\n")
+    pull(ws, dest, opts)
+    monkeypatch.undo()
+    time.sleep(0.5)
+    edit_in_place(dest / "src" / "f5.txt")
+    pull(ws, dest, opts)  # asserts DEST exact
+
+
+@pytest.fixture
+def coarse_fs(tmp_path: Path) -> Iterator[Path]:
+    """A filesystem that stamps times in whole seconds (ext4 with 128-byte inodes, as
+    mke2fs makes small ones), loop-mounted; skipped where that cannot be done."""
+    image, mount = tmp_path / "coarse.img", tmp_path / "coarse"
+    mount.mkdir()
+    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
+        pytest.skip("a loop-mounted filesystem needs root and mkfs.ext4")
+    with image.open("wb") as f:
+        f.truncate(1024 * 1024 * 1024)  # sparse; above the 256 MiB free-space reserve
+    made = subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-I", "128", str(image)], capture_output=True, check=False
+    )
+    if made.returncode != 0:
+        pytest.skip(f"mkfs.ext4: {made.stderr.decode(errors='replace').strip()}")
+    mounted = subprocess.run(
+        ["mount", "-o", "loop", str(image), str(mount)], capture_output=True, check=False
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"no loop mount here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        probe = mount / "probe"
+        probe.write_text("x")
+        if probe.stat().st_ctime_ns % 1_000_000_000:
+            pytest.skip("this ext4 stamps finer than seconds")
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, check=False)
+
+
+def test_an_edit_in_the_pulls_last_second_on_a_filesystem_of_whole_seconds(
+    tmp_path: Path, coarse_fs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every ctime of such a filesystem is a whole second: an edit right after the pull
+    (size and mtime put back) shares its second with the pull's last unlinks, and is still
+    repaired (the window ends before that second, whose entries are re-hashed once).
+    (Found by review: the window ended at the host's time, and hid it.)"""
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=30)
+    dest = coarse_fs / "out"
+    opts = options(tmp_path)
+    pull(ws, dest, opts)
+    slow_removal(monkeypatch, 1.0)
+    (ws / "src" / "f1.txt").write_text("changed once\n")
+    pull(ws, dest, opts)
+    monkeypatch.undo()
+    edit_in_place(dest / "src" / "f5.txt")  # kept by the pull
+    edit_in_place(dest / "src" / "f1.txt")  # fetched by it
+    pull(ws, dest, opts)  # asserts DEST exact
 
 
 def test_a_full_pull_records_a_window_too(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ import errno
 import fcntl
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -177,6 +178,19 @@ class DestDir:
                 return
             os.close(fd)
         raise HostIOError(f"could not take the lock {name} beside DEST {self.path}")
+
+    def fs_now(self) -> int | None:
+        """A ctime that DEST's filesystem stamps now, by its own clock and to its own
+        precision (a file server's clock, a filesystem of whole seconds): the lock file's,
+        chmod'ed to its own mode.  None without the lock, or where it cannot be had."""
+        fd = self._lock_fd
+        if fd is None:
+            return None
+        try:
+            os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode))
+            return os.fstat(fd).st_ctime_ns
+        except OSError:
+            return None
 
     def _lock_tree(self, is_dest: Callable[[Path], bool]) -> None:
         """DEST's directory exclusively, and shared each directory above it that is a DEST

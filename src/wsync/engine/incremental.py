@@ -81,9 +81,8 @@ _READ = 1 << 20
 _LEN = struct.Struct(">I")
 #: a hash log record's inode, mode and size (its mtime follows in 16 bytes)
 _WRITTEN = struct.Struct("<QIQ")
-#: how far before a pull's start its ctime window opens: a ctime is read off the kernel's
-#: coarse clock, which lags the one ``time.time_ns`` reads by up to a tick
-_WINDOW_SLACK_NS = 100_000_000
+#: how long :meth:`Incremental.close_window` waits for DEST's filesystem clock to tick
+_TICK_WAIT_S = 0.02
 
 
 def can_list(plan: GuestPlan) -> bool:
@@ -215,11 +214,11 @@ class Incremental:
         self, options: PullOptions, target: DestDir, sandbox_key: str, hashes: HashLog
     ) -> None:
         self.options = options
-        #: this pull's ctime window opens here, before its first scan of DEST (see
-        #: :meth:`PullState.window`)
-        self.window_lo = time.time_ns() - _WINDOW_SLACK_NS
         self.excludes: Excludes = options.excludes
         self.target = target
+        #: this pull's ctime window opens here, before its first scan of DEST, by DEST's
+        #: filesystem's own clock (see :meth:`PullState.window`); None: no window
+        self.window_lo = target.fs_now()
         self.state = PullState.open(options.state_dir, target.path, sandbox_key)
         #: what the state held when opened: a baseline of this sandbox, and a no-op record
         #: (read once here: the loop thread must not wait for a worker using the state)
@@ -461,7 +460,7 @@ class Incremental:
         assert self.diff is not None
         set_dir_meta(tmp_fd, self.diff.dirs())
 
-    def commit(self, *, kept_prev: bool = False) -> None:
+    def commit(self, *, kept_prev: bool = False) -> bool:
         """Record DEST as this sandbox's baseline (after the swap, while the old tree is
         removed).  After a diff only what this pull made is looked at again
         (:func:`prevtree.restat`): every entry it kept is the inode the diff scanned, whose
@@ -470,10 +469,10 @@ class Incremental:
         A reused previous tree that is kept again (``kept_prev``) moved no ctime of what
         it kept (only of the few entries it linked anew: the next pull re-hashes those):
         no window is opened, so an edit of DEST during this pull that only its ctime tells
-        is still seen by the next pull."""
+        is still seen by the next pull.  False when DEST is not there to record."""
         dest_fd = open_dest(self.target)
         if dest_fd is None:
-            return
+            return False
         db = self.state.db
         # (without a listing no window is recorded: DEST is scanned whole)
         restat = (
@@ -492,11 +491,25 @@ class Incremental:
             )
         finally:
             os.close(dest_fd)
+        return True
 
     def close_window(self) -> None:
         """After the commit and after the old tree is gone (or kept): no link or unlink of
-        this pull moves a ctime of DEST from now on."""
-        self.state.close_window(time.time_ns())
+        this pull moves a ctime of DEST from now on.  Every one of them was stamped at or
+        before DEST's filesystem's ``now``; the window ends, exclusive, at its next tick
+        when that comes within a moment (a filesystem of whole seconds: at ``now`` itself,
+        and what the pull moved in its last second is re-hashed once), so anything done
+        to DEST after the pull is stamped outside it, whatever the host's clock says."""
+        first = hi = self.target.fs_now()
+        deadline = time.monotonic() + _TICK_WAIT_S
+        while first is not None and hi is not None and hi <= first:
+            if time.monotonic() >= deadline:
+                hi = first
+                break
+            time.sleep(0.001)
+            hi = self.target.fs_now()
+        if hi is not None:
+            self.state.close_window(hi)
 
     def refresh_after_farm(self) -> None:
         """An early farm was made and removed without a change to DEST: record the ctimes

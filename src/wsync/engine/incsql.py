@@ -72,9 +72,9 @@ def insert_rows(db: sqlite3.Connection, sql: str, rows: Sequence[tuple[object, .
         db.executemany(sql, wide)
 
 
-#: the plan of the diff; ``:lo`` and ``:hi`` bound the last commit's ctime window (see
-#: ``PullState.window``): a ctime that moved into it moved by that pull's own links and
-#: unlinks (or by an edit while it ran, which a rescan would not have told apart either)
+#: the plan of the diff; ``:lo`` and ``:hi`` (exclusive) bound the last commit's ctime
+#: window (see ``PullState.window``): a ctime that moved into it moved by that pull's own
+#: links and unlinks (or by an edit while it ran, which a rescan would not have told apart)
 PLAN = """
 INSERT INTO s.plan (path, kind, ino, act, hash)
 SELECT m.path, m.kind, m.ino,
@@ -95,7 +95,7 @@ SELECT m.path, m.kind, m.ino,
     WHEN h.ino IS NOT o.hino AND m.kind = 'f' AND m.ino != 0 AND EXISTS (SELECT 1 FROM s.man g
       WHERE g.ino = m.ino AND g.kind = 'f' AND g.path != m.path) THEN 'tampered'
     WHEN h.ino IS NOT o.hino THEN 'check'
-    WHEN h.ctime IS NOT o.hctime AND (h.ctime IS NULL OR h.ctime NOT BETWEEN :lo AND :hi)
+    WHEN h.ctime IS NOT o.hctime AND (h.ctime IS NULL OR h.ctime < :lo OR h.ctime >= :hi)
       THEN 'check'
     ELSE 'keep'
   END,

@@ -86,7 +86,7 @@ _LISTING = "listing"
 _OPTIONS = "options"
 #: the meta key of the last commit's ctime window (see :meth:`PullState.window`)
 _WINDOW = "ctime_window"
-#: no window: an empty range (``lo > hi``)
+#: no window: an empty range (``hi`` is exclusive)
 NO_WINDOW = (1, 0)
 #: the meta key naming the listing whose commit wrote the ``records`` table: the records
 #: describe the state's rows while it names the last listing (see :meth:`PullState.known`)
@@ -527,8 +527,9 @@ class PullState:
                 db.executemany("INSERT OR REPLACE INTO main.meta VALUES (?, ?)", meta)
 
     def window(self) -> tuple[int, int]:
-        """The ctime window of the last commit, ``(lo, hi)`` in ns: from before that pull
-        first scanned DEST to after its old tree was gone.  Its farm's links and the old
+        """The ctime window of the last commit, ``(lo, hi)`` in ns, ``hi`` exclusive, read
+        off DEST's filesystem's own clock: from before that pull first scanned DEST to
+        after its old tree was gone.  Its farm's links and the old
         tree's unlinks move the ctime of every inode it kept and nothing else of them; a
         kept entry's row is the diff's scan, taken before, so its ctime now differs from
         the one recorded, within the window.  Such an entry is kept without a re-hash (the

@@ -380,8 +380,9 @@ class _Pull(IncrementalRunner):
             committed = False
             if inc is not None and self.swapped:
                 try:
-                    await in_thread(lambda: inc.locked(lambda: inc.commit(kept_prev=kept)))
-                    committed = True
+                    committed = await in_thread(
+                        lambda: inc.locked(lambda: inc.commit(kept_prev=kept))
+                    )
                     self.tree_bytes = await in_thread(lambda: inc.locked(inc.tree_bytes))
                 except (WsyncError, OSError) as exc:
                     self.warnings.append(
