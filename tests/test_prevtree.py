@@ -567,3 +567,23 @@ def test_a_pull_cancelled_outside_any_thread_leaves_its_reused_tree(
     pull(ws, dest, opts)
     assert os.stat(dest).st_ino == kept
     assert_exact(ws, dest)
+
+
+def test_a_prune_that_fails_is_a_warning(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DEST is final when the prune runs: a failure in it is a warning, and the next reuse
+    removes what it left."""
+    ws, dest, opts = pulled
+
+    def fails(*args: Any) -> int:
+        raise HostIOError("the disk said no")
+
+    monkeypatch.setattr(prevtree, "prune", fails)
+    change(ws, 2)
+    result = pull(ws, dest, opts)
+    assert any("not fully pruned" in w and "the disk said no" in w for w in result.warnings)
+    monkeypatch.undo()
+    change(ws, 3)
+    assert not pull(ws, dest, opts).warnings
+    assert_shares_only(dest)

@@ -41,12 +41,11 @@ from wsync.engine.api import ProgressCallback, PullOptions, PullResult
 from wsync.engine.destcheck import check_dest
 from wsync.engine.extract import ExtractStats
 from wsync.engine.feed import ChunkFeed, extract_feed
+from wsync.engine.finish import FinishRunner
 from wsync.engine.fsutil import EarlyFlush, host_io, syncfs
 from wsync.engine.helpers import HelperPool
-from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incremental import Incremental
 from wsync.engine.journal import DestRegistry, Journal
-from wsync.engine.linkmemo import remember
 from wsync.engine.prefarm import Prefarm
 from wsync.engine.settle import apply_lists
 from wsync.engine.winddown import in_thread, owned, raise_if_cancelled
@@ -63,7 +62,6 @@ from wsync.errors import (
     UnstableFiles,
     WsyncError,
 )
-from wsync.protocol import level
 from wsync.transports.base import Transport
 from wsync.transports.registry import open_transport
 
@@ -72,7 +70,7 @@ log = structlog.get_logger("wsync.pull")
 _T = TypeVar("_T")
 
 
-class _Pull(IncrementalRunner):
+class _Pull(FinishRunner):
     """One pull: the phases in order, the swap, and what follows it."""
 
     #: what ``finish`` and the result need, set the moment DEST is swapped: a stop that
@@ -210,12 +208,6 @@ class _Pull(IncrementalRunner):
             raise
         return self.outcome
 
-    @property
-    def keeps_prev(self) -> bool:
-        """This pull starts from, and leaves, a previous tree (``--keep-prev``, and a diff
-        against DEST to say what in it to keep)."""
-        return self.options.keep_prev and self.inc is not None and self.inc.reuses
-
     def swap_in(self, tmp: str, tmp_fd: int) -> str | None:
         """Flush the finished tree, then make it DEST; returns the old tree's name."""
         self.emit("swap")
@@ -299,58 +291,6 @@ class _Pull(IncrementalRunner):
         if not reused or busy or broken or self.stuck or reuse_failed:
             await self.remove_tmp(tmp)
 
-    async def keep_prev(self, inc: Incremental, old: str) -> str | None:
-        """Keep the old tree for the next pull (:mod:`wsync.engine.prevtree`), minus what
-        the new DEST does not share; returns the name still to remove (None: kept)."""
-        prev_fd = self.target.keep_prev(old)
-        if prev_fd is None:
-            return old
-
-        def prune() -> None:
-            # the thread owns the fd: a cancelled wait must not close it under the thread
-            # (a reused fd number would point its removals at another directory)
-            try:
-                inc.locked(lambda: inc.prune_prev(prev_fd))
-            finally:
-                os.close(prev_fd)
-
-        try:
-            await in_thread(prune)
-        except (WsyncError, OSError) as exc:
-            # what stays is removed by the next pull's reuse, or with the tree
-            self.warnings.append(f"the previous tree was not fully pruned: {exc}")
-        except BaseException:
-            # given up while the prune goes on: no later pull may start from that tree
-            self.target.set_aside(self.target.prev_name)
-            raise
-        return None
-
-    async def finish(self, old: str | None) -> None:
-        """After the swap DEST is final: nothing here may fail the pull.
-
-        The old tree is removed, the guest staging cleaned up and the journal
-        forgotten; problems become warnings.
-        """
-        self.emit("cleanup")
-        # the guest's staging goes while the host removes the old tree and commits: the
-        # two are independent, and a remote backend's round trip need not add to the pull
-        staging = None if self.options.keep_staging else asyncio.create_task(self.clean_staging())
-        try:
-            await self.finish_host(old)
-            if staging is not None:
-                await staging
-        finally:
-            if staging is not None and not staging.done():
-                staging.cancel()
-        rate = self.session.link.rate()
-        if rate is not None and self.session.link.meter.bytes >= level.TRUSTED:
-            key, state_dir = self.transport.description, self.options.state_dir
-            await in_thread(lambda: remember(state_dir, key, rate))
-        try:
-            self.journal.remove()
-        except WsyncError as exc:
-            self.warnings.append(f"journal not removed: {exc}")
-
     async def upload(self, snapshot: str, listing: bytes) -> None:
         """The select run's list, once more where the guest refused it: a killed run of
         this pull may still be removing that snapshot's staging (the admission that
@@ -360,50 +300,6 @@ class _Pull(IncrementalRunner):
         except StagingFailed as exc:
             log.info("list upload refused; once more", error=str(exc))
             await self.session.upload_list(snapshot, listing)
-
-    async def clean_staging(self) -> None:
-        """The staging of every run this pull admitted, in one call."""
-        if self.snapshots:
-            await self.clean_snapshot(*dict.fromkeys(self.snapshots))
-
-    async def finish_host(self, old: str | None) -> None:
-        """The old tree removed (or kept) while the state is committed, then the commit's
-        ctime window closed (:meth:`PullState.window`): the commit takes the kept entries
-        from the diff's scan, so it need not wait for the unlinks that move their ctimes."""
-        inc = self.inc
-        kept = False
-        if old is not None and inc is not None and self.keeps_prev and self.swapped:
-            old = await self.keep_prev(inc, old)
-            kept = old is None
-        removal = None if old is None else asyncio.ensure_future(self.remove_old(old))
-        try:
-            committed = False
-            if inc is not None and self.swapped:
-                try:
-                    committed = await in_thread(
-                        lambda: inc.locked(lambda: inc.commit(kept_prev=kept))
-                    )
-                    self.tree_bytes = await in_thread(lambda: inc.locked(inc.tree_bytes))
-                except (WsyncError, OSError) as exc:
-                    self.warnings.append(
-                        f"incremental state not recorded (next pull re-checks): {exc}"
-                    )
-            if removal is not None:
-                await removal
-            if inc is not None and committed:
-                try:
-                    await in_thread(lambda: inc.locked(inc.close_window))
-                except (WsyncError, OSError) as exc:  # the next pull re-hashes what moved
-                    self.warnings.append(f"incremental state not fully recorded: {exc}")
-        finally:
-            if removal is not None and not removal.done():
-                removal.cancel()
-
-    async def remove_old(self, old: str) -> None:
-        try:
-            await in_thread(self.target.removal(old))
-        except (HostIOError, OSError) as exc:
-            self.warnings.append(f"the previous tree was not fully removed: {exc}")
 
 
 #: failures that the same snapshot would repeat on every run: it is discarded at once
