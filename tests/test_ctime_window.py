@@ -10,6 +10,7 @@ still sees an edit made during it."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import shutil
 import sqlite3
@@ -58,6 +59,16 @@ def after(hi: int) -> None:
         time.sleep(0.01)
 
 
+def next_pull_rehashes_nothing(
+    ws: Path, dest: Path, opts: PullOptions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A change, and a pull that re-hashes nothing the last one kept."""
+    rehashes = Rehashes(monkeypatch)
+    (ws / "src" / "f3.txt").write_text("changed thrice\n")
+    assert pull(ws, dest, opts).changed_files == 1
+    assert rehashes.count == 0
+
+
 @pytest.fixture(params=[False, True], ids=["default", "keep-prev"])
 def pulled(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Path, PullOptions]:
     """A workspace pulled whole, then incrementally after a change."""
@@ -104,12 +115,9 @@ def test_what_a_pull_kept_is_not_rehashed_by_the_next(
     pull(ws, dest, opts)
     (ws / "src" / "f2.txt").write_text("changed twice\n")
     pull(ws, dest, opts)
-    rehashes = Rehashes(monkeypatch)
-    (ws / "src" / "f3.txt").write_text("changed thrice\n")
-    assert pull(ws, dest, opts).changed_files == 1
+    next_pull_rehashes_nothing(ws, dest, opts, monkeypatch)
     result = pull(ws, dest, opts)
     assert result.changed_files == 0 and result.files == 0
-    assert rehashes.count == 0
 
 
 def test_an_edit_after_the_pull_with_size_and_mtime_put_back_is_repaired(
@@ -284,6 +292,47 @@ def test_an_edit_in_the_pulls_last_second_on_a_filesystem_of_whole_seconds(
     edit_in_place(dest / "src" / "f5.txt")  # kept by the pull
     edit_in_place(dest / "src" / "f1.txt")  # fetched by it
     pull(ws, dest, opts)  # asserts DEST exact
+    # a pull that begins and ends within one second waits for the next one to close its
+    # window: the pull after it re-hashes nothing it kept
+    (ws / "src" / "f2.txt").write_text("changed twice\n")
+    time.sleep(1.01 - time.time() % 1)  # begins as a second begins, ends within it
+    pull(ws, dest, opts)
+    next_pull_rehashes_nothing(ws, dest, opts, monkeypatch)
+
+
+def lock_chmod_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fchmod`` of the DEST lock fails, as on another user's lock file left in a shared
+    directory by their killed pull (the pull opens it read-only and cannot chmod it)."""
+    real = os.fchmod
+
+    def fchmod(fd: int, mode: int) -> None:
+        try:
+            on_lock = os.readlink(f"/proc/self/fd/{fd}").endswith(".wsync-lock")
+        except OSError:
+            on_lock = False
+        if on_lock:
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        real(fd, mode)
+
+    monkeypatch.setattr(os, "fchmod", fchmod)
+
+
+def test_a_lock_that_cannot_be_chmodded_still_gives_a_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window's time is read off a directory made beside DEST, not off the lock file.
+    (Found by review: with the lock's chmod refused there was no window, and every pull
+    re-hashed every file the last one kept.)"""
+    lock_chmod_refused(monkeypatch)
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=30)
+    dest, opts = tmp_path / "out", options(tmp_path)
+    pull(ws, dest, opts)
+    for round_no in (1, 2, 3):
+        (ws / "src" / "f1.txt").write_text(f"round {round_no}\n")
+        rehashes = Rehashes(monkeypatch)
+        assert pull(ws, dest, opts).changed_files == 1
+        assert rehashes.count == 0 or round_no == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if "wsync" in p.name) == []
 
 
 def test_a_full_pull_records_a_window_too(tmp_path: Path) -> None:

@@ -37,7 +37,6 @@ import errno
 import fcntl
 import os
 import re
-import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -181,16 +180,26 @@ class DestDir:
 
     def fs_now(self) -> int | None:
         """A ctime that DEST's filesystem stamps now, by its own clock and to its own
-        precision (a file server's clock, a filesystem of whole seconds): the lock file's,
-        chmod'ed to its own mode.  None without the lock, or where it cannot be had."""
-        fd = self._lock_fd
-        if fd is None:
+        precision (a file server's clock, a filesystem of whole seconds): a directory's,
+        made beside DEST and removed again.  That needs only the write access the swap
+        needs (a chmod of the lock file fails where another user's killed pull left it in
+        a shared directory, and moves no ctime where a filesystem ignores modes); a
+        left-over has a stale tmp name, removed by the next pull.  None without the lock,
+        or where it cannot be had (then no window: re-hashes, never a missed change)."""
+        if self._lock_fd is None:
             return None
+        name = f".{self.name}.wsync-tmp-{os.urandom(6).hex()}"
         try:
-            os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode))
-            return os.fstat(fd).st_ctime_ns
+            os.mkdir(name, 0o700, dir_fd=self.parent_fd)
         except OSError:
             return None
+        try:
+            return os.stat(name, dir_fd=self.parent_fd, follow_symlinks=False).st_ctime_ns
+        except OSError:
+            return None
+        finally:
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=self.parent_fd)
 
     def _lock_tree(self, is_dest: Callable[[Path], bool]) -> None:
         """DEST's directory exclusively, and shared each directory above it that is a DEST

@@ -81,8 +81,11 @@ _READ = 1 << 20
 _LEN = struct.Struct(">I")
 #: a hash log record's inode, mode and size (its mtime follows in 16 bytes)
 _WRITTEN = struct.Struct("<QIQ")
-#: how long :meth:`Incremental.close_window` waits for DEST's filesystem clock to tick
+#: how long :meth:`Incremental.close_window` waits for DEST's filesystem clock to tick;
+#: longer where it stamps whole seconds (else every pull that began and ended within one
+#: second would leave an empty window, and the next re-hash all it kept)
 _TICK_WAIT_S = 0.02
+_SECOND_TICK_WAIT_S = 1.1
 
 
 def can_list(plan: GuestPlan) -> bool:
@@ -497,16 +500,18 @@ class Incremental:
         """After the commit and after the old tree is gone (or kept): no link or unlink of
         this pull moves a ctime of DEST from now on.  Every one of them was stamped at or
         before DEST's filesystem's ``now``; the window ends, exclusive, at its next tick
-        when that comes within a moment (a filesystem of whole seconds: at ``now`` itself,
-        and what the pull moved in its last second is re-hashed once), so anything done
-        to DEST after the pull is stamped outside it, whatever the host's clock says."""
+        when that comes within a moment (a second on a filesystem of whole seconds; else
+        at ``now`` itself, and what the pull moved in that last tick is re-hashed once), so
+        anything done to DEST after the pull is stamped outside it, whatever the host's
+        clock says."""
         first = hi = self.target.fs_now()
-        deadline = time.monotonic() + _TICK_WAIT_S
+        whole = first is not None and first % 1_000_000_000 == 0
+        deadline = time.monotonic() + (_SECOND_TICK_WAIT_S if whole else _TICK_WAIT_S)
         while first is not None and hi is not None and hi <= first:
             if time.monotonic() >= deadline:
                 hi = first
                 break
-            time.sleep(0.001)
+            time.sleep(0.01 if whole else 0.001)
             hi = self.target.fs_now()
         if hi is not None:
             self.state.close_window(hi)
