@@ -29,8 +29,9 @@ with ``--keep-prev``, the previous pull's old tree, kept beside DEST and brought
 farm at a cost of what changed: :mod:`~wsync.engine.prevtree`), the archive applied in the
 extractor's replace mode (no inode of the live DEST is ever written), gone entries removed,
 directory modes and mtimes set from the manifest, then the usual flush and swap.  The old
-tree is removed (or kept for the next pull, minus what the new DEST does not share), and
-the state is committed with the extractor's file hashes.
+tree is removed (or kept for the next pull, minus what the new DEST does not share) while
+the state is committed with the extractor's file hashes and a ctime window over the
+pull's own links and unlinks (:mod:`wsync.engine.finish`, :meth:`PullState.window`).
 """
 
 from __future__ import annotations

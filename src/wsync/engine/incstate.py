@@ -529,10 +529,10 @@ class PullState:
     def window(self) -> tuple[int, int]:
         """The ctime window of the last commit, ``(lo, hi)`` in ns, ``hi`` exclusive, read
         off DEST's filesystem's own clock: from before that pull first scanned DEST to
-        after its old tree was gone.  Its farm's links and the old
-        tree's unlinks move the ctime of every inode it kept and nothing else of them; a
-        kept entry's row is the diff's scan, taken before, so its ctime now differs from
-        the one recorded, within the window.  Such an entry is kept without a re-hash (the
+        after its old tree was gone.  Its farm's links and the old tree's unlinks move the
+        ctime of every inode it kept and nothing else of them; a kept entry's row is the
+        diff's scan, taken before, so its ctime now differs from the one recorded, within
+        the window.  Such an entry is kept without a re-hash (the
         plan's ``:lo``/``:hi``).  What the window also hides, an edit during that pull with
         the size kept and the mtime put back, a rescan after the removal hid too (the link
         and unlink move the same ctime after the edit).  Empty (:data:`NO_WINDOW`) when
