@@ -386,7 +386,7 @@ class PullState:
                 meta.append((_RECORDS, _records_key(manifest)))
             window = self._window()
             if window is not None:  # and so do the ctimes the window describes
-                meta.append((_WINDOW, _window_value(manifest, *window)))
+                meta.append((_WINDOW, _window_value(manifest, *window[1:])))
             self.db.executemany("INSERT OR REPLACE INTO main.meta VALUES (?, ?)", meta)
             self.db.commit()
 
@@ -541,12 +541,13 @@ class PullState:
         its rows are a rescan's, and it leaves this key as it was)."""
         with self._errors():
             window = self._window()
-        if window is None or window[1] is None:
+        if window is None or window[2] is None:
             return NO_WINDOW
-        return window[0], window[1]
+        return window[1], window[2]
 
-    def _window(self) -> tuple[int, int | None] | None:
-        """The window recorded for the current listing, closed or not; None if none."""
+    def _window(self) -> tuple[str, int, int | None] | None:
+        """The current listing and the window recorded for it, closed or not (``hi``
+        None); None if none."""
         value, listing = self._meta(_WINDOW), self._meta(_LISTING)
         if value is None or listing is None:
             return None
@@ -554,17 +555,16 @@ class PullState:
         if len(parts) != 3 or parts[0] != listing or not parts[1].lstrip("-").isdigit():
             return None
         hi = int(parts[2]) if parts[2].lstrip("-").isdigit() else None
-        return int(parts[1]), hi
+        return listing, int(parts[1]), hi
 
     def close_window(self, hi: int) -> None:
         """Close the window the last :meth:`commit` opened, at ``hi`` ns: after the old
         tree was removed (or kept), and after the commit."""
         with self._errors():
             window = self._window()
-            listing = self._meta(_LISTING)
-            if window is None or window[1] is not None or listing is None:
+            if window is None or window[2] is not None:
                 return
-            value = _window_value(listing, window[0], hi)
+            value = _window_value(window[0], window[1], hi)
             self.db.execute("INSERT OR REPLACE INTO main.meta VALUES (?, ?)", (_WINDOW, value))
             self.db.commit()
 
