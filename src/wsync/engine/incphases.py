@@ -26,7 +26,9 @@ Once the manifest's bytes are in, if they differ from the listing the last pull 
 the tmp tree is made and DEST's scan linked into it while the manifest loads and the diff
 runs (:mod:`wsync.engine.prefarm`); the content run takes that tree
 (:meth:`IncrementalRunner.take_early_farm`), any other outcome removes it
-(:meth:`IncrementalRunner.drop_early_farm`).
+(:meth:`IncrementalRunner.drop_early_farm`).  With ``--keep-prev`` the kept tree is the
+start instead, and what goes ahead is its walk (:func:`wsync.engine.prevtree.walk_ahead`):
+the reuse takes the rows if it renamed that very tree into place.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,7 +54,7 @@ from wsync.engine.journal import Journal
 from wsync.engine.phases import _WIND_DOWN_S, StreamRunner
 from wsync.engine.prefarm import Prefarm
 from wsync.engine.winddown import in_thread, owned
-from wsync.errors import GuestToolsMissing, HostIOError, WsyncError
+from wsync.errors import GuestToolsMissing, HostIOError, Interrupted, WsyncError
 from wsync.protocol import manifest
 from wsync.protocol.records import DoneRecord
 from wsync.protocol.scripts import SNAPSHOT_ID
@@ -79,6 +82,10 @@ class IncrementalRunner(StreamRunner):
     #: set once the early farm holds DEST's scan rows, or will not farm (the diff waits
     #: for it: the diff consumes the rows)
     early_ready: asyncio.Event | None = None
+    #: ``--keep-prev``: the previous tree's walk, taken while the diff runs (see
+    #: :meth:`Incremental.walk_ahead`), and what stops it
+    walk_task: asyncio.Task[None] | None = None
+    walk_stop: threading.Event | None = None
     #: the manifest's guest staging being removed while the diff runs (keep_staging)
     manifest_cleanup: asyncio.Task[None] | None = None
     #: the manifest being loaded into the state while the content run goes on (see the
@@ -263,12 +270,24 @@ class IncrementalRunner(StreamRunner):
         inc, scan = self.inc, self.scan_task
         if journal is not self.manifest_journal or inc is None or self.done is None:
             return
-        if scan is None or self.options.keep_prev or self.options.dry_run:
-            return  # no baseline or no DEST, a kept previous tree is the start, or no farm
+        if scan is None or self.options.dry_run:
+            return  # no baseline or no DEST, or no farm
         if not inc.baseline(plan, stdin=self.session.gate):
             return
         if inc.last_listing == _manifest_digest(plan, self.done):
             return  # the guest lists what it listed last time: most likely nothing to do
+        if self.options.keep_prev:
+            # a kept previous tree is the start: its walk is what can go ahead
+            stop = self.walk_stop = threading.Event()
+
+            def check() -> None:
+                if stop.is_set():
+                    raise Interrupted("the previous tree's walk stopped")
+
+            names = [self.tmp_name, self.target.prev_name]
+            walk = owned(self.target.parent_fd, lambda fd: inc.walk_ahead(fd, names, check))
+            self.walk_task = asyncio.create_task(in_thread(walk))
+            return
         self.early = Prefarm()
         self.early_ready = asyncio.Event()
         self.early_task = asyncio.create_task(self._early_farm(inc, scan, self.early))
@@ -339,10 +358,22 @@ class IncrementalRunner(StreamRunner):
         self.early_task = self.early = None
         return None if made is None else (*made, farm)
 
+    async def take_walk(self) -> None:
+        """The previous tree's walk over (its rows with the state, or none: the reuse walks
+        then)."""
+        task, self.walk_task = self.walk_task, None
+        if task is not None:
+            with contextlib.suppress(WsyncError, OSError):
+                await asyncio.shield(task)
+
     async def drop_early_farm(self) -> bool:
-        """Stop the early farm and remove its tree (nothing to do, a whole-tree run, a
-        failure); True when there was a tree.  Bounded: a tree left behind is removed by
-        the next run's make_tmp."""
+        """Stop the early farm and remove its tree, or stop the previous tree's walk
+        (nothing to do, a whole-tree run, a failure); True when there was a tree.
+        Bounded: a tree left behind is removed by the next run's make_tmp."""
+        walk, self.walk_task = self.walk_task, None
+        if walk is not None and self.walk_stop is not None:
+            self.walk_stop.set()
+            await asyncio.wait({walk}, timeout=_WIND_DOWN_S)
         task, farm = self.early_task, self.early
         self.early_task = self.early = None
         if task is None or farm is None:

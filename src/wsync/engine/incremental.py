@@ -59,7 +59,7 @@ from wsync.engine.farm import build_farm, join_groups, set_dir_meta
 from wsync.engine.fsutil import host_io
 from wsync.engine.guest import GuestPlan
 from wsync.engine.incdiff import Diff
-from wsync.engine.incstate import PullState
+from wsync.engine.incstate import HOLD, PullState
 from wsync.engine.itemize import escape
 from wsync.engine.prefarm import Prefarm
 from wsync.errors import (
@@ -252,6 +252,8 @@ class Incremental:
         self.reused = False
         #: bringing the previous tree to the farm failed (something in it we cannot remove)
         self.reuse_failed = False
+        #: the previous tree's walk, taken while the diff ran (see :meth:`walk_ahead`)
+        self.walked: prevtree.Walked | None = None
         self._stop = threading.Event()
 
     def close(self) -> None:
@@ -425,7 +427,9 @@ class Incremental:
                 prefarm.clear(tmp_fd)
             if reused and dest_fd is not None:
                 try:
-                    removed, made = prevtree.reuse(self.state.db, dest_fd, tmp_fd, check_cancel)
+                    removed, made = prevtree.reuse(
+                        self.state.db, dest_fd, tmp_fd, check_cancel, self.walked
+                    )
                 except (HostIOError, OSError):
                     self.reuse_failed = True  # the tree goes, not to the next run
                     raise
@@ -436,6 +440,15 @@ class Incremental:
         finally:
             if dest_fd is not None:
                 os.close(dest_fd)
+
+    def walk_ahead(self, parent_fd: int, names: list[str], check: Callable[[], None]) -> None:
+        """Walk the tree a ``--keep-prev`` reuse will start from (the first of ``names`` in
+        DEST's parent, open at ``parent_fd``), in a worker thread while the diff runs: the
+        reuse then only checks that it renamed that very tree into place
+        (:func:`prevtree.walk_ahead`)."""
+        walked = prevtree.walk_ahead(parent_fd, names, check, HOLD)
+        self.walked = walked
+        log.debug("previous tree walked", entries=None if walked is None else len(walked.rows))
 
     def prune_prev(self, prev_fd: int) -> int:
         """After the swap, before :meth:`commit`: drop from the kept old tree what the new

@@ -361,10 +361,15 @@ class StreamRunner:
                 log.warning("a journal write is still running")
                 break
 
+    @property
+    def tmp_name(self) -> str:
+        """The name beside DEST of this pull's tree (a rerun of it finds it again)."""
+        return f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
+
     async def make_tmp(self, *, reuse: bool) -> tuple[str, int, bool]:
         """The tree beside DEST that becomes DEST (stale ones of earlier runs go): its
         name, fd, and whether it is a reused earlier tree (``reuse``: an incremental pull)."""
-        tmp = f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
+        tmp = self.tmp_name
         tmp_fd, warnings, reused, stale = self.target.make_tmp(tmp, reuse=reuse)
         self.warnings.extend(warnings)
         for name in stale:

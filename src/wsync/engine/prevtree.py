@@ -10,7 +10,8 @@ farm: its unchanged entries are the very inodes the new DEST holds.  So with ``-
 an incremental pull keeps it as ``.NAME.wsync-prev``, minus what the new DEST does not share
 (old versions of changed files, deleted entries: :func:`prune`, a cost of what changed), and
 the next incremental pull starts its tmp tree from it (:func:`reuse`): a walk lists it
-(``getdents`` only: kind and inode come with the names), what the new farm must not hold is
+(``getdents`` only: kind and inode come with the names; taken while the manifest loads and
+the diff runs, :func:`walk_ahead`), what the new farm must not hold is
 removed, what it lacks is linked, and the archive is then applied to it as to a fresh farm.
 
 It is an option, off by default, because it shows: every file of DEST has a second link
@@ -43,10 +44,11 @@ import os
 import sqlite3
 import stat
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 from wsync.engine import incsql
 from wsync.engine.farm import CANCEL_EVERY, _Parents, _split, build_farm
-from wsync.engine.fsutil import remove_tree_at
+from wsync.engine.fsutil import make_private, remove_tree_at
 from wsync.engine.hostscan import HostRow, row, walk_dirs
 from wsync.engine.itemize import escape
 from wsync.errors import HostIOError
@@ -148,6 +150,52 @@ def walk(root_fd: int, check_cancel: Callable[[], None]) -> Iterator[tuple[bytes
                 yield name, kind, entry.inode(), mode or 0
 
 
+#: an entry of the walk: path, kind, inode, mode (see :func:`walk`)
+Row = tuple[bytes, str, int, int]
+
+
+class Walked(NamedTuple):
+    """A walk taken ahead of the reuse (:func:`walk_ahead`): the tree's root as
+    ``(st_dev, st_ino)`` and every row of the walk."""
+
+    root: tuple[int, int]
+    rows: list[Row]
+
+
+def walk_ahead(
+    parent_fd: int, names: Iterable[str], check_cancel: Callable[[], None], limit: int
+) -> Walked | None:
+    """The walk of the tree a reuse will start from, taken while the manifest loads and
+    the diff runs (a worker thread; the DEST lock held): the first of ``names`` in
+    ``parent_fd`` that opens as a directory, made private first as the reuse makes it.
+    None when there is none, it is not ours, or it holds more than ``limit`` entries
+    (they would all be in memory: the reuse walks it then, into the state's tables).
+
+    The reuse takes the rows only for the very directory it renamed into place (same
+    root inode): once private, nobody else can add to the tree or to any directory of
+    it that was walked, and nothing else of this pull writes to it before the reuse."""
+    for name in names:
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        except OSError:
+            continue
+        try:
+            if not make_private(fd):
+                return None
+            st = os.fstat(fd)
+            rows: list[Row] = []
+            for item in walk(fd, check_cancel):
+                if len(rows) >= limit:
+                    return None
+                rows.append(item)
+            return Walked((st.st_dev, st.st_ino), rows)
+        except (OSError, HostIOError):
+            return None
+        finally:
+            os.close(fd)
+    return None
+
+
 def _unreadable(path: bytes, exc: OSError) -> None:
     raise HostIOError(f"reading the previous tree at {escape(path)}: {exc}") from exc
 
@@ -210,15 +258,25 @@ def remove_all(root_fd: int, paths: Iterable[bytes], check_cancel: Callable[[], 
 
 
 def reuse(
-    db: sqlite3.Connection, dest_fd: int, tmp_fd: int, check_cancel: Callable[[], None]
+    db: sqlite3.Connection,
+    dest_fd: int,
+    tmp_fd: int,
+    check_cancel: Callable[[], None],
+    walked: Walked | None = None,
 ) -> tuple[int, int]:
     """Turn the reused tree at ``tmp_fd`` into the farm of the diff in ``db``'s scratch
-    tables (``s.plan``, ``s.host``); return (entries removed, entries made)."""
+    tables (``s.plan``, ``s.host``); return (entries removed, entries made).  ``walked``:
+    the walk :func:`walk_ahead` took, used when it is of this very tree."""
+    st = os.fstat(tmp_fd)
+    if walked is not None and walked.root == (st.st_dev, st.st_ino):
+        rows: Iterable[Row] = walked.rows
+    else:
+        rows = walk(tmp_fd, check_cancel)
     try:
         db.execute(_TABLE)
         db.execute("DELETE FROM s.prev")
-        batch: list[tuple[bytes, str, int, int]] = []
-        for item in walk(tmp_fd, check_cancel):
+        batch: list[Row] = []
+        for item in rows:
             batch.append(item)
             if len(batch) >= _BATCH:
                 incsql.insert_rows(db, _INSERT, batch)

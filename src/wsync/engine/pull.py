@@ -242,6 +242,7 @@ class _Pull(FinishRunner):
         if taken is not None:
             tmp, tmp_fd, early = taken
             return tmp, tmp_fd, False, early
+        await self.take_walk()
         tmp, tmp_fd, reused = await self.make_tmp(reuse=reuse)
         return tmp, tmp_fd, reused, None
 
