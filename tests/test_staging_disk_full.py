@@ -24,7 +24,7 @@ import pytest
 
 from helpers import busybox_bin, options, run_pull
 from wsync.engine import incremental
-from wsync.engine.phases import StreamRunner
+from wsync.engine.leftovers import LeftoverRunner
 from wsync.errors import StagingFailed
 from wsync.protocol import scripts
 from wsync.transports.local import LocalTransport
@@ -118,13 +118,13 @@ def test_a_full_guest_disk_leaves_no_listing_behind_however_slow_its_removal(
     bindir.mkdir()
     _fake_df(bindir, "fake 1000 900 100 90% /")
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
-    clean_snapshot = StreamRunner.clean_snapshot
+    clean_snapshot = LeftoverRunner.clean_snapshot
 
-    async def slow_clean(self: StreamRunner, snapshot: str) -> None:
+    async def slow_clean(self: LeftoverRunner, snapshot: str) -> None:
         await asyncio.sleep(1.0)  # still at it when the content run's admission fails
         await clean_snapshot(self, snapshot)
 
-    monkeypatch.setattr(StreamRunner, "clean_snapshot", slow_clean)
+    monkeypatch.setattr(LeftoverRunner, "clean_snapshot", slow_clean)
     with pytest.raises(StagingFailed, match="100 KiB"):
         run_pull(LocalTransport(env=env), ws, tmp_path / "out", options(tmp_path))
     assert list((tmp_path / "staging").glob("s*")) == []

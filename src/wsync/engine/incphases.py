@@ -51,7 +51,8 @@ from wsync.engine.guest import GuestPlan
 from wsync.engine.incremental import Incremental
 from wsync.engine.incstate import state_path
 from wsync.engine.journal import Journal
-from wsync.engine.phases import _WIND_DOWN_S, StreamRunner
+from wsync.engine.leftovers import LeftoverRunner
+from wsync.engine.phases import _WIND_DOWN_S
 from wsync.engine.prefarm import Prefarm
 from wsync.engine.winddown import in_thread, owned
 from wsync.errors import GuestToolsMissing, HostIOError, Interrupted, WsyncError
@@ -72,7 +73,7 @@ def _manifest_digest(plan: GuestPlan, done: DoneRecord) -> str:
     return f"{plan.algorithm.name}:{plan.compressor}:{done.length}:{done.digest}"
 
 
-class IncrementalRunner(StreamRunner):
+class IncrementalRunner(LeftoverRunner):
     """The incremental phases of one pull (see the module docstring)."""
 
     scan_task: asyncio.Task[None] | None = None

@@ -16,7 +16,7 @@ import dataclasses
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,7 +39,6 @@ from wsync.engine.winddown import (
     raise_if_cancelled,
 )
 from wsync.errors import (
-    HostIOError,
     IntegrityFailed,
     LimitExceeded,
     ListMissing,
@@ -47,12 +46,11 @@ from wsync.errors import (
     StagingFailed,
     StagingGone,
     UsageError,
-    WsyncError,
     first_error,
 )
 from wsync.protocol import level, scripts
 from wsync.protocol.policy import MIN_TEXT_READ, ReadSizer
-from wsync.protocol.records import CHUNK_SCHEDULE, Chunk, DoneRecord, IndexParser
+from wsync.protocol.records import Chunk, DoneRecord, IndexParser
 from wsync.protocol.scripts import BLOCK
 from wsync.transports.base import Transport
 
@@ -361,80 +359,6 @@ class StreamRunner:
                 log.warning("a journal write is still running")
                 break
 
-    @property
-    def tmp_name(self) -> str:
-        """The name beside DEST of this pull's tree (a rerun of it finds it again)."""
-        return f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
-
-    async def make_tmp(self, *, reuse: bool) -> tuple[str, int, bool]:
-        """The tree beside DEST that becomes DEST (stale ones of earlier runs go): its
-        name, fd, and whether it is a reused earlier tree (``reuse``: an incremental pull)."""
-        tmp = self.tmp_name
-        tmp_fd, warnings, reused, stale = self.target.make_tmp(tmp, reuse=reuse)
-        self.warnings.extend(warnings)
-        for name in stale:
-            try:
-                await in_thread(self.target.removal(name))
-            except (HostIOError, OSError) as exc:
-                self.warnings.append(f"a left-over of an earlier pull was not removed: {exc}")
-        return tmp, tmp_fd, reused
-
-    async def remove_tmp(self, tmp: str) -> None:
-        """Remove the partial tree beside DEST (bounded; the next run removes what stays).
-
-        It gets a stale name first, here: a worker that could not be stopped (``stuck``)
-        or a removal that outlives its bound then works in a tree no later pull takes for
-        its own."""
-        self.target.close_tmp()
-        try:
-            work = self.target.removal(tmp)
-        except OSError as exc:
-            log.warning("tmp tree not removed", tmp=str(tmp), error=str(exc))
-            return
-        if self.stuck:
-            return
-
-        def remove() -> None:
-            try:
-                work()
-            except (WsyncError, OSError) as exc:  # the pull's own error is what is reported
-                log.warning("tmp tree not removed", tmp=str(tmp), error=str(exc))
-
-        remover = threading.Thread(target=remove, name="wsync-cleanup", daemon=True)
-        remover.start()
-        if not await await_thread(remover, _WIND_DOWN_S):
-            log.info("partial tree not removed yet; the next run removes it", tmp=str(tmp))
-
-    def choose_snapshot(
-        self, plan: GuestPlan, journal: Journal, mode: str, extra: Mapping[str, Any]
-    ) -> str:
-        """The snapshot of ``journal`` to resume when it was admitted for the same run
-        (same mode, and for a select run the same list), else a fresh one."""
-        wanted = {
-            "sandbox": self.transport.description,
-            "workspace": self.workspace,
-            "staging_root": self.options.staging_root,
-            "chunk_size": self.options.chunk_size,
-            # chunks that grow: a journal of another schedule (an older wsync's fixed
-            # chunks) is not resumed, its guest index would not parse
-            "chunk_schedule": CHUNK_SCHEDULE,
-            "algorithm": plan.algorithm.name,
-            "compressor": plan.compressor,
-            **({"mode": mode} if mode != "tar" else {}),
-            **extra,
-        }
-        meta = journal.meta
-        fresh = meta is not None and (
-            time.time() - float(meta.get("created", 0)) < self.options.staging_ttl
-        )
-        if meta and fresh and all(meta.get(k) == v for k, v in wanted.items()):
-            snapshot = str(meta["snapshot"])
-            log.info("resuming", snapshot=snapshot)
-            return snapshot
-        snapshot = new_snapshot_id()
-        journal.start({**wanted, "snapshot": snapshot, "created": time.time()})
-        return snapshot
-
     async def fetch_all(
         self,
         plan: GuestPlan,
@@ -528,48 +452,6 @@ class StreamRunner:
             raise first_error(group_error) from None
         self.inline = None
         return done.chunks, done.length
-
-    async def clean_guest(self, *snapshots: str) -> WsyncError | TimeoutError | None:
-        """Remove ``snapshots`` (by default the session's) from the guest staging, in one
-        call within two call timeouts; the error if it could not (the guest's GC removes
-        what stays)."""
-        try:
-            async with asyncio.timeout(self.options.call_timeout * 2):
-                await self.session.cleanup(*snapshots)
-        except (WsyncError, TimeoutError) as exc:
-            return exc
-        return None
-
-    async def clean_snapshot(self, *snapshots: str) -> None:
-        """:meth:`clean_guest` of ``snapshots``, a failure a warning of the pull."""
-        error = await self.clean_guest(*snapshots)
-        if error is not None:
-            self.warnings.append(f"guest staging not removed (GC removes it later): {error}")
-
-    async def clean_other_runs(self) -> None:
-        """Remove the staging of this pull's runs but the one it stopped in, now: for a
-        pull that keeps that run for the next (a host limit), whose listing is replayed
-        from the journal, not from the guest."""
-        current = self.session.snapshot
-        others = [s for s in dict.fromkeys(self.snapshots) if s != current]
-        if others and self.session.algorithm and not self.options.keep_staging:
-            self.snapshots = [s for s in self.snapshots if s == current]
-            await self.clean_snapshot(*others)
-
-    async def discard(self) -> None:
-        """Forget a snapshot that failed for a reason a retry of it cannot fix: remove the
-        guest staging now (a full guest disk must not stay full until the GC) and the
-        journal's chunks, so that the next run starts a fresh snapshot."""
-        if self.session.snapshot and self.session.algorithm and not self.options.keep_staging:
-            # (with a manifest run's staging this pull left for its last cleanup)
-            error = await self.clean_guest(*dict.fromkeys([*self.snapshots, self.session.snapshot]))
-            if error is not None:
-                log.warning("failed snapshot not removed from the guest", error=str(error))
-        with contextlib.suppress(WsyncError):
-            self.chunk_journal.forget()
-            if self.manifest_journal is not None:
-                # no run of that listing is left to resume: the next run lists afresh
-                self.manifest_journal.forget()
 
     def check_tar(self, plan: GuestPlan, tar_rc: int, errors: str) -> None:
         """GNU tar exits 1 only for files that changed while read: a warning.
