@@ -71,7 +71,7 @@ def manifest(root: Path) -> Iterator[Entry]:
 #: the options key the helpers' pulls run under when they read a listing (see ``listing``)
 OPTIONS = "test-options"
 #: what the guest's producer runs for a manifest, with GNU find (wsync.protocol.producer)
-FIND_FORMAT = "%y %m %s %T@ %C@ %i\\0%p\\0%l\\0"
+FIND_FORMAT = "%y %m %s %T@ %C@ %i:%D\\0%p\\0%l\\0"
 
 
 def listing(root: Path) -> bytes:

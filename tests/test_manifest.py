@@ -17,8 +17,10 @@ from wsync.protocol.manifest import (
     MAX_HEADER,
     MAX_NAME,
     Entry,
+    Known,
     ListedBytes,
     ManifestParser,
+    fingerprint,
     parse_time,
 )
 
@@ -117,6 +119,41 @@ def test_fuzz_round_trip(items: list[tuple[str, bytes]]) -> None:
         data += kind.encode() + b" 644 7 3.25 4 9\0./" + name + b"\0" + target + b"\0"
         want.append(Entry(name, kind, 0o644, 7, 3_250_000_000, 4_000_000_000, 9, target))
     assert parse([data]) == want
+
+
+# -- devices: one inode number on two filesystems is two files ----------------------------
+
+#: the root on device 64, a file on it, two on device 65 (a mount), one of them of the same
+#: inode number as the root's file, and one of unknown inode
+DEVICES = (
+    b"d 755 4096 1 1 2:64\0.\0\0"
+    b"f 644 1 1 1 7:64\0./a\0\0"
+    b"d 755 4096 1 1 2:65\0./m\0\0"
+    b"f 644 1 1 1 7:65\0./m/b\0\0"
+    b"f 644 1 1 1 0:65\0./m/c\0\0"
+)
+
+
+def test_an_inode_of_another_device_than_the_roots_carries_its_device() -> None:
+    for chunks in ([DEVICES], [DEVICES[i : i + 1] for i in range(len(DEVICES))]):
+        got = {e.path: e.ino for e in parse(chunks)}
+        # the root's own device: the inode number alone, as before devices were listed
+        assert got[b"."] == 2 and got[b"a"] == 7
+        assert got[b"m"] == 65 << 64 | 2 and got[b"m/b"] == 65 << 64 | 7
+        assert got[b"m/c"] == 0  # unknown stays unknown
+
+
+def test_the_roots_device_is_read_from_its_record_even_when_that_is_known() -> None:
+    """A known record is not parsed, the root's included: its device is still the one the
+    others are compared with."""
+    root = DEVICES.split(b"\0", 3)
+    known = Known({fingerprint(*root[:3])})
+    parser = ManifestParser(known)
+    parser.receive_data(DEVICES)
+    parser.receive_eof()
+    got = {e.path: e.ino for e in parser.entries()}
+    assert b"." not in got and known.matched == 1
+    assert got[b"a"] == 7 and got[b"m/b"] == 65 << 64 | 7
 
 
 # -- ListedBytes: the sizes of regular files, before the manifest loads --------------------

@@ -183,7 +183,10 @@ def connect(path: Path) -> sqlite3.Connection:
                 db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL)")
                 db.execute(f"CREATE TABLE IF NOT EXISTS state ({STATE_COLUMNS}) WITHOUT ROWID")
                 db.execute(RECORDS_TABLE)
-        # a torn or edited file must cost a full pull, never a wrong diff
+        # a torn file (a crash mid-write, a damaged disk) must cost a full pull, never a
+        # wrong diff.  Values rewritten by hand in a sound file are believed: the file is
+        # the user's own (0600 in a 0700 directory), trusted as DEST itself is; checking
+        # every row's types would cost a scan of the state on every pull
         verdict = db.execute("PRAGMA quick_check(1)").fetchone()
         if verdict is None or verdict[0] != "ok":
             raise sqlite3.DatabaseError(f"quick_check: {verdict[0] if verdict else 'no answer'}")

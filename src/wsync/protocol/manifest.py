@@ -5,7 +5,7 @@ workspace as its data stream (compressed, chunk-indexed and hashed like an archi
 every byte here was verified before it is parsed).  A record is three NUL-terminated
 fields::
 
-    KIND MODE SIZE MTIME CTIME INO [DIGEST] \\0 PATH \\0 TARGET \\0
+    KIND MODE SIZE MTIME CTIME INO[:DEV] [DIGEST] \\0 PATH \\0 TARGET \\0
 
 - ``KIND``: one letter as GNU ``find -printf %y`` prints it (``f d l p c b s``);
 - ``MODE``: the permission bits in octal (``%m``);
@@ -14,6 +14,14 @@ fields::
   ``stat -c %Y`` gives whole seconds); the sign is the whole seconds' alone, the fraction
   counts forward from them (``-2.25`` is 1.75 s before the epoch, as ``find`` prints it);
   ``CTIME`` and ``INO`` are ``0`` where unknown;
+- ``DEV``: the device the entry is on (``st_dev``, decimal; GNU ``find %D``, ``stat %d``).
+  An inode number names a file only within its filesystem: a workspace that holds a
+  mount (a volume, a bind mount, a btrfs subvolume) has files of one inode number on two
+  devices, which must never be taken for one file's links.  So :attr:`Entry.ino` is the
+  inode number for an entry on the workspace root's device (the first record, ``.``, as
+  ``find .`` prints it first) and ``DEV << 64 | INO`` for one on any other: one number
+  per file, the same as before devices were listed wherever the workspace is one
+  filesystem (the state recorded then stays valid);
 - ``DIGEST``: a content hash, only from guests that cannot give ctime and inode;
 - ``PATH``: ``.`` or ``./``-prefixed, as ``find .`` prints it, any byte but NUL;
 - ``TARGET``: a symlink's target, empty otherwise.
@@ -55,7 +63,7 @@ _NS = 1_000_000_000
 _HEADER = re.compile(
     rb"([fdlpcbs]) ([0-7]{1,6}) ([0-9]{1,20})"
     rb" (-?[0-9]{1,20})(?:\.([0-9]{0,20}))? (-?[0-9]{1,20})(?:\.([0-9]{0,20}))?"
-    rb" ([0-9]{1,20})(?: ([0-9a-f]{0,128}))?"
+    rb" ([0-9]{1,20})(?::([0-9]{1,20}))?(?: ([0-9a-f]{0,128}))?"
 )
 _PAD = b"000000000"
 
@@ -72,6 +80,8 @@ class Entry(NamedTuple):
     size: int
     mtime_ns: int
     ctime_ns: int
+    #: names the file within the workspace: its inode number, with its device where that
+    #: is not the root's (see DEV in the module docstring); 0 where unknown
     ino: int
     target: bytes
     digest: str = ""
@@ -114,6 +124,13 @@ def _ns(whole: bytes, frac9: bytes) -> int:
     return int(whole) * _NS + int(frac9)
 
 
+def _on_device(dev: bytes, ino: bytes) -> int:
+    """The number of inode ``ino`` of device ``dev``, not the workspace root's (see DEV in
+    the module docstring); 0 (unknown) stays 0."""
+    number = int(ino)
+    return int(dev) << 64 | number if number else 0
+
+
 class ManifestParser:
     """Feed bytes with :meth:`receive_data`, take records with :meth:`entries`.
 
@@ -127,6 +144,8 @@ class ManifestParser:
         self._eof = False
         self._known = known
         self.count = 0
+        #: the workspace root's device (DEV of the first record, ``.``), once seen
+        self._root_dev: bytes | None = None
 
     def receive_data(self, data: bytes) -> None:
         if self._eof:
@@ -158,6 +177,11 @@ class ManifestParser:
         known = self._known.left if self._known is not None else set()
         matched = 0
         record = b""
+        if self._root_dev is None and whole:
+            # from the header even where the record is known (not parsed below)
+            first = match(fields[0]) if len(fields[0]) <= MAX_HEADER else None
+            self._root_dev = (first.group(9) or b"") if first and fields[1] == b"." else b""
+        root_dev = self._root_dev
         triples = iter(fields)  # zip stops before a partial triple (kept in _fields)
         for header, raw, target in zip(triples, triples, triples, strict=False):
             if fingerprints:
@@ -169,7 +193,7 @@ class ManifestParser:
             m = match(header) if len(header) <= MAX_HEADER else None
             if m is None:
                 raise ProtocolError(f"malformed manifest record: {header[:80]!r}")
-            kind, mode, size, mt, mf, ct, cf, ino, digest = m.groups()
+            kind, mode, size, mt, mf, ct, cf, ino, dev, digest = m.groups()
             if (kind == b"l") != bool(target):
                 raise ProtocolError(f"manifest link target mismatch: {header[:80]!r}")
             if len(raw) > MAX_NAME or len(target) > MAX_NAME:
@@ -190,7 +214,7 @@ class ManifestParser:
                         int(size),
                         _ns(mt, mf[:9] + pad[len(mf) :] if mf else pad),
                         _ns(ct, cf[:9] + pad[len(cf) :] if cf else pad),
-                        int(ino),
+                        int(ino) if not dev or dev == root_dev else _on_device(dev, ino),
                         target,
                         digest.decode() if digest else "",
                         record,

@@ -374,8 +374,8 @@ torn() {
 : > gone || fail "cannot create the gone list"
 # mode manifest: one record per entry instead of a tar (wsync.protocol.manifest); the
 # arguments left are find -name globs of excluded names, pruned here so that their
-# bytes never cross.  GNU find prints ns times, ctime and inode; busybox find has no
-# -printf, so there each name goes through stat -c (whole seconds, ctime, inode)
+# bytes never cross.  GNU find prints ns times, ctime, inode and device; busybox find has
+# no -printf, so there each name goes through stat -c (whole seconds, ctime, inode, device)
 manifest() {
   n=$#
   for g do
@@ -384,7 +384,7 @@ manifest() {
   shift $n
   [ $# -eq 0 ] || set -- ! -path . \( "$@" \) -prune -o
   if find . -maxdepth 0 -printf '' >/dev/null 2>&1; then
-    (cd "$ws" && find . -ignore_readdir_race "$@" -printf '%y %m %s %T@ %C@ %i\0%p\0%l\0') 2>>tar.err
+    (cd "$ws" && find . -ignore_readdir_race "$@" -printf '%y %m %s %T@ %C@ %i:%D\0%p\0%l\0') 2>>tar.err
   else
     # one stat per batch of names (a process per entry made a 6,000-entry listing take
     # 12 s): its lines carry no name, one per name in order, so they pair up with the
@@ -395,8 +395,8 @@ manifest() {
         set -f
         set -- $s
         set +f
-        a=$1 sz=$2 mt=$3 ct=$4 in=$5
-        shift 5
+        a=$1 sz=$2 mt=$3 ct=$4 in=$5 dv=$6
+        shift 6
         case $* in
           "regular file"|"regular empty file") k=f ;;
           directory) k=d ;;
@@ -409,9 +409,9 @@ manifest() {
         esac
         t=
         if [ $k = l ]; then t=$(readlink -- "$f"; echo .); t=${t%?}; t=${t%?}; fi
-        printf "%s %s %s %s %s %s\0%s\0%s\0" "$k" "$a" "$sz" "$mt" "$ct" "$in" "$f" "$t"
+        printf "%s %s %s %s %s %s:%s\0%s\0%s\0" "$k" "$a" "$sz" "$mt" "$ct" "$in" "$dv" "$f" "$t"
       }
-      fmt="%a %s %Y %Z %i %F"
+      fmt="%a %s %Y %Z %i %d %F"
       if stat -c "$fmt" -- "$@" > "$0" 2>/dev/null; then
         exec 4< "$0"
         for f; do IFS= read -r s <&4 || exit 3; one; done
