@@ -14,6 +14,7 @@ import errno
 import os
 import shutil
 import sqlite3
+import stat as stat_module
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -401,3 +402,58 @@ def test_a_noop_record_carries_the_window_to_its_listing(tmp_path: Path) -> None
         assert state.db.execute("SELECT v FROM meta WHERE k = 'ctime_window'").fetchone() == (
             "L:2:100:",
         )
+
+
+class _CountingOs:
+    """``os`` for :mod:`wsync.engine.prevtree` alone, counting its ``stat`` of directories."""
+
+    def __init__(self) -> None:
+        self.dirs = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    def stat(self, *args: object, **kwargs: object) -> os.stat_result:
+        st = os.stat(*args, **kwargs)  # type: ignore[arg-type]
+        if stat_module.S_ISDIR(st.st_mode):
+            self.dirs += 1
+        return st
+
+
+def test_the_commit_looks_at_no_directory_again(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pull set every directory's mode and mtime and kept what it saw then: the
+    commit records that, without an lstat of each (a 59k-entry tree has 8,700)."""
+    ws, dest, opts = pulled
+    counting = _CountingOs()
+    monkeypatch.setattr(prevtree, "os", counting)
+    (ws / "src" / "f2.txt").write_text("changed twice\n")
+    (ws / "src" / "deep" / "new").mkdir()
+    assert pull(ws, dest, opts).changed_files == 3  # the file, the new directory, its parent
+    assert counting.dirs == 0
+    monkeypatch.undo()
+    assert pull(ws, dest, opts).changed_files == 0  # what it recorded is DEST
+
+
+def test_a_directory_changed_between_the_swap_and_the_commit_is_repaired(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chmod of one of DEST's directories just after the swap, before the commit: the
+    commit records the directory as the pull left it, so the next pull sees the change
+    and repairs it (a commit that looked at DEST then recorded the chmod as the pull's
+    own, and no later pull touched it)."""
+    ws, dest, opts = pulled
+    commit = Incremental.commit
+
+    def chmod_first(self: Incremental, **kwargs: bool) -> bool:
+        (dest / "src" / "deep").chmod(0o700)
+        return commit(self, **kwargs)
+
+    monkeypatch.setattr(Incremental, "commit", chmod_first)
+    (ws / "src" / "f2.txt").write_text("changed twice\n")
+    result = run_pull(LocalTransport(), ws, dest, opts)
+    assert result.ok, result.error
+    monkeypatch.undo()
+    assert (dest / "src" / "deep").stat().st_mode & 0o777 == 0o700
+    pull(ws, dest, opts)  # exact: the mode is the guest's again

@@ -206,13 +206,18 @@ def _farm_error(path: bytes, exc: OSError) -> HostIOError:
     return HostIOError(f"building the new tree, {shown}: {exc.strerror or exc}")
 
 
-def set_dir_meta(tmp_fd: int, dirs: Iterable[DirLike]) -> None:
+def set_dir_meta(
+    tmp_fd: int,
+    dirs: Iterable[DirLike],
+    seen: Callable[[bytes, os.stat_result], None] | None = None,
+) -> None:
     """Give the new tree's directories their modes and mtimes, in the order given.
 
     The order must put descendants before ancestors (a read-only or unsearchable parent
     would block its children) and the root (``.``, the tree at ``tmp_fd`` itself) last, as
     :meth:`wsync.engine.incstate.Diff.dirs` yields them.  As in the extractor: setuid on a
-    directory is refused; setgid and sticky are kept.
+    directory is refused; setgid and sticky are kept.  ``seen(path, st)`` hears each
+    directory but the root as it is once done (the commit records it without an lstat).
     """
     atime_ns = time.time_ns()
     tmp = _Parents(tmp_fd)
@@ -240,6 +245,10 @@ def set_dir_meta(tmp_fd: int, dirs: Iterable[DirLike]) -> None:
                     if stat.S_IMODE(st.st_mode) != mode or st.st_mtime_ns != mtime_ns:
                         os.fchmod(fd, mode)
                         set_times(fd, atime_ns, mtime_ns)
+                        if seen is not None:
+                            st = os.fstat(fd)
+                    if seen is not None:
+                        seen(path, st)
                 finally:
                     os.close(fd)
             except OSError as exc:

@@ -254,6 +254,8 @@ class Incremental:
         self.reuse_failed = False
         #: the previous tree's walk, taken while the diff ran (see :meth:`walk_ahead`)
         self.walked: prevtree.Walked | None = None
+        #: the new tree's directories as :meth:`dir_meta` left them, by path
+        self.dir_rows: dict[bytes, hostscan.HostRow] = {}
         self._stop = threading.Event()
 
     def close(self) -> None:
@@ -474,8 +476,20 @@ class Incremental:
         return joined
 
     def dir_meta(self, tmp_fd: int) -> None:
+        """The new tree's directories their modes and mtimes; each one's lstat row kept
+        for the commit (:attr:`dir_rows`, at most HOLD), which then need not look again:
+        nothing of the pull touches them after this but the swap (which moves the root,
+        looked at again).  Anything done to one since from outside differs from the row
+        recorded, next time."""
         assert self.diff is not None
-        set_dir_meta(tmp_fd, self.diff.dirs())
+        rows = self.dir_rows
+        rows.clear()
+
+        def seen(path: bytes, st: os.stat_result) -> None:
+            if len(rows) < HOLD:
+                rows[path] = hostscan.row(path, st)
+
+        set_dir_meta(tmp_fd, self.diff.dirs(), seen)
 
     def commit(self, *, kept_prev: bool = False) -> bool:
         """Record DEST as this sandbox's baseline (after the swap, while the old tree is
@@ -493,7 +507,7 @@ class Incremental:
         db = self.state.db
         # (without a listing no window is recorded: DEST is scanned whole)
         restat = (
-            functools.partial(prevtree.restat, db, dest_fd)
+            functools.partial(prevtree.restat, db, dest_fd, self.dir_rows)
             if self.reuses and self.manifest_digest
             else None
         )

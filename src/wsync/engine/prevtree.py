@@ -43,7 +43,7 @@ import errno
 import os
 import sqlite3
 import stat
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import NamedTuple
 
 from wsync.engine import incsql
@@ -303,11 +303,15 @@ def prune(db: sqlite3.Connection, prev_fd: int, check_cancel: Callable[[], None]
         raise HostIOError(f"incremental state: {exc}") from exc
 
 
-def restat(db: sqlite3.Connection, dest_fd: int) -> Iterator[tuple[bytes, HostRow | None]]:
+def restat(
+    db: sqlite3.Connection, dest_fd: int, dir_rows: Mapping[bytes, HostRow]
+) -> Iterator[tuple[bytes, HostRow | None]]:
     """After a pull that diffed DEST (the tree reused by :func:`reuse`, or a farm), the
     lstat rows of what it made in DEST (now at ``dest_fd``): every directory and every
     fetched entry; None for one that is gone.  Streamed: the caller writes them to
     ``s.host`` as they come (a million-entry change must not be a million rows in memory).
+    A directory in ``dir_rows`` (as the pull left it before the swap) is not looked at
+    again; the root always is (the swap moved it).
 
     Every other row stays the diff's scan, also for an entry the farm or the reuse linked
     anew (a link moves the inode's ctime: within the commit's ctime window, or, after a
@@ -319,6 +323,10 @@ def restat(db: sqlite3.Connection, dest_fd: int) -> Iterator[tuple[bytes, HostRo
             path = bytes(raw)
             if path == b".":
                 yield path, row(path, os.fstat(dest_fd))
+                continue
+            known = dir_rows.get(path)
+            if known is not None:
+                yield path, known
                 continue
             parent, leaf = _split(path)
             try:
