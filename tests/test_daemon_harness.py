@@ -396,6 +396,67 @@ def test_log_redaction_masks_secret_keys_registered_values_and_url_passwords() -
     assert event["event"] == "pull.start"
 
 
+def test_log_redaction_masks_credential_headers_written_as_text() -> None:
+    from wsync.daemon.logs import REDACTED, redact
+
+    event = redact(
+        None,
+        "debug",
+        {
+            "event": "> Authorization: Bearer k8s-serviceaccount-0123",
+            "lines": ["Cookie: session=abc123", "x-api-key=e2b_4567", "ok: 200"],
+            "note": "authorized as bob",
+        },
+    )
+    assert event["event"] == f"> Authorization: {REDACTED}"
+    assert event["lines"] == [f"Cookie: {REDACTED}", f"x-api-key={REDACTED}", "ok: 200"]
+    assert event["note"] == "authorized as bob"
+
+
+_DEBUG_PULL = """
+import asyncio, os, sys
+from pathlib import Path
+from wsync.daemon import logs
+from wsync.emulators.sprites import EmulatorThread
+from wsync.engine.api import PullOptions
+from wsync.engine.pull import pull_uri
+
+tmp = Path(sys.argv[1])
+logs.configure("debug")
+with EmulatorThread(tmp / "emu", token=os.environ["SPRITES_TOKEN"]) as emu:
+    ws = emu.create_sprite("box") / "work"
+    ws.mkdir()
+    (ws / "a.txt").write_text("hello\\n")
+    options = PullOptions(state_dir=tmp / "state", call_timeout=30.0)
+    result = asyncio.run(
+        pull_uri(f"sprites://box{ws}", tmp / "dest", options, {"sprites_url": emu.url})
+    )
+    print("exit", result.exit_code)
+"""
+
+
+def test_a_daemon_logging_at_debug_never_writes_a_token_the_transport_found_itself(
+    tmp_path: Path,
+) -> None:
+    """A review found the Sprites (and Kubernetes) token in a daemon's debug log: the
+    websockets library logs each handshake's headers, and a token taken from the
+    environment or a kubeconfig is registered nowhere for redaction."""
+    token = "sk-live-never-in-a-log-0123456789"
+    env = {**os.environ, "SPRITES_TOKEN": token}
+    script = tmp_path / "pull.py"
+    script.write_text(_DEBUG_PULL)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.stdout.strip() == b"exit 0", done.stderr[-2000:]
+    assert b'"level": "debug"' in done.stderr  # it did log at debug
+    assert token.encode() not in done.stderr + done.stdout
+
+
 @pytest.mark.parametrize("line", ["pull_timeout = inf", "call_timeout = nan", "call_timeout = inf"])
 def test_endless_or_nan_limits_are_config_errors(tmp_path: Path, line: str) -> None:
     from wsync.daemon.config import ConfigError, load_config

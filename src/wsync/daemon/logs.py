@@ -4,7 +4,11 @@ Why a redaction *processor* rather than care at each call site: the engine,
 uvicorn and future code all log through the same chain, and one forgotten
 ``log.info(..., options=opts)`` must not leak a backend token.  The processor
 masks values of secret-looking keys, every resolved secret string registered
-with :func:`register_secret`, and passwords embedded in URLs.
+with :func:`register_secret`, passwords embedded in URLs, and the value of any
+credential header written out as text (``Authorization: Bearer ...``, as the
+websockets library logs each handshake at DEBUG: a token a transport found by
+itself, in its environment or a kubeconfig, is registered nowhere).  The
+websockets loggers are kept at INFO in any case: at DEBUG they log every frame.
 
 Every line of a pull carries ``job_id``, ``sandbox`` and ``snapshot``: the job
 runner binds them with :mod:`structlog.contextvars`, which asyncio copies into
@@ -24,6 +28,12 @@ import structlog
 REDACTED = "[redacted]"
 _SECRET_KEYS = re.compile(r"(token|secret|password|passwd|authorization|api_key|credential)", re.I)
 _URL_PASSWORD = re.compile(r"(//[^/:@\s]+):[^@/\s]+@")
+#: a credential header written out as text: its value, to the end of the line
+_HEADER = re.compile(
+    r"((?:proxy-)?authorization|x-api-key|api-key|x-auth-token|cookie|set-cookie)"
+    r"(\s*[:=]\s*)[^\r\n]+",
+    re.I,
+)
 _secrets: set[str] = set()
 
 
@@ -36,6 +46,7 @@ def register_secret(value: str) -> None:
 def _scrub(value: Any) -> Any:
     if isinstance(value, str):
         text = _URL_PASSWORD.sub(r"\1:" + REDACTED + "@", value)
+        text = _HEADER.sub(r"\1\2" + REDACTED, text)
         for secret in _secrets:
             if secret in text:
                 text = text.replace(secret, REDACTED)
@@ -96,6 +107,8 @@ def configure(level: str = "info") -> None:
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).handlers.clear()
         logging.getLogger(name).propagate = True
+    # at DEBUG websockets logs each frame and every handshake header (tokens included)
+    logging.getLogger("websockets").setLevel(max(root.level, logging.INFO))
     # one line per request would drown the pull logs; the API has metrics instead
     access = logging.getLogger("uvicorn.access")
     access.handlers.clear()
