@@ -121,6 +121,22 @@ def test_status_with_done_failed_and_tar_errors() -> None:
 STATUS_HEAD = b"exists 1\nalive 1\nlaunched 1\nindex_size 300\ndata_size 240"
 
 
+@pytest.mark.parametrize("digit", ["\u00b2", "\u0663", "\uff11"])  # superscript, Arabic, fullwidth
+@pytest.mark.parametrize("field", ["done_chunks", "done_gone_bytes", "index_size", "data_size"])
+def test_a_number_of_other_digits_than_ascii_is_a_protocol_error(digit: str, field: str) -> None:
+    """``str.isdigit`` takes them and ``int`` refuses them: found by a review as a crash
+    ("internal error") where a guest's ``sed`` appended one to a done record."""
+    payload = (
+        f"exists 1\ndone_chunks 3\ndone_length 240\ndone_hash {H}\ndone_tar_rc 0\n"
+        "done_comp_rc 0\ndone_unstable_bytes 0\ndone_gone_bytes 0\nalive 0\nlaunched 1\n"
+        "index_size 120\ndata_size 240\n"
+    ).replace(f"{field} ", f"{field} 1{digit}")
+    with pytest.raises(ProtocolError):
+        parse_status(payload.encode(), XXH)
+    probe = f"proto 1\nhas_tar 1\nstage_free_kb 9{digit}\n".encode()
+    assert parse_probe(probe).stage_free_kb is None
+
+
 @pytest.mark.parametrize(
     ("words", "shown"),
     [
@@ -311,3 +327,11 @@ def test_the_producer_cuts_chunks_as_the_host_expects(
     lengths = [c.length for c in chunks]
     assert sum(lengths) == length
     assert lengths[:-1] == [chunk_length(seq, chunk_size) for seq in range(len(lengths) - 1)]
+
+
+def test_ascii_digits_takes_ascii_digits_only() -> None:
+    from wsync.digits import ascii_digits
+
+    assert ascii_digits("0") and ascii_digits("1234567890")
+    for text in ("", "-1", "1.0", " 1", "1\n", "\u00b2", "1\u0663", "\uff11"):
+        assert not ascii_digits(text), text

@@ -46,6 +46,7 @@ from wsync.daemon.configfile import ConfigError as ConfigError
 from wsync.daemon.configfile import read_config_file
 from wsync.daemon.confine import Forbidden
 from wsync.daemon.dsn import check_store_url
+from wsync.digits import ascii_digits
 from wsync.engine.api import ExtractLimits, PullOptions, default_state_dir
 from wsync.engine.destdir import refuse_reserved
 from wsync.engine.excludes import Excludes, check_pattern
@@ -459,7 +460,7 @@ def parse_listen(value: str) -> tuple[str, int] | str:
         return path
     host, sep, port = value.rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if not sep or not host or not ascii_digits(port) or int(port) > 65535:
         raise ValueError(f"{value!r}: expected HOST:PORT or unix:/path")
     return host, int(port)
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 import urllib.parse
 
+from wsync.digits import ascii_digits
+
 #: the message of every refusal: what to do, never the value (it may hold the password)
 BAD_STORE = (
     "cannot be parsed as a postgresql:// URL (the value is not shown: it may hold the "
@@ -38,7 +40,7 @@ def check_store_url(value: str) -> None:
         raise ValueError(BAD_STORE) from None
     hosts = str(params.get("host") or "")
     ports = str(params.get("port") or "")
-    if "@" in hosts or any(p and not p.isdigit() for p in ports.split(",")):
+    if "@" in hosts or any(p and not ascii_digits(p) for p in ports.split(",")):
         raise ValueError(BAD_STORE)
 
 

@@ -55,6 +55,7 @@ from wsync.daemon.jobs import JobManager
 from wsync.daemon.metrics import Metrics
 from wsync.daemon.service import JobService, LocalJobs
 from wsync.daemon.store import JobStore
+from wsync.digits import ascii_digits
 from wsync.errors import WsyncError
 
 log = structlog.get_logger("wsync.daemon")
@@ -85,7 +86,7 @@ def watchdog_interval() -> float | None:
     """Half of ``$WATCHDOG_USEC`` in seconds, if the watchdog is meant for this process."""
     usec = os.environ.get("WATCHDOG_USEC", "")
     pid = os.environ.get("WATCHDOG_PID", "")
-    if not usec.isdigit() or int(usec) <= 0:
+    if not ascii_digits(usec) or int(usec) <= 0:
         return None
     if pid and pid != str(os.getpid()):
         return None

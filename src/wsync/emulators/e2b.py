@@ -42,6 +42,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from wsync.digits import ascii_digits
 from wsync.emulators.e2b_faults import E2BFaults, ExecPlan
 from wsync.emulators.e2b_http import ClientGone, Exchange, H11Server
 from wsync.emulators.sprites import end_process
@@ -314,12 +315,12 @@ class E2BEmulator:
             return
         timeout_ms = ex.headers.get("connect-timeout-ms", "")
         killer = None
-        if timeout_ms.isdigit():
+        if ascii_digits(timeout_ms):
             killer = asyncio.get_running_loop().call_later(
                 int(timeout_ms) / 1000, self._deadline, entry
             )
         interval = ex.headers.get("keepalive-ping-interval", "")
-        keepalive = float(interval) if interval.isdigit() and int(interval) > 0 else 90.0
+        keepalive = float(interval) if ascii_digits(interval) and int(interval) > 0 else 90.0
         finished = False
         try:
             await self._stream(ex, entry, plan, keepalive)

@@ -17,6 +17,7 @@ import time
 
 import structlog
 
+from wsync.digits import ascii_digits
 from wsync.engine.guestcall import GuestCalls
 from wsync.errors import (
     GuestToolsMissing,
@@ -245,7 +246,7 @@ class GuestSession(GuestCalls):
             where = records.printable(self.staging_root)
             raise StagingFailed(f"{_FAILED_WRITES[text]} in the guest's staging root {where}")
         word, *figures = text.split(" ")
-        if word == "disk-full" and len(figures) == 2 and all(f.isdigit() for f in figures):
+        if word == "disk-full" and len(figures) == 2 and all(map(ascii_digits, figures)):
             free, need = (int(f) for f in figures)
             raise StagingFailed(records.disk_full_message(free, self.staging_root, need))
         raise StagingFailed(records.printable(text))
@@ -395,7 +396,7 @@ class GuestSession(GuestCalls):
             known = self.admission
             free = known.free_kb if known and known.free_kb is not None else None
             if free is None:
-                free = int(now) if now.isdigit() and len(now) < 19 else 0
+                free = int(now) if ascii_digits(now) and len(now) < 19 else 0
             message = records.disk_full_message(
                 free, self.staging_root, known.need_kb if known else None
             )

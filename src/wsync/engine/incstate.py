@@ -61,6 +61,7 @@ from pathlib import Path
 
 import structlog
 
+from wsync.digits import ascii_digits
 from wsync.engine import hostscan, incload, incsql
 from wsync.engine.excludes import Excludes
 from wsync.engine.extract import Written
@@ -552,9 +553,9 @@ class PullState:
         if value is None or listing is None:
             return None
         parts = value.rsplit(":", 2)  # (a listing's digest has colons of its own)
-        if len(parts) != 3 or parts[0] != listing or not parts[1].lstrip("-").isdigit():
+        if len(parts) != 3 or parts[0] != listing or not ascii_digits(parts[1].lstrip("-")):
             return None
-        hi = int(parts[2]) if parts[2].lstrip("-").isdigit() else None
+        hi = int(parts[2]) if ascii_digits(parts[2].lstrip("-")) else None
         return listing, int(parts[1]), hi
 
     def close_window(self, hi: int) -> None:

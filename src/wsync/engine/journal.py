@@ -38,6 +38,7 @@ from typing import Any
 
 import structlog
 
+from wsync.digits import ascii_digits
 from wsync.engine.destdir import DestDir
 from wsync.engine.fsutil import fsync_dir, host_io, rmtree, write_atomic
 from wsync.errors import Busy, DiskLow, HostIOError
@@ -217,7 +218,7 @@ class Journal:
         with host_io("reading the journal"):
             for entry in os.scandir(self.chunks_dir):
                 seq, dot, digest = entry.name.partition(".")
-                if dot and seq.isdigit() and digest.isalnum():
+                if dot and ascii_digits(seq) and digest.isascii() and digest.isalnum():
                     found[int(seq)] = (digest, Path(entry.path))
                 else:  # temp files of a killed run
                     os.unlink(entry.path)

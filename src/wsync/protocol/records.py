@@ -17,6 +17,7 @@ import binascii
 import dataclasses
 from collections.abc import Collection
 
+from wsync.digits import ascii_digits
 from wsync.errors import ProtocolError
 from wsync.protocol.hashing import Algorithm, is_hex
 
@@ -63,7 +64,7 @@ def parse_fields(payload: bytes, free: Collection[str] = ()) -> dict[str, str]:
 
 def _int(fields: dict[str, str], key: str) -> int:
     value = fields.get(key, "")
-    if not value.isdigit() or len(value) > 19:
+    if not ascii_digits(value) or len(value) > 19:
         raise ProtocolError(f"record field {key!r} is not a number: {printable(value, 40)!r}")
     return int(value)
 
@@ -100,7 +101,7 @@ def parse_probe(payload: bytes) -> ProbeReport:
         tools=tools,
         self_tests=tests,
         tar_version=printable(fields.get("tar_version", ""), 120),
-        stage_free_kb=int(free) if free.isdigit() else None,
+        stage_free_kb=int(free) if ascii_digits(free) else None,
         uid=printable(fields.get("uid", ""), 20),
         stage_root=fields.get("stage_root", ""),
     )

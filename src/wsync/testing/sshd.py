@@ -42,6 +42,8 @@ from typing import Any
 
 import asyncssh
 
+from wsync.digits import ascii_digits
+
 #: where Debian's sshd wants its privilege-separation directory when run as root
 _PRIVSEP_DIR = Path("/run/sshd")
 _DEFAULT_SSHD = "/usr/sbin/sshd"
@@ -77,7 +79,7 @@ def _children_of(pid: int) -> list[int]:
     """Pids whose parent is ``pid`` (sshd's per-connection processes)."""
     found: list[int] = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not ascii_digits(entry.name):
             continue
         try:
             stat = (entry / "stat").read_text()

@@ -47,6 +47,7 @@ from urllib.parse import quote
 
 import httpx
 
+from wsync.digits import ascii_digits
 from wsync.errors import (
     AuthFailed,
     ProtocolError,
@@ -398,7 +399,7 @@ class DaytonaTransport(Transport):
             declared = response.headers.get("content-length")
             data = await self._read_some(response, offset + length)
             expected = offset + length
-            if declared is not None and declared.isdigit():
+            if declared is not None and ascii_digits(declared):
                 expected = min(int(declared), expected)
             if len(data) < expected:
                 raise TransportError(

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from wsync.digits import ascii_digits
 from wsync.errors import (
     AuthFailed,
     HostOutOfFiles,
@@ -411,7 +412,7 @@ def _sweep(parent: str) -> None:
     with contextlib.suppress(OSError):
         for entry in os.scandir(parent):
             pid = entry.name.split("-")[2] if entry.name.startswith("wsync-ssh-") else ""
-            if not pid.isdigit() or int(pid) == os.getpid():
+            if not ascii_digits(pid) or int(pid) == os.getpid():
                 continue
             with contextlib.suppress(OSError):
                 if entry.stat(follow_symlinks=False).st_uid != os.getuid() or entry.is_symlink():
