@@ -395,8 +395,8 @@ manifest() {
         set -f
         set -- $s
         set +f
-        a=$1 sz=$2 mt=$3 ct=$4 in=$5 dv=$6
-        shift 6
+        a=$1 sz=$2 mt=$3 ct=$4 in=$5
+        shift 5
         case $* in
           "regular file"|"regular empty file") k=f ;;
           directory) k=d ;;
@@ -409,9 +409,9 @@ manifest() {
         esac
         t=
         if [ $k = l ]; then t=$(readlink -- "$f"; echo .); t=${t%?}; t=${t%?}; fi
-        printf "%s %s %s %s %s %s:%s\0%s\0%s\0" "$k" "$a" "$sz" "$mt" "$ct" "$in" "$dv" "$f" "$t"
+        printf "%s %s %s %s %s %s\0%s\0%s\0" "$k" "$a" "$sz" "$mt" "$ct" "$in" "$f" "$t"
       }
-      fmt="%a %s %Y %Z %i %d %F"
+      fmt="%a %s %Y %Z %i:%d %F"
       if stat -c "$fmt" -- "$@" > "$0" 2>/dev/null; then
         exec 4< "$0"
         for f; do IFS= read -r s <&4 || exit 3; one; done
