@@ -47,7 +47,12 @@ class PullThread(Generic[T]):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        """Start the thread; where none can be started (out of memory or processes), the
+        outcome is that error: the job fails, it never waits for a thread that is not."""
+        try:
+            self._thread.start()
+        except RuntimeError as exc:
+            self._resolve((False, exc))
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -78,8 +83,14 @@ class PullThread(Generic[T]):
         return await self._work()
 
     def _run(self) -> None:
-        loop = asyncio.new_event_loop()
         outcome: tuple[bool, Any]
+        try:
+            loop = asyncio.new_event_loop()
+        except BaseException as exc:
+            # no loop (out of file descriptors, say): the outcome is that error, or the
+            # job would wait on ``done`` for good and hold its sandbox's slot
+            self.to_main(self._resolve, (False, exc))
+            return
         try:
             outcome = (True, loop.run_until_complete(self._guarded()))
         except BaseException as exc:  # delivered to the waiting job, never lost
