@@ -67,6 +67,34 @@ def test_local_sources_need_a_local_root_and_no_symlink_below_it(tmp_path: Path)
         confine_source(root / "ws", [root])
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a directory to another user: needs root")
+def test_a_local_source_another_user_could_swap_is_refused(tmp_path: Path) -> None:
+    """Found by a review: whoever may rename a source's last component (write the directory
+    holding it) can swap it for a symlink between the run-time check and the guest's
+    ``cd`` and have the daemon copy what it alone may read (its API token) into DEST.
+    Each directory from the root down to the source's parent must be the daemon user's
+    or root's and writable by nobody else; the source itself may be anyone's."""
+    root = tmp_path / "sources"
+    agent = root / "agents" / "alice"
+    (agent / "ws").mkdir(parents=True)
+    os.chown(agent / "ws", 65534, 65534)  # the agent's own workspace: fine
+    confine_source(agent / "ws", [root])
+    confine_source(root, [root])  # a root itself is the operator's word
+    os.chown(agent, 65534, 65534)  # the agent owns the directory holding it
+    with pytest.raises(Forbidden, match=r"alice \(uid 65534.*another user"):
+        confine_source(agent / "ws", [root])
+    os.chown(agent, 0, 0)
+    (root / "agents").chmod(0o777)  # anyone may rename alice
+    with pytest.raises(Forbidden, match=r"agents \(uid 0, mode 777\)"):
+        confine_source(agent / "ws", [root])
+    (root / "agents").chmod(0o755)
+    root.chmod(0o775)  # the group may rename agents
+    with pytest.raises(Forbidden, match="may be changed by another user"):
+        confine_source(agent / "ws", [root])
+    root.chmod(0o755)
+    confine_source(agent / "ws", [root])
+
+
 # -- through the daemon ------------------------------------------------------
 
 

@@ -18,7 +18,14 @@ way when it writes.
 
 Local sources (``local:PATH`` given in a request) follow the same rules
 against ``api.local_roots``: the real path must lie under a configured root,
-and at run time no component below the root may be a symlink.
+and at run time no component below the root may be a symlink.  A source is read
+by the guest's shell, which follows the path again, later: whoever may rename
+its last component (write the directory holding it, or any below the root
+above it) could swap it for a symlink to elsewhere between the check and the
+read (a review did, and had the daemon copy its own API token).  So every
+directory from the root down to the source's parent must belong to the daemon's
+user or root and be writable by nobody else (:func:`confine_source`); the
+source itself may be anyone's, and a root itself is the operator's word.
 """
 
 from __future__ import annotations
@@ -149,7 +156,8 @@ def confine_dest(dest: Path, roots: Sequence[Path]) -> Path:
 
 
 def check_local_source(path: Path, roots: Sequence[Path]) -> Path:
-    """The real path of a requested ``local:`` source, if it lies under a local root."""
+    """The real path of a requested ``local:`` source, if it lies under a local root
+    (:func:`confine_source` checks the rest when the job runs)."""
     if not roots:
         raise Forbidden(
             "local: sources are disabled for API requests; configure api.local_roots "
@@ -163,10 +171,44 @@ def check_local_source(path: Path, roots: Sequence[Path]) -> Path:
 
 
 def confine_source(path: Path, roots: Sequence[Path]) -> None:
-    """At run time: the source is still under a local root, with no symlink below the root."""
+    """At run time: the source is still under a local root, with no symlink below the root
+    and no directory above it, below the root, that another user could change."""
     what = f"local source {path}"
     root = find_root(path, roots, strict=False)
     if root is None:
         allowed = ", ".join(str(r) for r in roots) or "none configured"
         raise Forbidden(f"{what} is no longer inside api.local_roots ({allowed})")
     walk_beneath(root, path, create=False, what=what)
+    if path != root:
+        _only_ours(root, path, what)
+
+
+def _only_ours(root: Path, path: Path, what: str) -> None:
+    """Every directory from ``root`` down to ``path``'s parent is the daemon user's or
+    root's, and writable by no one else: no one else can rename what it holds."""
+    us = os.geteuid()
+    with _open_root(root, create=False) as root_fd:
+        fd, shown = root_fd, root
+        try:
+            for name in (*path.relative_to(root).parts[:-1], None):
+                st = os.fstat(fd)
+                if st.st_uid not in (0, us) or st.st_mode & 0o022:
+                    raise Forbidden(
+                        f"{what}: {shown} (uid {st.st_uid}, mode "
+                        f"{stat.S_IMODE(st.st_mode):o}) may be changed by another user, who "
+                        "could swap what it holds for a symlink between this check and "
+                        "the read; a local source must lie in directories only the daemon's "
+                        "user or root can change (or be a local root itself)"
+                    )
+                if name is None:
+                    return
+                shown = shown / name
+                nxt = _step(fd, name, shown, what)
+                if fd != root_fd:
+                    os.close(fd)
+                fd = nxt
+        except OSError as err:
+            raise HostIOError(f"{what}: cannot open {shown}: {err.strerror}") from None
+        finally:
+            if fd != root_fd:
+                os.close(fd)
