@@ -290,6 +290,52 @@ def test_nested_dests_exclude_each_other_in_either_order(tmp_path: Path) -> None
         held(path).close()  # all released
 
 
+def test_a_pull_beneath_a_dest_that_is_no_dest_yet_waits_for_its_pull(tmp_path: Path) -> None:
+    """Found by a review: a pull into an empty directory ``D`` (accepted as empty, no DEST
+    of wsync's yet) and a pull into ``D/sub`` meanwhile both succeeded, and ``D``'s swap
+    threw ``sub`` away with the old tree.  The pull beneath now meets ``D``'s DEST lock,
+    held, and stops at once; a lock file nobody holds (a killed pull's) stops nothing."""
+    d = tmp_path / "top" / "D"
+    d.mkdir(parents=True)
+    outer = DestDir.open(d)
+    outer.lock()  # no registry: D is no DEST wsync wrote
+    try:
+        inner = DestDir.open(d / "sub")
+        with pytest.raises(UsageError, match=rf"lies in {d}, which another wsync pull"):
+            inner.lock()
+        inner.close()
+        (d / "a").mkdir()
+        deeper = DestDir.open(d / "a" / "b")
+        with pytest.raises(UsageError, match=rf"lies in {d}, which"):
+            deeper.lock()
+        deeper.close()
+    finally:
+        outer.close()
+    (tmp_path / "top" / ".D.wsync-lock").write_text("999999\n")  # left by a killed pull
+    free = DestDir.open(d / "sub")
+    free.lock()
+    free.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a file of another user: needs root")
+def test_another_users_lock_file_above_dest_stops_nothing(tmp_path: Path) -> None:
+    """In a directory anyone may write (``/tmp``) another user could plant and hold a lock
+    file beside an ancestor of DEST: only a lock file of ours or root's counts."""
+    shared = tmp_path / "shared"
+    (shared / "x").mkdir(parents=True)
+    planted = shared / ".x.wsync-lock"
+    planted.write_text("")
+    os.chown(planted, 65534, 65534)
+    fd = os.open(planted, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        target = DestDir.open(shared / "x" / "out")
+        target.lock()
+        target.close()
+    finally:
+        os.close(fd)
+
+
 def test_a_lock_on_a_directory_that_is_no_dest_stops_no_pull(tmp_path: Path) -> None:
     """``flock`` on a directory needs only read access: with a shared lock on every
     ancestor, any local user holding ``/`` (or /home) exclusively stopped every pull (a

@@ -24,10 +24,11 @@ cannot both succeed (item 13); holding it also makes every left-over
 ``.NAME.wsync-tmp-*`` stale, so those are removed.  A pull replaces DEST's whole tree,
 so it also excludes pulls *beneath* DEST and above it: it holds an exclusive ``flock``
 on DEST's directory and a shared one on each directory above it that is a DEST wsync
-wrote (the inodes, not names).  A pull into ``D/sub`` while another replaces ``D``
-would otherwise swap its tree into the ``D`` that is about to be thrown away, and say
-it succeeded.  DEST on a mount point is
-refused at the start: the swap renames, and a mount point cannot be renamed.
+wrote (the inodes, not names), and stops where a directory above it has its DEST lock
+held (a pull into it, which may not be a DEST yet).  A pull into ``D/sub`` while
+another replaces ``D`` would otherwise swap its tree into the ``D`` that is about to be
+thrown away, and say it succeeded.  DEST on a mount point is refused at the start: the
+swap renames, and a mount point cannot be renamed.
 """
 
 from __future__ import annotations
@@ -242,7 +243,33 @@ class DestDir:
                 except OSError:
                     return  # an ancestor this user may not read: nothing to lock above
                 os.close(fd)
-                fd, above = up, above.parent
+                fd = up
+                if self._pull_into(fd, above.name):
+                    raise Busy(
+                        f"DEST {self.path} lies in {above}, which another wsync pull is "
+                        "replacing: wait for that one"
+                    )
+                above = above.parent
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _pull_into(parent_fd: int, name: str) -> bool:
+        """Whether a pull holds the DEST lock of directory ``name`` of ``parent_fd``: a
+        pull into a directory that is no DEST yet (an empty one, accepted as such) holds
+        no lock on the directory that a pull beneath it would meet, only this one (a
+        review had both succeed, the tree beneath thrown away with the old one).  Only a
+        lock file of ours or root's counts: another user's, in a directory anyone may
+        write (``/tmp``), could otherwise stop every pull beneath it."""
+        try:
+            fd = os.open(f".{name}.wsync-lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=parent_fd)  # fmt: skip
+        except OSError:
+            return False
+        try:
+            if os.fstat(fd).st_uid not in (0, os.geteuid()):
+                return False
+            return not DestDir._flock(fd, fcntl.LOCK_SH)
         finally:
             os.close(fd)
 
