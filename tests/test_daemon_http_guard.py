@@ -140,3 +140,38 @@ def test_a_dest_that_is_a_dest_root_itself_is_refused_as_such(daemon: DaemonProc
         assert body["kind"] == "forbidden", body
         assert "is a dest root itself" in body["error"], body
         assert "outside" not in body["error"], body
+
+
+def test_a_connection_that_sends_no_whole_request_head_is_closed(daemon: DaemonProcess) -> None:
+    """Found by a review: connections that sent nothing, or a request head a byte at a
+    time, stayed open for good, and 505 of them took every file descriptor of a daemon
+    (no token needed): the API stopped answering and pulls could not start."""
+    from wsync.daemon.httpconn import HEAD_DEADLINE
+
+    silent, trickle = _connect(daemon), _connect(daemon)
+    try:
+        trickle.settimeout(1.0)
+        silent.settimeout(HEAD_DEADLINE + 30)
+        head = _head("GET", "/healthz", None, "")
+        closed = False
+        for i in range(int(HEAD_DEADLINE * 4)):  # a byte each second, up to 4 deadlines
+            try:
+                trickle.sendall(head[i : i + 1])
+                if trickle.recv(1) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+                break
+        assert closed, "a request head trickled a byte a second was never cut off"
+        assert silent.recv(1) == b""  # closed by the daemon, not timed out here
+    finally:
+        silent.close()
+        trickle.close()
+    # and the door still opens for a whole request
+    with _connect(daemon) as sock:
+        sock.sendall(_head("GET", "/healthz", None, ""))
+        status, _, _ = _answer(sock)
+        assert status == 200

@@ -51,6 +51,7 @@ from wsync.daemon.config import (
 )
 from wsync.daemon.confine import find_root
 from wsync.daemon.dsn import store_secrets
+from wsync.daemon.httpconn import DeadlineH11, raise_fd_limit
 from wsync.daemon.jobs import JobManager
 from wsync.daemon.metrics import Metrics
 from wsync.daemon.service import JobService, LocalJobs
@@ -259,8 +260,10 @@ class Daemon:
             _say(f"cannot listen on {self.config.api.listen}: {err.strerror}")
             return 2
         self.app_state = AppState(self.manager, self.metrics, self.token, self.reload, address)
+        raise_fd_limit()
         uv = uvicorn.Config(
             create_app(self.app_state),
+            http=DeadlineH11,
             lifespan="off",
             log_config=None,
             access_log=False,
