@@ -8,6 +8,7 @@ fails only after the whole transfer) and 7 (left-over tmp trees block DEST).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import fcntl
 import os
@@ -315,6 +316,29 @@ def test_a_pull_beneath_a_dest_that_is_no_dest_yet_waits_for_its_pull(tmp_path: 
     free = DestDir.open(d / "sub")
     free.lock()
     free.close()
+
+
+def test_a_fifo_for_a_lock_file_above_dest_hangs_nothing(tmp_path: Path) -> None:
+    """Found by a review: the look at an ancestor's lock file opened it read-only and
+    waiting, and a FIFO planted under that name (in ``/tmp``, say) hung the pull in its
+    ``open`` for good, a daemon's job past any cancel."""
+    (tmp_path / "pub" / "work").mkdir(parents=True)
+    os.mkfifo(tmp_path / "pub" / ".work.wsync-lock")
+    done: list[bool] = []
+
+    def lock() -> None:
+        target = DestDir.open(tmp_path / "pub" / "work" / "out")
+        target.lock()
+        target.close()
+        done.append(True)
+
+    thread = threading.Thread(target=lock, daemon=True)
+    thread.start()
+    thread.join(30)
+    if not done:  # let the hung open go, so the test run can end
+        with contextlib.suppress(OSError):
+            os.close(os.open(tmp_path / "pub" / ".work.wsync-lock", os.O_WRONLY | os.O_NONBLOCK))
+    assert done == [True]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a file of another user: needs root")

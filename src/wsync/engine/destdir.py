@@ -38,6 +38,7 @@ import errno
 import fcntl
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -259,15 +260,17 @@ class DestDir:
         pull into a directory that is no DEST yet (an empty one, accepted as such) holds
         no lock on the directory that a pull beneath it would meet, only this one (a
         review had both succeed, the tree beneath thrown away with the old one).  Only a
-        lock file of ours or root's counts: another user's, in a directory anyone may
-        write (``/tmp``), could otherwise stop every pull beneath it."""
+        regular lock file of ours or root's counts: another user's, in a directory anyone
+        may write (``/tmp``), could otherwise stop every pull beneath it (or, a FIFO,
+        hang it in its ``open``: opened without waiting)."""
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO: no wait
         try:
-            fd = os.open(f".{name}.wsync-lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         dir_fd=parent_fd)  # fmt: skip
+            fd = os.open(f".{name}.wsync-lock", flags, dir_fd=parent_fd)
         except OSError:
             return False
         try:
-            if os.fstat(fd).st_uid not in (0, os.geteuid()):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()):
                 return False
             return not DestDir._flock(fd, fcntl.LOCK_SH)
         finally:
