@@ -6,9 +6,11 @@ exists: a body announced but not (yet) sent, a chunked body that keeps coming.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -148,7 +150,11 @@ def test_a_connection_that_sends_no_whole_request_head_is_closed(daemon: DaemonP
     (no token needed): the API stopped answering and pulls could not start."""
     from wsync.daemon.httpconn import HEAD_DEADLINE
 
-    silent, trickle = _connect(daemon), _connect(daemon)
+    silent, trickle, pipelined = _connect(daemon), _connect(daemon), _connect(daemon)
+    started = time.monotonic()
+    # a whole head sent behind another in one write (pipelined): its response is a stream
+    # that lasts; it must not be cut off at the deadline the first response re-armed
+    pipelined.sendall(_head("GET", "/healthz", None, "") + _head("GET", "/v1/events", TOKEN, ""))
     try:
         trickle.settimeout(1.0)
         silent.settimeout(HEAD_DEADLINE + 30)
@@ -167,9 +173,15 @@ def test_a_connection_that_sends_no_whole_request_head_is_closed(daemon: DaemonP
                 break
         assert closed, "a request head trickled a byte a second was never cut off"
         assert silent.recv(1) == b""  # closed by the daemon, not timed out here
+        time.sleep(max(0.0, started + HEAD_DEADLINE + 2 - time.monotonic()))
+        pipelined.settimeout(0.5)
+        with contextlib.suppress(TimeoutError):  # nothing more to read, and still open
+            while True:
+                assert pipelined.recv(65536) != b"", "the pipelined event stream was cut off"
     finally:
         silent.close()
         trickle.close()
+        pipelined.close()
     # and the door still opens for a whole request
     with _connect(daemon) as sock:
         sock.sendall(_head("GET", "/healthz", None, ""))

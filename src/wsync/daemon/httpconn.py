@@ -47,8 +47,9 @@ class DeadlineH11(H11Protocol):
             self._disarm()  # a whole request head came: the app has it now
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
+        before = self.cycle
+        super().on_response_complete()  # it starts a pipelined request whose head is in
+        if self.cycle is before and not self.transport.is_closing():
             self._arm()
 
     def _arm(self) -> None:
