@@ -4,12 +4,16 @@ hold."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import stat
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from helpers import assert_exact, make_tree, options, run_pull
 from wsync.engine.api import PullOptions, PullResult
+from wsync.engine.pull import pull as wsync_pull
 from wsync.transports.local import LocalTransport
 
 
@@ -72,3 +76,20 @@ def pulled_twice(tmp_path: Path) -> tuple[Path, Path, PullOptions]:
     assert pull(ws, dest, opts).mode == "incremental"
     assert_shares_only(dest)
     return ws, dest, opts
+
+
+def cancel_once(
+    ws: Path, dest: Path, opts: PullOptions, reached: Callable[[], Awaitable[object]]
+) -> None:
+    """Start a pull and cancel it (as a daemon does) once ``reached()`` returns."""
+
+    async def go() -> None:
+        transport = LocalTransport()
+        task = asyncio.create_task(wsync_pull(transport, str(ws), dest, opts))
+        await reached()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await transport.aclose()
+
+    asyncio.run(go())

@@ -409,13 +409,14 @@ class _CountingOs:
 
     def __init__(self) -> None:
         self.dirs = 0
+        self.counting = False
 
     def __getattr__(self, name: str) -> object:
         return getattr(os, name)
 
     def stat(self, *args: object, **kwargs: object) -> os.stat_result:
         st = os.stat(*args, **kwargs)  # type: ignore[arg-type]
-        if stat_module.S_ISDIR(st.st_mode):
+        if self.counting and stat_module.S_ISDIR(st.st_mode):
             self.dirs += 1
         return st
 
@@ -428,6 +429,16 @@ def test_the_commit_looks_at_no_directory_again(
     ws, dest, opts = pulled
     counting = _CountingOs()
     monkeypatch.setattr(prevtree, "os", counting)
+    commit = Incremental.commit
+
+    def counted_commit(self: Incremental, **kwargs: bool) -> bool:
+        counting.counting = True
+        try:
+            return commit(self, **kwargs)
+        finally:
+            counting.counting = False
+
+    monkeypatch.setattr(Incremental, "commit", counted_commit)
     (ws / "src" / "f2.txt").write_text("changed twice\n")
     (ws / "src" / "deep" / "new").mkdir()
     assert pull(ws, dest, opts).changed_files == 3  # the file, the new directory, its parent

@@ -6,7 +6,6 @@ option nothing is kept."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
@@ -18,7 +17,7 @@ import subprocess
 import sysconfig
 import tempfile
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,15 @@ import pytest
 import wsync
 from helpers import assert_exact, make_tree, options, run_pull
 from incr_helpers import Rehashes
-from prevtree_helpers import assert_shares_only, change, prev_of, pull, pulled_twice, tmp_trees
+from prevtree_helpers import (
+    assert_shares_only,
+    cancel_once,
+    change,
+    prev_of,
+    pull,
+    pulled_twice,
+    tmp_trees,
+)
 from wsync.engine import hostscan, prevtree
 from wsync.engine import pull as pull_module
 from wsync.engine.api import PullOptions
@@ -35,26 +42,8 @@ from wsync.engine.destdir import DestDir
 from wsync.engine.incremental import Incremental
 from wsync.engine.incstate import PullState, state_path
 from wsync.engine.pull import _Pull
-from wsync.engine.pull import pull as wsync_pull
 from wsync.errors import Fenced, HostIOError
 from wsync.transports.local import LocalTransport
-
-
-def cancel_once(
-    ws: Path, dest: Path, opts: PullOptions, reached: Callable[[], Awaitable[object]]
-) -> None:
-    """Start a pull and cancel it (as a daemon does) once ``reached()`` returns."""
-
-    async def go() -> None:
-        transport = LocalTransport()
-        task = asyncio.create_task(wsync_pull(transport, str(ws), dest, opts))
-        await reached()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await transport.aclose()
-
-    asyncio.run(go())
 
 
 @pytest.fixture

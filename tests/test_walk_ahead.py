@@ -5,10 +5,12 @@ tree between the walk and the reuse, DEST ends exact."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -16,9 +18,18 @@ from typing import Any
 import pytest
 
 from helpers import run_pull
-from prevtree_helpers import assert_shares_only, change, prev_of, pull, pulled_twice, tmp_trees
+from prevtree_helpers import (
+    assert_shares_only,
+    cancel_once,
+    change,
+    prev_of,
+    pull,
+    pulled_twice,
+    tmp_trees,
+)
 from wsync.engine import prevtree
 from wsync.engine.api import PullOptions
+from wsync.engine.incphases import IncrementalRunner
 from wsync.engine.incstate import PullState
 from wsync.errors import Fenced
 from wsync.transports.local import LocalTransport
@@ -38,15 +49,21 @@ class Walks:
         self.started = threading.Event()
         walk, ahead = prevtree.walk, prevtree.walk_ahead
 
-        def counted_walk(root_fd: int, check: Callable[[], None]) -> Any:
+        def counted_walk(
+            root_fd: int, check: Callable[[], None], listed: dict[bytes, int] | None = None
+        ) -> Any:
             self.events.append("walk")
             self.started.set()
-            return walk(root_fd, check)
+            return walk(root_fd, check, listed)
 
         def counted_ahead(
-            parent_fd: int, names: Iterable[str], check: Callable[[], None], limit: int
+            parent_fd: int,
+            names: Iterable[str],
+            check: Callable[[], None],
+            limit: int,
+            since: int,
         ) -> prevtree.Walked | None:
-            got = ahead(parent_fd, names, check, limit)
+            got = ahead(parent_fd, names, check, limit, since)
             self.ahead.append(got)
             self.after_ahead()
             return got
@@ -111,6 +128,26 @@ def test_a_tree_swapped_in_after_the_walk_is_walked_again(
     assert_shares_only(dest)
 
 
+def test_an_entry_put_in_the_kept_tree_after_the_walk_never_reaches_dest(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a process of this user whose working directory was in the
+    replaced tree (now the kept one) writes a file there after the walk; no row of the
+    walk names it, so the reuse neither judged nor removed it, and it reached DEST with the
+    swap.  The directory's ctime moved: the reuse walks again."""
+    ws, dest, opts = pulled
+    walks = Walks(monkeypatch)
+
+    def editor_saves() -> None:
+        (prev_of(dest) / "src" / "editor.swp").write_text("autosave\n")
+
+    walks.after_ahead = editor_saves  # type: ignore[method-assign]
+    change(ws, 2)
+    pull(ws, dest, opts)  # exact: no src/editor.swp
+    assert walks.ahead and walks.ahead[0] is not None
+    assert walks.events == ["walk", "walk"]
+
+
 def test_a_failed_pull_leaves_the_walked_tree_to_the_next_one(
     pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -146,6 +183,10 @@ def test_a_pull_with_nothing_to_fetch_walks_nothing_ahead(
     assert os.stat(prev_of(dest)).st_mtime_ns == before
 
 
+#: a stamp for walks whose rows alone are looked at
+NOW = time.time_ns()
+
+
 def _tree(root: Path, files: int) -> None:
     (root / "sub").mkdir(parents=True)
     for i in range(files):
@@ -157,7 +198,7 @@ def test_walk_ahead_takes_the_first_tree_and_stops_at_its_limit(tmp_path: Path) 
     _tree(tmp_path / "second", 1)
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        got = prevtree.walk_ahead(fd, ["missing", "first", "second"], lambda: None, 10)
+        got = prevtree.walk_ahead(fd, ["missing", "first", "second"], lambda: None, 10, NOW)
         assert got is not None
         assert sorted(path for path, *_ in got.rows) == [
             b"sub",
@@ -169,8 +210,8 @@ def test_walk_ahead_takes_the_first_tree_and_stops_at_its_limit(tmp_path: Path) 
         assert got.root == (st.st_dev, st.st_ino)
         assert st.st_mode & 0o777 == 0o700  # made private before it was walked
         # more entries than it may hold in memory: the reuse walks it itself
-        assert prevtree.walk_ahead(fd, ["first"], lambda: None, 3) is None
-        assert prevtree.walk_ahead(fd, ["first"], lambda: None, 4) is not None
+        assert prevtree.walk_ahead(fd, ["first"], lambda: None, 3, NOW) is None
+        assert prevtree.walk_ahead(fd, ["first"], lambda: None, 4, NOW) is not None
     finally:
         os.close(fd)
 
@@ -183,11 +224,11 @@ def test_walk_ahead_follows_no_symlink_and_takes_no_tree_of_another_user(
     (tmp_path / "link").symlink_to(elsewhere)
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        assert prevtree.walk_ahead(fd, ["link"], lambda: None, 10) is None
+        assert prevtree.walk_ahead(fd, ["link"], lambda: None, 10, NOW) is None
         assert os.stat(elsewhere).st_mode & 0o777 != 0o700 or os.geteuid() != 0
         if os.geteuid() == 0:
             os.chown(elsewhere, 65534, 65534)
-            assert prevtree.walk_ahead(fd, ["elsewhere"], lambda: None, 10) is None
+            assert prevtree.walk_ahead(fd, ["elsewhere"], lambda: None, 10, NOW) is None
     finally:
         os.close(fd)
 
@@ -206,7 +247,45 @@ def test_a_stopped_walk_ahead_raises_out_of_its_thread(tmp_path: Path) -> None:
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         with pytest.raises(Stop):
-            prevtree.walk_ahead(fd, ["kept"], stop, 10**6)
+            prevtree.walk_ahead(fd, ["kept"], stop, 10**6, NOW)
     finally:
         os.close(fd)
     assert len(os.listdir(tmp_path / "kept" / "sub")) == 600
+
+
+def test_a_pull_stopped_while_it_waits_for_the_walk_stops_the_walk(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a pull cancelled (a daemon's stop) while it waited for the walk
+    forgot the walk first, and the failure path never stopped it: the thread went on
+    walking and chmod'ing the kept tree after the pull had returned and let DEST go."""
+    ws, dest, opts = pulled
+    waiting = threading.Event()
+    finished = threading.Event()
+    ahead = prevtree.walk_ahead
+    take_walk = IncrementalRunner.take_walk
+
+    def slow_ahead(
+        parent_fd: int, names: Iterable[str], check: Callable[[], None], limit: int, since: int
+    ) -> prevtree.Walked | None:
+        try:
+            for _ in range(1500):  # 30 s unless stopped
+                check()
+                time.sleep(0.02)
+            return ahead(parent_fd, names, check, limit, since)
+        finally:
+            finished.set()
+
+    async def waited(self: IncrementalRunner) -> None:
+        waiting.set()
+        await take_walk(self)
+
+    monkeypatch.setattr(prevtree, "walk_ahead", slow_ahead)
+    monkeypatch.setattr(IncrementalRunner, "take_walk", waited)
+    change(ws, 2)
+    cancel_once(ws, dest, opts, lambda: asyncio.to_thread(waiting.wait, 60))
+    assert waiting.is_set()
+    assert finished.is_set(), "the walk was still at work after the pull returned"
+    monkeypatch.undo()
+    pull(ws, dest, opts)
+    assert_shares_only(dest)

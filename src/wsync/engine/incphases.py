@@ -278,7 +278,11 @@ class IncrementalRunner(LeftoverRunner):
         if inc.last_listing == _manifest_digest(plan, self.done):
             return  # the guest lists what it listed last time: most likely nothing to do
         if self.options.keep_prev:
-            # a kept previous tree is the start: its walk is what can go ahead
+            # a kept previous tree is the start: its walk is what can go ahead, from a
+            # stamp of its filesystem's clock (what changes after it is walked again)
+            since = self.target.fs_now()
+            if since is None:
+                return
             stop = self.walk_stop = threading.Event()
 
             def check() -> None:
@@ -286,7 +290,7 @@ class IncrementalRunner(LeftoverRunner):
                     raise Interrupted("the previous tree's walk stopped")
 
             names = [self.tmp_name, self.target.prev_name]
-            walk = owned(self.target.parent_fd, lambda fd: inc.walk_ahead(fd, names, check))
+            walk = owned(self.target.parent_fd, lambda fd: inc.walk_ahead(fd, names, check, since))
             self.walk_task = asyncio.create_task(in_thread(walk))
             return
         self.early = Prefarm()
@@ -361,11 +365,13 @@ class IncrementalRunner(LeftoverRunner):
 
     async def take_walk(self) -> None:
         """The previous tree's walk over (its rows with the state, or none: the reuse walks
-        then)."""
-        task, self.walk_task = self.walk_task, None
+        then).  The task stays known while it is waited for: a pull stopped here stops the
+        walk too (:meth:`drop_early_farm`), never leaving it at work in the tree."""
+        task = self.walk_task
         if task is not None:
             with contextlib.suppress(WsyncError, OSError):
                 await asyncio.shield(task)
+            self.walk_task = None
 
     async def drop_early_farm(self) -> bool:
         """Stop the early farm and remove its tree, or stop the previous tree's walk

@@ -443,12 +443,14 @@ class Incremental:
             if dest_fd is not None:
                 os.close(dest_fd)
 
-    def walk_ahead(self, parent_fd: int, names: list[str], check: Callable[[], None]) -> None:
+    def walk_ahead(
+        self, parent_fd: int, names: list[str], check: Callable[[], None], since: int
+    ) -> None:
         """Walk the tree a ``--keep-prev`` reuse will start from (the first of ``names`` in
         DEST's parent, open at ``parent_fd``), in a worker thread while the diff runs: the
         reuse then only checks that it renamed that very tree into place
         (:func:`prevtree.walk_ahead`)."""
-        walked = prevtree.walk_ahead(parent_fd, names, check, HOLD)
+        walked = prevtree.walk_ahead(parent_fd, names, check, HOLD, since)
         self.walked = walked
         log.debug("previous tree walked", entries=None if walked is None else len(walked.rows))
 

@@ -125,14 +125,21 @@ def _private_dir(parent_fd: int, name: str, dev: int) -> int | None:
         os.close(fd)
 
 
-def walk(root_fd: int, check_cancel: Callable[[], None]) -> Iterator[tuple[bytes, str, int, int]]:
+def walk(
+    root_fd: int,
+    check_cancel: Callable[[], None],
+    listed: dict[bytes, int] | None = None,
+) -> Iterator[tuple[bytes, str, int, int]]:
     """``(path, kind, inode, mode)`` of every entry below the tree at ``root_fd`` (made
     private by the caller): kind ``d`` for a directory nobody else may add to (its mode
     given), ``x`` for one that is not ours, is on another filesystem or cannot be opened
-    (not walked: removed whole), ``n`` for anything else (mode 0)."""
+    (not walked: removed whole), ``n`` for anything else (mode 0).  ``listed`` gets the
+    mtime of each directory as it was listed, by its path plus ``/`` (the root ``b""``)."""
     dev = os.fstat(root_fd).st_dev
     seen = 0
     for prefix, fd, subdirs in walk_dirs(root_fd, _unreadable):
+        if listed is not None:
+            listed[prefix] = os.fstat(fd).st_mtime_ns
         with os.scandir(fd) as entries:
             for entry in entries:
                 seen += 1
@@ -156,14 +163,47 @@ Row = tuple[bytes, str, int, int]
 
 class Walked(NamedTuple):
     """A walk taken ahead of the reuse (:func:`walk_ahead`): the tree's root as
-    ``(st_dev, st_ino)`` and every row of the walk."""
+    ``(st_dev, st_ino)``, every row of the walk, and each directory's mtime when it was
+    listed (by path plus ``/``, the root ``b""``)."""
 
     root: tuple[int, int]
     rows: list[Row]
+    listed: dict[bytes, int]
+    #: a time the tree's filesystem stamped before the walk began (see walk_ahead)
+    since: int
+
+
+def _still_listed(tmp_fd: int, walked: Walked) -> bool:
+    """Whether every directory the walk listed is there with the mtime it had then: an
+    entry added, removed or renamed in one since (a process of this user whose working
+    directory was in the replaced tree) moves it, and a walk of today is due.  (Not the
+    ctime: renaming the tree into place moves its root's, and the walk's own ``chmod`` of
+    a directory others could write moves that one's.)"""
+    parents = _Parents(tmp_fd)
+    try:
+        for prefix, mtime in walked.listed.items():
+            if mtime >= walked.since:
+                return False  # changed as the walk went: a later change may share its tick
+            if not prefix:
+                st = os.fstat(tmp_fd)
+            else:
+                parent, leaf = _split(prefix[:-1])
+                st = os.stat(leaf, dir_fd=parents.get(parent), follow_symlinks=False)
+            if st.st_mtime_ns != mtime or not stat.S_ISDIR(st.st_mode):
+                return False
+    except OSError:
+        return False
+    finally:
+        parents.close()
+    return True
 
 
 def walk_ahead(
-    parent_fd: int, names: Iterable[str], check_cancel: Callable[[], None], limit: int
+    parent_fd: int,
+    names: Iterable[str],
+    check_cancel: Callable[[], None],
+    limit: int,
+    since: int,
 ) -> Walked | None:
     """The walk of the tree a reuse will start from, taken while the manifest loads and
     the diff runs (a worker thread; the DEST lock held): the first of ``names`` in
@@ -172,8 +212,13 @@ def walk_ahead(
     (they would all be in memory: the reuse walks it then, into the state's tables).
 
     The reuse takes the rows only for the very directory it renamed into place (same
-    root inode): once private, nobody else can add to the tree or to any directory of
-    it that was walked, and nothing else of this pull writes to it before the reuse."""
+    root inode), and only while no directory the walk listed has changed since: once
+    private, nobody else can add to the tree or to any directory of it that was walked,
+    and nothing else of this pull writes to it before the reuse, but a process of this
+    user sitting in a directory of the replaced tree may (:func:`_still_listed`).
+    ``since`` is a time the tree's filesystem stamped before the walk: a directory whose
+    mtime is not before it is never taken as listed (a change in the same clock tick as
+    the listing would leave its mtime as it was)."""
     for name in names:
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
@@ -184,11 +229,12 @@ def walk_ahead(
                 return None
             st = os.fstat(fd)
             rows: list[Row] = []
-            for item in walk(fd, check_cancel):
+            listed: dict[bytes, int] = {}
+            for item in walk(fd, check_cancel, listed):
                 if len(rows) >= limit:
                     return None
                 rows.append(item)
-            return Walked((st.st_dev, st.st_ino), rows)
+            return Walked((st.st_dev, st.st_ino), rows, listed, since)
         except (OSError, HostIOError):
             return None
         finally:
@@ -268,7 +314,8 @@ def reuse(
     tables (``s.plan``, ``s.host``); return (entries removed, entries made).  ``walked``:
     the walk :func:`walk_ahead` took, used when it is of this very tree."""
     st = os.fstat(tmp_fd)
-    if walked is not None and walked.root == (st.st_dev, st.st_ino):
+    same = walked is not None and walked.root == (st.st_dev, st.st_ino)
+    if walked is not None and same and _still_listed(tmp_fd, walked):
         rows: Iterable[Row] = walked.rows
     else:
         rows = walk(tmp_fd, check_cancel)
