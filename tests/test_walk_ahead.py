@@ -50,7 +50,9 @@ class Walks:
         walk, ahead = prevtree.walk, prevtree.walk_ahead
 
         def counted_walk(
-            root_fd: int, check: Callable[[], None], listed: dict[bytes, int] | None = None
+            root_fd: int,
+            check: Callable[[], None],
+            listed: dict[bytes, tuple[int, int]] | None = None,
         ) -> Any:
             self.events.append("walk")
             self.started.set()
@@ -62,8 +64,9 @@ class Walks:
             check: Callable[[], None],
             limit: int,
             since: int,
+            dest_name: str,
         ) -> prevtree.Walked | None:
-            got = ahead(parent_fd, names, check, limit, since)
+            got = ahead(parent_fd, names, check, limit, since, dest_name)
             self.ahead.append(got)
             self.after_ahead()
             return got
@@ -148,6 +151,45 @@ def test_an_entry_put_in_the_kept_tree_after_the_walk_never_reaches_dest(
     assert walks.events == ["walk", "walk"]
 
 
+def test_an_entry_put_there_with_the_directorys_mtime_put_back_is_seen_too(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: ``tar x``, ``cp -a`` and ``rsync -a`` put a directory's mtime
+    back after they fill it; the directory's ctime still tells."""
+    ws, dest, opts = pulled
+    walks = Walks(monkeypatch)
+
+    def restore_into() -> None:
+        src = prev_of(dest) / "src"
+        st = src.stat()
+        (src / "planted.txt").write_text("copied in\n")
+        os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    walks.after_ahead = restore_into  # type: ignore[method-assign]
+    change(ws, 2)
+    pull(ws, dest, opts)  # exact: no src/planted.txt
+    assert walks.events == ["walk", "walk"]
+
+
+def test_a_directory_of_a_future_mtime_does_not_cost_the_walk_ahead(
+    pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept directories carry the guest's mtimes, one of them ahead of the host's clock
+    (a guest clock ahead): that is no change made while the walk ran, and the reuse still
+    takes the walk's rows (a review found every such pull walking twice)."""
+    ws, dest, opts = pulled
+    hour = 3600 * 10**9
+    future = time.time_ns() + hour
+    os.utime(ws / "src" / "deep", ns=(future, future))
+    change(ws, 2)
+    pull(ws, dest, opts)  # the kept tree now holds it too
+    os.utime(ws / "src" / "deep", ns=(future, future))
+    walks = Walks(monkeypatch)
+    change(ws, 3)
+    pull(ws, dest, opts)
+    assert walks.events == ["walk"]
+
+
 def test_a_failed_pull_leaves_the_walked_tree_to_the_next_one(
     pulled: tuple[Path, Path, PullOptions], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -198,7 +240,7 @@ def test_walk_ahead_takes_the_first_tree_and_stops_at_its_limit(tmp_path: Path) 
     _tree(tmp_path / "second", 1)
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        got = prevtree.walk_ahead(fd, ["missing", "first", "second"], lambda: None, 10, NOW)
+        got = prevtree.walk_ahead(fd, ["missing", "first", "second"], lambda: None, 10, NOW, "out")
         assert got is not None
         assert sorted(path for path, *_ in got.rows) == [
             b"sub",
@@ -210,8 +252,8 @@ def test_walk_ahead_takes_the_first_tree_and_stops_at_its_limit(tmp_path: Path) 
         assert got.root == (st.st_dev, st.st_ino)
         assert st.st_mode & 0o777 == 0o700  # made private before it was walked
         # more entries than it may hold in memory: the reuse walks it itself
-        assert prevtree.walk_ahead(fd, ["first"], lambda: None, 3, NOW) is None
-        assert prevtree.walk_ahead(fd, ["first"], lambda: None, 4, NOW) is not None
+        assert prevtree.walk_ahead(fd, ["first"], lambda: None, 3, NOW, "out") is None
+        assert prevtree.walk_ahead(fd, ["first"], lambda: None, 4, NOW, "out") is not None
     finally:
         os.close(fd)
 
@@ -224,11 +266,11 @@ def test_walk_ahead_follows_no_symlink_and_takes_no_tree_of_another_user(
     (tmp_path / "link").symlink_to(elsewhere)
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        assert prevtree.walk_ahead(fd, ["link"], lambda: None, 10, NOW) is None
+        assert prevtree.walk_ahead(fd, ["link"], lambda: None, 10, NOW, "out") is None
         assert os.stat(elsewhere).st_mode & 0o777 != 0o700 or os.geteuid() != 0
         if os.geteuid() == 0:
             os.chown(elsewhere, 65534, 65534)
-            assert prevtree.walk_ahead(fd, ["elsewhere"], lambda: None, 10, NOW) is None
+            assert prevtree.walk_ahead(fd, ["elsewhere"], lambda: None, 10, NOW, "out") is None
     finally:
         os.close(fd)
 
@@ -247,7 +289,7 @@ def test_a_stopped_walk_ahead_raises_out_of_its_thread(tmp_path: Path) -> None:
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         with pytest.raises(Stop):
-            prevtree.walk_ahead(fd, ["kept"], stop, 10**6, NOW)
+            prevtree.walk_ahead(fd, ["kept"], stop, 10**6, NOW, "out")
     finally:
         os.close(fd)
     assert len(os.listdir(tmp_path / "kept" / "sub")) == 600
@@ -266,13 +308,18 @@ def test_a_pull_stopped_while_it_waits_for_the_walk_stops_the_walk(
     take_walk = IncrementalRunner.take_walk
 
     def slow_ahead(
-        parent_fd: int, names: Iterable[str], check: Callable[[], None], limit: int, since: int
+        parent_fd: int,
+        names: Iterable[str],
+        check: Callable[[], None],
+        limit: int,
+        since: int,
+        dest_name: str,
     ) -> prevtree.Walked | None:
         try:
             for _ in range(1500):  # 30 s unless stopped
                 check()
                 time.sleep(0.02)
-            return ahead(parent_fd, names, check, limit, since)
+            return ahead(parent_fd, names, check, limit, since, dest_name)
         finally:
             finished.set()
 

@@ -190,18 +190,7 @@ class DestDir:
         or where it cannot be had (then no window: re-hashes, never a missed change)."""
         if self._lock_fd is None:
             return None
-        name = f".{self.name}.wsync-tmp-{os.urandom(6).hex()}"
-        try:
-            os.mkdir(name, 0o700, dir_fd=self.parent_fd)
-        except OSError:
-            return None
-        try:
-            return os.stat(name, dir_fd=self.parent_fd, follow_symlinks=False).st_ctime_ns
-        except OSError:
-            return None
-        finally:
-            with contextlib.suppress(OSError):
-                os.rmdir(name, dir_fd=self.parent_fd)
+        return fs_stamp(self.parent_fd, self.name)
 
     def _lock_tree(self, is_dest: Callable[[Path], bool]) -> None:
         """DEST's directory exclusively, and shared each directory above it that is a DEST
@@ -524,3 +513,20 @@ def _refusing(dest: Path, root: Path | None, where: Path) -> Iterator[None]:
         if exc.errno == errno.EXDEV:
             raise UsageError(f"DEST {dest} is not beneath the dest root {root}") from None
         raise HostIOError(f"opening {where}: {exc.strerror or exc}") from exc
+
+
+def fs_stamp(parent_fd: int, dest_name: str) -> int | None:
+    """The ctime of a directory made in ``parent_fd`` and removed again (see
+    :meth:`DestDir.fs_now`), under a stale tmp name of DEST ``dest_name``."""
+    name = f".{dest_name}.wsync-tmp-{os.urandom(6).hex()}"
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+    except OSError:
+        return None
+    try:
+        return os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_ctime_ns
+    except OSError:
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(name, dir_fd=parent_fd)

@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import NamedTuple
 
 from wsync.engine import incsql
+from wsync.engine.destdir import fs_stamp
 from wsync.engine.farm import CANCEL_EVERY, _Parents, _split, build_farm
 from wsync.engine.fsutil import make_private, remove_tree_at
 from wsync.engine.hostscan import HostRow, row, walk_dirs
@@ -128,18 +129,20 @@ def _private_dir(parent_fd: int, name: str, dev: int) -> int | None:
 def walk(
     root_fd: int,
     check_cancel: Callable[[], None],
-    listed: dict[bytes, int] | None = None,
+    listed: dict[bytes, tuple[int, int]] | None = None,
 ) -> Iterator[tuple[bytes, str, int, int]]:
     """``(path, kind, inode, mode)`` of every entry below the tree at ``root_fd`` (made
     private by the caller): kind ``d`` for a directory nobody else may add to (its mode
     given), ``x`` for one that is not ours, is on another filesystem or cannot be opened
     (not walked: removed whole), ``n`` for anything else (mode 0).  ``listed`` gets the
-    mtime of each directory as it was listed, by its path plus ``/`` (the root ``b""``)."""
+    ctime and mtime of each directory below the root as it was listed, by its path plus
+    ``/``."""
     dev = os.fstat(root_fd).st_dev
     seen = 0
     for prefix, fd, subdirs in walk_dirs(root_fd, _unreadable):
-        if listed is not None:
-            listed[prefix] = os.fstat(fd).st_mtime_ns
+        if listed is not None and prefix:
+            st = os.fstat(fd)
+            listed[prefix] = (st.st_ctime_ns, st.st_mtime_ns)
         with os.scandir(fd) as entries:
             for entry in entries:
                 seen += 1
@@ -163,33 +166,38 @@ Row = tuple[bytes, str, int, int]
 
 class Walked(NamedTuple):
     """A walk taken ahead of the reuse (:func:`walk_ahead`): the tree's root as
-    ``(st_dev, st_ino)``, every row of the walk, and each directory's mtime when it was
-    listed (by path plus ``/``, the root ``b""``)."""
+    ``(st_dev, st_ino)``, every row of the walk, and each directory's ctime and mtime when
+    it was listed (by path plus ``/``; not the root's)."""
 
     root: tuple[int, int]
     rows: list[Row]
-    listed: dict[bytes, int]
-    #: a time the tree's filesystem stamped before the walk began (see walk_ahead)
+    listed: dict[bytes, tuple[int, int]]
+    #: times the tree's filesystem stamped before the walk began and after it ended
     since: int
+    until: int
 
 
 def _still_listed(tmp_fd: int, walked: Walked) -> bool:
-    """Whether every directory the walk listed is there with the mtime it had then: an
-    entry added, removed or renamed in one since (a process of this user whose working
-    directory was in the replaced tree) moves it, and a walk of today is due.  (Not the
-    ctime: renaming the tree into place moves its root's, and the walk's own ``chmod`` of
-    a directory others could write moves that one's.)"""
+    """Whether every directory the walk listed is as it was then: an entry added, removed
+    or renamed in one since (a process of this user whose working directory was in the
+    replaced tree) moves its ctime, even where its mtime is put back (``tar x``), and a
+    walk of today is due.  A directory the walk itself made private (a ``chmod``, before
+    its listing) has a ctime of the walk's own time, which a change in the same clock
+    tick would keep: its mtime must be as it was too, and not of that time.  The root is
+    listed again (renaming the tree into place moves its ctime): one directory."""
     parents = _Parents(tmp_fd)
     try:
-        for prefix, mtime in walked.listed.items():
-            if mtime >= walked.since:
-                return False  # changed as the walk went: a later change may share its tick
-            if not prefix:
-                st = os.fstat(tmp_fd)
-            else:
-                parent, leaf = _split(prefix[:-1])
-                st = os.stat(leaf, dir_fd=parents.get(parent), follow_symlinks=False)
-            if st.st_mtime_ns != mtime or not stat.S_ISDIR(st.st_mode):
+        with os.scandir(tmp_fd) as entries:
+            top = {os.fsencode(e.name) for e in entries}
+        if top != {path for path, *_ in walked.rows if b"/" not in path}:
+            return False
+        during = range(walked.since, walked.until + 1)
+        for prefix, (ctime, mtime) in walked.listed.items():
+            parent, leaf = _split(prefix[:-1])
+            st = os.stat(leaf, dir_fd=parents.get(parent), follow_symlinks=False)
+            if st.st_ctime_ns != ctime or not stat.S_ISDIR(st.st_mode):
+                return False
+            if ctime in during and (st.st_mtime_ns != mtime or mtime in during):
                 return False
     except OSError:
         return False
@@ -204,6 +212,7 @@ def walk_ahead(
     check_cancel: Callable[[], None],
     limit: int,
     since: int,
+    dest_name: str,
 ) -> Walked | None:
     """The walk of the tree a reuse will start from, taken while the manifest loads and
     the diff runs (a worker thread; the DEST lock held): the first of ``names`` in
@@ -216,9 +225,10 @@ def walk_ahead(
     private, nobody else can add to the tree or to any directory of it that was walked,
     and nothing else of this pull writes to it before the reuse, but a process of this
     user sitting in a directory of the replaced tree may (:func:`_still_listed`).
-    ``since`` is a time the tree's filesystem stamped before the walk: a directory whose
-    mtime is not before it is never taken as listed (a change in the same clock tick as
-    the listing would leave its mtime as it was)."""
+    ``since`` is a time the tree's filesystem stamped before the walk (and the walk
+    stamps one after it, by a directory made beside DEST ``dest_name``): a directory
+    changed between the two is never taken as listed (a change in the same clock tick as
+    the listing would leave its time as it was)."""
     for name in names:
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
@@ -229,12 +239,15 @@ def walk_ahead(
                 return None
             st = os.fstat(fd)
             rows: list[Row] = []
-            listed: dict[bytes, int] = {}
+            listed: dict[bytes, tuple[int, int]] = {}
             for item in walk(fd, check_cancel, listed):
                 if len(rows) >= limit:
                     return None
                 rows.append(item)
-            return Walked((st.st_dev, st.st_ino), rows, listed, since)
+            until = fs_stamp(parent_fd, dest_name)
+            if until is None:
+                return None
+            return Walked((st.st_dev, st.st_ino), rows, listed, since, until)
         except (OSError, HostIOError):
             return None
         finally:
