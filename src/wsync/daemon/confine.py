@@ -34,7 +34,7 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from wsync.engine.destdir import refuse_reserved
@@ -95,13 +95,21 @@ def _step(fd: int, name: str, shown: Path, what: str) -> int:
 
 
 def walk_beneath(
-    root: Path, path: Path, *, create: bool, what: str, leaf: str | None = None
+    root: Path,
+    path: Path,
+    *,
+    create: bool,
+    what: str,
+    leaf: str | None = None,
+    guard: Callable[[int, Path, str], None] | None = None,
 ) -> os.stat_result | None:
     """Walk from ``root`` down to ``path`` (a directory) with no symlink followed.
 
     ``create``: make missing directories (mode 0777 & ~umask, like ``mkdir -p``)
     with ``mkdirat`` relative to the parent fd just opened.  ``leaf``: a name
     inside ``path`` to ``lstat`` through the final fd (None when it is absent).
+    ``guard(fd, shown, what)`` looks at each directory before the walk steps into the
+    next one (the root down to ``path``'s parent) and raises to stop it.
     Raises :class:`Forbidden` for a symlink or a non-directory on the way,
     :class:`HostIOError` for other failures.
     """
@@ -111,6 +119,8 @@ def walk_beneath(
         shown = root
         try:
             for name in parts:
+                if guard is not None:
+                    guard(fd, shown, what)
                 shown = shown / name
                 try:
                     nxt = _step(fd, name, shown, what)
@@ -178,37 +188,18 @@ def confine_source(path: Path, roots: Sequence[Path]) -> None:
     if root is None:
         allowed = ", ".join(str(r) for r in roots) or "none configured"
         raise Forbidden(f"{what} is no longer inside api.local_roots ({allowed})")
-    walk_beneath(root, path, create=False, what=what)
-    if path != root:
-        _only_ours(root, path, what)
+    walk_beneath(root, path, create=False, what=what, guard=_only_ours)
 
 
-def _only_ours(root: Path, path: Path, what: str) -> None:
-    """Every directory from ``root`` down to ``path``'s parent is the daemon user's or
-    root's, and writable by no one else: no one else can rename what it holds."""
-    us = os.geteuid()
-    with _open_root(root, create=False) as root_fd:
-        fd, shown = root_fd, root
-        try:
-            for name in (*path.relative_to(root).parts[:-1], None):
-                st = os.fstat(fd)
-                if st.st_uid not in (0, us) or st.st_mode & 0o022:
-                    raise Forbidden(
-                        f"{what}: {shown} (uid {st.st_uid}, mode "
-                        f"{stat.S_IMODE(st.st_mode):o}) may be changed by another user, who "
-                        "could swap what it holds for a symlink between this check and "
-                        "the read; a local source must lie in directories only the daemon's "
-                        "user or root can change (or be a local root itself)"
-                    )
-                if name is None:
-                    return
-                shown = shown / name
-                nxt = _step(fd, name, shown, what)
-                if fd != root_fd:
-                    os.close(fd)
-                fd = nxt
-        except OSError as err:
-            raise HostIOError(f"{what}: cannot open {shown}: {err.strerror}") from None
-        finally:
-            if fd != root_fd:
-                os.close(fd)
+def _only_ours(fd: int, shown: Path, what: str) -> None:
+    """The directory at ``fd`` is the daemon user's or root's, and writable by no one
+    else: no one else can rename what it holds."""
+    st = os.fstat(fd)
+    if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+        raise Forbidden(
+            f"{what}: {shown} (uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):o}) may be changed by another user, who "
+            "could swap what it holds for a symlink between this check and "
+            "the read; a local source must lie in directories only the daemon's "
+            "user or root can change (or be a local root itself)"
+        )
