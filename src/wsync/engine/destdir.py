@@ -146,7 +146,7 @@ class DestDir:
 
     @property
     def lock_name(self) -> str:
-        return f".{self.name}.wsync-lock"
+        return lock_name(self.name)
 
     def lock(self, is_dest: Callable[[Path], bool] = lambda path: False) -> None:
         """Hold the DEST lock until :meth:`close`; UsageError naming the holder if taken.
@@ -254,7 +254,7 @@ class DestDir:
         hang it in its ``open``: opened without waiting)."""
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO: no wait
         try:
-            fd = os.open(f".{name}.wsync-lock", flags, dir_fd=parent_fd)
+            fd = os.open(lock_name(name), flags, dir_fd=parent_fd)
         except OSError:
             return False
         try:
@@ -513,6 +513,11 @@ def _refusing(dest: Path, root: Path | None, where: Path) -> Iterator[None]:
         if exc.errno == errno.EXDEV:
             raise UsageError(f"DEST {dest} is not beneath the dest root {root}") from None
         raise HostIOError(f"opening {where}: {exc.strerror or exc}") from exc
+
+
+def lock_name(dest_name: str) -> str:
+    """The DEST lock's file beside DEST ``dest_name``."""
+    return f".{dest_name}.wsync-lock"
 
 
 def fs_stamp(parent_fd: int, dest_name: str) -> int | None:

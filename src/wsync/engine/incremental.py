@@ -448,8 +448,8 @@ class Incremental:
     ) -> None:
         """Walk the tree a ``--keep-prev`` reuse will start from (the first of ``names`` in
         DEST's parent, open at ``parent_fd``), in a worker thread while the diff runs: the
-        reuse then only checks that it renamed that very tree into place
-        (:func:`prevtree.walk_ahead`)."""
+        reuse then only checks that it renamed that very tree into place and that none of
+        its directories changed since (:func:`prevtree.walk_ahead`)."""
         walked = prevtree.walk_ahead(parent_fd, names, check, HOLD, since, self.target.name)
         self.walked = walked
         log.debug("previous tree walked", entries=None if walked is None else len(walked.rows))

@@ -327,8 +327,11 @@ def reuse(
     tables (``s.plan``, ``s.host``); return (entries removed, entries made).  ``walked``:
     the walk :func:`walk_ahead` took, used when it is of this very tree."""
     st = os.fstat(tmp_fd)
-    same = walked is not None and walked.root == (st.st_dev, st.st_ino)
-    if walked is not None and same and _still_listed(tmp_fd, walked):
+    if (
+        walked is not None
+        and walked.root == (st.st_dev, st.st_ino)
+        and _still_listed(tmp_fd, walked)
+    ):
         rows: Iterable[Row] = walked.rows
     else:
         rows = walk(tmp_fd, check_cancel)
