@@ -61,16 +61,16 @@ fi
 exec {real} "$@"
 """
 
-#: the admission answers with ``cat DIR/launch/size``, after it started the producer
-_CAT = """#!/bin/sh
-case $1 in
-  */launch/size)
-    if [ ! -e {mark} ]; then
-      : > {mark}
-      w=${{1%/launch/size}}/index w2=
-      {kill}
-    fi ;;
-esac
+#: ``setsid sh PRODUCER DIR ...`` the first time: the producer starts in its own session
+#: (this shim's child), and once it has indexed a chunk the admission's group is killed
+#: before it answered (the shim is the launch the admission waits to see detach)
+_DETACHED = """#!/bin/sh
+if [ ! -e {mark} ]; then
+  : > {mark}
+  {real} "$@" </dev/null >/dev/null 2>&1 &
+  w=$3/index w2=
+  {kill}
+fi
 exec {real} "$@"
 """
 
@@ -144,7 +144,7 @@ def test_a_detached_producer_survives_the_admissions_kill(
 ) -> None:
     """Killed once the producer is writing, before the answer: the producer (its own
     session) lives on, and the retry adopts it rather than starting a second one."""
-    env = shimmed_env(tmp_path, guest_path, "cat", _CAT, wait="x")
+    env = shimmed_env(tmp_path, guest_path, "setsid", _DETACHED, wait="x")
     dest = tmp_path / "out"
     opts = options(tmp_path, keep_staging=True)
     run_pull(LocalTransport(env=env), workspace, dest, opts)
@@ -374,7 +374,7 @@ def test_producers_started_at_once_write_one_stream(
     snap = root / "s-race"
     (snap / "launch").mkdir(parents=True)
     argv = ["sh", str(root / scripts.PRODUCER_NAME), str(snap), str(workspace)]
-    argv += [str(scripts.BLOCK), "sha256", "gzip:1", "tar"]
+    argv += [str(scripts.BLOCK), "sha256", "gzip:1", "tar", scripts.NONE]
     racers = [subprocess.Popen(argv, env=env, start_new_session=True) for _ in range(8)]
     for racer in racers:
         racer.wait(timeout=120)

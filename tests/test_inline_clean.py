@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -282,9 +283,11 @@ def test_a_small_workspace_with_a_file_that_keeps_changing(
 
 #: ``sed``, which the status runs on the ``done`` record: the snapshot is renamed away
 #: right after (an admission attempt given up on, removing what it carried whole)
-_SED_THEN_GONE = """#!/bin/sh
+#: the status's first program after it read the done record (with the shell's read) is
+#: the wc that measures the index: the snapshot is renamed away right after it
+_WC_THEN_GONE = """#!/bin/sh
 {real} "$@"
-case $2 in */done) mv "${{2%/done}}" "${{2%/done}}.gone" ;; esac
+[ -e {snap}.gone ] || mv {snap} {snap}.gone
 """
 
 
@@ -309,9 +312,10 @@ def test_a_status_of_a_snapshot_removed_while_it_was_read_says_it_is_gone(
     root = asyncio.run(finished())
     shim = tmp_path / "shim"
     shim.mkdir()
-    real = shutil.which("sed", path=guest_path)
-    (shim / "sed").write_text(_SED_THEN_GONE.format(real=real))
-    (shim / "sed").chmod(0o755)
+    real = shutil.which("wc", path=guest_path)
+    snap = shlex.quote(str(root / "s-torn"))
+    (shim / "wc").write_text(_WC_THEN_GONE.format(real=real, snap=snap))
+    (shim / "wc").chmod(0o755)
     argv = ["sh", str(root / scripts.PRODUCER_NAME), "--status", str(root / "s-torn")]
     answer = subprocess.run(
         [*argv, "0", "0", "0", "0"],

@@ -117,6 +117,11 @@ class GuestSession(GuestCalls):
         self.algorithm = algorithm
         self._base64 = report.has("base64")
         self._gzip = report.has("gzip")
+        self._uid = report.uid if ascii_digits(report.uid) else scripts.NONE
+        tools = ("g" if "GNU tar" in report.tar_version else "") + "".join(
+            flag for flag, tool in (("c", "find_cnewer"), ("p", "find_printf")) if report.has(tool)
+        )
+        self._tools = tools or scripts.NONE
         if self.helpers is not None and not report.has("setsid"):
             # without setsid the producer would share a helper's process group, and an
             # aborted helper call would take it down (see wsync.protocol.helper)
@@ -174,6 +179,9 @@ class GuestSession(GuestCalls):
                 status_looks=looks if carry else -1,
                 inline=inline if carry else 0,
                 clean=clean,
+                uid=self._uid,
+                tools=self._tools,
+                collect=not self._collected,
             )
 
         def build(nonce: str) -> list[str]:
@@ -209,6 +217,7 @@ class GuestSession(GuestCalls):
             )
         if not envelope.ok:
             self._admission_failed(envelope.text, workspace)
+        self._collected = True  # the stale snapshots went with this admission
         answer, status = envelope.payload, b""
         if carried[0]:
             answer, _, status = answer.partition(b"\n")

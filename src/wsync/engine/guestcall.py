@@ -94,6 +94,11 @@ class GuestCalls:
         #: the guest has ``base64`` (the probe says): lists may go in argv parts
         self._base64 = False
         self._gzip = False
+        #: the uid and the producer's tools as the probe saw them (:func:`scripts.admit`)
+        self._uid = scripts.NONE
+        self._tools = scripts.NONE
+        #: an admission of this pull has collected the stale snapshots
+        self._collected = False
         self._rng = random.Random()  # noqa: S311 - backoff jitter, not a secret
         #: the link's rate, round trip and learnt deadlines (a hang costs seconds)
         self.link = Link(options.call_timeout, options.parallel)

@@ -110,55 +110,60 @@ stage() {
 PROBE = r"""
 ws=$(expand_home "$1")
 p="proto 1${nl}uid $me"
+# a line of the answer
+a() { p="$p${nl}$1"; }
 if [ -d "$ws" ]; then
   if [ -r "$ws" ] && [ -x "$ws" ]; then w=dir; else w=unreadable; fi
 elif [ -e "$ws" ]; then w=notdir; else w=missing; fi
-p="$p${nl}workspace $w"
+a "workspace $w"
 for t in tar zstd gzip xxhsum b2sum sha256sum setsid base64 dd wc find ls du id stat readlink xargs; do
-  if command -v "$t" >/dev/null 2>&1; then p="$p${nl}has_$t 1"; else p="$p${nl}has_$t 0"; fi
+  command -v "$t" >/dev/null 2>&1 && a "has_$t 1"
 done
 # a base64 that encodes what it is given: a status may then carry a small run's stream
 # whole and remove its staging with it (the producer's carried)
-[ "$(printf wsync-probe | base64)" = d3N5bmMtcHJvYmU= ] && p="$p${nl}has_base64_exact 1"
+[ "$(printf wsync-probe | base64)" = d3N5bmMtcHJvYmU= ] && a "has_base64_exact 1"
 x=$(printf wsync-probe | xxhsum -H2)
-p="$p${nl}test_xxh128 $x"
+a "test_xxh128 $x"
 # the other hash tools only where xxhsum does not answer the digest the host expects
 if [ "${x%% *}" != "$3" ]; then
-  p="$p${nl}test_b2 $(printf wsync-probe | b2sum)"
-  p="$p${nl}test_sha256 $(printf wsync-probe | sha256sum)"
+  a "test_b2 $(printf wsync-probe | b2sum)"
+  a "test_sha256 $(printf wsync-probe | sha256sum)"
 fi
-if [ "$(printf abcdef | dd bs=65536 iflag=skip_bytes,count_bytes skip=2 count=3 2>/dev/null)" = cde ]; then
-  p="$p${nl}has_dd_bytes 1"
-fi
+[ "$(printf abcdef | dd bs=65536 iflag=skip_bytes,count_bytes skip=2 count=3 2>/dev/null)" = cde ] &&
+  a "has_dd_bytes 1"
 # zstd 1.3.2+ matches across 32 MiB (--long=25): a fifth fewer bytes for source trees
-printf x | zstd -q -c --long=25 >/dev/null 2>&1 && p="$p${nl}has_zstd_long 1"
+printf x | zstd -q -c --long=25 >/dev/null 2>&1 && a "has_zstd_long 1"
 v=$(tar --version 2>&1)
-p="$p${nl}tar_version ${v%%"$nl"*}"
-find / -maxdepth 0 -printf '' >/dev/null 2>&1 && p="$p${nl}has_find_printf 1"
+a "tar_version ${v%%"$nl"*}"
+# find's -printf and -cnewer, for the producer (which then need not ask every run)
+for o in printf cnewer; do find / -maxdepth 0 -$o / >/dev/null 2>&1 && a "has_find_$o 1"; done
 if [ "$w" = dir ] && command -v ls >/dev/null 2>&1 && command -v id >/dev/null 2>&1; then
   stage "$2" "$ws"
-  p="$p${nl}stage_root $R"
+  a "stage_root $R"
   # the free space only where it is shown (wsync doctor): the admission measures its own
-  [ "$4" = 1 ] && p="$p${nl}stage_free_kb $(df -Pk "$R" | awk 'NR == 2 { print $4 }')"
+  [ "$4" = 1 ] && a "stage_free_kb $(df -Pk "$R" | awk 'NR == 2 { print $4 }')"
 fi
 emit ok "$p"
 """
 
 KILL = "\nme=$(id -u)\n" + KILL_FNS
 
+#: (``me``, the user's uid, and ``tl``, the producer's tools, as the probe saw them: two
+#: programs fewer per admission; ``ttl`` ``-``: this pull's stale snapshots are collected.
+#: A ``me`` that is no uid (a probe that could not tell) matches no owner: unsafe-root)
 ADMIT_HEAD = r"""
-me=$(id -u)
 no() { emit err "$1"; exit 0; }
 root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$8 ph=$9 mode=${10}
+me=${11} tl=${12}
 """
 ADMIT_ARGS = r"""
-n=${11}
-shift 11
+n=${13}
+shift 13
 """
 #: (its status's looks, inline bound and clean flag come before the producer's arguments)
 ADMIT_STATUS_ARGS = r"""
-n=${11} sw=${12} sil=${13} sc=${14}
-shift 14
+n=${13} sw=${14} sil=${15} sc=${16}
+shift 16
 """
 ADMIT = r"""
 # the listed size: digits, or none ("-")
@@ -172,8 +177,8 @@ case $m in ?????w*|????????w*) no unsafe-root ;; esac
 dg=$(h < "$prod")
 [ -f "$prod" ] && [ "${dg%% *}" = "$ph" ] || no producer-missing
 umask 077
-# stale snapshots go first (the producer's --gc, hashed above: see there)
-sh "$prod" --gc "$root" "$id" "$ttl" "$pn"
+# stale snapshots go first (the producer's --gc, hashed above: see there), once a pull
+[ "$ttl" = - ] || sh "$prod" --gc "$root" "$id" "$ttl" "$pn"
 d=$root/$id f=
 if [ ! -d "$d/launch" ] && [ "$mode" = select ] && [ ! -f "$d/list" ]; then
   no list-missing
@@ -225,7 +230,7 @@ if [ "$go" ]; then
   printf '%s' "$run" > "$d/launch/by" || no token-failed
   l=nohup
   command -v setsid >/dev/null && l=setsid
-  $l sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" "$mode" "$@" </dev/null >/dev/null 2>&1 &
+  $l sh "$prod" "$d" "$ws" "$cs" "$hid" "$comp" "$mode" "$tl" "$@" </dev/null >/dev/null 2>&1 &
   # record the launch before answering, so "alive" is known from the first status;
   # the producer records its own pid once it holds the snapshot
   echo $! > "$d/pid.launch" || {
@@ -258,10 +263,12 @@ detached() {
 #: then asks for the status itself
 ADMIT_ANSWER = r"""
 detached
-emit ok "$a $(cat "$d/launch/size")"
+rd "$d/launch/size"
+emit ok "$a $v_"
 """
 ADMIT_STATUS_ANSWER = r"""
-r="$a $(cat "$d/launch/size")"
+rd "$d/launch/size"
+r="$a $v_"
 p=$(sh "$prod" --status "$d" 0 "$sw" "$sil" "$sc"; echo .)
 p=${p%.}
 [ -n "$p" ] && r="$r${nl}$p"

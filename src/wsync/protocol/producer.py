@@ -94,7 +94,7 @@ while [ $alive = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/fa
 done
 [ $k = 0 ] || al
 p="exists 1"
-if [ -f "$d/done" ]; then p="$p${nl}$(sed 's/^/done_/' "$d/done")"; fi
+if [ -f "$d/done" ]; then while IFS= read -r l; do p="$p${nl}done_$l"; done < "$d/done"; fi
 if [ -f "$d/failed" ]; then p="$p${nl}failed $(head -c 400 "$d/failed" | tr '\n' ' ')"; fi
 launched=0
 [ -d "$d/launch" ] && launched=1
@@ -220,8 +220,8 @@ case ${1-} in
     gc "$2" "$3" "$4" "$5"
     exit 0 ;;
 esac
-d=$1 ws=$2 cs=$3 hid=$4 comp=$5 mode=$6
-shift 6
+d=$1 ws=$2 cs=$3 hid=$4 comp=$5 mode=$6 tl=$7
+shift 7
 cd "$d" || exit 1
 h() {
   case $hid in
@@ -298,14 +298,11 @@ esac
 # ones); non-directories that still changed in the last round are listed in
 # "unstable", ones that vanished after a torn read in "gone" (NUL-separated)
 D=$(pwd -P) || exit 1
-# which find and tar: asked only by the modes that read files (two programs the
-# manifest run, on the path of every pull, need not start)
-cn= gnu=
-tools() {
-  cn=-cnewer
-  find . -maxdepth 0 -cnewer . >/dev/null 2>&1 || cn=-newer
-  case $(tar --version 2>/dev/null) in *"GNU tar"*) gnu=1 ;; *) gnu=0 ;; esac
-}
+# the tools the host's probe saw (each asked there once, not by every run): g for GNU
+# tar, c for a find with -cnewer, p for one with -printf
+cn=-newer gnu=0
+case $tl in *g*) gnu=1 ;; esac
+case $tl in *c*) cn=-cnewer ;; esac
 tick() {
   : > m && : > tick.t || fail "cannot write a mark"
   t_=0
@@ -383,7 +380,7 @@ manifest() {
   done
   shift $n
   [ $# -eq 0 ] || set -- ! -path . \( "$@" \) -prune -o
-  if find . -maxdepth 0 -printf '' >/dev/null 2>&1; then
+  if [ "${tl#*p}" != "$tl" ]; then
     (cd "$ws" && find . -ignore_readdir_race "$@" -printf '%y %m %s %T@ %C@ %i:%D\0%p\0%l\0') 2>>tar.err
   else
     # one stat per batch of names (a process per entry made a 6,000-entry listing take
@@ -486,9 +483,9 @@ choose() {
 }
 produce() {
   case $mode in
-    tar) tools; rounds ;;
+    tar) rounds ;;
     manifest) manifest "$@" ;;
-    select) tools; choose ;;
+    select) choose ;;
     *) fail "unknown mode" ;;
   esac
 }

@@ -57,6 +57,7 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import TypedDict
 
+from wsync.digits import ascii_digits
 from wsync.errors import UsageError
 from wsync.protocol.callsh import SCRIPTS, compact
 from wsync.protocol.hashing import ALGORITHMS, PROBE_INPUT
@@ -212,6 +213,9 @@ def admit(
     status_looks: int = -1,
     inline: int = 0,
     clean: bool = False,
+    uid: str = NONE,
+    tools: str = NONE,
+    collect: bool = True,
 ) -> list[str]:
     """``mode`` is the producer's: ``tar`` (the whole workspace), ``manifest`` (one record
     per entry, ``prune`` naming find ``-name`` globs left out in the guest) or ``select``
@@ -239,8 +243,15 @@ def admit(
     :data:`EXEC_CARRY_MAX`, or a URL under :data:`URL_ARGV_MAX`).  With ``clean`` too, a
     status that carries the finished stream whole removes the snapshot's staging and
     says ``cleaned 1`` (the stream is the host's then: no cleanup call is needed for it).
+
+    ``uid`` and ``tools`` are what the probe saw (the user's uid; ``g`` for GNU tar, ``c``
+    and ``p`` for find's ``-cnewer`` and ``-printf``): programs the admission and the
+    producer would otherwise run each time.  Without ``collect`` the stale snapshots are
+    left alone: the pull's first admission has just collected them.
     """
     check_snapshot_id(snapshot)
+    if (uid != NONE and not ascii_digits(uid)) or (tools != NONE and not set(tools) <= set("gcp")):
+        raise ValueError("bad uid or tools")
     if not -1 <= status_looks <= 600 or not 0 <= inline <= STATUS_INLINE_MAX:
         raise ValueError("bad status arguments")
     if chunk_size <= 0 or chunk_size % BLOCK:
@@ -251,11 +262,13 @@ def admit(
         workspace,
         str(chunk_size),
         compressor,
-        str(max(1, ttl_minutes)),
+        str(max(1, ttl_minutes)) if collect else NONE,
         PRODUCER_NAME,
         run,
         producer_hash,
         check_mode(mode),
+        uid,
+        tools,
         str(need_kb)
         if mode == "tar" and need_kb is not None and 0 <= need_kb < NEED_KB_MAX
         else NONE,
