@@ -328,3 +328,27 @@ exec {shutil.which("sleep", path=guest_path)} "$@"
     report = run_status(snap, path, 0, looks=looks, inline=1024)
     assert report.done is not None and report.inline == data
     assert tool_runs(log, "sleep", "0.002") == 6  # found at the next look
+
+
+def test_a_probe_of_a_made_staging_root_runs_only_what_it_needs(tmp_path: Path) -> None:
+    """Every pull begins with the probe: where the staging root is there it makes none
+    (no ``mkdir``), lists the root once and each ancestor once (the root passed a
+    stricter check than the ancestors' chain), and asks ``find`` once per option the
+    producer uses.  Before: a ``mkdir`` and the root listed twice."""
+    ws = make_tree(tmp_path / "ws", big=1024, small=1)
+    guest = guest_shell_path("dash", tmp_path / "guest")
+    path, log = shim_tools(tmp_path, guest, dict.fromkeys(("mkdir", "ls", "find", "tar")))
+    opts = options(tmp_path)
+
+    async def probe() -> str:
+        session = GuestSession(LocalTransport(env={"PATH": path}), opts, CallStats())
+        plan = await session.probe(str(ws))
+        assert plan.probe.has("find_printf") and plan.probe.has("find_cnewer")
+        return session.staging_root
+
+    root = asyncio.run(probe())  # makes the root
+    assert tool_runs(log, "mkdir") == 1
+    log.unlink()
+    assert asyncio.run(probe()) == root
+    runs = {tool: tool_runs(log, tool) for tool in ("mkdir", "ls", "find", "tar")}
+    assert runs == {"mkdir": 0, "ls": 1 + len(Path(root).parents), "find": 2, "tar": 1}, runs

@@ -95,7 +95,7 @@ stage() {
   over "${ep%/}$t"
   [ -z "$t" ] || chain "$ep"
   umask 077
-  mkdir -p "$r" || no "create${nl}$r"
+  [ -d "$r" ] || mkdir -p "$r" || no "create${nl}$r"
   [ -L "$r" ] && no "symlink${nl}$r"
   R=$(cdp "$r") || no "notdir${nl}$r"
   over "$R"
@@ -103,7 +103,8 @@ stage() {
   [ "$u" = "$me" ] || no "owner $u $me $(ls -ld "$R" | awk '{print $3}')${nl}$R"
   case $m in d*) ;; *) no "notdir${nl}$R" ;; esac
   case $m in ?????w*|????????w*) no "writable $m${nl}$R" ;; esac
-  chain "$R"
+  # (R itself just passed a stricter check than chain's)
+  chain "${R%/*}"
 }
 """
 
