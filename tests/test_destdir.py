@@ -14,6 +14,7 @@ import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -570,3 +571,42 @@ def test_a_dest_named_like_wsyncs_own_entries_beside_a_dest_is_refused(
     for fine in ("agent1.wsync-lock", ".agent1.wsync-locked", ".wsync-prev"):
         run_pull(local(), ws, tmp_path / fine, options(tmp_path))
         assert_exact(ws, tmp_path / fine)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="looks as another user, which needs root")
+def test_a_pull_beneath_a_dest_sees_its_lock_through_a_directory_it_may_only_search() -> None:
+    """Found by a review: the walk up from DEST opened each ancestor for reading, and
+    stopped at one this user may search but not read (mode 711), so a pull beneath it
+    missed the lock of a pull replacing a directory above it.  The walk goes on through
+    such a directory (another user runs the pull beneath: root reads anything)."""
+    top = Path(tempfile.mkdtemp(prefix="wsync-walk-", dir="/tmp"))
+    try:
+        top.chmod(0o755)
+        d = top / "D"
+        (d / "x").mkdir(parents=True)
+        d.chmod(0o711)  # others may pass, not list
+        os.chown(d / "x", 65534, 65534)  # the pull beneath writes its lock file there
+        outer = DestDir.open(d)
+        outer.lock()  # a pull into D (no DEST of wsync's yet) holds D's lock file
+        try:
+            pid = os.fork()
+            if pid == 0:  # the pull beneath, as nobody
+                code = 3
+                try:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                    inner = DestDir.open(d / "x" / "sub")
+                    try:
+                        inner.lock()
+                        code = 1  # not stopped
+                    except UsageError as exc:
+                        code = 0 if f"lies in {d}, which another wsync pull" in str(exc) else 2
+                    inner.close()
+                except BaseException:
+                    code = 4
+                os._exit(code)
+            assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        finally:
+            outer.close()
+    finally:
+        shutil.rmtree(top)

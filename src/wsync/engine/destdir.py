@@ -52,6 +52,7 @@ from wsync.errors import Busy, HostIOError, UsageError, WsyncError
 log = structlog.get_logger("wsync.destdir")
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_PATH_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 _LOCK_TRIES = 16
 #: the names wsync gives entries beside a DEST NAME (lock, kept tree, tmp and old trees)
 _RESERVED = re.compile(r"\..+\.wsync-(lock|prev|old|tmp-.*)", re.DOTALL)
@@ -222,16 +223,22 @@ class DestDir:
         try:
             while above != above.parent:  # the walk follows the held inodes, not names
                 if is_dest(above):
-                    self._tree_fds.append(os.dup(fd))
-                    if not self._flock(self._tree_fds[-1], fcntl.LOCK_SH):
-                        raise Busy(
-                            f"DEST {self.path} lies in the DEST {above}, which another "
-                            "process (a wsync pull replacing it?) holds: wait for that one"
-                        )
+                    try:  # (a walked fd is a path's: flock needs one opened for reading)
+                        self._tree_fds.append(os.open(".", _DIR_FLAGS, dir_fd=fd))
+                    except OSError:
+                        pass  # a DEST this user may not read: beyond its lock
+                    else:
+                        if not self._flock(self._tree_fds[-1], fcntl.LOCK_SH):
+                            raise Busy(
+                                f"DEST {self.path} lies in the DEST {above}, which another "
+                                "process (a wsync pull replacing it?) holds: wait for that one"
+                            )
                 try:
-                    up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                    # O_PATH: an ancestor this user may search but not read (mode 711)
+                    # is walked through too, its DEST lock file looked at like any other
+                    up = os.open("..", _PATH_FLAGS, dir_fd=fd)
                 except OSError:
-                    return  # an ancestor this user may not read: nothing to lock above
+                    return  # an ancestor this user may not search: nothing to lock above
                 os.close(fd)
                 fd = up
                 if self._pull_into(fd, above.name):
