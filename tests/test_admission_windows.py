@@ -7,9 +7,9 @@ nothing runs and nothing will: the retry of the same run must start the producer
 again, not answer ``admitted`` over an empty snapshot (the ``the guest producer died
 without a result`` failure, exit 5, seen once with the Daytona emulator's faults on).
 
-Each window is hit exactly, with a guest tool shimmed in front of the real one
-(``setsid``, or the ``cat`` the admission answers with) that kills the admission's
-process group at that point, as the backend would.  Under dash and a busybox guest.
+Each window is hit exactly, with the guest's ``setsid`` shimmed in front of the real one
+that kills the admission's process group at that point, as the backend would.  Under
+dash and a busybox guest.
 """
 
 from __future__ import annotations
@@ -62,14 +62,20 @@ exec {real} "$@"
 """
 
 #: ``setsid sh PRODUCER DIR ...`` the first time: the producer starts in its own session
-#: (this shim's child), and once it has indexed a chunk the admission's group is killed
-#: before it answered (the shim is the launch the admission waits to see detach)
+#: (this shim's child), and once it has indexed a chunk the admission's group is killed.
+#: The admission cannot have answered by then: it waits for its launch (this shim) to
+#: detach or end, up to 10 s; the mark says the kill came while the index was there
 _DETACHED = """#!/bin/sh
-if [ ! -e {mark} ]; then
-  : > {mark}
+if [ ! -e {mark}.started ]; then
+  : > {mark}.started
   {real} "$@" </dev/null >/dev/null 2>&1 &
-  w=$3/index w2=
-  {kill}
+  i=0
+  while [ ! -s "$3/index" ] && [ $i -lt 500 ]; do
+    {sleep} 0.01
+    i=$((i + 1))
+  done
+  [ -s "$3/index" ] && : > {mark}
+  kill -KILL 0
 fi
 exec {real} "$@"
 """
@@ -83,7 +89,7 @@ def shim(bindir: Path, tool: str, text: str, path: str, mark: Path, wait: str = 
     kill = _KILL_WHEN.format(sleep=sleep)
     if not wait:  # kill at once
         kill = "kill -KILL 0"
-    script = text.format(mark=mark, wait=wait, kill=kill, real=real)
+    script = text.format(mark=mark, wait=wait, kill=kill, real=real, sleep=sleep)
     (bindir / tool).write_text(script)
     (bindir / tool).chmod(0o755)
 

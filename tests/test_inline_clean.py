@@ -281,10 +281,10 @@ def test_a_small_workspace_with_a_file_that_keeps_changing(
         writer.wait()
 
 
-#: ``sed``, which the status runs on the ``done`` record: the snapshot is renamed away
-#: right after (an admission attempt given up on, removing what it carried whole)
-#: the status's first program after it read the done record (with the shell's read) is
-#: the wc that measures the index: the snapshot is renamed away right after it
+#: the status's first program after it read the ``done`` record (with the shell's read)
+#: is the ``wc`` that measures the index (with no looks, as here: a look may run a ``wc``
+#: of its own): the snapshot is renamed away right after it (an admission attempt given
+#: up on, removing what it carried whole)
 _WC_THEN_GONE = """#!/bin/sh
 {real} "$@"
 [ -e {snap}.gone ] || mv {snap} {snap}.gone

@@ -237,10 +237,10 @@ def test_the_listed_size_reaches_the_admission_only_when_it_can_be_used(
         prune=("*.pyc",) if mode == "manifest" else (),
         need_kb=need,
     )
-    # sh -c SCRIPT wsync GATE NONCE HASH ENC, then the admission's own twelve, then the
+    # sh -c SCRIPT wsync GATE NONCE HASH ENC, then the admission's own eleven, then the
     # size ("-" for none: no argument is ever empty, see scripts.render)
-    assert argv[8 + 12] == passed
-    assert argv[8 + 13 :] == (["*.pyc"] if mode == "manifest" else [])
+    assert argv[8 + 11] == passed
+    assert argv[8 + 12 :] == (["*.pyc"] if mode == "manifest" else [])
 
 
 def test_a_manifest_claiming_absurd_sizes_is_still_admitted(tmp_path: Path) -> None:

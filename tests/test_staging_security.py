@@ -520,6 +520,7 @@ def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:
             run="r" * 16,
             producer_hash="0" * 128,
             need_kb=scripts.NEED_KB_MAX - 1,  # the longest size it is given
+            tools="gcp",  # the longest tools
         ),
     ]
     for argv in calls:
@@ -553,6 +554,7 @@ def test_an_admission_carries_its_status_in_a_url_only_while_it_fits() -> None:
             need_kb=scripts.NEED_KB_MAX - 1,
             status_looks=20,
             inline=scripts.STATUS_INLINE_MAX,
+            tools="gcp",
         )
 
     usual, deep = carried("/home/user/workspace/project"), carried("/w" * 600)
@@ -590,3 +592,30 @@ def test_the_cli_refuses_a_staging_dir_inside_the_workspace(
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "overlap" in proc.stderr
     assert not (workspace / "stage").exists() and not dest.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a staging root another user's")
+@pytest.mark.parametrize("shell", ["dash", "busybox"])
+def test_an_admission_runs_no_producer_from_another_users_root(tmp_path: Path, shell: str) -> None:
+    """The admission asks whether the staging root is its user's with ``test -O`` (no
+    program), never trusting a uid the probe saw (a review found that a probe run as another user than the admission would have
+    had it run that user's producer): root refuses nobody's root before it looks at any
+    producer."""
+    from wsync.protocol.envelope import parse_envelope
+    from wsync.protocol.hashing import ALGORITHMS
+
+    root = tmp_path / "theirs"
+    root.mkdir(mode=0o700)
+    os.chown(root, 65534, 65534)
+    (tmp_path / "ws").mkdir()
+    argv = scripts.admit(
+        gate=False, nonce="0" * 16, algorithm="sha256", b64=False, staging_root=str(root),
+        snapshot="s1", workspace=str(tmp_path / "ws"), chunk_size=4 * 2**20,
+        compressor="gzip:1", ttl_minutes=60, run="r" * 16, producer_hash="0" * 64,
+        tools="gcp",
+    )  # fmt: skip
+    path = str(busybox_bin(tmp_path / "bb")) if shell == "busybox" else os.environ["PATH"]
+    out = subprocess.run(argv, env={"PATH": path}, capture_output=True, timeout=60).stdout
+    envelope = parse_envelope(out, "0" * 16, algorithm=ALGORITHMS["sha256"], max_length=4096)
+    assert not envelope.ok and envelope.text == "unsafe-root"
+    assert list(root.iterdir()) == []  # no snapshot made in it

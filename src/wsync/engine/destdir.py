@@ -225,8 +225,9 @@ class DestDir:
                 if is_dest(above):
                     try:  # (a walked fd is a path's: flock needs one opened for reading)
                         self._tree_fds.append(os.open(".", _DIR_FLAGS, dir_fd=fd))
-                    except OSError:
-                        pass  # a DEST this user may not read: beyond its lock
+                    except OSError as exc:  # a DEST this user may not read: no lock on it
+                        # (its name lock is still looked at, one step up)
+                        log.debug("tree lock not taken", dest=str(above), error=exc.strerror)
                     else:
                         if not self._flock(self._tree_fds[-1], fcntl.LOCK_SH):
                             raise Busy(

@@ -117,10 +117,8 @@ class GuestSession(GuestCalls):
         self.algorithm = algorithm
         self._base64 = report.has("base64")
         self._gzip = report.has("gzip")
-        self._uid = report.uid if ascii_digits(report.uid) else scripts.NONE
-        tools = ("g" if "GNU tar" in report.tar_version else "") + "".join(
-            flag for flag, tool in (("c", "find_cnewer"), ("p", "find_printf")) if report.has(tool)
-        )
+        flags = (("g", "gnu_tar"), ("c", "find_cnewer"), ("p", "find_printf"))
+        tools = "".join(flag for flag, tool in flags if report.has(tool))
         self._tools = tools or scripts.NONE
         if self.helpers is not None and not report.has("setsid"):
             # without setsid the producer would share a helper's process group, and an
@@ -179,7 +177,6 @@ class GuestSession(GuestCalls):
                 status_looks=looks if carry else -1,
                 inline=inline if carry else 0,
                 clean=clean,
-                uid=self._uid,
                 tools=self._tools,
                 collect=not self._collected,
             )

@@ -94,8 +94,7 @@ class GuestCalls:
         #: the guest has ``base64`` (the probe says): lists may go in argv parts
         self._base64 = False
         self._gzip = False
-        #: the uid and the producer's tools as the probe saw them (:func:`scripts.admit`)
-        self._uid = scripts.NONE
+        #: the producer's tools as the probe saw them (:func:`scripts.admit`)
         self._tools = scripts.NONE
         #: an admission of this pull has collected the stale snapshots
         self._collected = False

@@ -136,6 +136,7 @@ fi
 printf x | zstd -q -c --long=25 >/dev/null 2>&1 && a "has_zstd_long 1"
 v=$(tar --version 2>&1)
 a "tar_version ${v%%"$nl"*}"
+case $v in *"GNU tar"*) a "has_gnu_tar 1" ;; esac
 # find's -printf and -cnewer, for the producer (which then need not ask every run)
 for o in printf cnewer; do find / -maxdepth 0 -$o / >/dev/null 2>&1 && a "has_find_$o 1"; done
 if [ "$w" = dir ] && command -v ls >/dev/null 2>&1 && command -v id >/dev/null 2>&1; then
@@ -149,29 +150,29 @@ emit ok "$p"
 
 KILL = "\nme=$(id -u)\n" + KILL_FNS
 
-#: (``me``, the user's uid, and ``tl``, the producer's tools, as the probe saw them: two
-#: programs fewer per admission; ``ttl`` ``-``: this pull's stale snapshots are collected.
-#: A ``me`` that is no uid (a probe that could not tell) matches no owner: unsafe-root)
+#: (``tl``, the producer's tools as the probe saw them: programs fewer per run; ``ttl``
+#: ``-``: this pull's stale snapshots are collected)
 ADMIT_HEAD = r"""
 no() { emit err "$1"; exit 0; }
 root=$1 id=$2 ws=$(expand_home "$3") cs=$4 comp=$5 ttl=$6 pn=$7 prod=$1/$7 run=$8 ph=$9 mode=${10}
-me=${11} tl=${12}
+tl=${11}
 """
 ADMIT_ARGS = r"""
-n=${13}
-shift 13
+n=${12}
+shift 12
 """
 #: (its status's looks, inline bound and clean flag come before the producer's arguments)
 ADMIT_STATUS_ARGS = r"""
-n=${13} sw=${14} sil=${15} sc=${16}
-shift 16
+n=${12} sw=${13} sil=${14} sc=${15}
+shift 15
 """
 ADMIT = r"""
 # the listed size: digits, or none ("-")
 n=${n%%[!0-9]*}
-# the probe checked the root and its ancestors; make sure it is still that
+# the probe checked the root and its ancestors; make sure it is still that, and this
+# user's (test -O asks without a program: dash, bash, busybox, yash, ksh and zsh have it)
 lsn "$root"
-[ "$(cd -P "$root" && pwd -P)" = "$root" ] && [ "$u" = "$me" ] || no unsafe-root
+[ "$(cd -P "$root" && pwd -P)" = "$root" ] && [ -O "$root" ] || no unsafe-root
 case $m in ?????w*|????????w*) no unsafe-root ;; esac
 [ -d "$ws" ] || no workspace-missing
 # run only the producer whose hash the host expects (else it is reinstalled)

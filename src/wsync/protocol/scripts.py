@@ -57,7 +57,6 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import TypedDict
 
-from wsync.digits import ascii_digits
 from wsync.errors import UsageError
 from wsync.protocol.callsh import SCRIPTS, compact
 from wsync.protocol.hashing import ALGORITHMS, PROBE_INPUT
@@ -213,7 +212,6 @@ def admit(
     status_looks: int = -1,
     inline: int = 0,
     clean: bool = False,
-    uid: str = NONE,
     tools: str = NONE,
     collect: bool = True,
 ) -> list[str]:
@@ -244,14 +242,14 @@ def admit(
     status that carries the finished stream whole removes the snapshot's staging and
     says ``cleaned 1`` (the stream is the host's then: no cleanup call is needed for it).
 
-    ``uid`` and ``tools`` are what the probe saw (the user's uid; ``g`` for GNU tar, ``c``
-    and ``p`` for find's ``-cnewer`` and ``-printf``): programs the admission and the
-    producer would otherwise run each time.  Without ``collect`` the stale snapshots are
-    left alone: the pull's first admission has just collected them.
+    ``tools`` are what the probe saw (``g`` for GNU tar, ``c`` and ``p`` for find's
+    ``-cnewer`` and ``-printf``): programs the producer would otherwise run each time.
+    Without ``collect`` the stale snapshots are left alone: the pull's first admission
+    has just collected them.
     """
     check_snapshot_id(snapshot)
-    if (uid != NONE and not ascii_digits(uid)) or (tools != NONE and not set(tools) <= set("gcp")):
-        raise ValueError("bad uid or tools")
+    if tools != NONE and not set(tools) <= set("gcp"):
+        raise ValueError(f"bad tools {tools!r}")
     if not -1 <= status_looks <= 600 or not 0 <= inline <= STATUS_INLINE_MAX:
         raise ValueError("bad status arguments")
     if chunk_size <= 0 or chunk_size % BLOCK:
@@ -267,7 +265,6 @@ def admit(
         run,
         producer_hash,
         check_mode(mode),
-        uid,
         tools,
         str(need_kb)
         if mode == "tar" and need_kb is not None and 0 <= need_kb < NEED_KB_MAX
