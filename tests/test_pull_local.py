@@ -1259,3 +1259,27 @@ def test_an_entry_that_changed_kind_while_read_is_a_change_not_a_hostile_archive
     assert not dest.exists()
     run_pull(LocalTransport(), ws, dest, opts)
     assert_exact(ws, dest)
+
+
+def test_gnu_tar_behind_a_noisy_wrapper_is_still_taken_for_gnu_tar(tmp_path: Path) -> None:
+    """Found by a review: the host told GNU tar by the first line of ``tar --version``
+    (stderr included) while the producer looks at all of it; a tar behind something that
+    warns first (a failed ``LD_PRELOAD``) had its exit 1, GNU tar's "a file changed while
+    read", taken for busybox's failure.  The probe's ``has_gnu_tar`` decides both."""
+    ws = make_tree(tmp_path / "ws")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    real = shutil.which("tar")
+    (bindir / "tar").write_text(
+        "#!/bin/sh\n"
+        "echo \"ERROR: ld.so: object 'x.so' from LD_PRELOAD cannot be preloaded\" >&2\n"
+        f'{real} "$@"; rc=$?\n'
+        # GNU tar's exit for a file that changed while it was read
+        '[ "$rc" = 0 ] && [ "$1" = -cf ] && exit 1\n'
+        "exit $rc\n"
+    )
+    (bindir / "tar").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+    result = run_pull(LocalTransport(env=env), ws, tmp_path / "out", options(tmp_path))
+    assert_exact(ws, tmp_path / "out")
+    assert any("changed while archiving (exit 1)" in w for w in result.warnings), result.warnings

@@ -15,6 +15,7 @@ import os
 import shutil
 import stat
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ProcessWatch
-from helpers import assert_exact, busybox_bin, options, run_pull
+from helpers import BUSYBOX_APPLETS, assert_exact, busybox_bin, options, run_pull, tool_dir
 from wsync.engine.api import PullOptions
 from wsync.engine.guest import GuestSession
 from wsync.engine.guestcall import CallStats
@@ -594,28 +595,75 @@ def test_the_cli_refuses_a_staging_dir_inside_the_workspace(
     assert not (workspace / "stage").exists() and not dest.exists()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="makes a staging root another user's")
+_NOBODY = (shutil.which("setpriv") or "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+
+
+class _AsNobody(LocalTransport):
+    """The local guest, every call run as nobody."""
+
+    async def exec(self, argv, **kw):  # type: ignore[no-untyped-def,override]
+        return await super().exec([*_NOBODY, *argv], **kw)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a probe as another user, which needs root")
 @pytest.mark.parametrize("shell", ["dash", "busybox"])
-def test_an_admission_runs_no_producer_from_another_users_root(tmp_path: Path, shell: str) -> None:
-    """The admission asks whether the staging root is its user's with ``test -O`` (no
-    program), never trusting a uid the probe saw (a review found that a probe run as another user than the admission would have
-    had it run that user's producer): root refuses nobody's root before it looks at any
-    producer."""
+def test_an_admission_runs_no_producer_from_a_root_its_user_does_not_own(
+    tmp_path: Path, shell: str
+) -> None:
+    """Found by a review: the admission took the uid the probe saw instead of asking
+    ``id``, so where the probe ran as another user than the admission (an exec user that
+    changed between calls) it would have run that user's producer, from that user's
+    staging root.  The admission asks ``test -O`` itself: a probe as nobody makes and
+    reports nobody's root, and root's admission into it is refused, no snapshot made."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("no setpriv to run the probe as another user")
+    top = Path(tempfile.mkdtemp(prefix="wsync-owner-", dir="/tmp"))
+    try:
+        top.chmod(0o1777)  # like /tmp: nobody makes its staging root here
+        ws = top / "ws"
+        ws.mkdir()
+        (ws / "f").write_text("f\n")
+        ws.chmod(0o755)
+        path = str(busybox_bin(top / "bb")) if shell == "busybox" else os.environ["PATH"]
+        if shell == "busybox":
+            for p in (top / "bb", *(top / "bb").iterdir()):
+                os.lchown(p, 0, 0)
+            (top / "bb").chmod(0o755)
+        env = {"PATH": path, "HOME": str(top)}
+        opts = options(top, helpers=False, staging_root=str(top / "stage"))
+
+        async def go() -> None:
+            session = GuestSession(_AsNobody(env=env), opts, CallStats())
+            plan = await session.probe(str(ws))
+            assert os.stat(session.staging_root).st_uid == 65534
+            session.transport = LocalTransport(env=env)  # the admission runs as root
+            with pytest.raises(StagingFailed, match="no longer a private directory"):
+                await session.admit("s-theirs", str(ws), plan.compressor)
+
+        asyncio.run(go())
+        assert list((top / "stage").iterdir()) == []  # no snapshot, no producer installed
+    finally:
+        shutil.rmtree(top)
+
+
+def test_an_admission_without_ls_does_not_take_a_root_others_may_write(tmp_path: Path) -> None:
+    """Found by a review: the root's mode comes from ``ls``; where it gave none (``ls``
+    gone since the probe) the writable check matched nothing and ``test -O`` alone let a
+    root of mode 777 through.  A mode that is not a private directory's is refused."""
     from wsync.protocol.envelope import parse_envelope
     from wsync.protocol.hashing import ALGORITHMS
 
-    root = tmp_path / "theirs"
-    root.mkdir(mode=0o700)
-    os.chown(root, 65534, 65534)
+    root = tmp_path / "root"
+    root.mkdir()
+    root.chmod(0o777)
     (tmp_path / "ws").mkdir()
+    tools = tuple(t for t in BUSYBOX_APPLETS if t != "ls")
+    path = str(tool_dir(tmp_path / "bb", tools, target=shutil.which("busybox")))
     argv = scripts.admit(
         gate=False, nonce="0" * 16, algorithm="sha256", b64=False, staging_root=str(root),
         snapshot="s1", workspace=str(tmp_path / "ws"), chunk_size=4 * 2**20,
         compressor="gzip:1", ttl_minutes=60, run="r" * 16, producer_hash="0" * 64,
-        tools="gcp",
     )  # fmt: skip
-    path = str(busybox_bin(tmp_path / "bb")) if shell == "busybox" else os.environ["PATH"]
     out = subprocess.run(argv, env={"PATH": path}, capture_output=True, timeout=60).stdout
     envelope = parse_envelope(out, "0" * 16, algorithm=ALGORITHMS["sha256"], max_length=4096)
     assert not envelope.ok and envelope.text == "unsafe-root"
-    assert list(root.iterdir()) == []  # no snapshot made in it

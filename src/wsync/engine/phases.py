@@ -459,7 +459,7 @@ class StreamRunner:
         Busybox tar exits 1 for any error, unreadable files left out included,
         so there exit 1 is a failure: the archive is not the workspace.
         """
-        if tar_rc == 1 and "GNU tar" not in plan.probe.tar_version:
+        if tar_rc == 1 and not plan.probe.has("gnu_tar"):
             raise StagingFailed(f"tar exited 1: {errors or 'no details'}")
         if tar_rc == 1:
             self.warnings.append(

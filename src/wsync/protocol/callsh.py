@@ -173,7 +173,8 @@ n=${n%%[!0-9]*}
 # user's (test -O asks without a program: dash, bash, busybox, yash, ksh and zsh have it)
 lsn "$root"
 [ "$(cd -P "$root" && pwd -P)" = "$root" ] && [ -O "$root" ] || no unsafe-root
-case $m in ?????w*|????????w*) no unsafe-root ;; esac
+# a directory nobody else may write (a mode ls did not give fails too)
+case $m in d????[!w]??[!w]*) ;; *) no unsafe-root ;; esac
 [ -d "$ws" ] || no workspace-missing
 # run only the producer whose hash the host expects (else it is reinstalled)
 dg=$(h < "$prod")

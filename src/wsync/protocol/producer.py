@@ -94,7 +94,7 @@ while [ $alive = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/fa
 done
 [ $k = 0 ] || al
 p="exists 1"
-if [ -f "$d/done" ]; then while IFS= read -r l || [ -n "$l" ]; do p="$p${nl}done_$l"; done < "$d/done"; fi
+if [ -f "$d/done" ]; then l=; while IFS= read -r l || [ -n "$l" ]; do p="$p${nl}done_$l"; done < "$d/done"; fi
 if [ -f "$d/failed" ]; then p="$p${nl}failed $(head -c 400 "$d/failed" | tr '\n' ' ')"; fi
 launched=0
 [ -d "$d/launch" ] && launched=1
