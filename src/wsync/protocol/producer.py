@@ -300,9 +300,10 @@ esac
 D=$(pwd -P) || exit 1
 # the tools the host's probe saw (each asked there once, not by every run): g for GNU
 # tar, c for a find with -cnewer, p for one with -printf
-cn=-newer gnu=0
+cn=-newer gnu=0 pf=
 case $tl in *g*) gnu=1 ;; esac
 case $tl in *c*) cn=-cnewer ;; esac
+case $tl in *p*) pf=1 ;; esac
 tick() {
   : > m && : > tick.t || fail "cannot write a mark"
   t_=0
@@ -380,7 +381,7 @@ manifest() {
   done
   shift $n
   [ $# -eq 0 ] || set -- ! -path . \( "$@" \) -prune -o
-  if [ "${tl#*p}" != "$tl" ]; then
+  if [ -n "$pf" ]; then
     (cd "$ws" && find . -ignore_readdir_race "$@" -printf '%y %m %s %T@ %C@ %i:%D\0%p\0%l\0') 2>>tar.err
   else
     # one stat per batch of names (a process per entry made a 6,000-entry listing take
