@@ -47,6 +47,7 @@ from wsync.errors import (
     TransportTimeout,
     UsageError,
 )
+from wsync.transports import httpbody
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
     Capabilities,
@@ -63,6 +64,7 @@ from wsync.transports.cloudflare_protocol import (
     exec_path,
     file_path,
 )
+from wsync.transports.httpbody import IDENTITY
 from wsync.uri import SandboxURI
 
 log = logging.getLogger(__name__)
@@ -83,17 +85,6 @@ def resolve_token(options: Mapping[str, Any]) -> str:
     if token is None:
         raise AuthFailed(f"no Cloudflare Sandbox token: set {TOKEN_ENV} or pass a token file")
     return token
-
-
-async def _head(response: httpx.Response, limit: int = 4096) -> bytes:
-    """At most ``limit`` bytes of an error body: a hostile server's 800 MiB 500 page must
-    not be read into memory."""
-    out = bytearray()
-    async for chunk in response.aiter_bytes():
-        out += chunk[: limit - len(out)]
-        if len(out) >= limit:
-            break
-    return bytes(out)
 
 
 def _sandbox_id(uri: SandboxURI) -> str:
@@ -162,7 +153,11 @@ class CloudflareTransport(Transport):
         if self._client is None:
             self._client = httpx.AsyncClient(
                 base_url=self.base_url,
-                headers={"Authorization": f"Bearer {self._token}", "User-Agent": "wsync"},
+                headers={
+                    "Authorization": f"Bearer {self._token}",
+                    "User-Agent": "wsync",
+                    **IDENTITY,
+                },
                 timeout=httpx.Timeout(None, connect=self.connect_timeout),
                 limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
                 follow_redirects=False,
@@ -238,10 +233,10 @@ class CloudflareTransport(Transport):
                 ) as response:
                     self._connected_once = True
                     if response.status_code == 503 and attempt < RETRIES_503:
-                        await _head(response)
+                        await httpbody.head(response)
                         log.debug("cloudflare %s: 503 before the stream", self.sandbox_id)
                     elif response.status_code != 200:
-                        self._status_error(response, await _head(response), "exec")
+                        self._status_error(response, await httpbody.head(response), "exec")
                     elif not response.headers.get("content-type", "").startswith(
                         "text/event-stream"
                     ):
@@ -262,7 +257,7 @@ class CloudflareTransport(Transport):
     async def _collect(self, response: httpx.Response, max_output: int) -> ExecResult:
         parser = SSEParser()
         collector = ExecCollector(max_output)
-        chunks = response.aiter_bytes().__aiter__()
+        chunks = httpbody.raw_body(response, f"{self.description}: exec").__aiter__()
         loop = asyncio.get_running_loop()
         drain_until: float | None = None
         while True:
@@ -324,9 +319,10 @@ class CloudflareTransport(Transport):
             async with client.stream("GET", target) as response:
                 self._connected_once = True
                 if response.status_code != 200:
-                    self._status_error(response, await _head(response), f"read of {path}")
+                    self._status_error(response, await httpbody.head(response), f"read of {path}")
                 skip = offset
-                async for chunk in response.aiter_bytes():
+                body = httpbody.raw_body(response, f"{self.description}: read of {path}")
+                async for chunk in body:
                     if skip:
                         cut = min(skip, len(chunk))
                         chunk, skip = chunk[cut:], skip - cut

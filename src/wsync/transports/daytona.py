@@ -57,6 +57,7 @@ from wsync.errors import (
     UsageError,
     WsyncError,
 )
+from wsync.transports import httpbody
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
     Capabilities,
@@ -75,6 +76,7 @@ from wsync.transports.daytona_protocol import (
     range_header,
     request_body,
 )
+from wsync.transports.httpbody import IDENTITY
 from wsync.uri import SandboxURI
 
 log = logging.getLogger(__name__)
@@ -149,7 +151,7 @@ class DaytonaTransport(Transport):
         root = str(url).rstrip("/") + "/" + quote(sandbox_id, safe="")
         self._exec_url = root + "/process/execute"
         self._download_url = root + "/files/download"
-        self._headers = {"Authorization": f"Bearer {token}", "User-Agent": "wsync"}
+        self._headers = {"Authorization": f"Bearer {token}", "User-Agent": "wsync", **IDENTITY}
         if organization_id:
             self._headers["X-Daytona-Organization-ID"] = organization_id
         self._client: httpx.AsyncClient | None = None
@@ -229,10 +231,9 @@ class DaytonaTransport(Transport):
             return SandboxUnreachable(f"cannot reach the Daytona toolbox at {self.base_url}: {err}")
         return TransportError(message)
 
-    @staticmethod
-    async def _read_some(response: httpx.Response, limit: int) -> bytes:
+    async def _read_some(self, response: httpx.Response, limit: int) -> bytes:
         buf = bytearray()
-        async for chunk in response.aiter_bytes():
+        async for chunk in httpbody.raw_body(response, f"{self.description}: download"):
             buf += chunk
             if len(buf) >= limit:
                 break
@@ -276,9 +277,9 @@ class DaytonaTransport(Transport):
                         raise TransportTimeout(timeout)
                     if status != 200:
                         landed = status < 500
-                        self._status_error(status, await self._read_some(response, 4096), "execute")
+                        self._status_error(status, await httpbody.head(response), "execute")
                     collector = ExecBody(max_output)
-                    async for chunk in response.aiter_bytes():
+                    async for chunk in httpbody.raw_body(response, self.description):
                         if not collector.feed(chunk):
                             break
                     landed = True
@@ -406,7 +407,7 @@ class DaytonaTransport(Transport):
                     f"{self.description}: download cut short: {len(data)} of {expected} bytes"
                 )
             return data[offset : offset + length]
-        return self._status_error(status, await self._read_some(response, 4096), "download")
+        return self._status_error(status, await httpbody.head(response), "download")
 
     async def aclose(self) -> None:
         """Let pending kills finish (a few seconds at most: Ctrl-C must stay quick), close."""

@@ -55,6 +55,7 @@ from wsync.errors import (
     TransportTimeout,
     UsageError,
 )
+from wsync.transports import httpbody
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
     Capabilities,
@@ -204,6 +205,7 @@ class E2BTransport(Transport):
     def _headers(self) -> dict[str, str]:
         headers = {
             "User-Agent": "wsync",
+            **httpbody.IDENTITY,
             # the newer SDKs' routing through https://sandbox.<domain>; harmless on the
             # per-sandbox host
             "E2b-Sandbox-Id": self.sandbox_id,
@@ -270,6 +272,7 @@ class E2BTransport(Transport):
         if not ctype.startswith(CONNECT_JSON):
             what = ctype or "no content type"
             raise TransportError(f"{self.description}: exec answered {what!r}")
+        httpbody.refuse_encoded(response, f"{self.description}: exec")
 
     async def _unary(self, path: str, body: bytes, timeout: float) -> tuple[int, bytes]:
         """One Connect unary call (bare JSON): (status, body)."""
@@ -373,7 +376,7 @@ class E2BTransport(Transport):
                 ) as response:
                     refused = response.status_code != 200  # no process was started
                     await self._check_stream(response)
-                    chunks = response.aiter_bytes()
+                    chunks = httpbody.raw_body(response, self.description)
                     while True:
                         try:
                             async with asyncio.timeout(self.stall_timeout):
@@ -575,7 +578,7 @@ class E2BTransport(Transport):
                     elif offset:
                         log.debug("e2b %s: /files ignored the Range", self.sandbox_id)
                     body = True
-                    async for chunk in response.aiter_bytes():
+                    async for chunk in httpbody.raw_body(response, f"{self.description}: read"):
                         if skip >= len(chunk):
                             skip -= len(chunk)
                             continue
@@ -608,10 +611,13 @@ class E2BTransport(Transport):
 
 
 async def _head(response: httpx.Response) -> bytes:
-    """At most :data:`ERROR_BODY` bytes of an error answer's body."""
+    """At most :data:`ERROR_BODY` bytes of an error answer's body (none of an encoded one:
+    see :mod:`wsync.transports.httpbody`)."""
     out = bytearray()
+    if httpbody.coding(response):
+        return b""
     with contextlib.suppress(httpx.HTTPError):
-        async for chunk in response.aiter_bytes():
+        async for chunk in response.aiter_raw():
             out += chunk
             if len(out) >= ERROR_BODY:
                 break

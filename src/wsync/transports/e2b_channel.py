@@ -123,7 +123,8 @@ class E2BChannel(PumpedChannel):
         self._pid: int | None = None
         self._started = asyncio.Event()  # the start event came, or the stream ended first
         self._sending = asyncio.Lock()
-        self._start_reading(self._read(response.aiter_bytes()))
+        # (an encoded body was refused before: see wsync.transports.httpbody)
+        self._start_reading(self._read(response.aiter_raw()))
 
     @property
     def ended(self) -> bool:
