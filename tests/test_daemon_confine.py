@@ -8,10 +8,14 @@ short token file.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import pwd
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,8 @@ from test_daemon_harness import TOKEN, DaemonProcess, base_config, make_tree, ru
 from wsync.daemon.config import DestForbidden, check_dest
 from wsync.daemon.confine import Forbidden, check_local_source, confine_dest, confine_source
 from wsync.errors import UsageError
+from wsync.transports.base import ExecResult
+from wsync.transports.local import LocalTransport
 
 # -- the confinement walk itself, on real directories -----------------------
 
@@ -312,3 +318,99 @@ def test_a_dest_in_a_symlink_loop_is_forbidden_not_a_crash(tmp_path: Path) -> No
     (roots / "loop").symlink_to(roots / "loop")
     with pytest.raises(DestForbidden, match="cannot be resolved"):
         check_dest(str(roots / "loop" / "x"), [roots])
+
+
+# -- a source another user owns is read as that user -------------------------
+
+
+def _nobody_workspace() -> Path:
+    """A workspace nobody owns, under a root-owned directory nobody may search (pytest's
+    own tmp dirs are 0700)."""
+    base = Path(tempfile.mkdtemp(prefix="wsync-agent-"))
+    base.chmod(0o755)
+    ws = base / "agents" / "ws"
+    ws.mkdir(parents=True)
+    for d in (base / "agents", ws):
+        d.chmod(0o755)
+    (ws / "notes.txt").write_text("the agent's\n", encoding="utf-8")
+    for p in (ws, ws / "notes.txt"):
+        os.chown(p, 65534, 65534)
+    return ws
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play a daemon that switches users")
+def test_a_local_source_another_user_owns_is_read_as_that_user(tmp_path: Path) -> None:
+    """Found by a red-team review: ``tar`` opens a select run's names by path, so an agent
+    that owns its workspace could swap one of its directories for a symlink between the
+    listing and the read and have the daemon (root) copy what only root may read into
+    DEST.  The guest side now runs as the workspace's owner: a file in it that only root
+    may read cannot be read by the pull, and once it is gone the pull is exact."""
+    ws = _nobody_workspace()
+    try:
+        secret = ws / "root-only.txt"
+        secret.write_text("only root may read this\n", encoding="utf-8")
+        secret.chmod(0o600)
+        (tmp_path / "roots").mkdir()
+        dest = tmp_path / "roots" / "copy"
+        config = base_config(tmp_path, api=f'allow_uris = true\nlocal_roots = ["{ws}"]')
+        with running(tmp_path, config) as daemon:
+            status, job = _post(daemon, f"local:{ws}", str(dest))
+            assert status == 202, job
+            done = daemon.wait_job(job["id"], states=("failed",))
+            assert "Permission denied" in done["error"], done
+            assert not dest.exists()
+            secret.unlink()
+            status, job = _post(daemon, f"local:{ws}", str(dest))
+            assert status == 202, job
+            assert daemon.wait_job(job["id"])["result"]["ok"] is True
+        assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
+    finally:
+        shutil.rmtree(ws.parent.parent)
+
+
+def test_a_local_reader_runs_as_the_owner_with_a_fresh_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The owner may read its processes' ``/proc/PID/environ``: none of the daemon's
+    variables (its token, a DSN) reach the guest side, and it runs in ``/``."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch users")
+    monkeypatch.setenv("WSYNC_API_TOKEN", "a-secret-of-the-daemon")
+
+    async def main() -> ExecResult:
+        transport = LocalTransport(run_as=(65534, 65534))
+        return await transport.exec(
+            ["sh", "-c", 'id -u; id -g; pwd; echo "$HOME"; cat /proc/self/environ'], timeout=20
+        )
+
+    result = asyncio.run(main())
+    lines = result.stdout.split(b"\n", 4)
+    assert lines[:3] == [b"65534", b"65534", b"/"], result
+    assert lines[3] == os.fsencode(pwd.getpwuid(65534).pw_dir), result
+    assert b"a-secret-of-the-daemon" not in result.stdout
+    assert not LocalTransport(run_as=(65534, 65534), file_api=True).capabilities.file_read
+
+
+def test_a_daemon_that_cannot_switch_users_refuses_another_users_source(tmp_path: Path) -> None:
+    """Run as nobody, a requested source that uid 4242 owns is refused (the daemon would
+    read it with its own rights); a configured one is the operator's choice."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a directory another user owns and to run as nobody")
+    ws = _nobody_workspace()
+    try:
+        os.chown(ws, 4242, 4242)
+        code = (
+            "import sys; from pathlib import Path\n"
+            "from wsync.daemon.confine import Forbidden, local_reader\n"
+            f"assert local_reader(Path({str(ws)!r}), requested=False) is None\n"
+            f"try: local_reader(Path({str(ws)!r}), requested=True)\n"
+            "except Forbidden as e: print(e)\n"
+        )
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        out = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+            capture_output=True, text=True, env=env, check=True, timeout=60, cwd="/",
+        )  # fmt: skip
+        assert "belongs to uid 4242" in out.stdout and "run as root" in out.stdout, out
+    finally:
+        shutil.rmtree(ws.parent.parent)

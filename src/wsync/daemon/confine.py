@@ -191,6 +191,29 @@ def confine_source(path: Path, roots: Sequence[Path]) -> None:
     walk_beneath(root, path, create=False, what=what, guard=_only_ours)
 
 
+def local_reader(path: Path, *, requested: bool) -> tuple[int, int] | None:
+    """Whom the guest side of a ``local:`` pull of ``path`` runs as: None for the daemon
+    itself, where it or root owns the source; else the owner's (uid, gid), which needs a
+    daemon running as root (:func:`wsync.transports.local.as_user` says why).  A
+    requested source another user owns is refused when the daemon cannot switch to that
+    user; a configured one is the operator's choice, read as the daemon."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return None  # the pull says the workspace is missing
+    if st.st_uid in (0, os.geteuid()):
+        return None
+    if os.geteuid() == 0:
+        return st.st_uid, st.st_gid
+    if not requested:
+        return None
+    raise Forbidden(
+        f"local source {path} belongs to uid {st.st_uid}: the daemon reads a workspace "
+        "another user owns only as that user, which needs it to run as root (or the "
+        "daemon's user must own the workspace)"
+    )
+
+
 def _only_ours(fd: int, shown: Path, what: str) -> None:
     """The directory at ``fd`` is the daemon user's or root's, and writable by no one
     else: no one else can rename what it holds."""

@@ -616,10 +616,10 @@ class FleetManager:
 
         async def work() -> PullResult:
             structlog.contextvars.bind_contextvars(job_id=job.id, sandbox=job.sandbox, snapshot="")
-            _check_source(job, config)
+            source = _check_source(job, config)
             root = _make_parent(dest, config.dest_roots)
             confined = dataclasses.replace(options, dest_root=root, fence=fence)
-            return await puller(job.uri, dest, confined, transport_options, progress)
+            return await puller(job.uri, dest, confined, {**transport_options, **source}, progress)
 
         thread: PullThread[PullResult] = PullThread(f"wsync-pull-{job.id}", work)
         thread.done.add_done_callback(lambda f: f.cancelled() or f.exception())

@@ -50,7 +50,13 @@ from wsync.daemon.config import (
     check_uri,
     resolve_transport_options,
 )
-from wsync.daemon.confine import Forbidden, check_local_source, confine_dest, confine_source
+from wsync.daemon.confine import (
+    Forbidden,
+    check_local_source,
+    confine_dest,
+    confine_source,
+    local_reader,
+)
 from wsync.daemon.metrics import Metrics
 from wsync.daemon.pullthread import PullCancelled, PullThread
 from wsync.daemon.store import FINAL_STATES, Job, JobStore, StoreUnavailable, new_job_id
@@ -109,22 +115,28 @@ def _make_parent(dest: Path, roots: list[Path]) -> Path:
     return confine_dest(dest, roots)
 
 
-def _check_source(job: Job, config: DaemonConfig) -> None:
-    """Re-check a requested (not configured) source against the config of this moment.
+def _check_source(job: Job, config: DaemonConfig) -> dict[str, Any]:
+    """Re-check a requested (not configured) source against the config of this moment;
+    return the transport options the source adds.
 
     A sandbox the operator configured is trusted as configured.  A URI that
     came in a request needs ``api.allow_uris`` still on, and a ``local:`` one
     must still lie under ``api.local_roots`` with no symlink below the root
-    (its path was stored resolved when the request was accepted).
+    (its path was stored resolved when the request was accepted).  Either
+    ``local:`` source is read as its owner where that is another user
+    (:func:`~wsync.daemon.confine.local_reader`).
     """
-    box = config.sandboxes.get(job.sandbox)
-    if box is not None and box.uri == job.uri:
-        return
-    if not config.api.allow_uris:
-        raise Forbidden("sandbox URIs are disabled (api.allow_uris = false); job not started")
     parsed = parse(job.uri)
-    if parsed.scheme == "local":
+    box = config.sandboxes.get(job.sandbox)
+    requested = box is None or box.uri != job.uri
+    if requested and not config.api.allow_uris:
+        raise Forbidden("sandbox URIs are disabled (api.allow_uris = false); job not started")
+    if parsed.scheme != "local":
+        return {}
+    if requested:
         confine_source(Path(parsed.path), config.api.local_roots)
+    reader = local_reader(Path(parsed.path), requested=requested)
+    return {} if reader is None else {"run_as": reader}
 
 
 def resolve_request(config: DaemonConfig, sandbox: str, dest: str | None) -> tuple[str, str, str]:
@@ -552,10 +564,10 @@ class JobManager:
 
         async def work() -> PullResult:
             structlog.contextvars.bind_contextvars(job_id=job.id, sandbox=job.sandbox, snapshot="")
-            _check_source(job, config)
+            source = _check_source(job, config)
             root = _make_parent(dest, config.dest_roots)
             confined = dataclasses.replace(options, dest_root=root)
-            return await puller(job.uri, dest, confined, transport_options, progress)
+            return await puller(job.uri, dest, confined, {**transport_options, **source}, progress)
 
         thread: PullThread[PullResult] = PullThread(f"wsync-pull-{job.id}", work)
         # an outcome nobody awaits any more (shutdown gave up on it) is not an error

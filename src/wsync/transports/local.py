@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import errno
 import os
+import pwd
 import resource
 import signal
 from collections.abc import Mapping, Sequence
@@ -187,12 +188,22 @@ class LocalTransport(Transport):
         stdin=True, binary_safe=True, separate_stderr=True, channel=True, long_argv=True
     )
 
-    def __init__(self, env: Mapping[str, str] | None = None, *, file_api: bool = False) -> None:
+    def __init__(
+        self,
+        env: Mapping[str, str] | None = None,
+        *,
+        file_api: bool = False,
+        run_as: tuple[int, int] | None = None,
+    ) -> None:
         #: None: inherit our environment unchanged; else the full child environment
         self._env: dict[str, str] | None = None
-        if env:
+        #: how each command is started as ``run_as`` (see :func:`as_user`)
+        self._user: dict[str, Any] = {}
+        if run_as is not None:
+            self._env, self._user = as_user(*run_as, env)
+        elif env:
             self._env = {**os.environ, **{str(k): str(v) for k, v in env.items()}}
-        if file_api:
+        if file_api and run_as is None:
             # what the HTTP backends' file APIs offer, here for tests and the demo
             self.capabilities = dataclasses.replace(self.capabilities, file_read=True)  # type: ignore[misc]
 
@@ -225,7 +236,18 @@ class LocalTransport(Transport):
         env = options.get("env")
         if env is not None and not isinstance(env, Mapping):
             raise UsageError("local transport option 'env' must be a mapping of strings")
-        return cls(env=env, file_api=bool(options.get("file_api", False)))
+        run_as = options.get("run_as")
+        if run_as is not None and not (
+            isinstance(run_as, Sequence)
+            and len(run_as) == 2
+            and all(type(n) is int and n >= 0 for n in run_as)
+        ):
+            raise UsageError("local transport option 'run_as' must be a (uid, gid) pair")
+        return cls(
+            env=env,
+            file_api=bool(options.get("file_api", False)),
+            run_as=None if run_as is None else (run_as[0], run_as[1]),
+        )
 
     @property
     def description(self) -> str:
@@ -254,6 +276,7 @@ class LocalTransport(Transport):
                 stderr=asyncio.subprocess.PIPE,
                 env=self._env,
                 start_new_session=True,
+                **self._user,
             )
         except (FileNotFoundError, NotADirectoryError, PermissionError) as exc:
             # What a guest shell would report; retrying cannot help.
@@ -315,6 +338,7 @@ class LocalTransport(Transport):
                 stderr=asyncio.subprocess.DEVNULL,
                 env=self._env,
                 start_new_session=True,
+                **self._user,
             )
         except OSError as exc:
             raise _cannot_start(argv[0], exc) from exc
@@ -357,6 +381,32 @@ class LocalTransport(Transport):
 
     async def aclose(self) -> None:
         """Nothing to release: each exec owns and reaps its own process."""
+
+
+def as_user(
+    uid: int, gid: int, overlay: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """The environment and the process options that start a command as ``uid``/``gid``.
+
+    Why: a daemon that pulls a workspace another user owns must not read it with its own
+    rights.  ``tar`` opens the names of a select run by path, so the owner could swap a
+    directory for a symlink between the listing and the read and have the daemon copy
+    what only the daemon may read (its token, other users' DESTs).  Run as the owner, the
+    guest side can read nothing the owner could not show us anyway.  The environment is
+    a fresh one (the daemon's may hold secrets, and the owner may read a process's
+    ``/proc/PID/environ``): PATH, and HOME, USER and LOGNAME of the owner's passwd entry
+    (``/`` and the uid without one), then ``overlay``; the owner's own groups; ``/`` as
+    the working directory."""
+    try:
+        entry = pwd.getpwuid(uid)
+        name, home = entry.pw_name, entry.pw_dir or "/"
+        groups = os.getgrouplist(name, gid)
+    except KeyError:
+        name, home, groups = str(uid), "/", [gid]
+    env = {"PATH": os.environ.get("PATH") or os.defpath, "HOME": home, "USER": name}
+    env["LOGNAME"] = name
+    env.update({str(k): str(v) for k, v in (overlay or {}).items()})
+    return env, {"user": uid, "group": gid, "extra_groups": groups, "cwd": "/"}
 
 
 def _cannot_start(name: str, exc: OSError) -> WsyncError:
