@@ -19,6 +19,7 @@ from wsync.transports.cloudflare_protocol import (
     encode_exit,
     encode_output,
     exec_body,
+    exec_path,
     file_path,
     parse_exec_body,
     split_route,
@@ -144,6 +145,23 @@ def test_bodies_and_paths() -> None:
         file_path("b", "relative")
     with pytest.raises(UsageError):
         file_path("a/b", "/x")
+
+
+@pytest.mark.parametrize(
+    "path", ["/workspace/../v1/sandbox/victim/file/x", "/workspace/./x", "/workspace//x", "/x/"]
+)
+def test_a_file_path_with_dot_or_empty_parts_is_refused(path: str) -> None:
+    """Found by a red-team review: the URL's path is resolved, so a staging root with
+    ``..`` parts (the guest reports it) sent the token to another sandbox's route."""
+    with pytest.raises(UsageError, match="no empty"):
+        file_path("sb1", path)
+
+
+@pytest.mark.parametrize("sandbox", [".", ".."])
+def test_a_dot_sandbox_id_is_refused(sandbox: str) -> None:
+    """``..`` as the id made the exec URL ``/v1/exec`` (above the sandbox routes)."""
+    with pytest.raises(UsageError, match="bad Cloudflare sandbox id"):
+        exec_path(sandbox)
 
 
 @settings(max_examples=100, deadline=None)

@@ -36,8 +36,9 @@ from helpers import (
     shim_tools,
     tool_runs,
 )
-from wsync.engine.guest import GuestPlan, GuestSession
+from wsync.engine.guest import GuestPlan, GuestSession, plain_root
 from wsync.engine.guestcall import CallStats
+from wsync.errors import StagingFailed
 from wsync.protocol import records, scripts
 from wsync.protocol.envelope import parse_envelope
 from wsync.protocol.hashing import ALGORITHMS, PROBE_ALGORITHM
@@ -274,3 +275,27 @@ def test_a_cleanup_tries_every_snapshot_it_names(tmp_path: Path, guest_path: str
     envelope = parse_envelope(out, NONCE, algorithm=ALGORITHMS["sha256"], max_length=4096)
     assert not envelope.ok and "cannot remove" in envelope.text
     assert sorted(p.name for p in root.iterdir()) == ["s-manifest"]
+
+
+@pytest.mark.parametrize(
+    ("root", "ok"),
+    [
+        ("/tmp/wsync-0", True),
+        ("/", True),
+        ("/workspace/../../v1/sandbox/victim/file/x", False),
+        ("/tmp/./wsync-0", False),
+        ("/tmp//wsync-0", False),
+        ("//tmp/wsync-0", False),
+        ("/tmp/wsync-0/", False),
+        ("tmp/wsync-0", False),
+        ("", False),
+    ],
+)
+def test_only_a_plain_absolute_staging_root_is_taken(root: str, ok: bool) -> None:
+    """The probe's staging root comes from the guest, and chunk paths built from it go
+    into an HTTP backend's URL: ``..`` there aimed the token at other routes (review)."""
+    if ok:
+        assert plain_root(root) == root
+    else:
+        with pytest.raises(StagingFailed):
+            plain_root(root)

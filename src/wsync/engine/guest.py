@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
+import posixpath
 import secrets
 import time
 
@@ -46,6 +47,17 @@ _FAILED_WRITES = {
 #: base64 text per list upload call through a guest helper or an exec whose argv may be
 #: long (under Linux's 128 KiB per argument, with the script beside it)
 _HELPER_UPLOAD_PART = 64 * 1024
+
+
+def plain_root(root: str) -> str:
+    """The probe's staging root, if it is a plain absolute path (no ``.``, ``..`` or empty
+    parts): chunk paths are built from it, and an HTTP backend's file API puts them in a
+    URL, where ``..`` from a hostile guest would aim the token at other routes."""
+    if not root.startswith("/"):
+        raise StagingFailed("the probe did not establish a staging root")
+    if root.startswith("//") or posixpath.normpath(root) != root:
+        raise StagingFailed(f"the probe's staging root {root!r} is not a plain absolute path")
+    return root
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,9 +123,7 @@ class GuestSession(GuestCalls):
             # a 32 MiB match window: a fifth fewer bytes on a source tree for ~10% more
             # guest CPU and 32 MiB of host memory (the decoder's window)
             compressor = "zstdl"
-        if not report.stage_root.startswith("/"):
-            raise StagingFailed("the probe did not establish a staging root")
-        self.staging_root = report.stage_root
+        self.staging_root = plain_root(report.stage_root)
         self.algorithm = algorithm
         self._base64 = report.has("base64")
         self._gzip = report.has("gzip")

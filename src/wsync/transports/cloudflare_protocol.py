@@ -249,7 +249,13 @@ def parse_exec_body(raw: bytes) -> ExecRequest:
 
 
 def check_sandbox_id(sandbox_id: str) -> str:
-    if not sandbox_id or len(sandbox_id) > 255 or not sandbox_id.isprintable() or "/" in sandbox_id:
+    if (
+        not sandbox_id
+        or len(sandbox_id) > 255
+        or not sandbox_id.isprintable()
+        or "/" in sandbox_id
+        or sandbox_id in (".", "..")
+    ):
         raise UsageError(f"bad Cloudflare sandbox id {sandbox_id!r}")
     return sandbox_id
 
@@ -261,6 +267,9 @@ def exec_path(sandbox_id: str) -> str:
 def file_path(sandbox_id: str, path: str) -> str:
     if not path.startswith("/"):
         raise UsageError(f"file API paths are absolute: {path!r}")
+    if any(part in ("", ".", "..") for part in path[1:].split("/")):
+        # the URL's path would be resolved, and the token sent to another route
+        raise UsageError(f"file API paths have no empty, '.' or '..' parts: {path!r}")
     prefix = FILE_PREFIX.format(id=urllib.parse.quote(check_sandbox_id(sandbox_id), safe=""))
     return prefix + urllib.parse.quote(path.lstrip("/"), safe="/")
 

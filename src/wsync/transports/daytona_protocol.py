@@ -439,7 +439,7 @@ def error_body(status: int, message: str, code: str, path: str, method: str) -> 
 
 # -- file ranges -------------------------------------------------------------------
 
-_CONTENT_RANGE = re.compile(r"bytes ([0-9]+)-([0-9]+)/([0-9]+|\*)\Z")
+_CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/([0-9]{1,19}|\*)\Z")
 
 
 def range_header(offset: int, length: int) -> str:
