@@ -270,3 +270,46 @@ def test_a_base_url_with_credentials_is_refused_without_echoing_them() -> None:
         with pytest.raises(UsageError) as info:
             factory.from_uri(parse(f"{scheme}://sbx/work"), options)
         assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["\x0c", "\x0b", " ", "\t", "\x7f"])
+@pytest.mark.parametrize(
+    ("uri", "option", "extra"),
+    [
+        ("cloudflare://sbx/work", "cloudflare_token", {"cloudflare_url": "http://127.0.0.1:9"}),
+        ("e2b://sbx/work", "e2b_token", {"e2b_url": "http://127.0.0.1:9"}),
+        ("daytona://sbx/work", "daytona_token", {"daytona_url": "http://127.0.0.1:9/tb"}),
+        ("daytona://sbx/work", "daytona_organization_id", {"daytona_token": "k" * 20}),
+    ],
+)
+def test_a_header_value_with_a_control_character_is_refused_unechoed(
+    uri: str, option: str, extra: dict[str, str], bad: str
+) -> None:
+    """Found by a red-team review: a Daytona key holding a form feed or vertical tab
+    passed the check (only CR, LF and NUL were refused), h11 refused the header with a
+    message quoting it whole, and that reached every retry's log line; the pull ended
+    as 'integrity not established'.  Only visible ASCII goes into a header now."""
+    from wsync.errors import UsageError
+
+    value = f"secret{bad}value-1234567890"
+    with pytest.raises(UsageError, match="control character") as info:
+        open_transport(uri, {**extra, option: value})
+    assert "secret" not in str(info.value)
+
+
+def test_a_working_directory_outside_the_workspace_is_not_a_token_problem(tmp_path: Path) -> None:
+    """The Bridge refuses a ``cwd`` outside /workspace with 403 (its auth failure is 401);
+    that was reported as a bad token (exit 3).  Found by a red-team review."""
+    from wsync.errors import UsageError
+
+    async def main() -> None:
+        async with CloudflareEmulator(tmp_path / "emu") as emu:
+            emu.create_sandbox("sb")
+            t = CloudflareTransport("sb", token=emu.token, base_url=emu.url, cwd="/etc")
+            try:
+                with pytest.raises(UsageError, match=r"only under /workspace.*'/etc'"):
+                    await t.exec(["true"], timeout=10)
+            finally:
+                await t.aclose()
+
+    asyncio.run(main())

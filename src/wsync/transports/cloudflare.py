@@ -182,6 +182,13 @@ class CloudflareTransport(Transport):
                 detail = f": {str(parsed.get('error', ''))[:200]} ({str(parsed.get('code'))[:40]})"
         except (ValueError, RecursionError):
             pass
+        cwd = self.cwd or "/workspace"
+        if status == 403 and what == "exec" and not (cwd + "/").startswith("/workspace/"):
+            # the Bridge's own refusal of a working directory (its auth failure is 401)
+            raise UsageError(
+                f"{self.description}: the Bridge runs commands only under /workspace, and the "
+                f"working directory (option dir) is {cwd!r} (HTTP 403{detail})"
+            )
         if status == 401 or (status == 403 and what == "exec"):
             raise AuthFailed(
                 f"{self.description}: authentication failed (HTTP {status}{detail}); "

@@ -65,6 +65,7 @@ from wsync.transports.base import (
     Transport,
     find_secret,
     float_options,
+    header_safe,
 )
 from wsync.transports.daytona_protocol import (
     MARKER_PREFIX,
@@ -99,6 +100,14 @@ def resolve_token(options: Mapping[str, Any]) -> str:
     if token is None:
         raise AuthFailed(f"no Daytona API key: set {TOKEN_ENV} or pass a token file")
     return token
+
+
+def _why(err: httpx.HTTPError) -> str:
+    """An httpx error in words: its type, and its text unless it is about our own request
+    (h11 quotes a refused header whole, the token with it)."""
+    if isinstance(err, httpx.LocalProtocolError):
+        return type(err).__name__
+    return f"{type(err).__name__}: {err}"
 
 
 def _shown_url(url: httpx.URL) -> str:
@@ -175,7 +184,7 @@ class DaytonaTransport(Transport):
             base_url=str(base),
             workspace=uri.path,
             workdir=options.get("dir"),
-            organization_id=str(org) if org else None,
+            organization_id=header_safe(str(org), "Daytona organization id") if org else None,
             **extra,
         )
 
@@ -226,7 +235,7 @@ class DaytonaTransport(Transport):
         raise TransportError(f"{self.description}: {what} failed (HTTP {status}{suffix})")
 
     def _connection_error(self, err: httpx.HTTPError, what: str) -> WsyncError:
-        message = f"{self.description}: {what}: {type(err).__name__}: {err}"
+        message = f"{self.description}: {what}: {_why(err)}"
         if isinstance(err, httpx.ConnectError) and not self._answered_once:
             return SandboxUnreachable(f"cannot reach the Daytona toolbox at {self.base_url}: {err}")
         return TransportError(message)
@@ -366,9 +375,7 @@ class DaytonaTransport(Transport):
             raise TransportTimeout(timeout) from None
         except httpx.HTTPError as err:
             # a fast path never ends a pull: the engine falls back to exec reads
-            raise TransportError(
-                f"{self.description}: download: {type(err).__name__}: {err}"
-            ) from None
+            raise TransportError(f"{self.description}: download: {_why(err)}") from None
         except ProtocolError as err:
             raise TransportError(f"{self.description}: download: {err}") from None
 
