@@ -83,3 +83,34 @@ def test_a_value_the_store_refuses_is_an_error_of_the_query_not_an_outage(
             await store.close()
 
     asyncio.run(ask())
+
+
+def test_a_cancel_that_came_while_the_job_was_handed_back_reaches_the_next_owner(
+    pg_dsn: str,  # noqa: F811 - the fixture
+) -> None:
+    """Found by a red-team review: a DELETE answered 202 while the owner was handing the
+    job back (its shutdown, a busy DEST) was lost, the release clearing the flag, and
+    the next daemon ran the job to the end.  The flag now stays for the next claim."""
+
+    async def run() -> bool:
+        a, b = (PgStore(pg_dsn, new_owner_id(), 10.0) for _ in range(2))
+        await a.open()
+        await b.open()
+        try:
+            job = Job(id=new_job_id(), sandbox="box", uri="local:/ws", dest="/roots/box")
+            await a.submit(job)
+            args = (["/roots"], ["box"], False, {}, 1, 0)
+            claimed = await a.claim(*args)
+            assert claimed is not None and not claimed.cancel_requested
+            assert await b.request_cancel(job.id) == a.owner
+            released = claimed.job
+            released.state = "queued"
+            assert await a.finish(released, claimed.fence, "released")
+            again = await b.claim(*args)
+            assert again is not None and again.job.id == job.id
+            return again.cancel_requested
+        finally:
+            await a.close()
+            await b.close()
+
+    assert asyncio.run(run())

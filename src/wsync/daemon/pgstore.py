@@ -429,7 +429,9 @@ FOR UPDATE OF j SKIP LOCKED
                     "owner = CASE WHEN %s THEN NULL ELSE owner END, "
                     "lease_until = CASE WHEN %s THEN NULL ELSE lease_until END, "
                     "not_before = CASE WHEN %s THEN now() + make_interval(secs => %s) END, "
-                    "cancel_requested = false "
+                    # a cancel that came while the job was handed back stays for the
+                    # next owner, who stops at once (it answered 202 to the caller)
+                    "cancel_requested = CASE WHEN %s THEN cancel_requested ELSE false END "
                     "WHERE id = %s AND fence = %s AND state = 'running' RETURNING id",
                     (
                         job.state,
@@ -443,6 +445,7 @@ FOR UPDATE OF j SKIP LOCKED
                         release,
                         release,
                         backoff,
+                        release,
                         job.id,
                         fence,
                     ),
