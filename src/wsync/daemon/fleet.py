@@ -319,6 +319,9 @@ class FleetManager:
         delay = BACKOFF_MIN
         while self._accepting:
             claimed: Claimed | None = None
+            # the lease runs from the claim's transaction, which may have waited for the
+            # claim lock: its fence check must count from before the ask, not after
+            asked = time.monotonic()
             if len(self._running) < self.config.limits.max_concurrent:
                 try:
                     claimed = await self._store(self._claim())
@@ -329,7 +332,7 @@ class FleetManager:
                     delay = min(delay * 2, BACKOFF_MAX)
                     continue
             if claimed is not None:
-                self._begin(claimed)
+                self._begin(claimed, asked)
                 continue  # maybe more
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
@@ -479,9 +482,14 @@ class FleetManager:
 
     # -- running one claimed job -------------------------------------------
 
-    def _begin(self, claimed: Claimed) -> None:
+    def _begin(self, claimed: Claimed, asked: float) -> None:
         job = claimed.job
-        run = _Run(job=job, fence=claimed.fence, cancel_requested=claimed.cancel_requested)
+        run = _Run(
+            job=job,
+            fence=claimed.fence,
+            cancel_requested=claimed.cancel_requested,
+            confirmed=asked,
+        )
         self._running[job.id] = run
         self.metrics.claims.inc()
         if claimed.takeover:
