@@ -414,3 +414,21 @@ def test_a_daemon_that_cannot_switch_users_refuses_another_users_source(tmp_path
         assert "belongs to uid 4242" in out.stdout and "run as root" in out.stdout, out
     finally:
         shutil.rmtree(ws.parent.parent)
+
+
+def test_with_nested_roots_a_root_or_a_dest_holding_one_is_refused(tmp_path: Path) -> None:
+    """Found by a red-team review: with ``dest_roots = [ws, ws/team]``, DEST ``ws/team``
+    lies inside the other root and was accepted at request and at run time; one pull
+    would then replace the whole ``team`` root, every other DEST in it included."""
+    outer, inner = tmp_path / "ws", tmp_path / "ws" / "team"
+    inner.mkdir(parents=True)
+    roots = [outer, inner]
+    for dest in (inner, inner.parent / "team", tmp_path / "ws"):
+        with pytest.raises(DestForbidden, match="is a dest root itself, or holds one"):
+            check_dest(str(dest), roots)
+        with pytest.raises(Forbidden, match="no longer inside"):
+            confine_dest(dest, roots)
+    deeper = tmp_path / "ws" / "team" / "job1"
+    assert check_dest(str(deeper), roots) == deeper
+    assert confine_dest(deeper, roots) in (outer, inner)
+    assert check_dest(str(tmp_path / "ws" / "other"), roots) == tmp_path / "ws" / "other"

@@ -505,15 +505,17 @@ def check_dest(raw: str, roots: list[Path], keep_out: Sequence[Path] = ()) -> Pa
                 f"dest {raw!r} overlaps the daemon's state directory {kept}: "
                 "a pull replaces DEST whole"
             )
+    # (before the containment check: with nested roots, one root lies inside another,
+    # and a pull replaces DEST whole, every DEST in a root it holds included)
+    if any(root.resolve(strict=False).is_relative_to(resolved) for root in roots):
+        raise DestForbidden(
+            f"dest {raw!r} is a dest root itself, or holds one: a pull replaces DEST "
+            "whole, so name a directory inside the root"
+        )
     for root in roots:
         real_root = root.resolve(strict=False)
         if resolved != real_root and resolved.is_relative_to(real_root):
             return resolved
-    if any(resolved == root.resolve(strict=False) for root in roots):
-        raise DestForbidden(
-            f"dest {raw!r} is a dest root itself: a pull replaces DEST whole, "
-            "so name a directory inside the root"
-        )
     allowed = ", ".join(str(r) for r in roots)
     raise DestForbidden(f"dest {raw!r} resolves outside the allowed roots ({allowed})")
 

@@ -54,11 +54,13 @@ def find_root(path: Path, roots: Sequence[Path], *, strict: bool) -> Path | None
     """The resolved root that ``path`` (already absolute, no ``..``) lies beneath.
 
     ``strict``: the path must be *below* the root, not the root itself (a DEST
-    equal to a root would replace the whole root).  Roots are the operator's
-    own configuration, so their own symlinks are followed.
+    equal to a root would replace the whole root), and hold no root (roots may nest).
+    Roots are the operator's own configuration, so their own symlinks are followed.
     """
-    for root in roots:
-        real_root = root.resolve(strict=False)
+    real_roots = [root.resolve(strict=False) for root in roots]
+    if strict and any(real_root.is_relative_to(path) for real_root in real_roots):
+        return None  # a root itself, or one holding a root (roots may nest)
+    for real_root in real_roots:
         if path == real_root and not strict:
             return real_root
         if path != real_root and path.is_relative_to(real_root):
