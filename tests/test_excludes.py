@@ -319,3 +319,45 @@ def test_random_patterns_same_as_rsync(
     got = ours(src, Excludes.from_options(chosen, []))
     expected = walk(dst)
     assert got == expected, (chosen, sorted(got - expected), sorted(expected - got))
+
+
+#: names where rsync's reading of backslashes, classes and rule prefixes is easy to miss
+ODD_NAMES = ["a", "b", "]", "x]", "xa]", "\\", "#a", "\\#a", "- a", "ab", "a\\b", "\\!a", "!a",
+             "a\\ ", "a ", "\\ a", " a", "\\\\", "\\a"]  # fmt: skip
+
+
+@pytest.mark.skipif(RSYNC is None, reason="rsync not installed")
+@pytest.mark.parametrize(
+    "pattern",
+    ["[!]]", "[!]a]", "[]]", "a\\b", "\\#a", "- a", "\\!a", "a\\ ", "\\ a", "\\\\", "\\a", "a\\*"],
+)
+def test_backslashes_classes_and_prefixes_as_rsync(tmp_path: Path, pattern: str) -> None:
+    """Found by a red-team review, each a silently different DEST: a negated class whose
+    first member is ']' lost it ('[!]]' also left out 'x]'); rsync takes a backslash as
+    itself in a pattern without a wildcard ('a\\b' is that name, not 'ab'); '- X' is
+    rsync's exclude rule for X."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ODD_NAMES:
+        (src / name).write_text(name, encoding="utf-8")
+    dst = tmp_path / "dst"
+    rsync = [RSYNC or "rsync", "-a", f"--exclude={pattern}", f"{src}/", f"{dst}/"]
+    subprocess.run(rsync, check=True, capture_output=True)
+    excludes = Excludes.from_options([pattern], [])
+    assert ours(src, excludes) == walk(dst), pattern
+    for glob in excludes.guest_prune():  # what find -name prunes is what rsync leaves out
+        found = subprocess.run(
+            ["find", ".", "-mindepth", "1", "-name", glob, "-print0"],
+            cwd=src, env={**os.environ, "LC_ALL": "C"}, capture_output=True, check=True,
+        ).stdout  # fmt: skip
+        pruned = {os.fsdecode(n[2:]) for n in found.split(b"\0") if n}
+        assert not pruned & {p.name for p in dst.iterdir()}, (glob, pruned)
+
+
+@pytest.mark.parametrize("pattern", ["+ keep", "[\\a]", "x[a\\]]", "!+ keep"])
+def test_include_rules_and_escapes_in_classes_are_usage_errors(pattern: str) -> None:
+    """rsync's '+ X' is an include rule (first match wins), and a backslash in a class is
+    an escape to rsync but a member to the host's matcher: refused, not misread."""
+    with pytest.raises(UsageError, match="malformed exclude pattern") as err:
+        Excludes.from_options([pattern], [])
+    assert err.value.exit_code == 2

@@ -45,10 +45,15 @@ if TYPE_CHECKING:
 #: directory verdicts remembered while a manifest streams past (cleared when this many)
 _DIR_CACHE = 65536
 #: a negated class in a regex pathspec made (not an escaped literal "[")
-_NEGATED_CLASS = re.compile(r"(?<!\\)\[\^")
+_NEGATED_CLASS = re.compile(r"(?<!\\)\[\^(\]?)")
 #: a POSIX class, equivalence class or collating symbol inside a bracket expression: find's
 #: fnmatch and rsync know them, pathspec reads "[[:digit:]]" as the set "[[:digt]" then "]"
 _BRACKET_CLASS = re.compile(r"(?<!\\)\[[!^]?\]?[^\]]*\[([:=.]).*?\1\]")
+#: a backslash inside a bracket expression: rsync's fnmatch takes it as an escape
+#: ("[\\a]" is "a"), the regex pathspec makes as a member
+_ESCAPE_IN_CLASS = re.compile(r"(?<!\\)\[[!^]?\]?[^\]]*\\")
+#: rsync's wildcards: only a pattern with one of them takes a backslash as an escape
+_WILDCARDS = re.compile(r"[*?\[]")
 
 
 class Excludes:
@@ -154,6 +159,8 @@ class Excludes:
                 continue
             if not pattern.isprintable() or pattern.startswith("-"):
                 continue
+            if "\\" in pattern and not _WILDCARDS.search(pattern):
+                continue  # a literal backslash to rsync, an escape to find -name
             globs.append(pattern)
         return globs
 
@@ -198,7 +205,8 @@ def _pattern(line: str) -> GitIgnoreSpecPattern:
         return pattern
     text = regex.pattern
     if "[^" in text:
-        text = _NEGATED_CLASS.sub("[^/", text)
+        # (after a leading "]", which is the class's first member, not its end)
+        text = _NEGATED_CLASS.sub(r"[^\1/", text)
     # a name may hold a newline, which rsync matches like any byte: "." must match it
     # (else "**" stops at it) and the end must be the end ("$" also matches before a
     # final newline, so "notes.txt" excluded a file named "notes.txt\n")
@@ -217,8 +225,12 @@ def _malformed(pattern: str) -> str | None:
     body = pattern[1:] if pattern.startswith("!") else pattern
     if body.rstrip("/") in ("", "/"):
         return "only '/' (it would exclude the whole workspace)"
+    if body.startswith("+ "):
+        return "rsync's include rules ('+ PATTERN') are not supported"
     if _trailing_escape(body):
         return "a trailing lone backslash"
+    if _ESCAPE_IN_CLASS.search(body):
+        return "a backslash inside '[...]' is not supported (rsync takes it as an escape)"
     if _BRACKET_CLASS.search(body):
         return (
             "POSIX bracket classes ('[[:digit:]]', '[[=a=]]', '[[.a.]]') are not supported: "
@@ -241,6 +253,11 @@ def _to_gitignore(pattern: str) -> str:
     """The gitignore line with rsync's meaning, in latin-1 text (one character per byte)."""
     negate = pattern.startswith("!")
     body = pattern[1:] if negate else pattern
+    # rsync's "- " prefix names an exclude rule, which every pattern here is
+    body = body.removeprefix("- ")
+    if not _WILDCARDS.search(body):
+        # without a wildcard rsync takes a backslash as itself ("a\b" is that name)
+        body = body.replace("\\", "\\\\")
     dir_only = body.endswith("/")
     inner = body.rstrip("/")
     comps = inner.split("/")  # anchored: comps[0] == ""
@@ -256,7 +273,7 @@ def _to_gitignore(pattern: str) -> str:
     text = os.fsencode(body).decode("latin-1")
     if text.startswith("#"):
         text = "\\" + text  # a comment to gitignore, a name to rsync
-    if text.endswith(" ") and not text.endswith("\\ "):
+    if text.endswith(" ") and not _trailing_escape(text[:-1]):
         # gitignore drops trailing spaces, rsync keeps them: escape the last one
         text = text[:-1] + "\\ "
     return ("!" if negate else "") + text
