@@ -22,11 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_exact, make_tree, options, run_pull
+from helpers import assert_exact, diff, make_tree, options, run_pull
 from incr_helpers import Rehashes
 from wsync.engine import hostscan, prevtree
 from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.destdir import DestDir
+from wsync.engine.excludes import Excludes
 from wsync.engine.incremental import Incremental
 from wsync.engine.incstate import NO_WINDOW, PullState, state_path
 from wsync.transports.local import LocalTransport
@@ -299,6 +300,41 @@ def test_an_edit_in_the_pulls_last_second_on_a_filesystem_of_whole_seconds(
     time.sleep(1.01 - time.time() % 1)  # begins as a second begins, ends within it
     pull(ws, dest, opts)
     next_pull_rehashes_nothing(ws, dest, opts, monkeypatch)
+
+
+@pytest.mark.parametrize("how", ["re-hash", "wasted farm"])
+def test_an_edit_right_after_a_pull_that_did_not_commit_on_whole_seconds(
+    tmp_path: Path, coarse_fs: Path, how: str
+) -> None:
+    """Found by a red-team review: a pull that commits nothing still records ctimes of
+    DEST as it scanned them (a re-hash's verdict with the no-op record; a refresh after
+    an early farm it did not need, whose links moved every ctime) but, unlike a commit,
+    did not wait for DEST's clock to tick.  On a filesystem of whole seconds an edit right
+    after it, size and mtime put back, shared the second recorded and stayed hidden from
+    every later pull.  Such a pull now waits for the tick: the edit lands after it."""
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=30)
+    (ws / "x").mkdir()
+    (ws / "x" / "tmp").write_text("0")
+    dest = coarse_fs / "out"
+    # (a pattern with a '/' is filtered by the host: the guest lists the entry)
+    opts = dataclasses.replace(options(tmp_path), excludes=Excludes.from_options(["x/tmp"], []))
+
+    def pulled() -> PullResult:
+        result = run_pull(LocalTransport(), ws, dest, opts)
+        assert result.ok, result.error
+        assert diff(ws, dest) == ["missing: 'x/tmp'"]
+        return result
+
+    pulled()
+    target = dest / "src" / "f5.txt"
+    time.sleep(1.01 - time.time() % 1)  # the pull below begins as a second begins
+    if how == "re-hash":
+        target.chmod(target.stat().st_mode & 0o7777)  # its ctime moves: re-hashed
+    else:
+        (ws / "x" / "tmp").write_text("1")  # a new listing, nothing to fetch: a farm wasted
+    assert pulled().changed_files == 0
+    edit_in_place(target)
+    pulled()
 
 
 def lock_chmod_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -370,7 +370,9 @@ class Incremental:
             # the scan the diff used was made this run (by scan() or by diff() itself)
             host = self.state.host_digest
             self.state.record_noop(self.options_key(), self.manifest_digest, host)
+            self.settle()
         else:
+            self.settle()  # (the re-hash's verdicts)
             self.run = "select" if self.diff.fetch else "apply"
             if self.run == "select" and not self._selectable(self.diff):
                 # the whole workspace, by tar's own walk (by directory fds: any depth):
@@ -534,17 +536,34 @@ class Incremental:
         at ``now`` itself, and what the pull moved in that last tick is re-hashed once), so
         anything done to DEST after the pull is stamped outside it, whatever the host's
         clock says."""
+        hi = self._next_tick()
+        if hi is not None:
+            self.state.close_window(hi)
+
+    def settle(self) -> None:
+        """Once this run recorded ctimes of DEST as its scans saw them outside a commit (a
+        re-hash's verdict, the no-op record, a refresh after an early farm): wait, as
+        :meth:`close_window` does, for DEST's filesystem clock to tick past them.  On a
+        filesystem of whole seconds an edit right after the pull, its size kept and its
+        mtime put back, was stamped in the very second scanned, looked like the entry
+        recorded, and stayed hidden from every later pull.  (An edit before the tick is
+        one made during the pull, which the README says a default pull may not see.)"""
+        if self.state.stamped:
+            self._next_tick()
+            self.state.stamped = False
+
+    def _next_tick(self) -> int | None:
+        """DEST's filesystem's next tick, when it comes within a moment (a second on a
+        filesystem of whole seconds), else its ``now``; None when it cannot be read."""
         first = hi = self.target.fs_now()
         whole = first is not None and first % 1_000_000_000 == 0
         deadline = time.monotonic() + (_SECOND_TICK_WAIT_S if whole else _TICK_WAIT_S)
         while first is not None and hi is not None and hi <= first:
             if time.monotonic() >= deadline:
-                hi = first
-                break
+                return first
             time.sleep(0.01 if whole else 0.001)
             hi = self.target.fs_now()
-        if hi is not None:
-            self.state.close_window(hi)
+        return hi
 
     def refresh_after_farm(self) -> None:
         """An early farm was made and removed without a change to DEST: record the ctimes
@@ -558,6 +577,7 @@ class Incremental:
             os.close(dest_fd)
         if self.run == "" and self.mode == "incremental":
             self.state.record_noop(self.options_key(), self.manifest_digest, host)
+        self.settle()
 
     def tree_bytes(self) -> int:
         return self.state.tree_bytes()

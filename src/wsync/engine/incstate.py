@@ -129,6 +129,9 @@ class PullState:
         self._held_whole = False
         #: (path, hash, inode, mode, size, mtime) of files the extractor wrote, not yet stored
         self._hash_batch: list[tuple[object, ...]] = []
+        #: this run recorded ctimes of DEST as its scans saw them (a re-hash's verdict, the
+        #: no-op record, a refresh) outside a commit: see :meth:`Incremental.settle`
+        self.stamped = False
 
     # -- opening ------------------------------------------------------------------------
 
@@ -284,6 +287,7 @@ class PullState:
             if self._recheck(dest_fd, own_links) and self.has_baseline():
                 # verified by their bytes: record where they are now, so the next pull
                 # does not hash them again (the hash recorded stays the same)
+                self.stamped = True
                 db.execute(
                     "UPDATE main.state SET "
                     "hino = (SELECT h.ino FROM s.host h WHERE h.path = main.state.path), "
@@ -390,6 +394,7 @@ class PullState:
                 meta.append((_WINDOW, _window_value(manifest, *window[1:])))
             self.db.executemany("INSERT OR REPLACE INTO main.meta VALUES (?, ?)", meta)
             self.db.commit()
+        self.stamped = True
 
     def refresh_ctimes(self, dest_fd: int) -> str:
         """After this pull linked DEST's inodes into a tree it then removed (an early farm
@@ -403,6 +408,7 @@ class PullState:
             digest = self._scan_host(dest_fd)
             self.db.execute(incsql.REFRESH_CTIMES)
             self.db.commit()
+        self.stamped = True
         return digest
 
     def _recheck(self, dest_fd: int, own_links: Callable[[bytes], int | None] | None = None) -> int:
