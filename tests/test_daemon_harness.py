@@ -13,10 +13,12 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -513,3 +515,77 @@ def test_a_sighup_while_the_daemon_starts_is_a_reload_not_its_end(tmp_path: Path
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+_SQUATTER = """
+import socket, sys
+family, where, out = sys.argv[1], sys.argv[2], sys.argv[3]
+s = socket.socket(socket.AF_UNIX if family == "unix" else socket.AF_INET)
+s.bind(where if family == "unix" else ("127.0.0.1", 0))
+s.listen(1)
+print(where if family == "unix" else s.getsockname()[1], flush=True)
+s.settimeout(20)
+try:
+    c, _ = s.accept()
+    c.settimeout(2)
+    got = b""
+    try:
+        while b"\\r\\n\\r\\n" not in got:
+            more = c.recv(65536)
+            if not more:
+                break
+            got += more
+    except OSError:
+        pass
+    open(out, "wb").write(got)
+    c.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 2\\r\\n\\r\\n{}")
+except OSError:
+    pass
+"""
+
+
+@pytest.mark.parametrize("family", ["tcp", "unix"])
+def test_status_sends_no_token_to_another_users_listener(
+    tmp_path: Path, family: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a red-team review: while the daemon is down any local user may listen on
+    its address, and ``wsync status --config`` sent them the token.  The listener must be
+    the daemon's user (its state directory's owner) or root."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the listener as another user")
+    from wsync.daemon.client import status_main
+
+    shared = Path(tempfile.mkdtemp(prefix="wsync-squat-"))
+    shared.chmod(0o1777)
+    try:
+        got = shared / "got"
+        where = str(shared / "api.sock")
+        squatter = subprocess.Popen(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+             sys.executable, "-c", _SQUATTER, family, where, str(got)],
+            stdout=subprocess.PIPE, text=True, cwd="/",
+        )  # fmt: skip
+        try:
+            assert squatter.stdout is not None
+            bound = squatter.stdout.readline().strip()
+            listen = f"unix:{bound}" if family == "unix" else f"127.0.0.1:{bound}"
+            (tmp_path / "token").write_text(TOKEN + "\n", encoding="utf-8")
+            (tmp_path / "state").mkdir()  # the daemon's (root's, as the test runs)
+            cfg = tmp_path / "config.toml"
+            cfg.write_text(
+                f'state_dir = "{tmp_path}/state"\ndest_roots = ["{tmp_path}/roots"]\n'
+                f'[api]\nlisten = "{listen}"\ntoken_file = "{tmp_path}/token"\n',
+                encoding="utf-8",
+            )
+            with pytest.MonkeyPatch.context() as mp:
+                mp.delenv("WSYNC_API_TOKEN", raising=False)
+                assert status_main(["--config", str(cfg), "--json"]) == 3
+            assert "uid 65534" in capsys.readouterr().err
+        finally:
+            squatter.kill()
+            squatter.wait()
+            if squatter.stdout is not None:
+                squatter.stdout.close()
+        assert not got.exists() or TOKEN.encode() not in got.read_bytes()
+    finally:
+        shutil.rmtree(shared)

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import ipaddress
 import json
 import os
 import socket
+import struct
 import sys
 import time
 import urllib.parse
@@ -62,13 +64,29 @@ class _UnixConnection(http.client.HTTPConnection):
 
 
 class DaemonClient:
-    """Blocking JSON-over-HTTP calls to the daemon with the bearer token."""
+    """Blocking JSON-over-HTTP calls to the daemon with the bearer token.
 
-    def __init__(self, url: str, unix: str | None, token: str, timeout: float = 10.0) -> None:
+    ``owner``: the uid the daemon runs as (its state directory's owner), when the address
+    came from its config.  Then the token goes only to a listener of that user or root:
+    while the daemon is down any local user may listen on its address, and the next
+    ``wsync status --config`` would hand them the token (found by a red-team review).  A
+    unix socket's peer is asked (``SO_PEERCRED``); a loopback port's listener is looked
+    up in ``/proc/net/tcp``; a remote host's cannot be, and is trusted as configured.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        unix: str | None,
+        token: str,
+        timeout: float = 10.0,
+        owner: int | None = None,
+    ) -> None:
         self.url = url
         self.unix = unix
         self.token = token
         self.timeout = timeout
+        self.owner = owner
 
     @property
     def where(self) -> str:
@@ -91,6 +109,9 @@ class DaemonClient:
             data = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
         try:
+            conn.connect()
+            if self.owner is not None:
+                self._check_listener(conn)
             conn.request(method, path, body=data, headers=headers)
             response = conn.getresponse()
             raw = response.read()
@@ -114,6 +135,48 @@ class DaemonClient:
             shown = printable(str(message) if message else raw, 200)
             raise ClientError(f"daemon: HTTP {response.status}: {shown}", 2)
         return payload
+
+    def _check_listener(self, conn: http.client.HTTPConnection) -> None:
+        uid = _listener_uid(conn.sock)
+        if uid is None or uid in (0, self.owner):
+            return
+        raise ClientError(
+            f"{self.where} is held by a process of uid {uid}, not by the daemon's user "
+            f"(uid {self.owner}): the token was not sent (is the daemon down, and another "
+            "user's process listening on its address?)",
+            3,
+        )
+
+
+def _listener_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of ``sock``: a unix socket's peer, or the
+    owner of the listening socket of a loopback port; None where it cannot be told."""
+    if sock.family == socket.AF_UNIX:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return int(struct.unpack("3i", creds)[1])
+    host, port = sock.getpeername()[:2]
+    peer = ipaddress.ip_address(host)
+    if not peer.is_loopback:
+        return None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 8 or fields[3] != "0A":  # LISTEN
+                continue
+            addr, _, hexport = fields[1].partition(":")
+            if int(hexport, 16) != port:
+                continue
+            raw = b"".join(bytes.fromhex(addr[i : i + 8])[::-1] for i in range(0, len(addr), 8))
+            local = ipaddress.ip_address(raw)
+            mapped = getattr(local, "ipv4_mapped", None) or local
+            if mapped.is_unspecified or mapped == peer:
+                return int(fields[7])
+    return None
 
 
 #: the plain-text help of ``wsync status`` (argparse shows it as written)
@@ -165,12 +228,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _from_config(path: Path) -> tuple[str, str]:
-    """(listen address, token) of the daemon configured by ``path``.
+def _from_config(path: Path) -> tuple[str, str, int]:
+    """(listen address, token, the daemon's uid) of the daemon configured by ``path``.
 
     The config is read exactly as the daemon reads it (environment overrides
     included), so both agree.  The address the daemon actually bound (port 0,
-    or a ``--listen`` flag) is preferred when ``daemon.json`` is readable.
+    or a ``--listen`` flag) is preferred when ``daemon.json`` is readable.  The
+    daemon's uid is its state directory's owner (ours where there is none yet).
     """
     # imported here: pydantic is only worth its start-up time with --config
     from wsync.daemon.config import ConfigError, load_config
@@ -181,7 +245,11 @@ def _from_config(path: Path) -> tuple[str, str]:
     except ConfigError as err:
         raise ClientError(f"{path}: {err}", 2) from None
     bound = _bound_address(config.state_dir)
-    return bound or config.api.listen, token
+    try:
+        owner = config.state_dir.stat().st_uid
+    except OSError:
+        owner = os.geteuid()
+    return bound or config.api.listen, token, owner
 
 
 def _bound_address(state_dir: Path) -> str | None:
@@ -228,13 +296,14 @@ def _client(args: argparse.Namespace) -> DaemonClient:
     url = os.environ.get("WSYNC_URL", DEFAULT_URL)
     unix: str | None = None
     token = os.environ.get("WSYNC_API_TOKEN", "")
+    owner: int | None = None
     if args.config is not None:
-        listen, token = _from_config(args.config)
+        listen, token, owner = _from_config(args.config)
         url, unix = _url_for(listen)
     if args.url is not None:
-        url, unix = args.url, None
+        url, unix, owner = args.url, None, None  # the address the caller named
     if args.unix:
-        unix = args.unix.removeprefix("unix:")
+        unix, owner = args.unix.removeprefix("unix:"), None
     if args.token_file is not None:
         try:
             token = args.token_file.read_text(encoding="utf-8").strip()
@@ -249,7 +318,7 @@ def _client(args: argparse.Namespace) -> DaemonClient:
     if any(c in token for c in "\r\n\x00") or not token.isascii():
         # never echo it: it goes into a header, and a bad one would surface in a traceback
         raise ClientError("the API token contains a line break, NUL or non-ASCII text", 2)
-    return DaemonClient(url, unix, token, args.timeout)
+    return DaemonClient(url, unix, token, args.timeout, owner)
 
 
 def _age(ts: float | None) -> str:
