@@ -337,6 +337,26 @@ def test_an_edit_right_after_a_pull_that_did_not_commit_on_whole_seconds(
     pulled()
 
 
+def test_an_edit_right_after_a_pull_of_a_workspace_of_whole_seconds(
+    tmp_path: Path, coarse_fs: Path
+) -> None:
+    """Found by a red-team review: on a workspace whose filesystem stamps whole seconds, a
+    file listed, read and edited again (size kept) within one second kept its listed
+    record, ctime included, while DEST held what was read: no later pull saw it.  A
+    content run that fetches such a file now starts a second after the listing."""
+    ws = coarse_fs / "ws"
+    ws.mkdir()
+    (ws / "f").write_bytes(b"AAAA")
+    (ws / "g").write_bytes(b"keep")
+    dest, opts = tmp_path / "out", options(tmp_path)
+    pull(ws, dest, opts)
+    time.sleep(1.01 - time.time() % 1)  # the edit and the pull below begin a second
+    (ws / "f").write_bytes(b"BBBB")
+    assert pull(ws, dest, opts).changed_files == 1
+    (ws / "f").write_bytes(b"CCCC")  # right after the pull: once within its second
+    pull(ws, dest, opts)  # asserts DEST exact
+
+
 def lock_chmod_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """``fchmod`` of the DEST lock fails, as on another user's lock file left in a shared
     directory by their killed pull (the pull opens it read-only and cannot chmod it)."""

@@ -97,6 +97,8 @@ class IncrementalRunner(LeftoverRunner):
     #: this run's listing, ``SNAPSHOT:DIGEST``: a content run's journal names the one it
     #: was admitted after, and is resumed only under that very listing
     listing: str | None = None
+    #: when this run's listing was known done (monotonic; see :meth:`after_listing_second`)
+    listed_at: float | None = None
 
     def new_incremental(self) -> Incremental:
         key = f"{self.transport.description}\n{self.workspace}"
@@ -262,7 +264,25 @@ class IncrementalRunner(LeftoverRunner):
         """This run's listing is ``snapshot``'s stream, ``done`` (fetched or replayed)."""
         self.done = done
         self.listing = _listing(snapshot, done)
+        self.listed_at = time.monotonic()
         inc.manifest_digest = _manifest_digest(plan, done)
+
+    async def after_listing_second(self, inc: Incremental, *, whole: bool) -> None:
+        """Before a content run reads what the loaded listing named: where it names a file
+        to fetch on a filesystem of whole seconds (its ctime a whole second, and no content
+        digest beside it), wait until a second has passed since the listing was done.
+
+        Why: the state records a fetched file with the listing's record.  Read in the
+        second it was listed in, and edited again in that second after the read (the size
+        kept), the file kept its record, ctime included: DEST held the older bytes, and no
+        later pull saw a difference.  Read a second later, any edit after the read is
+        stamped in a later second than the record's (found by a red-team review)."""
+        if self.listed_at is None:
+            return
+        wait = self.listed_at + 1.0 - time.monotonic()
+        if wait > 0 and await in_thread(lambda: inc.locked(lambda: inc.state.racy(whole=whole))):
+            log.debug("a fetched file was stamped in whole seconds: waiting", seconds=wait)
+            await asyncio.sleep(wait)
 
     # -- the early farm (wsync.engine.prefarm) ------------------------------------------
 

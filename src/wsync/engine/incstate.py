@@ -314,6 +314,26 @@ class PullState:
         self._diffed = True
         return Diff(self.db, int(changed), int(deleted), int(fetch), int(longest))
 
+    def racy(self, *, whole: bool) -> bool:
+        """A file the content run reads (every file of the loaded manifest with ``whole``,
+        else the plan's fetches) has a ctime of whole seconds and no content digest: its
+        filesystem (or a busybox guest's ``stat``, which gives seconds only) cannot tell
+        an edit in the second it is read in from its listing (see
+        :meth:`IncrementalRunner.after_listing_second`).  (A ctime past 64 bits is a
+        BLOB, whose remainder is 0: it counts.)"""
+        fetched = (
+            ""
+            if whole
+            else "AND m.path IN (SELECT path FROM s.plan WHERE act IN "
+            "('new', 'changed', 'missing', 'tampered', 'linked'))"
+        )
+        with self._errors():
+            found = self.db.execute(
+                "SELECT EXISTS (SELECT 1 FROM s.man m WHERE m.kind = 'f' "  # noqa: S608
+                f"AND coalesce(m.digest, '') = '' AND m.ctime % 1000000000 = 0 {fetched})"
+            ).fetchone()
+        return bool(found and found[0])
+
     def drop_plan(self) -> None:
         """The content run will not build on the diff (a whole-tree run took the place of
         the ``select`` run): the commit records what the extractor wrote, as after a full

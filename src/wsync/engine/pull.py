@@ -126,6 +126,8 @@ class _Pull(FinishRunner):
         need = None
         if inc is not None:
             need = inc.state.listed_kb if inc.loaded else self.late_listed_kb
+            if inc.loaded:
+                await self.after_listing_second(inc, whole=run == "tar")
         try:
             journaled = await self.admit_phase(plan, journal, snapshot, run, need_kb=need)
         except ListMissing:
