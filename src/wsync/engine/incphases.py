@@ -267,10 +267,12 @@ class IncrementalRunner(LeftoverRunner):
         self.listed_at = time.monotonic()
         inc.manifest_digest = _manifest_digest(plan, done)
 
-    async def after_listing_second(self, inc: Incremental, *, whole: bool) -> None:
+    async def after_listing_second(self, inc: Incremental | None, *, whole: bool) -> None:
         """Before a content run reads what the loaded listing named: where it names a file
         to fetch on a filesystem of whole seconds (its ctime a whole second, and no content
         digest beside it), wait until a second has passed since the listing was done.
+        Without ``inc`` (a busybox listing, whose ctimes are all whole seconds, not
+        loaded yet), wait anyway.
 
         Why: the state records a fetched file with the listing's record.  Read in the
         second it was listed in, and edited again in that second after the read (the size
@@ -280,7 +282,9 @@ class IncrementalRunner(LeftoverRunner):
         if self.listed_at is None:
             return
         wait = self.listed_at + 1.0 - time.monotonic()
-        if wait > 0 and await in_thread(lambda: inc.locked(lambda: inc.state.racy(whole=whole))):
+        if wait <= 0:
+            return
+        if inc is None or await in_thread(lambda: inc.locked(lambda: inc.state.racy(whole=whole))):
             log.debug("a fetched file was stamped in whole seconds: waiting", seconds=wait)
             await asyncio.sleep(wait)
 

@@ -252,6 +252,9 @@ class Incremental:
         self.reused = False
         #: bringing the previous tree to the farm failed (something in it we cannot remove)
         self.reuse_failed = False
+        #: the content run was admitted before the listing loaded, within a second of it:
+        #: files stamped in that listing's last second are not recorded (see commit)
+        self.forget_racy = False
         #: the previous tree's walk, taken while the diff ran (see :meth:`walk_ahead`)
         self.walked: prevtree.Walked | None = None
         #: the new tree's directories as :meth:`dir_meta` left them, by path
@@ -515,6 +518,10 @@ class Incremental:
             if self.reuses and self.manifest_digest
             else None
         )
+        if self.forget_racy:
+            # (the wait of IncrementalRunner.after_listing_second could not come first:
+            # the next pull fetches them again, after its own listing's second)
+            self.state.forget_racy()
         try:
             self.state.commit(
                 dest_fd,

@@ -96,6 +96,14 @@ _RECORDS = "records"
 #: dropped): a wsync that reads one differently bumps it, and records kept under another
 #: value are parsed again, never copied
 RECORD_RULES = "1"
+#: a file of ``s.man m`` that may have been edited unseen in its listing's last second:
+#: no content digest, a ctime of whole seconds, in the second of the newest ctime listed
+#: (every ctime listed is at or before the listing; one past 64 bits, a BLOB, counts)
+_RACY = (
+    "m.kind = 'f' AND coalesce(m.digest, '') = '' AND m.ctime % 1000000000 = 0 "
+    "AND (typeof(m.ctime) != 'integer' OR m.ctime >= (SELECT max(ctime) - "
+    "max(ctime) % 1000000000 FROM s.man WHERE typeof(ctime) = 'integer'))"
+)
 #: the most recorded records :meth:`PullState.known` hands the parser (about 80 bytes of
 #: memory each); a larger state parses every record, as without them
 KNOWN_MAX = 300_000
@@ -316,11 +324,10 @@ class PullState:
 
     def racy(self, *, whole: bool) -> bool:
         """A file the content run reads (every file of the loaded manifest with ``whole``,
-        else the plan's fetches) has a ctime of whole seconds and no content digest: its
-        filesystem (or a busybox guest's ``stat``, which gives seconds only) cannot tell
-        an edit in the second it is read in from its listing (see
-        :meth:`IncrementalRunner.after_listing_second`).  (A ctime past 64 bits is a
-        BLOB, whose remainder is 0: it counts.)"""
+        else the plan's fetches) may be edited unseen in the listing's last second
+        (:data:`_RACY`): its filesystem (or a busybox guest's ``stat``, which gives
+        seconds only) cannot tell an edit in the second it is read in from its listing
+        (see :meth:`IncrementalRunner.after_listing_second`)."""
         fetched = (
             ""
             if whole
@@ -329,10 +336,18 @@ class PullState:
         )
         with self._errors():
             found = self.db.execute(
-                "SELECT EXISTS (SELECT 1 FROM s.man m WHERE m.kind = 'f' "  # noqa: S608
-                f"AND coalesce(m.digest, '') = '' AND m.ctime % 1000000000 = 0 {fetched})"
+                f"SELECT EXISTS (SELECT 1 FROM s.man m WHERE {_RACY} {fetched})"  # noqa: S608
             ).fetchone()
         return bool(found and found[0])
+
+    def forget_racy(self) -> None:
+        """Before a commit whose content run read files before the listing was known to
+        be a second old: leave every file :data:`_RACY` names out of the new state.  Read
+        in the listing's last second, such a file may have been edited again in it after
+        the read, unseen by its record; unrecorded, the next pull fetches it."""
+        with self._errors():
+            self.db.execute(f"DELETE FROM s.man AS m WHERE {_RACY}")  # noqa: S608
+            self.db.commit()
 
     def drop_plan(self) -> None:
         """The content run will not build on the diff (a whole-tree run took the place of
