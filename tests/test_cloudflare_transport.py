@@ -313,3 +313,25 @@ def test_a_working_directory_outside_the_workspace_is_not_a_token_problem(tmp_pa
                 await t.aclose()
 
     asyncio.run(main())
+
+
+def test_a_read_past_the_whole_file_limit_goes_through_exec(tmp_path: Path) -> None:
+    """The Bridge serves whole files: each read of a staged stream's later chunks
+    downloaded everything before it (quadratic in the stream's length, and its deadline,
+    learnt from the length asked, ran out).  A read ending past ``full_read_limit`` is
+    refused, and the engine reads it through exec (noted by a red-team review)."""
+    data = os.urandom(3 * 1024 * 1024)
+
+    async def body(emu: CloudflareEmulator, t: CloudflareTransport, box: Path) -> None:
+        (box / "data").write_bytes(data)
+        small = CloudflareTransport("Box-1", token=TOKEN, base_url=emu.url, full_read_limit=2 << 20)
+        try:
+            path = str(box / "data")
+            got = await small.read_file(path, 1 << 20, 1 << 20, timeout=20)
+            assert got == data[1 << 20 : 2 << 20]
+            with pytest.raises(TransportError, match="serves whole files"):
+                await small.read_file(path, 1 << 20, (1 << 20) + 1, timeout=20)
+        finally:
+            await small.aclose()
+
+    with_emulator(tmp_path, body)

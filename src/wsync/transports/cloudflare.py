@@ -114,8 +114,13 @@ class CloudflareTransport(Transport):
         connect_timeout: float = 15.0,
         drain_timeout: float = 0.5,
         retry_delay: float = 0.1,
+        full_read_limit: int = 8 * 1024 * 1024,
     ) -> None:
         self.sandbox_id = check_sandbox_id(sandbox_id)
+        #: the file API serves whole files (no ranges): a read ending past this many
+        #: bytes is refused, and the engine reads it through exec (each read of a staged
+        #: stream's later chunks would download all before it: quadratic in its length)
+        self.full_read_limit = full_read_limit
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise UsageError(f"bad Cloudflare Bridge URL {base_url!r} (expected https://...)")
@@ -311,6 +316,11 @@ class CloudflareTransport(Transport):
         """
         if offset < 0 or length < 0:
             raise UsageError("offset and length must be >= 0")
+        if offset + length > self.full_read_limit:
+            raise TransportError(
+                f"{self.description}: the file API serves whole files; reads past "
+                f"{self.full_read_limit} bytes go through exec"
+            )
         target = file_path(self.sandbox_id, path)
         loop = asyncio.get_running_loop()
         try:
