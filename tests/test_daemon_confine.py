@@ -22,7 +22,13 @@ import pytest
 
 from test_daemon_harness import TOKEN, DaemonProcess, base_config, make_tree, running
 from wsync.daemon.config import DestForbidden, check_dest
-from wsync.daemon.confine import Forbidden, check_local_source, confine_dest, confine_source
+from wsync.daemon.confine import (
+    Forbidden,
+    check_local_source,
+    confine_dest,
+    confine_source,
+    local_reader,
+)
 from wsync.errors import UsageError
 from wsync.transports.base import ExecResult
 from wsync.transports.local import LocalTransport
@@ -347,9 +353,12 @@ def test_a_local_source_another_user_owns_is_read_as_that_user(tmp_path: Path) -
     may read cannot be read by the pull, and once it is gone the pull is exact."""
     ws = _nobody_workspace()
     try:
+        # the workspace's group is root's (made by root, then chown'ed to its agent): the
+        # pull runs in the owner's own group, never the directory's (found by a review)
+        os.chown(ws, 65534, 0)
         secret = ws / "root-only.txt"
-        secret.write_text("only root may read this\n", encoding="utf-8")
-        secret.chmod(0o600)
+        secret.write_text("only root and its group may read this\n", encoding="utf-8")
+        secret.chmod(0o640)
         (tmp_path / "roots").mkdir()
         dest = tmp_path / "roots" / "copy"
         config = base_config(tmp_path, api=f'allow_uris = true\nlocal_roots = ["{ws}"]')
@@ -432,3 +441,25 @@ def test_with_nested_roots_a_root_or_a_dest_holding_one_is_refused(tmp_path: Pat
     assert check_dest(str(deeper), roots) == deeper
     assert confine_dest(deeper, roots) in (outer, inner)
     assert check_dest(str(tmp_path / "ws" / "other"), roots) == tmp_path / "ws" / "other"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a source another user owns")
+def test_the_reader_of_a_source_is_its_owner_in_the_owners_group_through_a_link(
+    tmp_path: Path,
+) -> None:
+    """The gid is the owner's passwd group (nogroup without an entry), not the source
+    directory's; a configured source that is a symlink is read as its target's owner."""
+    ws = _nobody_workspace()
+    try:
+        os.chown(ws, 65534, 0)
+        nobody_gid = pwd.getpwuid(65534).pw_gid
+        assert local_reader(ws, requested=True) == (65534, nobody_gid)
+        link = tmp_path / "link"
+        link.symlink_to(ws)
+        assert local_reader(link, requested=False) == (65534, nobody_gid)
+        os.chown(ws, 4242, 0)  # no passwd entry
+        assert local_reader(ws, requested=True) == (4242, 65534)
+        os.chown(ws, 0, 0)
+        assert local_reader(ws, requested=True) is None
+    finally:
+        shutil.rmtree(ws.parent.parent)

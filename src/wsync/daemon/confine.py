@@ -33,12 +33,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pwd
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from wsync.engine.destdir import refuse_reserved
 from wsync.errors import HostIOError, UsageError
+
+#: the group a source's owner without a passwd entry runs in (Debian's nogroup)
+_NOGROUP = 65534
 
 
 class Forbidden(UsageError):
@@ -200,13 +204,18 @@ def local_reader(path: Path, *, requested: bool) -> tuple[int, int] | None:
     requested source another user owns is refused when the daemon cannot switch to that
     user; a configured one is the operator's choice, read as the daemon."""
     try:
-        st = path.lstat()
+        st = path.stat()  # (a configured source may be a link: the guest follows it)
     except OSError:
         return None  # the pull says the workspace is missing
     if st.st_uid in (0, os.geteuid()):
         return None
     if os.geteuid() == 0:
-        return st.st_uid, st.st_gid
+        # the owner's own group, never the directory's: a workspace made by root and
+        # chown'ed to its agent keeps group root, which reads what root's group may
+        try:
+            return st.st_uid, pwd.getpwuid(st.st_uid).pw_gid
+        except KeyError:
+            return st.st_uid, _NOGROUP
     if not requested:
         return None
     raise Forbidden(

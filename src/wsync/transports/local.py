@@ -395,14 +395,15 @@ def as_user(
     guest side can read nothing the owner could not show us anyway.  The environment is
     a fresh one (the daemon's may hold secrets, and the owner may read a process's
     ``/proc/PID/environ``): PATH, and HOME, USER and LOGNAME of the owner's passwd entry
-    (``/`` and the uid without one), then ``overlay``; the owner's own groups; ``/`` as
-    the working directory."""
+    (``/`` and the uid without one), then ``overlay``; the groups of the passwd entry
+    (none without one); ``/`` as the working directory.  ``gid`` is the caller's to
+    choose well: the owner's primary group, never the workspace directory's."""
     try:
         entry = pwd.getpwuid(uid)
         name, home = entry.pw_name, entry.pw_dir or "/"
         groups = os.getgrouplist(name, gid)
     except KeyError:
-        name, home, groups = str(uid), "/", [gid]
+        name, home, groups = str(uid), "/", []
     env = {"PATH": os.environ.get("PATH") or os.defpath, "HOME": home, "USER": name}
     env["LOGNAME"] = name
     env.update({str(k): str(v) for k, v in (overlay or {}).items()})
