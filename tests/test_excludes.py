@@ -323,13 +323,16 @@ def test_random_patterns_same_as_rsync(
 
 #: names where rsync's reading of backslashes, classes and rule prefixes is easy to miss
 ODD_NAMES = ["a", "b", "]", "x]", "xa]", "\\", "#a", "\\#a", "- a", "ab", "a\\b", "\\!a", "!a",
-             "a\\ ", "a ", "\\ a", " a", "\\\\", "\\a"]  # fmt: skip
+             "a\\ ", "a ", "\\ a", " a", "\\\\", "\\a", "Z", "[", "^", "\\b"]  # fmt: skip
 
 
 @pytest.mark.skipif(RSYNC is None, reason="rsync not installed")
 @pytest.mark.parametrize(
     "pattern",
-    ["[!]]", "[!]a]", "[]]", "a\\b", "\\#a", "- a", "\\!a", "a\\ ", "\\ a", "\\\\", "\\a", "a\\*"],
+    [
+        *("[!]]", "[!]a]", "[]]", "a\\b", "\\#a", "- a", "\\!a", "a\\ ", "\\ a", "\\\\"),
+        *("\\a", "a\\*", "[!]-a]", "\\\\[!a]", "[!]-a]*"),
+    ],
 )
 def test_backslashes_classes_and_prefixes_as_rsync(tmp_path: Path, pattern: str) -> None:
     """Found by a red-team review, each a silently different DEST: a negated class whose
@@ -354,10 +357,26 @@ def test_backslashes_classes_and_prefixes_as_rsync(tmp_path: Path, pattern: str)
         assert not pruned & {p.name for p in dst.iterdir()}, (glob, pruned)
 
 
-@pytest.mark.parametrize("pattern", ["+ keep", "[\\a]", "x[a\\]]", "!+ keep"])
+@pytest.mark.parametrize("pattern", ["+ keep", "[\\a]", "x[a\\]]", "!+ keep", "\\\\[a\\b]"])
 def test_include_rules_and_escapes_in_classes_are_usage_errors(pattern: str) -> None:
     """rsync's '+ X' is an include rule (first match wins), and a backslash in a class is
     an escape to rsync but a member to the host's matcher: refused, not misread."""
     with pytest.raises(UsageError, match="malformed exclude pattern") as err:
         Excludes.from_options([pattern], [])
     assert err.value.exit_code == 2
+
+
+@pytest.mark.skipif(RSYNC is None, reason="rsync not installed")
+@pytest.mark.parametrize("pattern", ["\\\\[!a]", "[!a]", "x/[!]-a]"])
+def test_a_negated_class_never_matches_a_directorys_slash(tmp_path: Path, pattern: str) -> None:
+    """A negated class must not match the '/' that marks a directory: after an escaped
+    backslash ('\\\\[!a]') the class went unguarded and excluded a directory named '\\'
+    (found by a review)."""
+    src = tmp_path / "src"
+    for d in ("\\", "x/b", "x/Z"):
+        (src / d).mkdir(parents=True)
+        (src / d / "f").write_text("f", encoding="utf-8")
+    dst = tmp_path / "dst"
+    rsync = [RSYNC or "rsync", "-a", f"--exclude={pattern}", f"{src}/", f"{dst}/"]
+    subprocess.run(rsync, check=True, capture_output=True)
+    assert ours(src, Excludes.from_options([pattern], [])) == walk(dst), pattern

@@ -44,14 +44,16 @@ if TYPE_CHECKING:
 
 #: directory verdicts remembered while a manifest streams past (cleared when this many)
 _DIR_CACHE = 65536
+#: a "[" that opens a class: not escaped, i.e. after an even number of backslashes
+_OPEN = r"(?<!\\)((?:\\\\)*)\["
 #: a negated class in a regex pathspec made (not an escaped literal "[")
-_NEGATED_CLASS = re.compile(r"(?<!\\)\[\^(\]?)")
+_NEGATED_CLASS = re.compile(_OPEN + r"\^")
 #: a POSIX class, equivalence class or collating symbol inside a bracket expression: find's
 #: fnmatch and rsync know them, pathspec reads "[[:digit:]]" as the set "[[:digt]" then "]"
-_BRACKET_CLASS = re.compile(r"(?<!\\)\[[!^]?\]?[^\]]*\[([:=.]).*?\1\]")
+_BRACKET_CLASS = re.compile(_OPEN + r"[!^]?\]?[^\]]*\[([:=.]).*?\2\]")
 #: a backslash inside a bracket expression: rsync's fnmatch takes it as an escape
 #: ("[\\a]" is "a"), the regex pathspec makes as a member
-_ESCAPE_IN_CLASS = re.compile(r"(?<!\\)\[[!^]?\]?[^\]]*\\")
+_ESCAPE_IN_CLASS = re.compile(_OPEN + r"[!^]?\]?[^\]]*\\")
 #: rsync's wildcards: only a pattern with one of them takes a backslash as an escape
 _WILDCARDS = re.compile(r"[*?\[]")
 
@@ -205,8 +207,8 @@ def _pattern(line: str) -> GitIgnoreSpecPattern:
         return pattern
     text = regex.pattern
     if "[^" in text:
-        # (after a leading "]", which is the class's first member, not its end)
-        text = _NEGATED_CLASS.sub(r"[^\1/", text)
+        # a lookahead, not a member: inside the class a "/" could join a range ("[!]-a]")
+        text = _NEGATED_CLASS.sub(r"\1(?!/)[^", text)
     # a name may hold a newline, which rsync matches like any byte: "." must match it
     # (else "**" stops at it) and the end must be the end ("$" also matches before a
     # final newline, so "notes.txt" excluded a file named "notes.txt\n")
