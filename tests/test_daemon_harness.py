@@ -15,10 +15,12 @@ import json
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -589,3 +591,64 @@ def test_status_sends_no_token_to_another_users_listener(
         assert not got.exists() or TOKEN.encode() not in got.read_bytes()
     finally:
         shutil.rmtree(shared)
+
+
+def test_status_asks_about_the_socket_it_reached_not_its_port(tmp_path: Path) -> None:
+    """The daemon (here a stand-in of root's) on ``[::1]:P`` and another user's process on
+    ``0.0.0.0:P``: the client that reaches ``[::1]`` talks to the daemon, and the other
+    listener, on the same port in the other family, neither gets the token nor makes the
+    client refuse (found by a review: any listener on the port was taken)."""
+    if os.geteuid() != 0 or not socket.has_ipv6:
+        pytest.skip("needs root to run a listener as another user, and IPv6")
+    from wsync.daemon.client import status_main
+
+    daemon = socket.socket(socket.AF_INET6)
+    try:
+        daemon.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        daemon.bind(("::1", 0))
+    except OSError as err:
+        daemon.close()
+        pytest.skip(f"no ::1 here: {err}")
+    daemon.listen(1)
+    port = daemon.getsockname()[1]
+    got = tmp_path / "got"
+    tmp_path.chmod(0o755)
+    # (the wildcard: the old lookup took any unspecified IPv4 listener for the port's; it
+    # only listens, for a moment, and nothing but ::1 is connected to)
+    code = _SQUATTER.replace('("127.0.0.1", 0)', f'("0.0.0.0", {port})')
+    squatter = subprocess.Popen(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+         sys.executable, "-c", code, "tcp", "-", "/dev/null"],
+        stdout=subprocess.PIPE, text=True, cwd="/",
+    )  # fmt: skip
+
+    def serve() -> None:
+        conn, _ = daemon.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+    server = threading.Thread(target=serve, daemon=True)
+    try:
+        assert squatter.stdout is not None
+        assert squatter.stdout.readline().strip() == str(port)
+        server.start()
+        (tmp_path / "token").write_text(TOKEN + "\n", encoding="utf-8")
+        (tmp_path / "state").mkdir()
+        cfg = tmp_path / "config.toml"
+        cfg.write_text(
+            f'state_dir = "{tmp_path}/state"\ndest_roots = ["{tmp_path}/roots"]\n'
+            f'[api]\nlisten = "[::1]:{port}"\ntoken_file = "{tmp_path}/token"\n',
+            encoding="utf-8",
+        )
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv("WSYNC_API_TOKEN", raising=False)
+            assert status_main(["--config", str(cfg), "--json"]) == 0
+        server.join(10)
+    finally:
+        squatter.kill()
+        squatter.wait()
+        if squatter.stdout is not None:
+            squatter.stdout.close()
+        daemon.close()
+    assert not got.exists()

@@ -70,8 +70,9 @@ class DaemonClient:
     came from its config.  Then the token goes only to a listener of that user or root:
     while the daemon is down any local user may listen on its address, and the next
     ``wsync status --config`` would hand them the token (found by a red-team review).  A
-    unix socket's peer is asked (``SO_PEERCRED``); a loopback port's listener is looked
-    up in ``/proc/net/tcp``; a remote host's cannot be, and is trusted as configured.
+    unix socket's peer is asked (``SO_PEERCRED``); a TCP connection's serving socket is
+    looked up in ``/proc/net/tcp``; a remote host's cannot be, and is trusted as
+    configured.
     """
 
     def __init__(
@@ -149,15 +150,15 @@ class DaemonClient:
 
 
 def _listener_uid(sock: socket.socket) -> int | None:
-    """The uid of the process at the other end of ``sock``: a unix socket's peer, or the
-    owner of the listening socket of a loopback port; None where it cannot be told."""
+    """The uid of the process at the other end of ``sock``: a unix socket's peer; for TCP,
+    the owner of the socket that serves this very connection on this host (its local
+    address is our peer's, its remote one ours: it is the listener's, and has its
+    owner), looked up in ``/proc/net/tcp`` and ``tcp6``; None where it is not on this
+    host (a remote daemon, trusted as configured) or cannot be told."""
     if sock.family == socket.AF_UNIX:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         return int(struct.unpack("3i", creds)[1])
-    host, port = sock.getpeername()[:2]
-    peer = ipaddress.ip_address(host)
-    if not peer.is_loopback:
-        return None
+    peer, mine = _endpoint(sock.getpeername()), _endpoint(sock.getsockname())
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table, encoding="ascii") as f:
@@ -166,17 +167,26 @@ def _listener_uid(sock: socket.socket) -> int | None:
             continue
         for line in lines:
             fields = line.split()
-            if len(fields) < 8 or fields[3] != "0A":  # LISTEN
+            if len(fields) < 8:
                 continue
-            addr, _, hexport = fields[1].partition(":")
-            if int(hexport, 16) != port:
-                continue
-            raw = b"".join(bytes.fromhex(addr[i : i + 8])[::-1] for i in range(0, len(addr), 8))
-            local = ipaddress.ip_address(raw)
-            mapped = getattr(local, "ipv4_mapped", None) or local
-            if mapped.is_unspecified or mapped == peer:
+            if _proc_endpoint(fields[1]) == peer and _proc_endpoint(fields[2]) == mine:
                 return int(fields[7])
     return None
+
+
+def _endpoint(name: tuple[Any, ...]) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """(address, port) of a socket name, an IPv4-mapped IPv6 address as the IPv4 one."""
+    address = ipaddress.ip_address(name[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped, int(name[1])
+    return address, int(name[1])
+
+
+def _proc_endpoint(field: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """``/proc/net/tcp``'s ``HEXADDR:HEXPORT`` (the address in 32-bit words of host order)."""
+    addr, _, port = field.partition(":")
+    raw = b"".join(bytes.fromhex(addr[i : i + 8])[::-1] for i in range(0, len(addr), 8))
+    return _endpoint((str(ipaddress.ip_address(raw)), int(port, 16)))
 
 
 #: the plain-text help of ``wsync status`` (argparse shows it as written)
