@@ -546,6 +546,24 @@ except OSError:
 """
 
 
+def _status_of(tmp_path: Path, listen: str) -> int:
+    """``wsync status --config`` of a daemon configured to listen on ``listen`` (state
+    directory root's, token in a file), without ``WSYNC_API_TOKEN``."""
+    from wsync.daemon.client import status_main
+
+    (tmp_path / "token").write_text(TOKEN + "\n", encoding="utf-8")
+    (tmp_path / "state").mkdir()  # the daemon's (root's, as the test runs)
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(
+        f'state_dir = "{tmp_path}/state"\ndest_roots = ["{tmp_path}/roots"]\n'
+        f'[api]\nlisten = "{listen}"\ntoken_file = "{tmp_path}/token"\n',
+        encoding="utf-8",
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("WSYNC_API_TOKEN", raising=False)
+        return status_main(["--config", str(cfg), "--json"])
+
+
 @pytest.mark.parametrize("family", ["tcp", "unix"])
 def test_status_sends_no_token_to_another_users_listener(
     tmp_path: Path, family: str, capsys: pytest.CaptureFixture[str]
@@ -555,7 +573,6 @@ def test_status_sends_no_token_to_another_users_listener(
     the daemon's user (its state directory's owner) or root."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run the listener as another user")
-    from wsync.daemon.client import status_main
 
     shared = Path(tempfile.mkdtemp(prefix="wsync-squat-"))
     shared.chmod(0o1777)
@@ -571,17 +588,7 @@ def test_status_sends_no_token_to_another_users_listener(
             assert squatter.stdout is not None
             bound = squatter.stdout.readline().strip()
             listen = f"unix:{bound}" if family == "unix" else f"127.0.0.1:{bound}"
-            (tmp_path / "token").write_text(TOKEN + "\n", encoding="utf-8")
-            (tmp_path / "state").mkdir()  # the daemon's (root's, as the test runs)
-            cfg = tmp_path / "config.toml"
-            cfg.write_text(
-                f'state_dir = "{tmp_path}/state"\ndest_roots = ["{tmp_path}/roots"]\n'
-                f'[api]\nlisten = "{listen}"\ntoken_file = "{tmp_path}/token"\n',
-                encoding="utf-8",
-            )
-            with pytest.MonkeyPatch.context() as mp:
-                mp.delenv("WSYNC_API_TOKEN", raising=False)
-                assert status_main(["--config", str(cfg), "--json"]) == 3
+            assert _status_of(tmp_path, listen) == 3
             assert "uid 65534" in capsys.readouterr().err
         finally:
             squatter.kill()
@@ -600,7 +607,6 @@ def test_status_asks_about_the_socket_it_reached_not_its_port(tmp_path: Path) ->
     client refuse (found by a review: any listener on the port was taken)."""
     if os.geteuid() != 0 or not socket.has_ipv6:
         pytest.skip("needs root to run a listener as another user, and IPv6")
-    from wsync.daemon.client import status_main
 
     daemon = socket.socket(socket.AF_INET6)
     try:
@@ -633,17 +639,7 @@ def test_status_asks_about_the_socket_it_reached_not_its_port(tmp_path: Path) ->
         assert squatter.stdout is not None
         assert squatter.stdout.readline().strip() == str(port)
         server.start()
-        (tmp_path / "token").write_text(TOKEN + "\n", encoding="utf-8")
-        (tmp_path / "state").mkdir()
-        cfg = tmp_path / "config.toml"
-        cfg.write_text(
-            f'state_dir = "{tmp_path}/state"\ndest_roots = ["{tmp_path}/roots"]\n'
-            f'[api]\nlisten = "[::1]:{port}"\ntoken_file = "{tmp_path}/token"\n',
-            encoding="utf-8",
-        )
-        with pytest.MonkeyPatch.context() as mp:
-            mp.delenv("WSYNC_API_TOKEN", raising=False)
-            assert status_main(["--config", str(cfg), "--json"]) == 0
+        assert _status_of(tmp_path, f"[::1]:{port}") == 0
         server.join(10)
     finally:
         squatter.kill()
