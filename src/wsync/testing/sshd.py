@@ -40,9 +40,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import asyncssh
-
 from wsync.digits import ascii_digits
+from wsync.transports.sshlib import asyncssh
 
 #: where Debian's sshd wants its privilege-separation directory when run as root
 _PRIVSEP_DIR = Path("/run/sshd")

@@ -35,6 +35,7 @@ import importlib.util
 import os
 import socket
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -81,8 +82,13 @@ if _lookup is not None:
 if _blocked:
     sys.modules[_X509] = None  # type: ignore[assignment]  # import raises ImportError
 try:
-    # after the lookup is in place: the point of this module
-    import asyncssh
+    # after the lookup is in place: the point of this module.  cryptography 51 warns on
+    # every use of its DSA classes, and asyncssh's import names them (asyncssh still
+    # offers DSA keys): a warning on every pull's stderr that no user can act on, and an
+    # error under the tests' -W error
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DSA is deprecated", category=UserWarning)
+        import asyncssh
 finally:
     ctypes.util.find_library = _find
     if _blocked and sys.modules.get(_X509, 0) is None:
