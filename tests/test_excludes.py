@@ -357,7 +357,9 @@ def test_backslashes_classes_and_prefixes_as_rsync(tmp_path: Path, pattern: str)
         assert not pruned & {p.name for p in dst.iterdir()}, (glob, pruned)
 
 
-@pytest.mark.parametrize("pattern", ["+ keep", "[\\a]", "x[a\\]]", "!+ keep", "\\\\[a\\b]"])
+@pytest.mark.parametrize(
+    "pattern", ["+ keep", "[\\a]", "x[a\\]]", "!+ keep", "\\\\[a\\b]", "[b-a]", "x[z-a]y"]
+)
 def test_include_rules_and_escapes_in_classes_are_usage_errors(pattern: str) -> None:
     """rsync's '+ X' is an include rule (first match wins), and a backslash in a class is
     an escape to rsync but a member to the host's matcher: refused, not misread."""
@@ -376,6 +378,28 @@ def test_a_negated_class_never_matches_a_directorys_slash(tmp_path: Path, patter
     for d in ("\\", "x/b", "x/Z"):
         (src / d).mkdir(parents=True)
         (src / d / "f").write_text("f", encoding="utf-8")
+    dst = tmp_path / "dst"
+    rsync = [RSYNC or "rsync", "-a", f"--exclude={pattern}", f"{src}/", f"{dst}/"]
+    subprocess.run(rsync, check=True, capture_output=True)
+    assert ours(src, Excludes.from_options([pattern], [])) == walk(dst), pattern
+
+
+@pytest.mark.skipif(RSYNC is None, reason="rsync not installed")
+@pytest.mark.parametrize(
+    "pattern",
+    ["cache*/", "/build*", "x*y*", "a*", "[[^a]", "x[[^a]", "[![^a]", "*[!a]", "[!a]*/"],
+)
+def test_stars_and_classes_within_classes_as_rsync(tmp_path: Path, pattern: str) -> None:
+    """Found by a review of 2f1c6d0: the guard that keeps a negated class off '/' was put
+    before pathspec's own '[^/]' too, so a '*' could no longer match nothing before a
+    directory's slash ('cache*/' kept 'cache'), and into a class that held '[^' ('[[^a]'
+    took '(', '?', '!' and ')' as members)."""
+    src = tmp_path / "src"
+    for d in ("cache", "cache2", "build", "xy", "a", "x", "b"):
+        (src / d).mkdir(parents=True)
+        (src / d / "f").write_text("f", encoding="utf-8")
+    for name in ("(", "?", "!", ")", "[", "^", "ab"):
+        (src / name).write_text(name, encoding="utf-8")
     dst = tmp_path / "dst"
     rsync = [RSYNC or "rsync", "-a", f"--exclude={pattern}", f"{src}/", f"{dst}/"]
     subprocess.run(rsync, check=True, capture_output=True)
