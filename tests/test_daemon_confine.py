@@ -463,3 +463,35 @@ def test_the_reader_of_a_source_is_its_owner_in_the_owners_group_through_a_link(
         assert local_reader(ws, requested=True) is None
     finally:
         shutil.rmtree(ws.parent.parent)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make directories others own")
+def test_a_source_someone_else_could_swap_is_read_as_them_or_refused(tmp_path: Path) -> None:
+    """Found by a review of 38147e4: a configured source in a directory its agent owns,
+    swapped for a symlink to root's files, was judged by the link's target (root's) and
+    read as root; a missing one was read as the daemon (the agent could make it after the
+    look).  Whoever could put something there decides now."""
+    ws = _nobody_workspace()
+    agent = ws.parent  # root's, 755: made nobody's below
+    try:
+        nobody = (65534, pwd.getpwuid(65534).pw_gid)
+        os.chown(agent, 65534, 65534)
+        shutil.rmtree(ws)
+        private = tmp_path / "private"
+        private.mkdir(mode=0o700)
+        ws.symlink_to(private)  # root made the link, in the agent's directory
+        assert local_reader(ws, requested=False) == nobody
+        os.chown(ws, 65534, 65534, follow_symlinks=False)
+        assert local_reader(ws, requested=False) == nobody
+        ws.unlink()
+        assert local_reader(ws, requested=False) == nobody  # missing: the agent may make it
+        os.chown(agent, 0, 0)
+        assert local_reader(ws, requested=False) is None  # missing, and only root may make it
+        ws.mkdir()
+        agent.chmod(0o775)  # the group may swap it
+        with pytest.raises(Forbidden, match="may be changed by other users"):
+            local_reader(ws, requested=False)
+        agent.chmod(0o1777)  # like /tmp: nobody else may rename root's entry
+        assert local_reader(ws, requested=False) is None
+    finally:
+        shutil.rmtree(agent.parent)

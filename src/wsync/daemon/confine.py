@@ -43,6 +43,8 @@ from wsync.errors import HostIOError, UsageError
 
 #: the group a source's owner without a passwd entry runs in (Debian's nogroup)
 _NOGROUP = 65534
+#: symlinks :func:`local_reader` follows from a configured source
+_LINKS = 8
 
 
 class Forbidden(UsageError):
@@ -199,27 +201,56 @@ def confine_source(path: Path, roots: Sequence[Path]) -> None:
 
 def local_reader(path: Path, *, requested: bool) -> tuple[int, int] | None:
     """Whom the guest side of a ``local:`` pull of ``path`` runs as: None for the daemon
-    itself, where it or root owns the source; else the owner's (uid, gid), which needs a
-    daemon running as root (:func:`wsync.transports.local.as_user` says why).  A
-    requested source another user owns is refused when the daemon cannot switch to that
-    user; a configured one is the operator's choice, read as the daemon."""
-    try:
-        st = path.stat()  # (a configured source may be a link: the guest follows it)
-    except OSError:
-        return None  # the pull says the workspace is missing
-    if st.st_uid in (0, os.geteuid()):
-        return None
-    if os.geteuid() == 0:
-        # the owner's own group, never the directory's: a workspace made by root and
-        # chown'ed to its agent keeps group root, which reads what root's group may
+    itself, where only it or root could have put there what the guest will read; else
+    the first other user found who could (:func:`wsync.transports.local.as_user` says
+    why), as ``(uid, gid)``.
+
+    Who could: the owner of the source, of the directory holding it (who may swap it
+    for a symlink, or make it where it is missing), and of a symlink at the source (the
+    operator's own link, root's or the daemon's, is followed and its target judged the
+    same way).  A directory holding the source that others may write to without the
+    sticky bit is refused: anyone could swap it.  Switching users needs a daemon running
+    as root; one that cannot refuses a requested source, and reads a configured one as
+    itself (the operator's choice).  (Reviews found the first forms read a link to
+    root's files as root, and a missing source as the daemon.)"""
+    trusted = (0, os.geteuid())
+    target = path
+    for _ in range(_LINKS):
         try:
-            return st.st_uid, pwd.getpwuid(st.st_uid).pw_gid
+            holder = os.stat(target.parent)  # (its ancestors are the operator's)
+        except OSError:
+            return None  # the pull says the workspace is missing
+        if holder.st_uid not in trusted:
+            return _reader(path, holder.st_uid, requested)
+        if holder.st_mode & 0o022 and not holder.st_mode & stat.S_ISVTX:
+            raise Forbidden(
+                f"local source {path}: {target.parent} may be changed by other users "
+                f"(mode {stat.S_IMODE(holder.st_mode):o}): any of them could swap the source"
+            )
+        try:
+            st = os.lstat(target)
+        except OSError:
+            return None  # missing, where only the daemon or root could make it
+        if st.st_uid not in trusted:
+            return _reader(path, st.st_uid, requested)
+        if not stat.S_ISLNK(st.st_mode):
+            return None
+        target = Path(os.path.normpath(target.parent / os.readlink(target)))
+    raise Forbidden(f"local source {path}: more than {_LINKS} symlinks to follow")
+
+
+def _reader(path: Path, uid: int, requested: bool) -> tuple[int, int] | None:
+    """``uid`` with its own passwd group (never a directory's: a workspace made by root
+    and chown'ed to its agent keeps group root, which reads what root's group may)."""
+    if os.geteuid() == 0:
+        try:
+            return uid, pwd.getpwuid(uid).pw_gid
         except KeyError:
-            return st.st_uid, _NOGROUP
+            return uid, _NOGROUP
     if not requested:
         return None
     raise Forbidden(
-        f"local source {path} belongs to uid {st.st_uid}: the daemon reads a workspace "
+        f"local source {path} belongs to uid {uid}: the daemon reads a workspace "
         "another user owns only as that user, which needs it to run as root (or the "
         "daemon's user must own the workspace)"
     )
