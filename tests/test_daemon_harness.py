@@ -648,3 +648,28 @@ def test_status_asks_about_the_socket_it_reached_not_its_port(tmp_path: Path) ->
             squatter.stdout.close()
         daemon.close()
     assert not got.exists()
+
+
+def test_status_sends_nothing_when_it_cannot_tell_who_listens_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A listener on this host whose owner cannot be looked up (``/proc/net`` unreadable)
+    gets no token: the client fails closed (a review found it trusted such a one)."""
+    from wsync.daemon import client
+
+    real_open = open
+
+    def no_proc_net(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(path).startswith("/proc/net/"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(client, "open", no_proc_net, raising=False)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    try:
+        assert _status_of(tmp_path, f"127.0.0.1:{listener.getsockname()[1]}") == 3
+    finally:
+        listener.close()
+    assert "cannot tell who listens" in capsys.readouterr().err

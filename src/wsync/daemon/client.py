@@ -70,9 +70,8 @@ class DaemonClient:
     came from its config.  Then the token goes only to a listener of that user or root:
     while the daemon is down any local user may listen on its address, and the next
     ``wsync status --config`` would hand them the token (found by a red-team review).  A
-    unix socket's peer is asked (``SO_PEERCRED``); a TCP connection's serving socket is
-    looked up in ``/proc/net/tcp``; a remote host's cannot be, and is trusted as
-    configured.
+    unix socket's peer is asked (``SO_PEERCRED``); a TCP port's listener is looked up in
+    ``/proc/net/tcp``; a remote host's cannot be, and is trusted as configured.
     """
 
     def __init__(
@@ -151,14 +150,18 @@ class DaemonClient:
 
 def _listener_uid(sock: socket.socket) -> int | None:
     """The uid of the process at the other end of ``sock``: a unix socket's peer; for TCP,
-    the owner of the socket that serves this very connection on this host (its local
-    address is our peer's, its remote one ours: it is the listener's, and has its
-    owner), looked up in ``/proc/net/tcp`` and ``tcp6``; None where it is not on this
-    host (a remote daemon, trusted as configured) or cannot be told."""
+    the owner of the listening socket of this host that took the connection (the most
+    specific of ``/proc/net/tcp`` and ``tcp6`` for its address and port: the address
+    itself, then a wildcard of its family, then IPv6's for IPv4), None for a peer that
+    is not this host (a remote daemon, trusted as configured).  A listener is asked, not
+    the connection's own socket: before it is accepted that one shows uid 0 on older
+    kernels, and a squatter that waits to accept would pass (a review's finding).  A
+    peer of this host whose listener cannot be found is a :class:`ClientError`."""
     if sock.family == socket.AF_UNIX:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         return int(struct.unpack("3i", creds)[1])
-    peer, mine = _endpoint(sock.getpeername()), _endpoint(sock.getsockname())
+    (peer, port), (mine, _) = _endpoint(sock.getpeername()), _endpoint(sock.getsockname())
+    best: tuple[int, int] | None = None  # (how specific, uid)
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table, encoding="ascii") as f:
@@ -167,10 +170,23 @@ def _listener_uid(sock: socket.socket) -> int | None:
             continue
         for line in lines:
             fields = line.split()
-            if len(fields) < 8:
+            if len(fields) < 8 or fields[3] != "0A":  # LISTEN
                 continue
-            if _proc_endpoint(fields[1]) == peer and _proc_endpoint(fields[2]) == mine:
-                return int(fields[7])
+            address, listening = _proc_endpoint(fields[1])
+            if listening != port:
+                continue
+            if address == peer:
+                rank = 3
+            elif address.is_unspecified:
+                rank = 2 if address.version == peer.version else 1
+            else:
+                continue
+            if best is None or rank > best[0]:
+                best = rank, int(fields[7])
+    if best is not None:
+        return best[1]
+    if peer == mine or peer.is_loopback:
+        raise ClientError(f"cannot tell who listens on {peer}:{port}: the token was not sent", 3)
     return None
 
 
