@@ -18,6 +18,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +270,11 @@ def test_a_small_workspace_with_a_file_that_keeps_changing(
         start_new_session=True,
     )
     try:
+        # under load the writer may start only after a small pull read the log whole
+        # (once, a fresh-clone CI run beside a review's tests): it is writing first
+        deadline = time.monotonic() + 30
+        while log.stat().st_size <= len("start\n") and time.monotonic() < deadline:
+            time.sleep(0.01)
         opts = options(tmp_path, best_effort=best_effort)
         if best_effort:
             result = run_pull(local(), ws, tmp_path / "out", opts)
