@@ -387,7 +387,10 @@ def test_a_negated_class_never_matches_a_directorys_slash(tmp_path: Path, patter
 @pytest.mark.skipif(RSYNC is None, reason="rsync not installed")
 @pytest.mark.parametrize(
     "pattern",
-    ["cache*/", "/build*", "x*y*", "a*", "[[^a]", "x[[^a]", "[![^a]", "*[!a]", "[!a]*/"],
+    [
+        *("cache*/", "/build*", "x*y*", "a*", "[[^a]", "x[[^a]", "[![^a]", "*[!a]", "[!a]*/"),
+        *("a[+-0]f", "a[+-0]", "x[.-9]", "*[.-0]f", "[ -~]"),  # ranges over "/" (a review)
+    ],
 )
 def test_stars_and_classes_within_classes_as_rsync(tmp_path: Path, pattern: str) -> None:
     """Found by a review of 2f1c6d0: the guard that keeps a negated class off '/' was put

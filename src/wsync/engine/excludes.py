@@ -204,8 +204,8 @@ def _pattern(line: str) -> GitIgnoreSpecPattern:
     if regex is None:
         return pattern
     text = regex.pattern
-    if "[^" in text:
-        text = _guard_negated(text)
+    if "[" in text:
+        text = _guard_classes(text)
     # a name may hold a newline, which rsync matches like any byte: "." must match it
     # (else "**" stops at it) and the end must be the end ("$" also matches before a
     # final newline, so "notes.txt" excluded a file named "notes.txt\n")
@@ -278,14 +278,15 @@ def _to_gitignore(pattern: str) -> str:
     return ("!" if negate else "") + text
 
 
-def _guard_negated(text: str) -> str:
-    """``text`` (a regex pathspec made) with ``(?!/)`` before each negated class but
-    pathspec's own ``[^/]``: a class never matches the ``/`` between names in rsync.
+def _guard_classes(text: str) -> str:
+    """``text`` (a regex pathspec made) with ``(?!/)`` before each class but pathspec's
+    own ``[^/]``: a class never matches the ``/`` between names in rsync, neither a
+    negated one (``[!a]``) nor a range over it (``[+-0]``, ``[ -~]``).
 
     A lookahead, not a ``/`` member: inside the class it could join a range (``[!]-a]``);
     only classes that open outside a class (``[[^a]`` is the class of ``[``, ``^`` and
     ``a``); and never ``[^/]``, pathspec's ``*``, which must still match nothing before
-    the ``/`` that marks a directory (``cache*/`` excludes ``cache``).  (Found by two
+    the ``/`` that marks a directory (``cache*/`` excludes ``cache``).  (Found by three
     reviews; the scan is a review's sketch.)"""
     out: list[str] = []
     i, n = 0, len(text)
@@ -307,7 +308,7 @@ def _guard_negated(text: str) -> str:
         while j < n and text[j] != "]":
             j += 2 if text[j] == "\\" else 1
         cls = text[i : j + 1]
-        if cls.startswith("[^") and cls != "[^/]":
+        if cls != "[^/]":
             out.append("(?!/)")
         out.append(cls)
         i = j + 1
