@@ -495,3 +495,33 @@ def test_a_source_someone_else_could_swap_is_read_as_them_or_refused(tmp_path: P
         assert local_reader(ws, requested=False) is None
     finally:
         shutil.rmtree(agent.parent)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make directories others own")
+def test_the_source_path_is_walked_as_the_kernel_resolves_it(tmp_path: Path) -> None:
+    """Found by a third review: a relative link target's '..' was taken from the link's
+    path, not from the real directory holding it; only the directory holding the source
+    was looked at, not those above it; a source missing from a sticky directory anyone
+    may write to was read as the daemon; a chain of 8 links was refused."""
+    nobody = (65534, pwd.getpwuid(65534).pw_gid)
+    home = tmp_path / "data" / "home"
+    (home / "links").mkdir(parents=True)
+    (home / "agent" / "ws").mkdir(parents=True)
+    for d in (home / "agent", home / "agent" / "ws"):
+        os.chown(d, 65534, 65534)
+    (tmp_path / "srv").symlink_to(home / "links")
+    (home / "links" / "alice").symlink_to("../agent/ws")  # root's link, a relative target
+    assert local_reader(tmp_path / "srv" / "alice", requested=False) == nobody
+    # an agent's directory above a root-owned holder: the agent could swap the holder
+    (home / "agent" / "projects" / "ws").mkdir(parents=True)
+    assert local_reader(home / "agent" / "projects" / "ws", requested=False) == nobody
+    sticky = tmp_path / "shared"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    with pytest.raises(Forbidden, match="anyone may make it"):
+        local_reader(sticky / "agent-ws", requested=False)
+    chain = tmp_path / "chain0"
+    (tmp_path / "chain8").mkdir()
+    for i in range(8):
+        (tmp_path / f"chain{i}").symlink_to(f"chain{i + 1}")
+    assert local_reader(chain, requested=False) is None

@@ -152,7 +152,7 @@ def _listener_uid(sock: socket.socket) -> int | None:
     """The uid of the process at the other end of ``sock``: a unix socket's peer; for TCP,
     the owner of the listening socket of this host that took the connection (the most
     specific of ``/proc/net/tcp`` and ``tcp6`` for its address and port: the address
-    itself, then a wildcard of its family, then IPv6's for IPv4), None for a peer that
+    itself, then a wildcard of its family), None for a peer that
     is not this host (a remote daemon, trusted as configured).  A listener is asked, not
     the connection's own socket: before it is accepted that one shows uid 0 on older
     kernels, and a squatter that waits to accept would pass (a review's finding).  A
@@ -176,11 +176,11 @@ def _listener_uid(sock: socket.socket) -> int | None:
             if listening != port:
                 continue
             if address == peer:
-                rank = 3
-            elif address.is_unspecified:
-                rank = 2 if address.version == peer.version else 1
+                rank = 2
+            elif address.is_unspecified and address.version == peer.version:
+                rank = 1
             else:
-                continue
+                continue  # (an IPv6 wildcard may be IPv6-only: /proc does not say)
             if best is None or rank > best[0]:
                 best = rank, int(fields[7])
     if best is not None:

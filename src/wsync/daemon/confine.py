@@ -43,8 +43,8 @@ from wsync.errors import HostIOError, UsageError
 
 #: the group a source's owner without a passwd entry runs in (Debian's nogroup)
 _NOGROUP = 65534
-#: symlinks :func:`local_reader` follows from a configured source
-_LINKS = 8
+#: symlinks :func:`local_reader` follows (as Linux's own limit)
+_LINKS = 40
 
 
 class Forbidden(UsageError):
@@ -205,38 +205,59 @@ def local_reader(path: Path, *, requested: bool) -> tuple[int, int] | None:
     the first other user found who could (:func:`wsync.transports.local.as_user` says
     why), as ``(uid, gid)``.
 
-    Who could: the owner of the source, of the directory holding it (who may swap it
-    for a symlink, or make it where it is missing), and of a symlink at the source (the
-    operator's own link, root's or the daemon's, is followed and its target judged the
-    same way).  A directory holding the source that others may write to without the
-    sticky bit is refused: anyone could swap it.  Switching users needs a daemon running
-    as root; one that cannot refuses a requested source, and reads a configured one as
-    itself (the operator's choice).  (Reviews found the first forms read a link to
-    root's files as root, and a missing source as the daemon.)"""
+    The path is walked from ``/`` as the kernel resolves it: every directory passed
+    through and every symlink followed (relative ones from the real directory holding
+    them) must be root's or the daemon's, and a directory that others may write to must
+    have the sticky bit, its entry there be ours, and a missing entry is refused (anyone
+    could make it).  The first entry another user owns decides: below it, that user
+    controls what the guest reads.  Switching users needs a daemon running as root; one
+    that cannot refuses a requested source, and reads a configured one as itself (the
+    operator's choice).  (Three reviews found the holes of the first forms: a link to
+    root's files read as root, a missing source read as the daemon, a directory above
+    the holder swapped, ``..`` in a link's target.)"""
     trusted = (0, os.geteuid())
-    target = path
-    for _ in range(_LINKS):
-        try:
-            holder = os.stat(target.parent)  # (its ancestors are the operator's)
-        except OSError:
-            return None  # the pull says the workspace is missing
-        if holder.st_uid not in trusted:
-            return _reader(path, holder.st_uid, requested)
-        if holder.st_mode & 0o022 and not holder.st_mode & stat.S_ISVTX:
+    todo = list(reversed(str(path).split("/")))
+    where, links = "/", 0
+    while todo:
+        name = todo.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            where = os.path.dirname(where)  # a real directory: its parent is ".."
+            continue
+        holder = os.lstat(where)
+        shared = holder.st_mode & 0o022
+        if shared and not holder.st_mode & stat.S_ISVTX:
             raise Forbidden(
-                f"local source {path}: {target.parent} may be changed by other users "
+                f"local source {path}: {where} may be changed by other users "
                 f"(mode {stat.S_IMODE(holder.st_mode):o}): any of them could swap the source"
             )
+        step = os.path.join(where, name)
         try:
-            st = os.lstat(target)
+            st = os.lstat(step)
+        except FileNotFoundError:
+            if shared:
+                raise Forbidden(
+                    f"local source {path}: {step} is missing, and anyone may make it"
+                ) from None
+            return None  # only the daemon or root could make it: the pull says it is missing
         except OSError:
-            return None  # missing, where only the daemon or root could make it
+            return None
         if st.st_uid not in trusted:
             return _reader(path, st.st_uid, requested)
-        if not stat.S_ISLNK(st.st_mode):
-            return None
-        target = Path(os.path.normpath(target.parent / os.readlink(target)))
-    raise Forbidden(f"local source {path}: more than {_LINKS} symlinks to follow")
+        if stat.S_ISLNK(st.st_mode):
+            links += 1
+            if links > _LINKS:
+                raise Forbidden(f"local source {path}: more than {_LINKS} symlinks to follow")
+            target = os.readlink(step)
+            if target.startswith("/"):
+                where = "/"
+            todo.extend(reversed(target.split("/")))
+        elif stat.S_ISDIR(st.st_mode):
+            where = step
+        else:
+            return None  # not a directory: the pull says so
+    return None
 
 
 def _reader(path: Path, uid: int, requested: bool) -> tuple[int, int] | None:
