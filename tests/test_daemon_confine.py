@@ -525,3 +525,11 @@ def test_the_source_path_is_walked_as_the_kernel_resolves_it(tmp_path: Path) -> 
     for i in range(8):
         (tmp_path / f"chain{i}").symlink_to(f"chain{i + 1}")
     assert local_reader(chain, requested=False) is None
+    # (a fourth review: "~" and relative paths are the guest shell's to resolve; a source
+    # others may write to is read whole, whatever they put in it)
+    with pytest.raises(Forbidden, match="give an absolute path"):
+        local_reader(Path("~/ws"), requested=False)
+    (tmp_path / "open").mkdir(mode=0o777)
+    (tmp_path / "open").chmod(0o1777)
+    with pytest.raises(Forbidden, match="other users may write to it"):
+        local_reader(tmp_path / "open", requested=False)

@@ -358,7 +358,8 @@ def test_backslashes_classes_and_prefixes_as_rsync(tmp_path: Path, pattern: str)
 
 
 @pytest.mark.parametrize(
-    "pattern", ["+ keep", "[\\a]", "x[a\\]]", "!+ keep", "\\\\[a\\b]", "[b-a]", "x[z-a]y"]
+    "pattern",
+    ["+ keep", "[\\a]", "x[a\\]]", "!+ keep", "\\\\[a\\b]", "[b-a]", "x[z-a]y", "b//", "/b//"],
 )
 def test_include_rules_and_escapes_in_classes_are_usage_errors(pattern: str) -> None:
     """rsync's '+ X' is an include rule (first match wins), and a backslash in a class is

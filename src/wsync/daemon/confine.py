@@ -216,6 +216,9 @@ def local_reader(path: Path, *, requested: bool) -> tuple[int, int] | None:
     root's files read as root, a missing source read as the daemon, a directory above
     the holder swapped, ``..`` in a link's target.)"""
     trusted = (0, os.geteuid())
+    if not path.is_absolute():
+        # ("~" and relative paths are the guest shell's: its HOME and working directory)
+        raise Forbidden(f"local source {path}: give an absolute path")
     todo = list(reversed(str(path).split("/")))
     where, links = "/", 0
     while todo:
@@ -235,14 +238,16 @@ def local_reader(path: Path, *, requested: bool) -> tuple[int, int] | None:
         step = os.path.join(where, name)
         try:
             st = os.lstat(step)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             if shared:
                 raise Forbidden(
                     f"local source {path}: {step} is missing, and anyone may make it"
                 ) from None
             return None  # only the daemon or root could make it: the pull says it is missing
-        except OSError:
-            return None
+        except PermissionError:
+            return None  # not ours to read: the guest, run as the daemon, cannot either
+        except OSError as err:  # a path past PATH_MAX, say: the guest may still reach it
+            raise Forbidden(f"local source {path}: cannot tell who owns {step}: {err}") from None
         if st.st_uid not in trusted:
             return _reader(path, st.st_uid, requested)
         if stat.S_ISLNK(st.st_mode):
@@ -257,6 +262,9 @@ def local_reader(path: Path, *, requested: bool) -> tuple[int, int] | None:
             where = step
         else:
             return None  # not a directory: the pull says so
+    if os.lstat(where).st_mode & 0o022:
+        # the guest reads it whole: anyone may put into it what tar then reads as root
+        raise Forbidden(f"local source {path}: other users may write to it")
     return None
 
 

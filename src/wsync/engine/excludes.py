@@ -224,6 +224,8 @@ def _malformed(pattern: str) -> str | None:
     body = pattern[1:] if pattern.startswith("!") else pattern
     if body.rstrip("/") in ("", "/"):
         return "only '/' (it would exclude the whole workspace)"
+    if body.endswith("//"):
+        return "more than one trailing '/' (rsync strips one, and then matches nothing)"
     if body.startswith("+ "):
         return "rsync's include rules ('+ PATTERN') are not supported"
     if _trailing_escape(body):
