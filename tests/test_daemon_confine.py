@@ -529,6 +529,7 @@ def test_the_source_path_is_walked_as_the_kernel_resolves_it(tmp_path: Path) -> 
     # others may write to is read whole, whatever they put in it)
     with pytest.raises(Forbidden, match="give an absolute path"):
         local_reader(Path("~/ws"), requested=False)
+    assert local_reader(tmp_path / ("x" * 300), requested=False) is None  # (no such name)
     (tmp_path / "open").mkdir(mode=0o777)
     (tmp_path / "open").chmod(0o1777)
     with pytest.raises(Forbidden, match="other users may write to it"):

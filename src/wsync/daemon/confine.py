@@ -45,6 +45,8 @@ from wsync.errors import HostIOError, UsageError
 _NOGROUP = 65534
 #: symlinks :func:`local_reader` follows (as Linux's own limit)
 _LINKS = 40
+#: the longest name of one directory entry (Linux's NAME_MAX)
+_NAME_MAX = 255
 
 
 class Forbidden(UsageError):
@@ -246,7 +248,10 @@ def local_reader(path: Path, *, requested: bool) -> tuple[int, int] | None:
             return None  # only the daemon or root could make it: the pull says it is missing
         except PermissionError:
             return None  # not ours to read: the guest, run as the daemon, cannot either
-        except OSError as err:  # a path past PATH_MAX, say: the guest may still reach it
+        except OSError as err:
+            if err.errno == errno.ENAMETOOLONG and len(os.fsencode(name)) > _NAME_MAX:
+                return None  # a name no file can have (nobody can make it): "missing"
+            # a path past PATH_MAX, say: the guest may still reach it, through links
             raise Forbidden(f"local source {path}: cannot tell who owns {step}: {err}") from None
         if st.st_uid not in trusted:
             return _reader(path, st.st_uid, requested)
