@@ -46,8 +46,7 @@ class Diff:
     def fetch_paths(self) -> Iterator[bytes]:
         """Non-directory entries to fetch, sorted by path bytes (parents before children)."""
         rows = self.db.execute(
-            "SELECT path FROM s.plan WHERE kind != 'd' AND act IN "
-            "('new', 'changed', 'missing', 'tampered', 'linked') ORDER BY path"
+            f"SELECT path FROM s.plan WHERE kind != 'd' AND act IN {incsql.FETCHED} ORDER BY path"  # noqa: S608
         )
         for (path,) in rows:
             yield bytes(path)
@@ -56,8 +55,8 @@ class Diff:
         """The names of each guest hardlink group this pull fetches (a fetched inode is
         fetched under every name: the diff's ``linked``), sorted, groups by guest inode."""
         rows = self.db.execute(
-            "SELECT m.ino, p.path FROM s.plan p JOIN s.man m USING (path) WHERE p.kind = 'f' "
-            "AND m.ino != 0 AND p.act IN ('new', 'changed', 'missing', 'tampered', 'linked') "
+            "SELECT m.ino, p.path FROM s.plan p JOIN s.man m USING (path) WHERE p.kind = 'f' "  # noqa: S608
+            f"AND m.ino != 0 AND p.act IN {incsql.FETCHED} "
             "AND m.ino IN (SELECT ino FROM s.man WHERE kind = 'f' AND ino != 0 "
             "GROUP BY ino HAVING count(*) > 1) ORDER BY m.ino, p.path"
         )

@@ -36,6 +36,8 @@ CREATE TABLE IF NOT EXISTS records (
 """
 
 INSERT_HOST = "INSERT OR REPLACE INTO s.host VALUES (?,?,?,?,?,?,?)"
+#: the plan's acts of an entry the content run fetches (an SQL list)
+FETCHED = "('new', 'changed', 'missing', 'tampered', 'linked')"
 
 #: SQLite's integers are signed 64-bit; a file's times in ns pass 2**63 in the year 2262
 #: (ext4 keeps times up to 2446, a ``touch -d 3000-01-01`` lands there), some filesystems'

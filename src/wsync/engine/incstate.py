@@ -304,16 +304,16 @@ class PullState:
                 )
             # a fetched guest inode is fetched under every name it has
             db.execute(
-                "UPDATE s.plan SET act = 'linked', hash = NULL WHERE act = 'keep' AND kind = 'f' "
+                "UPDATE s.plan SET act = 'linked', hash = NULL WHERE act = 'keep' AND kind = 'f' "  # noqa: S608
                 "AND ino != 0 AND ino IN (SELECT ino FROM s.plan WHERE kind = 'f' AND ino != 0 "
-                "AND act IN ('new', 'changed', 'missing', 'tampered', 'linked'))"
+                f"AND act IN {incsql.FETCHED})"
             )
             db.commit()
             # what to fetch, and the longest of its paths (in the same scan of the plan)
             changed, fetch, longest = db.execute(
-                "SELECT coalesce(sum(act != 'keep'), 0), coalesce(sum(f), 0), "
+                "SELECT coalesce(sum(act != 'keep'), 0), coalesce(sum(f), 0), "  # noqa: S608
                 "coalesce(max(f * length(path)), 0) FROM (SELECT act, path, kind != 'd' AND act "
-                "IN ('new', 'changed', 'missing', 'tampered', 'linked') AS f FROM s.plan)"
+                f"IN {incsql.FETCHED} AS f FROM s.plan)"
             ).fetchone()
             deleted = db.execute(
                 "SELECT count(*) FROM s.host h "
@@ -331,8 +331,7 @@ class PullState:
         fetched = (
             ""
             if whole
-            else "AND m.path IN (SELECT path FROM s.plan WHERE act IN "
-            "('new', 'changed', 'missing', 'tampered', 'linked'))"
+            else f"AND m.path IN (SELECT path FROM s.plan WHERE act IN {incsql.FETCHED})"  # noqa: S608
         )
         with self._errors():
             found = self.db.execute(
