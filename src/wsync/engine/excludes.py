@@ -45,10 +45,10 @@ if TYPE_CHECKING:
 #: directory verdicts remembered while a manifest streams past (cleared when this many)
 _DIR_CACHE = 65536
 #: a "[" that opens a class: not escaped, i.e. after an even number of backslashes
-_OPEN = r"(?<!\\)((?:\\\\)*)\["
+_OPEN = r"(?<!\\)(?:\\\\)*\["
 #: a POSIX class, equivalence class or collating symbol inside a bracket expression: find's
 #: fnmatch and rsync know them, pathspec reads "[[:digit:]]" as the set "[[:digt]" then "]"
-_BRACKET_CLASS = re.compile(_OPEN + r"[!^]?\]?[^\]]*\[([:=.]).*?\2\]")
+_BRACKET_CLASS = re.compile(_OPEN + r"[!^]?\]?[^\]]*\[([:=.]).*?\1\]")
 #: a backslash inside a bracket expression: rsync's fnmatch takes it as an escape
 #: ("[\\a]" is "a"), the regex pathspec makes as a member
 _ESCAPE_IN_CLASS = re.compile(_OPEN + r"[!^]?\]?[^\]]*\\")

@@ -64,7 +64,6 @@ from wsync.transports.cloudflare_protocol import (
     exec_path,
     file_path,
 )
-from wsync.transports.httpbody import IDENTITY
 from wsync.uri import SandboxURI
 
 log = logging.getLogger(__name__)
@@ -161,7 +160,7 @@ class CloudflareTransport(Transport):
                 headers={
                     "Authorization": f"Bearer {self._token}",
                     "User-Agent": "wsync",
-                    **IDENTITY,
+                    **httpbody.IDENTITY,
                 },
                 timeout=httpx.Timeout(None, connect=self.connect_timeout),
                 limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),

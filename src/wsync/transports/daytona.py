@@ -77,7 +77,6 @@ from wsync.transports.daytona_protocol import (
     range_header,
     request_body,
 )
-from wsync.transports.httpbody import IDENTITY
 from wsync.uri import SandboxURI
 
 log = logging.getLogger(__name__)
@@ -160,7 +159,11 @@ class DaytonaTransport(Transport):
         root = str(url).rstrip("/") + "/" + quote(sandbox_id, safe="")
         self._exec_url = root + "/process/execute"
         self._download_url = root + "/files/download"
-        self._headers = {"Authorization": f"Bearer {token}", "User-Agent": "wsync", **IDENTITY}
+        self._headers = {
+            "Authorization": f"Bearer {token}",
+            "User-Agent": "wsync",
+            **httpbody.IDENTITY,
+        }
         if organization_id:
             self._headers["X-Daytona-Organization-ID"] = organization_id
         self._client: httpx.AsyncClient | None = None
