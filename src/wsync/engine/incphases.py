@@ -267,12 +267,14 @@ class IncrementalRunner(LeftoverRunner):
         self.listed_at = time.monotonic()
         inc.manifest_digest = _manifest_digest(plan, done)
 
-    async def after_listing_second(self, inc: Incremental | None, *, whole: bool) -> None:
-        """Before a content run reads what the loaded listing named: where it names a file
-        to fetch on a filesystem of whole seconds (its ctime a whole second, and no content
-        digest beside it), wait until a second has passed since the listing was done.
-        Without ``inc`` (a busybox listing, whose ctimes are all whole seconds, not
-        loaded yet), wait anyway.
+    async def after_listing_second(self, plan: GuestPlan, inc: Incremental, *, whole: bool) -> None:
+        """Before a content run reads what the listing named, within a second of it: where
+        a file it fetches may sit on a filesystem of whole seconds (a loaded listing names
+        one with a ctime of whole seconds and no content digest: :meth:`PullState.racy`;
+        a busybox listing, all of whose ctimes are whole seconds), wait until that second
+        has passed; where the listing is not loaded yet (a first pull's late load: nothing
+        to tell by), have the commit leave such files unrecorded instead
+        (:attr:`Incremental.forget_racy`).
 
         Why: the state records a fetched file with the listing's record.  Read in the
         second it was listed in, and edited again in that second after the read (the size
@@ -284,9 +286,14 @@ class IncrementalRunner(LeftoverRunner):
         wait = self.listed_at + 1.0 - time.monotonic()
         if wait <= 0:
             return
-        if inc is None or await in_thread(lambda: inc.locked(lambda: inc.state.racy(whole=whole))):
-            log.debug("a fetched file was stamped in whole seconds: waiting", seconds=wait)
-            await asyncio.sleep(wait)
+        if not inc.loaded:
+            if plan.probe.has("find_printf"):
+                inc.forget_racy = True
+                return
+        elif not await in_thread(lambda: inc.locked(lambda: inc.state.racy(whole=whole))):
+            return
+        log.debug("a fetched file may be stamped in whole seconds: waiting", seconds=wait)
+        await asyncio.sleep(wait)
 
     # -- the early farm (wsync.engine.prefarm) ------------------------------------------
 

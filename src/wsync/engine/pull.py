@@ -126,12 +126,7 @@ class _Pull(FinishRunner):
         need = None
         if inc is not None:
             need = inc.state.listed_kb if inc.loaded else self.late_listed_kb
-            if inc.loaded:
-                await self.after_listing_second(inc, whole=run == "tar")
-            elif not plan.probe.has("find_printf"):
-                await self.after_listing_second(None, whole=True)  # seconds, every ctime
-            elif self.listed_at is not None and time.monotonic() - self.listed_at < 1.0:
-                inc.forget_racy = True  # (a late load: nothing to tell by yet)
+            await self.after_listing_second(plan, inc, whole=run == "tar")
         try:
             journaled = await self.admit_phase(plan, journal, snapshot, run, need_kb=need)
         except ListMissing:
