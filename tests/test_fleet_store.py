@@ -9,11 +9,15 @@ arrange; here several stores (each its own pool and owner, as daemons are) call
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import psycopg
 import pytest
 
 from test_daemon_fleet import pg_dsn  # noqa: F401 - the fixture
+from wsync.daemon import fleet
+from wsync.daemon.config import load_config
+from wsync.daemon.metrics import Metrics
 from wsync.daemon.pgstore import PgStore, StoreDown, new_owner_id
 from wsync.daemon.store import Job, new_job_id
 from wsync.errors import InternalError
@@ -114,3 +118,52 @@ def test_a_cancel_that_came_while_the_job_was_handed_back_reaches_the_next_owner
             await b.close()
 
     assert asyncio.run(run())
+
+
+def test_a_renewal_the_store_refuses_does_not_end_the_renewals(
+    tmp_path: Path,
+    pg_dsn: str,  # noqa: F811 - the fixture
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One renewal refused as a query error (not an outage): the renewer goes on.  Before,
+    the error ended the renew loop, and every lease the daemon held ran out under its
+    running pulls, each then fenced at its swap."""
+    monkeypatch.setattr(fleet, "RENEW_EVERY", 0.05)
+    config = load_config(
+        None,
+        {
+            "state_dir": str(tmp_path / "state"),
+            "engine_dir": str(tmp_path / "engine"),
+            "dest_roots": [str(tmp_path / "roots")],
+            "store": pg_dsn,
+        },
+    )
+    manager = fleet.FleetManager(config, Metrics())
+    asks: list[str] = []
+
+    class Refusing:
+        async def renew(self, job_id: str, fence: int, progress: object) -> bool | None:
+            asks.append(job_id)
+            if len(asks) == 1:
+                raise InternalError("job store refused a value: test")
+            return False
+
+    manager.store = Refusing()  # type: ignore[assignment]
+    job = Job(id=new_job_id(), sandbox="s", uri="local:/ws", dest="/roots/s", trigger="api")
+    run = fleet._Run(job=job, fence=1, confirmed=0.0)
+    manager._running[job.id] = run
+
+    async def renewals() -> None:
+        task = asyncio.create_task(manager._renew())
+        try:
+            for _ in range(400):
+                await asyncio.sleep(0.05)
+                if len(asks) >= 3 or task.done():
+                    break
+        finally:
+            task.cancel()
+        assert not task.done() or task.cancelled(), task
+
+    asyncio.run(renewals())
+    assert len(asks) >= 3, asks
+    assert run.confirmed > 0.0 and not run.lost

@@ -369,6 +369,11 @@ class FleetManager:
                     )
                 except StoreDown:
                     continue
+                except WsyncError as err:
+                    # the store refused this one statement: the loop goes on, or every
+                    # lease this daemon holds would run out and each pull be fenced
+                    log.warning("lease.renew_failed", job_id=run.job.id, error=str(err))
+                    continue
                 if answer is None:
                     run.lost = True
                     self.metrics.renewals.labels("lost").inc()
