@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from wsync.errors import TransportError, WsyncError
+from wsync.errors import AuthFailed, TransportError, WsyncError
 from wsync.transports.base import Transport
 from wsync.transports.cloudflare import CloudflareTransport
 from wsync.transports.daytona import DaytonaTransport
@@ -115,3 +115,38 @@ def test_an_encoded_error_body_leaves_the_status_to_speak(kind: str) -> None:
         _run(kind, 500, lambda t: t.read_file("/workspace/f", 0, 4096, timeout=10))
     assert "500" in str(info.value)
     assert "encoded" not in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["cloudflare", "daytona", "e2b"])
+def test_an_error_body_cut_short_leaves_the_status_to_speak(kind: str) -> None:
+    """A 401 whose body ends with the connection, long before its length: the error is the
+    refused key, not a lost connection to retry (Cloudflare and Daytona had read the body
+    without E2B's guard, and called it a transport error)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(
+                b"HTTP/1.1 401 Unauthorized\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 4000\r\n\r\n" + b'{"message": "bad'
+            )
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        transport = _transport(kind, f"http://127.0.0.1:{port}")
+        try:
+            await transport.exec(["true"], timeout=10, max_output=4096)
+        finally:
+            await transport.aclose()
+            server.close()
+            await server.wait_closed()
+
+    with pytest.raises(AuthFailed) as info:
+        asyncio.run(main())
+    assert "401" in str(info.value) or "auth" in str(info.value).lower(), info.value

@@ -92,8 +92,6 @@ DEFAULT_DOMAIN = "e2b.app"
 DEFAULT_URL = "https://49983-{id}.{domain}"
 #: argv runs through this, so lookup uses the guest's PATH and a missing tool is 127
 EXEC_WRAPPER = ("/bin/sh", "-c", 'exec "$@"', "sh")
-#: how much of an error body is read and shown
-ERROR_BODY = 4096
 
 
 def resolve_token(options: Mapping[str, Any]) -> str | None:
@@ -267,7 +265,7 @@ class E2BTransport(Transport):
     async def _check_stream(self, response: httpx.Response) -> None:
         """Raise unless ``response`` is a ``Start`` stream: HTTP 200 and Connect's JSON."""
         if response.status_code != 200:
-            raise self._refused(response.status_code, await _head(response), "exec")
+            raise self._refused(response.status_code, await httpbody.head(response), "exec")
         ctype = response.headers.get("content-type", "")
         if not ctype.startswith(CONNECT_JSON):
             what = ctype or "no content type"
@@ -283,7 +281,7 @@ class E2BTransport(Transport):
             headers={"Content-Type": "application/json", "Connect-Protocol-Version": "1"},
             timeout=self._timeout(timeout),
         ) as response:
-            return response.status_code, await _head(response)
+            return response.status_code, await httpbody.head(response)
 
     async def _kill(self, pid: int | None, tag: str) -> None:
         """Best effort: envd keeps a process whose stream ended, so kill what we abandon.
@@ -566,7 +564,9 @@ class E2BTransport(Transport):
                     if status == 416:
                         return b""
                     if status not in (200, 206):
-                        err = self._refused(status, await _head(response), f"read of {path!r}")
+                        err = self._refused(
+                            status, await httpbody.head(response), f"read of {path!r}"
+                        )
                         raise TransportError(str(err))
                     skip = offset if status == 200 else 0
                     if status == 206:
@@ -608,17 +608,3 @@ class E2BTransport(Transport):
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
-
-
-async def _head(response: httpx.Response) -> bytes:
-    """At most :data:`ERROR_BODY` bytes of an error answer's body (none of an encoded one:
-    see :mod:`wsync.transports.httpbody`)."""
-    out = bytearray()
-    if httpbody.coding(response):
-        return b""
-    with contextlib.suppress(httpx.HTTPError):
-        async for chunk in response.aiter_raw():
-            out += chunk
-            if len(out) >= ERROR_BODY:
-                break
-    return bytes(out[:ERROR_BODY])

@@ -12,6 +12,7 @@ an encoding anyway is refused before a byte of it is read.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import httpx
@@ -20,6 +21,8 @@ from wsync.errors import TransportError
 
 #: the header every client of these backends sends: no content encoding, ever
 IDENTITY = {"Accept-Encoding": "identity"}
+#: the most of an error answer's body read (for its message)
+ERROR_BODY = 4096
 
 
 def coding(response: httpx.Response) -> str:
@@ -45,15 +48,16 @@ def raw_body(response: httpx.Response, what: str) -> AsyncIterator[bytes]:
     return response.aiter_raw()
 
 
-async def head(response: httpx.Response, limit: int = 4096) -> bytes:
+async def head(response: httpx.Response, limit: int = ERROR_BODY) -> bytes:
     """At most ``limit`` bytes of an error body (a hostile server's 800 MiB 500 page must
-    not be read into memory); nothing of one that names a content encoding, so the
-    status still says what failed."""
+    not be read into memory); nothing of one that names a content encoding, and what
+    came before a connection lost within it: the status still says what failed."""
     if coding(response):
         return b""
     out = bytearray()
-    async for chunk in response.aiter_raw():
-        out += chunk[: limit - len(out)]
-        if len(out) >= limit:
-            break
+    with contextlib.suppress(httpx.HTTPError):
+        async for chunk in response.aiter_raw():
+            out += chunk[: limit - len(out)]
+            if len(out) >= limit:
+                break
     return bytes(out)
