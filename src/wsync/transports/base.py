@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from wsync.errors import TransportError, TransportTimeout, UsageError
+from wsync.protocol.records import printable
 
 DEFAULT_MAX_OUTPUT = 64 * 1024 * 1024
 #: a per-exec kill marker in the guest is ``KILL_MARK + token``.  Where a kill can land
@@ -325,14 +326,15 @@ def check_base_url(url: str, what: str) -> str:
 
 def error_message(body: bytes, limit: int = 200) -> str:
     """``message`` of a JSON error body (Docker's ``ErrorResponse``, Connect's and envd's
-    errors), at most ``limit`` characters, else a bounded printable head of the body."""
+    errors), at most ``limit`` characters, else a bounded head of the body; printable
+    either way (envd runs in the sandbox: its words may carry terminal escapes)."""
     try:
         obj = json.loads(body)
         if isinstance(obj, dict) and isinstance(obj.get("message"), str):
-            return str(obj["message"])[:limit]
+            return printable(str(obj["message"]).strip(), limit)
     except (ValueError, RecursionError):
         pass
-    return body[:200].decode("utf-8", "replace").strip()
+    return printable(body[:limit].decode("utf-8", "replace").strip(), limit)
 
 
 class Transport(abc.ABC):

@@ -204,8 +204,15 @@ class DockerTransport(Transport):
             raise UsageError(f"{uri.raw!r}: a container takes no port (docker://CONTAINER/PATH)")
         host = str(options.get("docker_host") or os.environ.get("DOCKER_HOST") or "")
         endpoint = parse_docker_host(host)
-        if endpoint.host is not None and os.environ.get("DOCKER_TLS_VERIFY", "").strip():
-            raise UsageError("DOCKER_TLS_VERIFY is set: TLS to the docker daemon is not supported")
+        if endpoint.host is not None:
+            # the docker CLI speaks TLS when any of these is set: wsync would send the same
+            # request (the exec's env included) in clear text to a daemon set up for TLS
+            for name in ("DOCKER_TLS_VERIFY", "DOCKER_TLS", "DOCKER_CERT_PATH"):
+                if os.environ.get(name, "").strip():
+                    raise UsageError(
+                        f"{name} is set: TLS to the docker daemon is not supported "
+                        "(use its unix socket, or ssh:// to the host)"
+                    )
         extra = float_options(options, ("poll_interval", "exit_wait", "linger"), "docker_")
         return cls(
             urllib.parse.unquote(container),
@@ -409,9 +416,13 @@ class DockerTransport(Transport):
         if collector.system_error is not None:
             raise TransportError(f"{self.description}: daemon error: {collector.system_error}")
         state = await self._exit_code(exec_id, deadline)
-        if state.exit_code is None:
-            notes.append(f"exit code still null {self.exit_wait:.1f}s after EOF")
-        return collector.result(state.exit_code, notes), state.finished
+        if not state.finished:
+            # Podman's compatible API and moby before 1.25 say ``"ExitCode": 0`` while the
+            # command runs: a running command's code is none, never that 0
+            what = "still null" if state.exit_code is None else "not final (still running)"
+            notes.append(f"exit code {what} {self.exit_wait:.1f}s after EOF")
+        code = state.exit_code if state.finished else None
+        return collector.result(code, notes), state.finished
 
     async def _read(
         self, reader: asyncio.StreamReader, collector: ExecCollector, exec_id: str

@@ -30,6 +30,7 @@ decoding anywhere — the Python SDK's UTF-8 decoding corrupted tar streams).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -56,6 +57,7 @@ from wsync.errors import (
     UsageError,
 )
 from wsync.protocol.records import printable
+from wsync.transports import httpbody
 from wsync.transports import k8s_protocol as kp
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
@@ -72,10 +74,23 @@ from wsync.uri import SandboxURI
 
 log = logging.getLogger(__name__)
 
+#: the most of a pod lookup's answer read (a Pod's JSON is some KiB, its managedFields
+#: included)
+POD_BODY = 4 * 1024 * 1024
 #: stdin is sent in messages of at most this many bytes
 STDIN_FRAME = 64 * 1024
 #: v4 has no stdin EOF: the command reads exactly the bytes sent through this pipe
 V4_STDIN_WRAPPER = 'n=$1; shift; head -c "$n" | "$@"'
+
+
+class _Connect(connect):
+    """websockets' ``connect``, following no redirect.  It follows up to ten, and keeps
+    the ``Authorization`` header on the same host: a proxy or server could send the exec,
+    token and all, to another pod or namespace, with another command, than the one the pod
+    lookup checked.  client-go follows none on exec either."""
+
+    def process_redirect(self, exc: Exception) -> Exception | str:
+        return exc
 
 
 def split_target(uri: SandboxURI) -> tuple[str | None, str, str]:
@@ -173,26 +188,43 @@ class K8sTransport(Transport):
                 return
             url = self.target.server + kp.pod_path(self.namespace, self.pod)
             try:
-                async with httpx.AsyncClient(
-                    verify=self.target.ssl_context,
-                    timeout=min(timeout, self.connect_timeout),
-                    headers=dict(self.target.headers),
-                    trust_env=False,
-                ) as client:
-                    response = await client.get(url)
+                async with (
+                    httpx.AsyncClient(
+                        verify=self.target.ssl_context,
+                        timeout=min(timeout, self.connect_timeout),
+                        headers={**self.target.headers, **httpbody.IDENTITY},
+                        trust_env=False,
+                    ) as client,
+                    client.stream("GET", url) as response,
+                ):
+                    status = response.status_code
+                    body = await self._pod_body(response) if status == 200 else b""
             except httpx.TimeoutException:
                 raise TransportTimeout(timeout) from None
-            except httpx.HTTPError as err:
+            except (httpx.HTTPError, httpx.InvalidURL) as err:
+                # not h11's words for a header it refused: they quote it (the token) whole
+                said = type(err).__name__ if isinstance(err, httpx.LocalProtocolError) else err
                 raise SandboxUnreachable(
-                    f"{self.description}: cannot reach {self.target.server}: {err}"
+                    f"{self.description}: cannot reach {self.target.server}: {said}"
                 ) from None
-            self._check_pod(response)
+            self._check_pod(status, body)
             loop = asyncio.get_running_loop()
             await self._learn_protocol(loop.time() + timeout, timeout)
             self._resolved = True
 
-    def _check_pod(self, response: httpx.Response) -> None:
-        status = response.status_code
+    async def _pod_body(self, response: httpx.Response) -> bytes:
+        """The pod lookup's answer as sent, at most :data:`POD_BODY` bytes (a broken proxy's
+        endless or encoded answer must not be read whole, nor decoded)."""
+        out = bytearray()
+        async for chunk in httpbody.raw_body(response, f"{self.description}: pod lookup"):
+            out += chunk
+            if len(out) > POD_BODY:
+                raise SandboxUnreachable(
+                    f"{self.description}: the pod lookup's answer is over {POD_BODY} bytes"
+                )
+        return bytes(out)
+
+    def _check_pod(self, status: int, body: bytes) -> None:
         if status in (401, 403):
             raise AuthFailed(
                 f"{self.description}: the API server refused the credentials of context "
@@ -206,14 +238,14 @@ class K8sTransport(Transport):
         if status != 200:
             raise SandboxUnreachable(f"{self.description}: pod lookup failed (HTTP {status})")
         try:
-            doc = response.json()
+            doc = json.loads(body)
             spec_containers = doc["spec"]["containers"]
             # the server's text reaches the terminal: one printable line per name
             names = [printable(str(c["name"]), 100) for c in spec_containers]
             annotations = (doc.get("metadata") or {}).get("annotations") or {}
             phase = (doc.get("status") or {}).get("phase")
             default = annotations.get("kubectl.kubernetes.io/default-container")
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise SandboxUnreachable(f"{self.description}: the pod lookup is not a Pod") from None
         if phase in ("Succeeded", "Failed"):
             raise SandboxUnreachable(f"{self.description}: the pod is not running ({phase})")
@@ -318,7 +350,7 @@ class K8sTransport(Transport):
         )
         try:
             async with asyncio.timeout_at(deadline):
-                return await connect(
+                return await _Connect(
                     url,
                     ssl=self.target.ssl_context if secure else None,
                     additional_headers=dict(self.target.headers),
@@ -344,6 +376,11 @@ class K8sTransport(Transport):
                 ) from None
             if status == 404:
                 raise SandboxUnreachable(f"pod {self.pod} not found in {self.namespace}") from None
+            if 300 <= status < 400:
+                raise SandboxUnreachable(
+                    f"{self.description}: the API server redirected the exec (HTTP {status}); "
+                    "wsync does not follow it"
+                ) from None
             if status == 400:
                 body = err.response.body or b""
                 raise SandboxUnreachable(

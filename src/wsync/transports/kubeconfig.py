@@ -7,8 +7,9 @@ context, and for ``current-context``, the *first* file that sets it wins.
 
 Then ``--context`` (else ``current-context``) picks the cluster, the user and the
 namespace (default ``default``).  TLS is always verified against the cluster's CA
-(``certificate-authority-data`` or ``certificate-authority``; without either, the
-system's trust store) — the only way to turn that off is ``insecure-skip-tls-verify: true``
+(``certificate-authority-data`` or ``certificate-authority``, alone: the system's trust
+store is not consulted then; without either, the system's trust store) — the only way to
+turn that off is ``insecure-skip-tls-verify: true`` (a YAML boolean, without a CA)
 written in the kubeconfig itself, as kubectl honours it, and it is logged.  Credentials:
 a bearer ``token`` or ``tokenFile``, a client certificate and key (data or files), or
 basic auth.  ``exec`` and ``auth-provider`` plugins run foreign programs and are refused
@@ -36,6 +37,7 @@ from typing import Any
 import yaml
 
 from wsync.errors import UsageError
+from wsync.transports.base import header_safe
 
 log = logging.getLogger(__name__)
 
@@ -71,23 +73,32 @@ def config_files(options: Mapping[str, Any]) -> list[Path]:
     """The kubeconfig files to merge, in precedence order."""
     explicit = options.get("kubeconfig")
     if explicit:
-        path = Path(str(explicit)).expanduser()
+        path = _expand(str(explicit))
         if not path.is_file():
             raise UsageError(f"kubeconfig {path} does not exist")
         return [path]
     env = os.environ.get("KUBECONFIG", "")
     if env:
-        found = [Path(p).expanduser() for p in env.split(os.pathsep) if p]
+        found = [_expand(p) for p in env.split(os.pathsep) if p]
         files = [p for p in found if p.is_file()]
         if not files:
             raise UsageError("none of the files in $KUBECONFIG exists")
         return files
-    home = Path("~/.kube/config").expanduser()
+    home = _expand("~/.kube/config")
     if not home.is_file():
         raise UsageError(
             "no kubeconfig: set $KUBECONFIG, pass --kubeconfig or create ~/.kube/config"
         )
     return [home]
+
+
+def _expand(name: str) -> Path:
+    """``name`` with a leading ``~`` or ``~user`` expanded; a usage error where it cannot be
+    (no such user, no home)."""
+    try:
+        return Path(name).expanduser()
+    except RuntimeError as err:
+        raise UsageError(f"kubeconfig: cannot expand {name[:80]!r}: {err}") from None
 
 
 def _read(path: Path) -> Mapping[str, Any]:
@@ -129,7 +140,7 @@ def _load_data(entry: _Entry, data_key: str, file_key: str, what: str) -> bytes 
             raise UsageError(f"kubeconfig: {data_key} is not valid base64") from None
     name = entry.body.get(file_key)
     if name:
-        path = Path(str(name)).expanduser()
+        path = _expand(str(name))
         if not path.is_absolute():
             path = entry.base / path
         try:
@@ -184,25 +195,43 @@ def load(options: Mapping[str, Any]) -> KubeTarget:
     if cluster is None:
         raise UsageError(f"context {name!r} names no known cluster ({cluster_name!r})")
     server = str(cluster.body.get("server") or "")
-    parts = urllib.parse.urlsplit(server)
+    try:
+        parts = urllib.parse.urlsplit(server)
+        parts.port  # noqa: B018 - raises ValueError for a port that is no port
+    except ValueError:
+        parts = urllib.parse.urlsplit("")
     if parts.scheme not in ("https", "http") or not parts.hostname:
-        raise UsageError(f"cluster {cluster_name!r}: server {server!r:.80} is not http(s)://HOST")
+        raise UsageError(
+            f"cluster {cluster_name!r}: server {server!r:.80} is not http(s)://HOST[:PORT]"
+        )
     if parts.username or parts.password:
         raise UsageError(f"cluster {cluster_name!r}: the server URL carries credentials")
     if cluster.body.get("proxy-url"):
         raise UsageError(f"cluster {cluster_name!r}: proxy-url is not supported by wsync")
     namespace = str(ctx_entry.body.get("namespace") or DEFAULT_NAMESPACE)
 
-    insecure = bool(cluster.body.get("insecure-skip-tls-verify"))
+    # kubectl's own rules: a YAML boolean only (``"false"`` is a string, and true to
+    # Python), and never beside a CA (which one was meant?)
+    insecure = cluster.body.get("insecure-skip-tls-verify", False)
+    if not isinstance(insecure, bool):
+        raise UsageError(
+            f"cluster {cluster_name!r}: insecure-skip-tls-verify must be true or false, "
+            f"not {str(insecure)[:20]!r}"
+        )
     ca = _load_data(cluster, "certificate-authority-data", "certificate-authority", "CA file")
-    ssl_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-    if ca is not None:
-        try:
-            ssl_ctx.load_verify_locations(cadata=ca.decode("ascii"))
-        except (ssl.SSLError, ValueError, UnicodeDecodeError) as err:
-            raise UsageError(
-                f"cluster {cluster_name!r}: bad certificate-authority: {err}"
-            ) from None
+    if ca is not None and insecure:
+        raise UsageError(
+            f"cluster {cluster_name!r}: insecure-skip-tls-verify is set beside a "
+            "certificate-authority; remove one of them"
+        )
+    try:
+        # the cluster's CA alone when it names one, as kubectl: added to the system's trust
+        # store, any CA there (a TLS-inspecting proxy's) would vouch for the API server
+        ssl_ctx = ssl.create_default_context(
+            ssl.Purpose.SERVER_AUTH, cadata=None if ca is None else ca.decode("ascii")
+        )
+    except (ssl.SSLError, ValueError, UnicodeDecodeError) as err:
+        raise UsageError(f"cluster {cluster_name!r}: bad certificate-authority: {err}") from None
     if insecure:
         log.warning("kubeconfig cluster %s: insecure-skip-tls-verify is set", cluster_name)
         ssl_ctx.check_hostname = False
@@ -244,9 +273,7 @@ def _credentials(user: _Entry, ssl_ctx: ssl.SSLContext, name: str) -> dict[str, 
         raw = _load_data(_Entry({"f": body["tokenFile"]}, user.base), "", "f", "token file")
         token = (raw or b"").decode("utf-8", "replace").strip()
     if token:
-        token = str(token).strip()
-        if any(c in token for c in "\r\n\x00") or not token.isascii():
-            raise UsageError(f"kubeconfig user {name!r}: the token has a line break or non-ASCII")
+        token = header_safe(str(token).strip(), f"token of kubeconfig user {name!r}")
         return {"Authorization": f"Bearer {token}"}
     if body.get("username") and body.get("password"):
         pair = f"{body['username']}:{body['password']}".encode()
