@@ -11,3 +11,10 @@ from __future__ import annotations
 def ascii_digits(text: str) -> bool:
     """``text`` is one or more of ``0``-``9`` and nothing else."""
     return text.isascii() and text.isdigit()
+
+
+def figure(text: str) -> int | None:
+    """``text`` as a count or size of at most 19 digits (what a signed 64-bit field holds),
+    else None.  ``int`` of a guest's 5,000 digits raises ``ValueError`` (Python's limit on
+    conversions), and ``float`` of 400 ``OverflowError``: neither is the clear error due."""
+    return int(text) if ascii_digits(text) and len(text) <= 19 else None

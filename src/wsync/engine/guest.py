@@ -18,7 +18,7 @@ import time
 
 import structlog
 
-from wsync.digits import ascii_digits
+from wsync.digits import figure
 from wsync.engine.guestcall import GuestCalls
 from wsync.errors import (
     GuestToolsMissing,
@@ -55,6 +55,8 @@ def plain_root(root: str) -> str:
     URL, where ``..`` from a hostile guest would aim the token at other routes."""
     if not root.startswith("/"):
         raise StagingFailed("the probe did not establish a staging root")
+    if not root.isprintable():  # a NUL would end an exec's argument, a helper's shell drop it
+        raise StagingFailed(f"the probe's staging root {root!r} holds a control character")
     if root.startswith("//") or posixpath.normpath(root) != root:
         raise StagingFailed(f"the probe's staging root {root!r} is not a plain absolute path")
     return root
@@ -261,10 +263,11 @@ class GuestSession(GuestCalls):
         if text in _FAILED_WRITES:
             where = records.printable(self.staging_root)
             raise StagingFailed(f"{_FAILED_WRITES[text]} in the guest's staging root {where}")
-        word, *figures = text.split(" ")
-        if word == "disk-full" and len(figures) == 2 and all(map(ascii_digits, figures)):
-            free, need = (int(f) for f in figures)
-            raise StagingFailed(records.disk_full_message(free, self.staging_root, need))
+        word, *said = text.split(" ")
+        if word == "disk-full" and len(said) == 2:
+            free, need = figure(said[0]), figure(said[1])
+            if free is not None and need is not None:
+                raise StagingFailed(records.disk_full_message(free, self.staging_root, need))
         raise StagingFailed(records.printable(text))
 
     async def install_producer(self) -> None:
@@ -412,7 +415,7 @@ class GuestSession(GuestCalls):
             known = self.admission
             free = known.free_kb if known and known.free_kb is not None else None
             if free is None:
-                free = int(now) if ascii_digits(now) and len(now) < 19 else 0
+                free = figure(now) or 0
             message = records.disk_full_message(
                 free, self.staging_root, known.need_kb if known else None
             )

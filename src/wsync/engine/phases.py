@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import structlog
 
-from wsync.engine.api import Progress, ProgressCallback, PullOptions
+from wsync.engine.api import GiB, Progress, ProgressCallback, PullOptions
 from wsync.engine.extract import ExtractStats
 from wsync.engine.feed import ChunkFeed
 from wsync.engine.guest import GuestPlan, GuestSession
@@ -59,6 +59,9 @@ log = structlog.get_logger("wsync.pull")
 _T = TypeVar("_T")
 
 _INDEX_READ = 1024 * 1024
+#: the largest listing (manifest run) fetched: some 30 bytes a compressed entry, so room
+#: for hundreds of millions of entries, and a bound on the chunks it may queue
+MAX_LISTING = 16 * GiB
 _POLL_MIN, _POLL_MAX = 0.05, 1.0
 #: how long a status call may wait in the guest for the next chunk, seconds
 _LONG_POLL = 1.0
@@ -402,16 +405,16 @@ class StreamRunner:
                     grew = index.consumed < status.index_size
                     for chunk in index.receive_data(status.index_tail):
                         self.admit_chunk(chunk, journaled, queue, feed)
+                    self.check_size(index.next_offset, limits.max_bytes)
                     while index.consumed < status.index_size:
                         n = min(_INDEX_READ, status.index_size - index.consumed)
                         data = await self.session.read("index", index.consumed, n, self.sizer)
                         for chunk in index.receive_data(data):
                             self.admit_chunk(chunk, journaled, queue, feed)
-                    if (
-                        index.next_offset > limits.max_bytes
-                        and self.chunk_journal is not self.manifest_journal
-                    ):
-                        raise LimitExceeded(f"archive larger than {limits.max_bytes} bytes")
+                        # at every read: the index size is the guest's word, and an index
+                        # of a thousand terabytes whose chunks are never served would
+                        # queue chunks until the host's memory ran out
+                        self.check_size(index.next_offset, limits.max_bytes)
                     if status.done is not None:
                         done = status.done
                         break
@@ -501,6 +504,16 @@ class StreamRunner:
                 "index describes, and it removed its staging"
             )
         queue.put_nowait(chunk)
+
+    def check_size(self, indexed: int, max_bytes: int) -> None:
+        """The stream indexed so far within its bound: ``--max-bytes`` for an archive,
+        :data:`MAX_LISTING` for a listing (``--max-bytes`` bounds what is fetched, and a
+        listing of a large tree would pass it where the change to fetch is small)."""
+        if self.chunk_journal is self.manifest_journal:
+            if indexed > MAX_LISTING:
+                raise LimitExceeded(f"listing larger than {MAX_LISTING} bytes")
+        elif indexed > max_bytes:
+            raise LimitExceeded(f"archive larger than {max_bytes} bytes")
 
     async def worker(
         self, queue: asyncio.Queue[Chunk | None], feed: ChunkFeed, plan: GuestPlan

@@ -83,7 +83,9 @@ def request(argv: Sequence[str], nonce: str, *, gate: bool) -> bytes:
     """The bytes that ask a helper to run ``argv`` as the call ``nonce``."""
     if not _NONCE.fullmatch(nonce):
         raise ValueError(f"a helper nonce is lowercase hex: {nonce!r}")
-    body = (shlex.join(argv) + f"\n# end {nonce}\n").encode("utf-8")
+    # the bytes an exec would pass (``os.fsencode``): a name that is not UTF-8 reaches the
+    # guest as it is, not as an internal error of the host
+    body = (shlex.join(argv) + f"\n# end {nonce}\n").encode("utf-8", "surrogateescape")
     return f"{len(body)} {nonce} {int(gate)}\n".encode("ascii") + body
 
 

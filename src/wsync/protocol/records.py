@@ -17,7 +17,7 @@ import binascii
 import dataclasses
 from collections.abc import Collection
 
-from wsync.digits import ascii_digits
+from wsync.digits import figure
 from wsync.errors import ProtocolError
 from wsync.protocol.hashing import Algorithm, is_hex
 
@@ -64,9 +64,10 @@ def parse_fields(payload: bytes, free: Collection[str] = ()) -> dict[str, str]:
 
 def _int(fields: dict[str, str], key: str) -> int:
     value = fields.get(key, "")
-    if not ascii_digits(value) or len(value) > 19:
+    number = figure(value)
+    if number is None:
         raise ProtocolError(f"record field {key!r} is not a number: {printable(value, 40)!r}")
-    return int(value)
+    return number
 
 
 # -- probe -------------------------------------------------------------------
@@ -101,7 +102,7 @@ def parse_probe(payload: bytes) -> ProbeReport:
         tools=tools,
         self_tests=tests,
         tar_version=printable(fields.get("tar_version", ""), 120),
-        stage_free_kb=int(free) if ascii_digits(free) else None,
+        stage_free_kb=figure(free),
         uid=printable(fields.get("uid", ""), 20),
         stage_root=fields.get("stage_root", ""),
     )
