@@ -176,4 +176,4 @@ def test_a_staging_dir_that_is_not_utf8_is_a_usage_error(tmp_path: Path) -> None
     ]  # fmt: skip
     out = subprocess.run([os.fsencode(a) for a in argv], capture_output=True, timeout=120)
     assert out.returncode == 2, out.stderr
-    assert b"--staging-dir is not UTF-8" in out.stderr
+    assert b"the staging directory is not valid UTF-8" in out.stderr

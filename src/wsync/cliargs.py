@@ -93,6 +93,18 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def staging_dir(text: str) -> str:
+    """``--staging-dir``: text a guest can be given (a name that is not UTF-8 comes back
+    in the probe's answer, whose records are UTF-8: the guest would be blamed)."""
+    from wsync.errors import UsageError
+    from wsync.uri import check_text
+
+    try:
+        return check_text(text, "the staging directory")
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def compress_level(text: str) -> int | None:
     from wsync.protocol.level import parse_level
 
@@ -295,6 +307,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--staging-dir",
+        type=staging_dir,
         default="",
         metavar="DIR",
         help=STAGING_HELP,
@@ -398,7 +411,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     )
     d.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI (its path is used for scratch)")
     d.add_argument("--json", action="store_true", help="print the report as JSON")
-    d.add_argument("--staging-dir", default="", metavar="DIR", help=STAGING_HELP)
+    d.add_argument("--staging-dir", type=staging_dir, default="", metavar="DIR", help=STAGING_HELP)
     add_transport_options(d)
 
     m = sub.add_parser(

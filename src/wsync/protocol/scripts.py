@@ -139,10 +139,6 @@ def check_staging_root(root: str) -> str:
         return root
     if any(ord(c) < 32 or ord(c) == 127 for c in root):
         raise UsageError(f"--staging-dir holds a control character: {root!r}")
-    try:
-        root.encode("utf-8")
-    except UnicodeEncodeError:  # bytes that are not UTF-8, from the command line
-        raise UsageError(f"--staging-dir is not UTF-8: {root!r}") from None
     if not (root.startswith("/") or root == "~" or root.startswith("~/")):
         raise UsageError(f"--staging-dir must be an absolute path (or start with ~/): {root!r}")
     if {".", ".."} & set(root.split("/")):
