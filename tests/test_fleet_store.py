@@ -125,9 +125,10 @@ def test_a_renewal_the_store_refuses_does_not_end_the_renewals(
     pg_dsn: str,  # noqa: F811 - the fixture
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """One renewal refused as a query error (not an outage): the renewer goes on.  Before,
-    the error ended the renew loop, and every lease the daemon held ran out under its
-    running pulls, each then fenced at its swap."""
+    """A renewal refused as a query error (not an outage; the progress is the only value
+    not wsync's own): the lease is renewed without the progress, and the renewer goes on.
+    Before, the error ended the renew loop, and every lease the daemon held ran out under
+    its running pulls, each then fenced at its swap."""
     monkeypatch.setattr(fleet, "RENEW_EVERY", 0.05)
     config = load_config(
         None,
@@ -139,17 +140,18 @@ def test_a_renewal_the_store_refuses_does_not_end_the_renewals(
         },
     )
     manager = fleet.FleetManager(config, Metrics())
-    asks: list[str] = []
+    asks: list[object] = []
 
     class Refusing:
         async def renew(self, job_id: str, fence: int, progress: object) -> bool | None:
-            asks.append(job_id)
-            if len(asks) == 1:
+            asks.append(progress)
+            if progress is not None:
                 raise InternalError("job store refused a value: test")
             return False
 
     manager.store = Refusing()  # type: ignore[assignment]
     job = Job(id=new_job_id(), sandbox="s", uri="local:/ws", dest="/roots/s", trigger="api")
+    job.progress = {"phase": "pull"}
     run = fleet._Run(job=job, fence=1, confirmed=0.0)
     manager._running[job.id] = run
 
@@ -165,5 +167,5 @@ def test_a_renewal_the_store_refuses_does_not_end_the_renewals(
         assert not task.done() or task.cancelled(), task
 
     asyncio.run(renewals())
-    assert len(asks) >= 3, asks
+    assert len(asks) >= 3 and asks[:2] == [{"phase": "pull"}, None], asks
     assert run.confirmed > 0.0 and not run.lost

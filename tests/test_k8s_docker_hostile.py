@@ -22,7 +22,10 @@ import pytest
 import yaml
 
 from wsync.emulators.k8s_pki import ThrowawayCA
-from wsync.errors import SandboxUnreachable, TransportError, UsageError
+from wsync.errors import ProtocolError, SandboxUnreachable, TransportError, UsageError
+from wsync.transports import docker_protocol, e2b_protocol
+from wsync.transports import k8s_protocol as kp
+from wsync.transports.cloudflare import CloudflareTransport
 from wsync.transports.docker import DockerTransport
 from wsync.transports.docker_protocol import STDOUT, Endpoint, encode_frame
 from wsync.transports.e2b import E2BTransport
@@ -164,6 +167,41 @@ def test_the_kubeconfig_ca_alone_vouches_for_the_api_server(
     assert isinstance(err, SandboxUnreachable) and "certificate" in str(err).lower(), err
 
 
+def test_an_intermediate_ca_in_the_kubeconfig_is_a_trust_anchor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kubeconfig names the issuing intermediate, its root is in the system's store:
+    kubectl (Go) takes every certificate named there as an anchor, and so does wsync.
+    (Putting the kubeconfig's CA in the store's place, OpenSSL wanted a self-signed root
+    there: found by review.)"""
+    root = ThrowawayCA("root-ca", path_length=1)
+    inter = ThrowawayCA("issuing-ca", issuer=root)
+    (tmp_path / "system.pem").write_bytes(root.cert_pem)
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "system.pem"))
+    issued = inter.issue("kube-apiserver", ip="127.0.0.1", server=True)
+    (tmp_path / "s.pem").write_bytes(issued.cert_pem + inter.cert_pem)
+    (tmp_path / "s.key").write_bytes(issued.key_pem)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(tmp_path / "s.pem", tmp_path / "s.key")
+    heard: list[str] = []
+
+    async def handler(line: str, headers: dict[str, str], writer: asyncio.StreamWriter) -> None:
+        heard.append(line)
+        writer.write(answer(b"{}", "404 Not Found"))
+
+    async def main() -> BaseException | None:
+        server, port = await serve(handler, tls)
+        try:
+            config = kubeconfig(tmp_path / "config", f"https://127.0.0.1:{port}", ca=inter.cert_pem)
+            return await k8s_exec(config)
+        finally:
+            server.close()
+
+    err = asyncio.run(main())
+    assert heard, err  # TLS held: the pod lookup was asked
+    assert isinstance(err, SandboxUnreachable) and "not found" in str(err), err
+
+
 @pytest.mark.parametrize("value", ["false", "False", "no", "0", "true"])
 def test_insecure_skip_tls_verify_must_be_a_yaml_boolean(tmp_path: Path, value: str) -> None:
     """``"false"`` (a string) was true to ``bool()``: TLS verification went off."""
@@ -172,6 +210,15 @@ def test_insecure_skip_tls_verify_must_be_a_yaml_boolean(tmp_path: Path, value: 
     )
     with pytest.raises(UsageError, match="must be true or false"):
         load({"kubeconfig": str(config)})
+
+
+def test_insecure_skip_tls_verify_left_empty_is_unset(tmp_path: Path) -> None:
+    """``insecure-skip-tls-verify:`` with no value is YAML's null, false to kubectl."""
+    config = kubeconfig(
+        tmp_path / "config", "https://127.0.0.1:6443", **{"insecure-skip-tls-verify": None}
+    )
+    target = load({"kubeconfig": str(config)})
+    assert not target.insecure and target.ssl_context.verify_mode == ssl.CERT_REQUIRED
 
 
 def test_insecure_skip_tls_verify_beside_a_ca_is_refused_and_alone_is_honoured(
@@ -204,13 +251,36 @@ def test_a_token_with_a_control_character_is_refused_without_echo(
 
 
 @pytest.mark.parametrize(
-    "server", ["https://127.0.0.1:99999", "http://127.0.0.1:0x50", "https://[::1:6443"]
+    "server",
+    [
+        "https://127.0.0.1:99999",
+        "http://127.0.0.1:0x50",
+        "https://[::1:6443",
+        "https://host\x1b[2J:6443",
+        "https://host\u2028x:6443",
+    ],
 )
 def test_a_server_url_with_a_bad_port_or_host_is_a_usage_error(tmp_path: Path, server: str) -> None:
     """Each escaped as a foreign exception (OverflowError in an ExceptionGroup,
     httpx.InvalidURL, ValueError): an internal error instead of the bad field named."""
     with pytest.raises(UsageError, match="is not http"):
         load({"kubeconfig": str(kubeconfig(tmp_path / "config", server))})
+
+
+def test_a_host_the_resolver_cannot_spell_is_unreachable_not_an_internal_error(
+    tmp_path: Path,
+) -> None:
+    """``xn--a`` is no valid IDNA label: httpx's resolver raised idna's own error."""
+    err = asyncio.run(k8s_exec(kubeconfig(tmp_path / "config", "https://xn--a.invalid:6443")))
+    assert isinstance(err, SandboxUnreachable), repr(err)
+
+
+def test_a_ca_file_name_with_a_nul_is_a_usage_error(tmp_path: Path) -> None:
+    config = kubeconfig(
+        tmp_path / "config", "https://127.0.0.1:6443", **{"certificate-authority": "ca\x00.crt"}
+    )
+    with pytest.raises(UsageError, match="cannot read the CA file"):
+        load({"kubeconfig": str(config)})
 
 
 def test_a_file_under_an_unknown_users_home_is_a_usage_error(tmp_path: Path) -> None:
@@ -391,3 +461,64 @@ def test_envd_error_text_reaches_no_terminal_unescaped() -> None:
     message = asyncio.run(main())
     assert "SendInput refused" in message
     assert "\x1b" not in message and "\x07" not in message and "\r" not in message, message
+
+
+# ---------------------------------------------------------------- words from the other side
+
+EVIL = "\x1b]0;owned\x07\x1b[2Jwsync: pull complete\r\n"
+
+
+def test_a_status_of_endless_digits_or_depth_is_no_exit_code() -> None:
+    """The API server's channel-3 Status: 5,000 digits of exit code reached ``int`` and
+    deep nesting ``json``: ValueError and RecursionError, internal errors (found by
+    review, beside the guest's own figures)."""
+    digits = json.dumps(
+        {
+            "status": "Failure",
+            "reason": "NonZeroExitCode",
+            "details": {"causes": [{"reason": "ExitCode", "message": "9" * 5000}]},
+        }
+    ).encode()
+    collector = kp.ExecCollector(1 << 20, "v5.channel.k8s.io")
+    collector.feed(b"\x03" + digits)
+    assert collector.status is not None and collector.status.exit_code is None
+    with pytest.raises(ProtocolError):
+        kp.parse_status(b"[" * 60000)
+    deep = kp.ExecCollector(1 << 20, "v5.channel.k8s.io")
+    deep.feed(b"\x03" + b"[" * 60000)  # a status that never parses: no status
+    assert deep.status is None
+
+
+def test_what_envd_docker_and_the_bridge_say_reaches_messages_printable() -> None:
+    """envd and the Bridge serve from the sandbox, and a daemon's system error may carry
+    a container's text: each reached an error message with its terminal escapes."""
+    end = e2b_protocol.decode_end_stream(
+        json.dumps({"error": {"code": "internal" + EVIL, "message": EVIL}}).encode()
+    )
+    collector = docker_protocol.ExecCollector(1 << 20)
+    collector.feed(docker_protocol.encode_frame(docker_protocol.SYSTEMERR, EVIL.encode()))
+    for text in (end.error_code, end.error_message, collector.system_error or ""):
+        assert "owned" in text and not any(c in text for c in "\x1b\x07\r\n"), repr(text)
+
+
+def test_a_cloudflare_error_answer_reaches_the_message_printable() -> None:
+    body = json.dumps({"error": EVIL, "code": "UNAUTHORIZED" + EVIL}).encode()
+
+    async def handler(line: str, headers: dict[str, str], writer: asyncio.StreamWriter) -> None:
+        writer.write(answer(body, "401 Unauthorized"))
+
+    async def main() -> BaseException | None:
+        server, port = await serve(handler)
+        transport = CloudflareTransport("sb", token="t" * 20, base_url=f"http://127.0.0.1:{port}")
+        try:
+            await transport.exec(["true"], timeout=10)
+        except Exception as err:  # the test looks at what came out
+            return err
+        finally:
+            await transport.aclose()
+            server.close()
+        return None
+
+    err = asyncio.run(main())
+    assert err is not None and "owned" in str(err), err
+    assert not any(c in str(err) for c in "\x1b\x07\r"), repr(str(err))

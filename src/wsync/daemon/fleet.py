@@ -370,10 +370,14 @@ class FleetManager:
                 except StoreDown:
                     continue
                 except WsyncError as err:
-                    # the store refused this one statement: the loop goes on, or every
-                    # lease this daemon holds would run out and each pull be fenced
-                    log.warning("lease.renew_failed", job_id=run.job.id, error=str(err))
-                    continue
+                    # the store refused a value, and the progress is the only one not
+                    # wsync's own: the lease is renewed without it (else it would run out
+                    # under the pull, fenced at its swap), and the loop goes on whatever
+                    log.warning("lease.renew_refused", job_id=run.job.id, error=str(err))
+                    try:
+                        answer = await self._store(self.store.renew(run.job.id, run.fence, None))
+                    except WsyncError:  # StoreDown too: the next round tries again
+                        continue
                 if answer is None:
                     run.lost = True
                     self.metrics.renewals.labels("lost").inc()

@@ -45,19 +45,28 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 class ThrowawayCA:
     """A CA that lives as long as the emulator: issues server and client certificates."""
 
-    def __init__(self, common_name: str = "wsync-emulator-ca") -> None:
+    def __init__(
+        self,
+        common_name: str = "wsync-emulator-ca",
+        *,
+        issuer: ThrowawayCA | None = None,
+        path_length: int = 0,
+    ) -> None:
+        """A root CA, or with ``issuer`` an intermediate one it signs (whose own
+        ``path_length`` must then be 1 or more)."""
         self._key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         self._name = _name(common_name)
+        signer = issuer or self
         self._cert = (
             x509.CertificateBuilder()
             .subject_name(self._name)
-            .issuer_name(self._name)
+            .issuer_name(signer._name)
             .public_key(self._key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=2))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=path_length), critical=True)
             .add_extension(
                 x509.KeyUsage(
                     digital_signature=True,
@@ -72,7 +81,7 @@ class ThrowawayCA:
                 ),
                 critical=True,
             )
-            .sign(self._key, hashes.SHA256())
+            .sign(signer._key, hashes.SHA256())
         )
 
     @property

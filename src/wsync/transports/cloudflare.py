@@ -47,6 +47,7 @@ from wsync.errors import (
     TransportTimeout,
     UsageError,
 )
+from wsync.protocol.records import printable
 from wsync.transports import httpbody
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
@@ -183,7 +184,8 @@ class CloudflareTransport(Transport):
         try:
             parsed = json.loads(body)
             if isinstance(parsed, dict):
-                detail = f": {str(parsed.get('error', ''))[:200]} ({str(parsed.get('code'))[:40]})"
+                error, code = printable(str(parsed.get("error", "")), 200), parsed.get("code")
+                detail = f": {error} ({printable(str(code), 40)})"
         except (ValueError, RecursionError):
             pass
         cwd = self.cwd or "/workspace"

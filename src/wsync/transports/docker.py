@@ -205,13 +205,14 @@ class DockerTransport(Transport):
         host = str(options.get("docker_host") or os.environ.get("DOCKER_HOST") or "")
         endpoint = parse_docker_host(host)
         if endpoint.host is not None:
-            # the docker CLI speaks TLS when any of these is set: wsync would send the same
-            # request (the exec's env included) in clear text to a daemon set up for TLS
+            # the docker CLI speaks TLS with either of the first two set, and the Go SDK and
+            # docker-py with the third too: wsync would send the same request (the exec's
+            # env included) in clear text to a daemon set up for TLS
             for name in ("DOCKER_TLS_VERIFY", "DOCKER_TLS", "DOCKER_CERT_PATH"):
                 if os.environ.get(name, "").strip():
                     raise UsageError(
-                        f"{name} is set: TLS to the docker daemon is not supported "
-                        "(use its unix socket, or ssh:// to the host)"
+                        f"{name} is set: TLS to the docker daemon is not supported (pull "
+                        "through its unix socket on the docker host, or unset it)"
                     )
         extra = float_options(options, ("poll_interval", "exit_wait", "linger"), "docker_")
         return cls(

@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from wsync.errors import ProtocolError, UsageError
+from wsync.protocol.records import printable
 from wsync.transports.base import BoundedBuffer, ExecResult
 
 STDIN, STDOUT, STDERR, SYSTEMERR = 0, 1, 2, 3
@@ -170,7 +171,7 @@ class ExecCollector:
         """The daemon's system-error text, if it sent any (printable, bounded)."""
         if not self.systemerr:
             return None
-        return bytes(self.systemerr).decode("utf-8", "replace").strip()[:500] or "(empty)"
+        return printable(bytes(self.systemerr).strip(), 499) or "(empty)"
 
     def result(self, exit_status: int | None, notes: Sequence[str] = ()) -> ExecResult:
         return ExecResult(

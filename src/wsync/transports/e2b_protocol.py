@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from wsync.errors import ProtocolError
+from wsync.protocol.records import printable
 from wsync.transports.base import ExecResult
 
 FLAG_COMPRESSED = 0x01
@@ -236,8 +237,9 @@ def decode_end_stream(message: bytes) -> EndStream:
         return EndStream()
     if not isinstance(error, dict):
         raise ProtocolError("end-stream error is not an object")
-    code = _str(error.get("code", "unknown"), "error code")
-    return EndStream(code or "unknown", _str(error.get("message", ""), "error message"))
+    # envd runs in the sandbox: its words reach messages printable (no terminal escapes)
+    code = printable(_str(error.get("code", "unknown"), "error code"), 40)
+    return EndStream(code or "unknown", printable(_str(error.get("message", ""), "error message")))
 
 
 def _json(obj: Any) -> bytes:

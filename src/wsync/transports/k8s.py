@@ -201,7 +201,7 @@ class K8sTransport(Transport):
                     body = await self._pod_body(response) if status == 200 else b""
             except httpx.TimeoutException:
                 raise TransportTimeout(timeout) from None
-            except (httpx.HTTPError, httpx.InvalidURL) as err:
+            except (httpx.HTTPError, httpx.InvalidURL, UnicodeError) as err:
                 # not h11's words for a header it refused: they quote it (the token) whole
                 said = type(err).__name__ if isinstance(err, httpx.LocalProtocolError) else err
                 raise SandboxUnreachable(

@@ -249,7 +249,7 @@ class Status:
 
 def _parse_uint8(text: Any) -> int | None:
     """client-go's ``strconv.ParseUint(msg, 10, 8)``: plain decimal digits, 0..255."""
-    if not isinstance(text, str) or not text.isascii() or not text.isdigit():
+    if not isinstance(text, str) or not text.isascii() or not text.isdigit() or len(text) > 3:
         return None
     value = int(text)
     return value if value <= 255 else None
@@ -259,7 +259,7 @@ def parse_status(payload: bytes) -> Status:
     """Parse the channel-3 ``metav1.Status``; unparsable JSON is a :class:`ProtocolError`."""
     try:
         doc = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise ProtocolError("channel-3 status is not JSON") from None
     if not isinstance(doc, dict):
         raise ProtocolError("channel-3 status is not a JSON object")

@@ -145,8 +145,8 @@ def _load_data(entry: _Entry, data_key: str, file_key: str, what: str) -> bytes 
             path = entry.base / path
         try:
             return path.read_bytes()
-        except OSError as err:
-            raise UsageError(f"kubeconfig: cannot read the {what} {path}: {err}") from None
+        except (OSError, ValueError) as err:  # ValueError: a NUL in the name
+            raise UsageError(f"kubeconfig: cannot read the {what} {path!r}: {err}") from None
     return None
 
 
@@ -198,7 +198,12 @@ def load(options: Mapping[str, Any]) -> KubeTarget:
     try:
         parts = urllib.parse.urlsplit(server)
         parts.port  # noqa: B018 - raises ValueError for a port that is no port
-    except ValueError:
+        # a host the client cannot spell in DNS (IDNA) or a control character: named here,
+        # not an internal error in the client's resolver
+        if not server.isprintable():
+            raise ValueError("not printable")
+        (parts.hostname or "").encode("idna")
+    except (ValueError, UnicodeError):
         parts = urllib.parse.urlsplit("")
     if parts.scheme not in ("https", "http") or not parts.hostname:
         raise UsageError(
@@ -212,7 +217,7 @@ def load(options: Mapping[str, Any]) -> KubeTarget:
 
     # kubectl's own rules: a YAML boolean only (``"false"`` is a string, and true to
     # Python), and never beside a CA (which one was meant?)
-    insecure = cluster.body.get("insecure-skip-tls-verify", False)
+    insecure = cluster.body.get("insecure-skip-tls-verify") or False  # null: unset
     if not isinstance(insecure, bool):
         raise UsageError(
             f"cluster {cluster_name!r}: insecure-skip-tls-verify must be true or false, "
@@ -232,6 +237,10 @@ def load(options: Mapping[str, Any]) -> KubeTarget:
         )
     except (ssl.SSLError, ValueError, UnicodeDecodeError) as err:
         raise UsageError(f"cluster {cluster_name!r}: bad certificate-authority: {err}") from None
+    if ca is not None:
+        # every certificate the kubeconfig names is a trust anchor, as in Go (kubectl):
+        # an issuing intermediate alone, its root elsewhere, verifies there too
+        ssl_ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     if insecure:
         log.warning("kubeconfig cluster %s: insecure-skip-tls-verify is set", cluster_name)
         ssl_ctx.check_hostname = False
