@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -318,3 +318,38 @@ def test_a_send_given_up_ends_the_channel_and_age_alone_refuses_no_send(
 
     _run(envd, body)
     assert _gone(envd)
+
+
+def test_a_stream_error_that_is_no_http_error_is_the_channels_said_reason() -> None:
+    """httpx's StreamError is no HTTPError: it escaped the reader task (lost there), and
+    the channel said only that "the stream ended"."""
+    import httpx
+
+    class Cut(httpx.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            raise httpx.StreamClosed()
+            yield b""  # an async generator
+
+    async def main() -> str:
+        async def never(*_: object) -> tuple[int, bytes]:
+            raise AssertionError("no request goes out")
+
+        stopped: list[int | None] = []
+        response = httpx.Response(200, stream=Cut())
+        channel = e2b_channel.E2BChannel(
+            response,
+            "e2b://sb",
+            tag="t",
+            unary=never,
+            stop=lambda pid, tag, abort: stopped.append(pid),
+            stall_timeout=10,
+        )
+        try:
+            await channel.started()
+        except TransportError as err:
+            return str(err)
+        finally:
+            await channel.aclose()
+        return ""
+
+    assert "StreamClosed" in asyncio.run(main())

@@ -181,7 +181,8 @@ class E2BChannel(PumpedChannel):
                 self._deliver(decoder, chunk)
         except ProtocolError as err:
             error = str(err)
-        except httpx.HTTPError as err:
+        except (httpx.HTTPError, httpx.StreamError, OSError) as err:
+            # (StreamError is no HTTPError: said here, not lost in the task)
             error = f"{type(err).__name__}: {err}"
         finally:
             self._inbox.end(error)
