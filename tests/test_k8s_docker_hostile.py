@@ -27,7 +27,7 @@ from wsync.transports import docker_protocol, e2b_protocol
 from wsync.transports import k8s_protocol as kp
 from wsync.transports.cloudflare import CloudflareTransport
 from wsync.transports.docker import DockerTransport
-from wsync.transports.docker_protocol import STDOUT, Endpoint, encode_frame
+from wsync.transports.docker_protocol import STDOUT, SYSTEMERR, Endpoint, encode_frame
 from wsync.transports.e2b import E2BTransport
 from wsync.transports.k8s import K8sTransport
 from wsync.transports.kubeconfig import load
@@ -402,6 +402,47 @@ def test_a_docker_exec_said_to_run_still_has_no_exit_code() -> None:
     status, notes = asyncio.run(main())
     assert status is None
     assert any("still running" in note for note in notes), notes
+
+
+def test_a_docker_system_error_on_a_stream_held_open_is_the_calls_error() -> None:
+    """A background child holds the stream open after the command exited: the daemon's
+    system error sent before was dropped with the held stream (an independent review's
+    suspect), though the same frame on a stream that ends fails the call."""
+    release = asyncio.Event()
+
+    async def handler(line: str, headers: dict[str, str], writer: asyncio.StreamWriter) -> None:
+        method, path, _ = line.split(" ")
+        if method == "POST" and path.endswith("/exec"):
+            writer.write(answer(json.dumps({"Id": "e1"}).encode(), "201 Created"))
+        elif path.endswith("/start"):
+            writer.write(
+                b"HTTP/1.1 101 UPGRADED\r\nContent-Type: application/vnd.docker.multiplexed-"
+                b"stream\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n\r\n"
+                + encode_frame(STDOUT, b"partial\n")
+                + encode_frame(SYSTEMERR, b"oci runtime exec failed")
+            )
+            await writer.drain()
+            await release.wait()  # held open
+        else:
+            writer.write(answer(json.dumps({"Running": False, "ExitCode": 0, "Pid": 7}).encode()))
+
+    async def main() -> BaseException | None:
+        server, port = await serve(handler)
+        transport = DockerTransport(
+            "box", endpoint=Endpoint(host="127.0.0.1", port=port), poll_interval=0.1, linger=0.2
+        )
+        try:
+            await transport.exec(["true"], timeout=20)
+        except Exception as err:  # the test looks at what came out
+            return err
+        finally:
+            release.set()
+            await transport.aclose()
+            server.close()
+        return None
+
+    err = asyncio.run(main())
+    assert isinstance(err, TransportError) and "oci runtime exec failed" in str(err), err
 
 
 @pytest.mark.parametrize("name", ["DOCKER_TLS", "DOCKER_CERT_PATH", "DOCKER_TLS_VERIFY"])

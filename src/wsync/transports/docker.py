@@ -410,12 +410,13 @@ class DockerTransport(Transport):
             await docker_http.close(started.writer)
         if stdin_error:
             notes.append(f"stdin not fully delivered: {stdin_error[0]}")
+        if held is None:
+            collector.eof()
+        if collector.system_error is not None:  # held open or not: the daemon said it failed
+            raise TransportError(f"{self.description}: daemon error: {collector.system_error}")
         if held is not None:
             notes.append("EOF held open after the command exited (a background child kept stdout)")
             return collector.result(held.exit_code, notes), False
-        collector.eof()
-        if collector.system_error is not None:
-            raise TransportError(f"{self.description}: daemon error: {collector.system_error}")
         state = await self._exit_code(exec_id, deadline)
         if not state.finished:
             # Podman's compatible API and moby before 1.25 say ``"ExitCode": 0`` while the
