@@ -169,3 +169,75 @@ def test_a_renewal_the_store_refuses_does_not_end_the_renewals(
     asyncio.run(renewals())
     assert len(asks) >= 3 and asks[:2] == [{"phase": "pull"}, None], asks
     assert run.confirmed > 0.0 and not run.lost
+
+
+def test_a_job_end_quoting_a_nul_or_a_name_not_utf8_is_recorded(
+    pg_dsn: str,  # noqa: F811 - the fixture
+) -> None:
+    """PostgreSQL's text and jsonb hold no NUL and no lone surrogate, and a job's error may
+    quote a hostile sshd's words or a file name that is not UTF-8: the final write was
+    refused as an outage, retried for good, and the job's lease ran out (found by review)."""
+
+    async def run() -> Job | None:
+        store = PgStore(pg_dsn, new_owner_id(), 10.0)
+        await store.open()
+        try:
+            await store.submit(Job(id=new_job_id(), sandbox="box", uri="local:/ws", dest="/r/box"))
+            claimed = await store.claim(["/r"], ["box"], False, {}, 1, 0)
+            assert claimed is not None
+            job = claimed.job
+            job.state, job.error_kind, job.exit_code = "failed", "transport", 3
+            job.error = "ssh handshake failed: a\x00b"
+            job.result = {"warnings": ["kept \udcff.txt"], "k\x00": 1}
+            job.progress = {"phase": "pull\x00"}
+            assert await store.finish(job, claimed.fence, "failed")
+            return await store.get(job.id)
+        finally:
+            await store.close()
+
+    stored = asyncio.run(run())
+    assert stored is not None and stored.state == "failed"
+    assert stored.error == "ssh handshake failed: a\\x00b"
+    assert stored.result == {"warnings": ["kept \\udcff.txt"], "k\\x00": 1}
+    assert stored.progress == {"phase": "pull\\x00"}
+
+
+def test_a_job_end_the_store_refuses_is_written_once_more_without_its_words(
+    tmp_path: Path,
+    pg_dsn: str,  # noqa: F811 - the fixture
+) -> None:
+    """A refused value is not an outage: the same write would be refused for good, so the
+    end goes once more without the job's own words, and is given up after that."""
+    config = load_config(
+        None,
+        {
+            "state_dir": str(tmp_path / "state"),
+            "engine_dir": str(tmp_path / "engine"),
+            "dest_roots": [str(tmp_path / "roots")],
+            "store": pg_dsn,
+        },
+    )
+    manager = fleet.FleetManager(config, Metrics())
+    writes: list[tuple[str | None, object]] = []
+
+    class Refusing:
+        def __init__(self, refusals: int) -> None:
+            self.refusals = refusals
+
+        async def finish(self, job: Job, fence: int, outcome: str, backoff: float) -> bool:
+            writes.append((job.error, job.result))
+            if len(writes) <= self.refusals:
+                raise InternalError("job store refused a value: test")
+            return True
+
+    def end(refusals: int) -> bool:
+        writes.clear()
+        manager.store = Refusing(refusals)  # type: ignore[assignment]
+        job = Job(id=new_job_id(), sandbox="s", uri="local:/ws", dest="/roots/s", trigger="api")
+        job.state, job.error, job.result = "failed", "words", {"error": "words"}
+        return asyncio.run(manager._record(fleet._Run(job=job, fence=1), "failed", 0.0))
+
+    assert end(1) is True
+    assert writes[0] == ("words", {"error": "words"}) and writes[1][1] is None
+    assert writes[1][0] is not None and "refused" in writes[1][0]
+    assert end(5) is False and len(writes) == 2

@@ -563,3 +563,31 @@ def test_a_cloudflare_error_answer_reaches_the_message_printable() -> None:
     err = asyncio.run(main())
     assert err is not None and "owned" in str(err), err
     assert not any(c in str(err) for c in "\x1b\x07\r"), repr(str(err))
+
+
+def test_a_status_sent_a_byte_a_message_is_parsed_a_few_times_at_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A split Status was parsed again at every message: 64 KiB sent a byte at a time held
+    the loop for seconds (quadratic).  A status split where a piece ends an object still
+    parses."""
+    parses: list[int] = []
+    real = kp.parse_status
+
+    def counted(payload: bytes) -> kp.Status:
+        parses.append(len(payload))
+        return real(payload)
+
+    monkeypatch.setattr(kp, "parse_status", counted)
+    flood = kp.ExecCollector(1 << 20, "v5.channel.k8s.io")
+    for _ in range(4000):
+        flood.feed(b"\x03{")
+        flood.feed(b"\x03}")
+    assert len(parses) <= 8 and flood.status is None
+    split = kp.ExecCollector(1 << 20, "v5.channel.k8s.io")
+    split.feed(b'\x03{"status": ')
+    split.feed(b'\x03"Success"}')
+    assert split.status is not None and split.status.exit_code == 0
+    odd = kp.ExecCollector(1 << 20, "v5.channel.k8s.io")
+    odd.feed(b"\x03" + json.dumps({"status": "Failure", "reason": EVIL, "message": EVIL}).encode())
+    assert not any(c in note for note in odd.result().notes for c in "\x1b\x07\r\n")

@@ -211,3 +211,57 @@ def test_known_hosts_file_is_the_only_trust(sshd: SshdServer, client: str, tmp_p
     transport = ssh_transport(sshd, client, known_hosts=str(empty), ssh_config=str(config))
     with pytest.raises(SandboxUnreachable, match="host key"):
         asyncio.run(exec_once(transport, "true"))
+
+
+EVIL = "\x1b]0;owned\x07\x1b[2Jwsync: pull\x00 complete\r\n"
+
+
+@pytest.mark.parametrize("mode", ["disconnect", "noauth", "channel"])
+def test_a_hostile_sshds_words_reach_the_error_printable(tmp_path: Path, mode: str) -> None:
+    """The sshd may be the guest's: its DISCONNECT reason and a refused channel's reached
+    the error (and the terminal) with their escapes and NULs (found by review)."""
+    import asyncssh
+
+    host_key = asyncssh.generate_private_key("ssh-ed25519")
+    client_key = asyncssh.generate_private_key("ssh-ed25519")
+    client_key.write_private_key(tmp_path / "id")
+
+    class Server(asyncssh.SSHServer):
+        def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
+            self.conn = conn
+
+        def begin_auth(self, username: str) -> bool:
+            if mode == "disconnect":
+                self.conn.disconnect(asyncssh.DISC_BY_APPLICATION, EVIL)
+            elif mode == "noauth":
+                self.conn.disconnect(asyncssh.DISC_NO_MORE_AUTH_METHODS_AVAILABLE, EVIL)
+            return False
+
+        def session_requested(self) -> bool:
+            raise asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, EVIL)
+
+    async def main() -> BaseException | None:
+        server = await asyncssh.create_server(Server, "127.0.0.1", 0, server_host_keys=[host_key])
+        port = server.sockets[0].getsockname()[1]
+        key = host_key.export_public_key().decode()
+        (tmp_path / "kh").write_text(f"[127.0.0.1]:{port} {key}")
+        transport = SshTransport(
+            "127.0.0.1",
+            port=port,
+            user="u",
+            ssh_key=str(tmp_path / "id"),
+            known_hosts=str(tmp_path / "kh"),
+            ssh_config="none",
+        )
+        try:
+            await transport.exec(["true"], timeout=20)
+        except Exception as err:  # the test looks at what came out
+            return err
+        finally:
+            await transport.aclose()
+            server.close()
+        return None
+
+    err = asyncio.run(main())
+    assert err is not None and "owned" in str(err), err
+    assert not any(c in str(err) for c in "\x1b\x07\x00\r\n"), repr(str(err))

@@ -608,6 +608,15 @@ class FleetManager:
                 log.warning("store.record_retry", error=str(err), retry_in=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX)
+            except WsyncError as err:
+                # the store refused a value of the record (not an outage): the same write
+                # would be refused for good, so the job's end goes once more without its
+                # words (and is lost, the lease left to expire, if even that is refused)
+                log.error("store.record_refused", job_id=run.job.id, error=str(err))
+                if run.job.result is None and not run.job.progress:
+                    return False
+                run.job.progress, run.job.result = {}, None
+                run.job.error = "the job store refused this job's error text; see the log"
         if not ok:
             self.metrics.fenced.inc()
             log.warning("fence.refused", job_id=run.job.id, fence=run.fence)

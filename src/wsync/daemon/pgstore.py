@@ -137,8 +137,22 @@ def _job(row: Mapping[str, Any]) -> Job:
     )
 
 
+def storable(value: Any) -> Any:
+    """``value`` as PostgreSQL's text and jsonb can hold it: without NUL, and without the
+    surrogates a name that is not UTF-8 decodes to, each shown escaped.  A job's error and
+    result may quote what a guest or server said, and a value the store refuses would have
+    its final write retried for good."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(v) for v in value]
+    return value
+
+
 def _jsonb(value: Any) -> str | None:
-    return None if value is None else json.dumps(value, sort_keys=True)
+    return None if value is None else json.dumps(storable(value), sort_keys=True)
 
 
 class StoreDown(StoreUnavailable):
@@ -438,7 +452,7 @@ FOR UPDATE OF j SKIP LOCKED
                         job.finished_at,
                         _jsonb(job.progress) or "{}",
                         _jsonb(job.result),
-                        job.error,
+                        storable(job.error),
                         job.error_kind,
                         job.exit_code,
                         release,
@@ -457,6 +471,9 @@ FOR UPDATE OF j SKIP LOCKED
                     (outcome if ok else "fenced", job.id, fence, not ok),
                 )
                 return ok
+        except psycopg.errors.DataError as err:
+            # the store is up and refused a value: retrying the same write cannot help
+            raise InternalError(f"job store refused a value: {_say(err)}") from None
         except psycopg.Error as err:
             raise StoreDown(_say(err)) from None
         except Exception as err:

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from wsync.errors import ProtocolError, UsageError
+from wsync.protocol.records import printable
 from wsync.transports.base import ExecResult
 
 STDIN = 0
@@ -314,6 +315,10 @@ def encode_status(exit_code: int | str | None, *, reason: str | None = None) -> 
 # ---------------------------------------------------------------------- collector
 
 
+#: parses of a split channel-3 status at most (see ExecCollector.feed)
+_STATUS_TRIES = 8
+
+
 class ExecCollector:
     """One exec's messages → an :class:`ExecResult`, honestly.
 
@@ -328,6 +333,7 @@ class ExecCollector:
         self.protocol = protocol
         self._out: dict[int, bytearray] = {STDOUT: bytearray(), STDERR: bytearray()}
         self._status_buf = bytearray()
+        self._status_tries = 0
         self.status: Status | None = None
         self.truncated = False
         self._notes: list[str] = []
@@ -363,9 +369,13 @@ class ExecCollector:
             if len(self._status_buf) > 64 * 1024:
                 raise ProtocolError("channel-3 status over 64 KiB")
             # the kubelet writes the Status in one message, but a split one is
-            # parsed once whole; whatever never parses stays "no status"
-            with contextlib.suppress(ProtocolError):
-                self._end_status()
+            # parsed once whole; whatever never parses stays "no status".  Tried where a
+            # piece ends an object, a few times at most: a status sent a byte a message
+            # was parsed again at each (64 KiB of nesting held the loop for 17 s)
+            if self._status_tries < _STATUS_TRIES and frame.data.rstrip().endswith(b"}"):
+                self._status_tries += 1
+                with contextlib.suppress(ProtocolError):
+                    self._end_status()
         elif frame.channel in (STDIN, RESIZE):
             raise ProtocolError(f"server sent data on channel {frame.channel}")
         return frame
@@ -374,7 +384,8 @@ class ExecCollector:
         if self.status is None and self._status_buf:
             self.status = parse_status(bytes(self._status_buf))
             if self.status.exit_code is None:
-                self.note(f"status {self.status.reason}: {self.status.message:.120}")
+                said = printable(f"{self.status.reason}: {self.status.message}", 140)
+                self.note(f"status {said}")
 
     def closed(self, code: int | None, *, clean: bool) -> None:
         if not self.exited and self._status_buf:

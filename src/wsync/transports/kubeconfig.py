@@ -217,7 +217,8 @@ def load(options: Mapping[str, Any]) -> KubeTarget:
 
     # kubectl's own rules: a YAML boolean only (``"false"`` is a string, and true to
     # Python), and never beside a CA (which one was meant?)
-    insecure = cluster.body.get("insecure-skip-tls-verify") or False  # null: unset
+    insecure = cluster.body.get("insecure-skip-tls-verify")
+    insecure = False if insecure is None else insecure  # left empty (null): unset
     if not isinstance(insecure, bool):
         raise UsageError(
             f"cluster {cluster_name!r}: insecure-skip-tls-verify must be true or false, "

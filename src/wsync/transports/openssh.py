@@ -50,6 +50,7 @@ from wsync.errors import (
     TransportTimeout,
     UsageError,
 )
+from wsync.protocol.records import printable
 from wsync.transports.base import DEFAULT_MAX_OUTPUT, Channel, ExecResult
 from wsync.transports.local import LocalTransport
 from wsync.transports.sshcommand import (
@@ -294,7 +295,8 @@ class OpensshTransport(SshTransportBase):
         """The master's failure as wsync's error (see the module docstring)."""
         desc = self.description
         text = master.messages()
-        last = text.splitlines()[-1] if text else "no answer"
+        # ssh(1) sanitises a server's words itself; printable all the same
+        last = printable(text.splitlines()[-1], 300) if text else "no answer"
         low = text.lower()
         if "host key verification failed" in low or "host identification has changed" in low:
             port = self.port or 22

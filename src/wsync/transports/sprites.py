@@ -52,6 +52,7 @@ from wsync.errors import (
     TransportTimeout,
     UsageError,
 )
+from wsync.protocol.records import printable
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
     Capabilities,
@@ -273,7 +274,9 @@ class SpritesTransport(Transport):
                 except ProtocolError as err:
                     raise TransportError(f"{self.description}: {err}") from None
                 if isinstance(frame, Control):
-                    log.debug("sprites %s: %s message ignored", self.name, frame.type)
+                    log.debug(
+                        "sprites %s: %s message ignored", self.name, printable(frame.type, 40)
+                    )
         finally:
             if sender is not None:
                 sender.cancel()

@@ -45,6 +45,7 @@ from wsync.errors import (
     TransportTimeout,
     UsageError,
 )
+from wsync.protocol.records import printable
 from wsync.transports.base import (
     DEFAULT_MAX_OUTPUT,
     BoundedBuffer,
@@ -257,13 +258,13 @@ class SshTransport(SshTransportBase):
             port = self.port or 22
             scan = f"ssh-keyscan -p {port} {shlex.quote(self.host)} >> ~/.ssh/known_hosts"
             raise SandboxUnreachable(
-                f"{desc}: host key not verified ({exc.reason}); if you trust this host, "
+                f"{desc}: host key not verified ({_reason(exc)}); if you trust this host, "
                 f"record its key (`{scan}`) or pass --known-hosts FILE"
             ) from None
         except asyncssh.PermissionDenied as exc:
             tried = f"key {self._ssh_key}" if self._ssh_key else "default keys and agent"
             raise AuthFailed(
-                f"{desc}: authentication failed ({exc.reason}; tried {tried}); "
+                f"{desc}: authentication failed ({_reason(exc)}; tried {tried}); "
                 "check the user name and pass --ssh-key PATH"
             ) from None
         except asyncssh.ConfigParseError as exc:
@@ -414,6 +415,8 @@ class SshTransport(SshTransportBase):
 def _reason(exc: BaseException) -> str:
     """A short, secret-free description of a foreign exception."""
     if isinstance(exc, asyncssh.DisconnectError | asyncssh.ChannelOpenError):
-        return exc.reason or type(exc).__name__
-    text = str(exc)
+        # the server's own words (a DISCONNECT's, a refused channel's): the sshd may be
+        # the guest's, and its text reaches the terminal printable
+        return printable(exc.reason, 200) or type(exc).__name__
+    text = printable(str(exc), 300)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
