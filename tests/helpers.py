@@ -288,3 +288,16 @@ def counting_cleanups(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, ...]]:
 
     monkeypatch.setattr(GuestSession, "cleanup", counting)
     return calls
+
+
+async def exec_error(transport: Transport, server: asyncio.AbstractServer) -> BaseException | None:
+    """What ``exec(["true"])`` through ``transport`` raised (None: nothing); the transport
+    and the ``server`` it talks to are closed after."""
+    try:
+        await transport.exec(["true"], timeout=20)
+    except Exception as err:  # the caller looks at what came out
+        return err
+    finally:
+        await transport.aclose()
+        server.close()
+    return None

@@ -120,6 +120,20 @@ def test_a_cancel_that_came_while_the_job_was_handed_back_reaches_the_next_owner
     assert asyncio.run(run())
 
 
+def idle_manager(tmp_path: Path, dsn: str) -> fleet.FleetManager:
+    """A fleet daemon's manager, not started (its store is replaced by a test's stub)."""
+    config = load_config(
+        None,
+        {
+            "state_dir": str(tmp_path / "state"),
+            "engine_dir": str(tmp_path / "engine"),
+            "dest_roots": [str(tmp_path / "roots")],
+            "store": dsn,
+        },
+    )
+    return fleet.FleetManager(config, Metrics())
+
+
 def test_a_renewal_the_store_refuses_does_not_end_the_renewals(
     tmp_path: Path,
     pg_dsn: str,  # noqa: F811 - the fixture
@@ -130,16 +144,7 @@ def test_a_renewal_the_store_refuses_does_not_end_the_renewals(
     Before, the error ended the renew loop, and every lease the daemon held ran out under
     its running pulls, each then fenced at its swap."""
     monkeypatch.setattr(fleet, "RENEW_EVERY", 0.05)
-    config = load_config(
-        None,
-        {
-            "state_dir": str(tmp_path / "state"),
-            "engine_dir": str(tmp_path / "engine"),
-            "dest_roots": [str(tmp_path / "roots")],
-            "store": pg_dsn,
-        },
-    )
-    manager = fleet.FleetManager(config, Metrics())
+    manager = idle_manager(tmp_path, pg_dsn)
     asks: list[object] = []
 
     class Refusing:
@@ -208,16 +213,7 @@ def test_a_job_end_the_store_refuses_is_written_once_more_without_its_words(
 ) -> None:
     """A refused value is not an outage: the same write would be refused for good, so the
     end goes once more without the job's own words, and is given up after that."""
-    config = load_config(
-        None,
-        {
-            "state_dir": str(tmp_path / "state"),
-            "engine_dir": str(tmp_path / "engine"),
-            "dest_roots": [str(tmp_path / "roots")],
-            "store": pg_dsn,
-        },
-    )
-    manager = fleet.FleetManager(config, Metrics())
+    manager = idle_manager(tmp_path, pg_dsn)
     writes: list[tuple[str | None, object]] = []
 
     class Refusing:

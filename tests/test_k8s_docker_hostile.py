@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
+from helpers import exec_error
 from wsync.emulators.k8s_pki import ThrowawayCA
 from wsync.errors import ProtocolError, SandboxUnreachable, TransportError, UsageError
 from wsync.transports import docker_protocol, e2b_protocol
@@ -551,14 +552,7 @@ def test_a_cloudflare_error_answer_reaches_the_message_printable() -> None:
     async def main() -> BaseException | None:
         server, port = await serve(handler)
         transport = CloudflareTransport("sb", token="t" * 20, base_url=f"http://127.0.0.1:{port}")
-        try:
-            await transport.exec(["true"], timeout=10)
-        except Exception as err:  # the test looks at what came out
-            return err
-        finally:
-            await transport.aclose()
-            server.close()
-        return None
+        return await exec_error(transport, server)
 
     err = asyncio.run(main())
     assert err is not None and "owned" in str(err), err

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from conftest import ProcessWatch, start_sshd
+from helpers import exec_error
 from wsync.errors import AuthFailed, SandboxUnreachable, TransportError, TransportTimeout
 from wsync.testing.sshd import SshdServer, write_keypair
 from wsync.transports.base import Transport
@@ -253,14 +254,7 @@ def test_a_hostile_sshds_words_reach_the_error_printable(tmp_path: Path, mode: s
             known_hosts=str(tmp_path / "kh"),
             ssh_config="none",
         )
-        try:
-            await transport.exec(["true"], timeout=20)
-        except Exception as err:  # the test looks at what came out
-            return err
-        finally:
-            await transport.aclose()
-            server.close()
-        return None
+        return await exec_error(transport, server)
 
     err = asyncio.run(main())
     assert err is not None and "owned" in str(err), err
