@@ -353,3 +353,44 @@ def test_a_stream_error_that_is_no_http_error_is_the_channels_said_reason() -> N
         return ""
 
     assert "StreamClosed" in asyncio.run(main())
+
+
+def test_envds_end_status_reaches_the_channels_reason_printable() -> None:
+    """envd runs in the sandbox: the status of its ``end`` event reached the channel's
+    reason (and logs) with terminal escapes (found by review)."""
+    import httpx
+
+    from wsync.transports import e2b_protocol as ep
+
+    evil = "\x1b]0;owned\x07\x1b[2J\rfake: ok"
+
+    class Ends(httpx.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            yield ep.encode_event(ep.Start(pid=7))
+            yield ep.encode_event(ep.End(exit_code=0, exited=True, status=evil))
+
+    async def main() -> str:
+        async def never(*_: object) -> tuple[int, bytes]:
+            raise AssertionError("no request goes out")
+
+        channel = e2b_channel.E2BChannel(
+            httpx.Response(200, stream=Ends()),
+            "e2b://sb",
+            tag="t",
+            unary=never,
+            stop=lambda pid, tag, abort: None,
+            stall_timeout=10,
+        )
+        try:
+            await channel.started()
+            while await channel.receive(10):
+                pass
+        except TransportError as err:
+            return str(err)
+        finally:
+            await channel.aclose()
+        return ""
+
+    said = asyncio.run(main())
+    assert "the command ended" in said and "owned" in said, said
+    assert not any(c in said for c in "\x1b\x07\r"), repr(said)

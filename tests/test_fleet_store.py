@@ -9,6 +9,7 @@ arrange; here several stores (each its own pool and owner, as daemons are) call
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -176,6 +177,22 @@ def test_a_renewal_the_store_refuses_does_not_end_the_renewals(
     assert run.confirmed > 0.0 and not run.lost
 
 
+async def ended_job(dsn: str, end: Callable[[Job], object]) -> Job | None:
+    """A job submitted, claimed, given its end by ``end`` and finished in the store at
+    ``dsn``; the job as the store gives it back."""
+    store = PgStore(dsn, new_owner_id(), 10.0)
+    await store.open()
+    try:
+        await store.submit(Job(id=new_job_id(), sandbox="box", uri="local:/ws", dest="/r/box"))
+        claimed = await store.claim(["/r"], ["box"], False, {}, 1, 0)
+        assert claimed is not None
+        end(claimed.job)
+        assert await store.finish(claimed.job, claimed.fence, claimed.job.state)
+        return await store.get(claimed.job.id)
+    finally:
+        await store.close()
+
+
 def test_a_job_end_quoting_a_nul_or_a_name_not_utf8_is_recorded(
     pg_dsn: str,  # noqa: F811 - the fixture
 ) -> None:
@@ -183,24 +200,13 @@ def test_a_job_end_quoting_a_nul_or_a_name_not_utf8_is_recorded(
     quote a hostile sshd's words or a file name that is not UTF-8: the final write was
     refused as an outage, retried for good, and the job's lease ran out (found by review)."""
 
-    async def run() -> Job | None:
-        store = PgStore(pg_dsn, new_owner_id(), 10.0)
-        await store.open()
-        try:
-            await store.submit(Job(id=new_job_id(), sandbox="box", uri="local:/ws", dest="/r/box"))
-            claimed = await store.claim(["/r"], ["box"], False, {}, 1, 0)
-            assert claimed is not None
-            job = claimed.job
-            job.state, job.error_kind, job.exit_code = "failed", "transport", 3
-            job.error = "ssh handshake failed: a\x00b"
-            job.result = {"warnings": ["kept \udcff.txt"], "k\x00": 1}
-            job.progress = {"phase": "pull\x00"}
-            assert await store.finish(job, claimed.fence, "failed")
-            return await store.get(job.id)
-        finally:
-            await store.close()
+    def end(job: Job) -> None:
+        job.state, job.error_kind, job.exit_code = "failed", "transport", 3
+        job.error = "ssh handshake failed: a\x00b"
+        job.result = {"warnings": ["kept \udcff.txt"], "k\x00": 1}
+        job.progress = {"phase": "pull\x00"}
 
-    stored = asyncio.run(run())
+    stored = asyncio.run(ended_job(pg_dsn, end))
     assert stored is not None and stored.state == "failed"
     assert stored.error == "ssh handshake failed: a\\x00b"
     assert stored.result == {"warnings": ["kept \\udcff.txt"], "k\\x00": 1}
@@ -237,3 +243,46 @@ def test_a_job_end_the_store_refuses_is_written_once_more_without_its_words(
     assert writes[0] == ("words", {"error": "words"}) and writes[1][1] is None
     assert writes[1][0] is not None and "refused" in writes[1][0]
     assert end(5) is False and len(writes) == 2
+
+
+def test_both_stores_give_a_job_with_odd_text_back_alike(
+    tmp_path: Path,
+    pg_dsn: str,  # noqa: F811 - the fixture
+) -> None:
+    """The single daemon's SQLite store kept a NUL raw and could not save a lone surrogate
+    in a job's error (the job's task died, its row left running); the fleet's escapes
+    both.  Both escape now, alike (found by review)."""
+    from wsync.daemon.store import JobStore
+
+    def odd(job: Job) -> Job:
+        job.state, job.error_kind, job.exit_code = "failed", "transport", 3
+        job.error = "a\x00b \udcff"
+        job.result = {"warnings": ["kept \udcff.txt"]}
+        return job
+
+    single = JobStore(tmp_path / "jobs.sqlite")
+    try:
+        job = Job(id=new_job_id(), sandbox="box", uri="local:/ws", dest="/r/box")
+        single.insert(job)
+        single.save(odd(job))
+        from_single = single.get(job.id)
+    finally:
+        single.close()
+
+    from_fleet = asyncio.run(ended_job(pg_dsn, odd))
+    assert from_single is not None and from_fleet is not None
+    assert from_single.error == from_fleet.error == "a\\x00b \\udcff"
+    assert from_single.result == from_fleet.result == {"warnings": ["kept \\udcff.txt"]}
+
+
+def test_a_job_end_that_is_no_json_is_a_refused_value_not_an_outage(
+    pg_dsn: str,  # noqa: F811 - the fixture
+) -> None:
+    """A TypeError of ``json.dumps`` was taken for an outage: retried for good."""
+
+    def end(job: Job) -> None:
+        job.state, job.result = "succeeded", {"raw": b"bytes"}
+
+    with pytest.raises(InternalError) as info:
+        asyncio.run(ended_job(pg_dsn, end))
+    assert not isinstance(info.value, StoreDown)

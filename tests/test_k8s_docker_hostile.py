@@ -585,3 +585,18 @@ def test_a_status_sent_a_byte_a_message_is_parsed_a_few_times_at_most(
     odd = kp.ExecCollector(1 << 20, "v5.channel.k8s.io")
     odd.feed(b"\x03" + json.dumps({"status": "Failure", "reason": EVIL, "message": EVIL}).encode())
     assert not any(c in note for note in odd.result().notes for c in "\x1b\x07\r\n")
+
+
+def test_a_status_split_past_the_tries_is_parsed_once_more_at_close() -> None:
+    """A Status sent a byte a message whose text holds more braces than the tries: the
+    close parses it whole once more (found by review)."""
+    status = json.dumps(
+        {"status": "Failure", "reason": "NonZeroExitCode", "message": "sh: {" * 20 + "}" * 20,
+         "details": {"causes": [{"reason": "ExitCode", "message": "3"}]}}
+    ).encode()  # fmt: skip
+    collector = kp.ExecCollector(1 << 20, "v5.channel.k8s.io")
+    for i in range(len(status)):
+        collector.feed(b"\x03" + status[i : i + 1])
+    assert collector.status is None
+    collector.closed(1000, clean=True)
+    assert collector.status is not None and collector.status.exit_code == 3

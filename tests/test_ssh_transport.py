@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -217,15 +218,40 @@ def test_known_hosts_file_is_the_only_trust(sshd: SshdServer, client: str, tmp_p
 EVIL = "\x1b]0;owned\x07\x1b[2Jwsync: pull\x00 complete\r\n"
 
 
+def against_sshd(
+    tmp_path: Path, server: Callable[[], Any], transport: type[SshTransport | OpensshTransport]
+) -> BaseException | None:
+    """What ``exec(["true"])`` raised through ``transport`` against an asyncssh server
+    (``server`` makes its ``SSHServer``) whose host key the client knows."""
+    import asyncssh
+
+    host_key = asyncssh.generate_private_key("ssh-ed25519")
+    asyncssh.generate_private_key("ssh-ed25519").write_private_key(tmp_path / "id")
+    (tmp_path / "id").chmod(0o600)
+
+    async def main() -> BaseException | None:
+        sshd = await asyncssh.create_server(server, "127.0.0.1", 0, server_host_keys=[host_key])
+        port = sshd.sockets[0].getsockname()[1]
+        key = host_key.export_public_key().decode()
+        (tmp_path / "kh").write_text(f"[127.0.0.1]:{port} {key}")
+        client = transport(
+            "127.0.0.1",
+            port=port,
+            user="u",
+            ssh_key=str(tmp_path / "id"),
+            known_hosts=str(tmp_path / "kh"),
+            ssh_config="none",
+        )
+        return await exec_error(client, sshd)
+
+    return asyncio.run(main())
+
+
 @pytest.mark.parametrize("mode", ["disconnect", "noauth", "channel"])
 def test_a_hostile_sshds_words_reach_the_error_printable(tmp_path: Path, mode: str) -> None:
     """The sshd may be the guest's: its DISCONNECT reason and a refused channel's reached
     the error (and the terminal) with their escapes and NULs (found by review)."""
     import asyncssh
-
-    host_key = asyncssh.generate_private_key("ssh-ed25519")
-    client_key = asyncssh.generate_private_key("ssh-ed25519")
-    client_key.write_private_key(tmp_path / "id")
 
     class Server(asyncssh.SSHServer):
         def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
@@ -241,21 +267,24 @@ def test_a_hostile_sshds_words_reach_the_error_printable(tmp_path: Path, mode: s
         def session_requested(self) -> bool:
             raise asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, EVIL)
 
-    async def main() -> BaseException | None:
-        server = await asyncssh.create_server(Server, "127.0.0.1", 0, server_host_keys=[host_key])
-        port = server.sockets[0].getsockname()[1]
-        key = host_key.export_public_key().decode()
-        (tmp_path / "kh").write_text(f"[127.0.0.1]:{port} {key}")
-        transport = SshTransport(
-            "127.0.0.1",
-            port=port,
-            user="u",
-            ssh_key=str(tmp_path / "id"),
-            known_hosts=str(tmp_path / "kh"),
-            ssh_config="none",
-        )
-        return await exec_error(transport, server)
-
-    err = asyncio.run(main())
+    err = against_sshd(tmp_path, Server, SshTransport)
     assert err is not None and "owned" in str(err), err
     assert not any(c in str(err) for c in "\x1b\x07\x00\r\n"), repr(str(err))
+
+
+def test_a_disconnect_reason_does_not_choose_the_openssh_error(tmp_path: Path) -> None:
+    """ssh(1) logs the server's DISCONNECT reason as it came: one saying "Host key
+    verification failed" made a lost connection a host-key refusal (never retried, with
+    wrong advice; found by review)."""
+    import asyncssh
+
+    class Server(asyncssh.SSHServer):
+        def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
+            self.conn = conn
+
+        def begin_auth(self, username: str) -> bool:
+            self.conn.disconnect(asyncssh.DISC_BY_APPLICATION, "Host key verification failed.")
+            return False
+
+    err = against_sshd(tmp_path, Server, OpensshTransport)
+    assert isinstance(err, SandboxUnreachable) and "host key not verified" not in str(err), err

@@ -616,7 +616,8 @@ class FleetManager:
                 if run.job.result is None and not run.job.progress:
                     return False
                 run.job.progress, run.job.result = {}, None
-                run.job.error = "the job store refused this job's error text; see the log"
+                if run.job.error:
+                    run.job.error = "the job store refused this job's error; see the daemon's log"
         if not ok:
             self.metrics.fenced.inc()
             log.warning("fence.refused", job_id=run.job.id, fence=run.fence)

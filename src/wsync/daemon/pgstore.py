@@ -49,7 +49,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 from psycopg_pool.base import AttemptWithBackoff
 
-from wsync.daemon.store import STATES, Job, StoreUnavailable
+from wsync.daemon.store import STATES, Job, StoreUnavailable, storable
 from wsync.errors import InternalError
 
 SCHEMA_VERSION = 1
@@ -135,20 +135,6 @@ def _job(row: Mapping[str, Any]) -> Job:
         error_kind=row["error_kind"],
         exit_code=row["exit_code"],
     )
-
-
-def storable(value: Any) -> Any:
-    """``value`` as PostgreSQL's text and jsonb can hold it: without NUL, and without the
-    surrogates a name that is not UTF-8 decodes to, each shown escaped.  A job's error and
-    result may quote what a guest or server said, and a value the store refuses would have
-    its final write retried for good."""
-    if isinstance(value, str):
-        return value.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()
-    if isinstance(value, dict):
-        return {storable(k): storable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [storable(v) for v in value]
-    return value
 
 
 def _jsonb(value: Any) -> str | None:
@@ -471,8 +457,9 @@ FOR UPDATE OF j SKIP LOCKED
                     (outcome if ok else "fenced", job.id, fence, not ok),
                 )
                 return ok
-        except psycopg.errors.DataError as err:
-            # the store is up and refused a value: retrying the same write cannot help
+        except (psycopg.errors.DataError, TypeError, ValueError) as err:
+            # a value the store refused, or one that is not JSON (never up to the store):
+            # retrying the same write cannot help
             raise InternalError(f"job store refused a value: {_say(err)}") from None
         except psycopg.Error as err:
             raise StoreDown(_say(err)) from None

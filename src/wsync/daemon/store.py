@@ -112,6 +112,21 @@ _JSON_COLUMNS = ("progress", "result")
 BUSY_TIMEOUT = 0.25
 
 
+def storable(value: Any) -> Any:
+    """``value`` as a store can hold it: without NUL, and without the surrogates a name
+    that is not UTF-8 decodes to, each shown escaped (PostgreSQL's text and jsonb hold
+    neither, SQLite's text no surrogate).  A job's error and result may quote what a guest
+    or server said; a value the store refuses would have its final write retried for good,
+    and both stores give the same job back alike."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode()
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(v) for v in value]
+    return value
+
+
 class JobStore:
     """A small synchronous DAO used only from the daemon's event-loop thread."""
 
@@ -141,7 +156,7 @@ class JobStore:
     def _params(self, job: Job) -> list[Any]:
         out: list[Any] = []
         for name in _COLUMNS:
-            value = getattr(job, name)
+            value = storable(getattr(job, name))
             if name in _JSON_COLUMNS and value is not None:
                 value = json.dumps(value, sort_keys=True)
             out.append(value)

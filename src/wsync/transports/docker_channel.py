@@ -26,6 +26,7 @@ import contextlib
 from collections.abc import Callable
 
 from wsync.errors import ProtocolError, TransportError
+from wsync.protocol.records import printable
 from wsync.transports import docker_http
 from wsync.transports.base import PumpedChannel
 from wsync.transports.docker_protocol import (
@@ -88,7 +89,7 @@ class DockerChannel(PumpedChannel):
             error = f"{type(err).__name__}: {err}"
         finally:
             if self._systemerr:
-                text = bytes(self._systemerr).decode("utf-8", "replace").strip()[:500]
+                text = printable(bytes(self._systemerr).strip(), 499)
                 error = f"daemon error: {text or '(empty)'}"
             self._inbox.end(error)
 

@@ -44,6 +44,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 
 from wsync.errors import ProtocolError, TransportError
+from wsync.protocol.records import printable
 from wsync.transports.base import PumpedChannel, error_message
 from wsync.transports.e2b_protocol import (
     SEND_INPUT_PATH,
@@ -159,7 +160,8 @@ class E2BChannel(PumpedChannel):
             elif isinstance(event, Data) and event.stream == "stdout":
                 self._inbox.feed(event.data)
             elif isinstance(event, End):
-                raise ProtocolError(f"the command ended ({event.status or 'no status'})")
+                said = printable(event.status, 60) if event.status else "no status"
+                raise ProtocolError(f"the command ended ({said})")
 
     async def _read(self, chunks: AsyncIterator[bytes]) -> None:
         """Events → the inbox until the stream ends, breaks or stalls."""

@@ -202,7 +202,7 @@ def decode_event(message: bytes) -> Event:
         raise ProtocolError("message without exactly one event")
     ((kind, body),) = event.items()
     if not isinstance(body, dict):
-        raise ProtocolError(f"{kind} event is not an object")
+        raise ProtocolError(f"{printable(kind, 40)} event is not an object")
     if kind == "start":
         return Start(_int(body.get("pid", 0), "pid", 0, 2**32 - 1))
     if kind == "data":

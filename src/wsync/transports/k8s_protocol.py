@@ -389,6 +389,10 @@ class ExecCollector:
 
     def closed(self, code: int | None, *, clean: bool) -> None:
         if not self.exited and self._status_buf:
+            # once more, whole: a status split past the tries (see feed) still counts
+            with contextlib.suppress(ProtocolError):
+                self._end_status()
+        if not self.exited and self._status_buf:
             self.note(f"unparsable status {bytes(self._status_buf)!r:.80}")
         elif not self.exited:
             self.note(f"closed without a status (code {code})")

@@ -169,6 +169,10 @@ class _OpensshChannel(Channel):
             await self._transport._reap(self._marker)
 
 
+#: the lines of ssh(1)'s log that carry the server's own text
+_SERVER_SAID = ("Received disconnect from", "Disconnected from")
+
+
 class OpensshTransport(SshTransportBase):
     """Exec through one OpenSSH master connection (see the module docstring)."""
 
@@ -297,7 +301,12 @@ class OpensshTransport(SshTransportBase):
         text = master.messages()
         # ssh(1) sanitises a server's words itself; printable all the same
         last = printable(text.splitlines()[-1], 300) if text else "no answer"
-        low = text.lower()
+        # ssh(1)'s own words decide, not the server's: a DISCONNECT's reason, which ssh
+        # logs as it came, could say "Permission denied (" or "Host key verification
+        # failed" and make a lost connection look like a refused key, never retried
+        low = "\n".join(
+            line for line in text.splitlines() if not line.startswith(_SERVER_SAID)
+        ).lower()
         if "host key verification failed" in low or "host identification has changed" in low:
             port = self.port or 22
             scan = f"ssh-keyscan -p {port} {shlex.quote(self.host)} >> ~/.ssh/known_hosts"
