@@ -326,6 +326,19 @@ def test_a_dest_in_a_symlink_loop_is_forbidden_not_a_crash(tmp_path: Path) -> No
         check_dest(str(roots / "loop" / "x"), [roots])
 
 
+def test_a_dest_resolving_to_a_name_not_utf8_is_forbidden_not_a_crash(tmp_path: Path) -> None:
+    """A link in a root leading to a name that is not UTF-8: no job store holds it exactly,
+    and the store's UnicodeEncodeError was a bare 500 and the end of a schedule (found by
+    a review)."""
+    roots = tmp_path / "roots"
+    roots.mkdir()
+    odd = os.fsdecode(bytes(roots) + b"/odd-\xff")
+    os.mkdir(odd)
+    (roots / "link").symlink_to(odd)
+    with pytest.raises(DestForbidden, match="not UTF-8"):
+        check_dest(str(roots / "link" / "x"), [roots])
+
+
 # -- a source another user owns is read as that user -------------------------
 
 

@@ -272,10 +272,14 @@ def test_a_hostile_sshds_words_reach_the_error_printable(tmp_path: Path, mode: s
     assert not any(c in str(err) for c in "\x1b\x07\x00\r\n"), repr(str(err))
 
 
-def test_a_disconnect_reason_does_not_choose_the_openssh_error(tmp_path: Path) -> None:
-    """ssh(1) logs the server's DISCONNECT reason as it came: one saying "Host key
-    verification failed" made a lost connection a host-key refusal (never retried, with
-    wrong advice; found by review)."""
+@pytest.mark.parametrize(
+    "reason", ["Host key verification failed.", "x\nHost key verification failed."]
+)
+def test_a_disconnect_reason_does_not_choose_the_openssh_error(tmp_path: Path, reason: str) -> None:
+    """ssh(1) logs the server's DISCONNECT reason as it came, newlines too: one saying
+    "Host key verification failed" made a lost connection a host-key refusal (never
+    retried, with wrong advice; found by review, and the first fix's line filter by the
+    next one)."""
     import asyncssh
 
     class Server(asyncssh.SSHServer):
@@ -283,8 +287,29 @@ def test_a_disconnect_reason_does_not_choose_the_openssh_error(tmp_path: Path) -
             self.conn = conn
 
         def begin_auth(self, username: str) -> bool:
-            self.conn.disconnect(asyncssh.DISC_BY_APPLICATION, "Host key verification failed.")
+            self.conn.disconnect(asyncssh.DISC_BY_APPLICATION, reason)
             return False
 
     err = against_sshd(tmp_path, Server, OpensshTransport)
     assert isinstance(err, SandboxUnreachable) and "host key not verified" not in str(err), err
+
+
+def test_too_many_authentication_failures_is_a_refused_key_through_openssh(
+    tmp_path: Path,
+) -> None:
+    """sshd says it only in its DISCONNECT (an agent of many keys meets it first): the
+    first fix, which left the server's lines out, made it "cannot connect"."""
+    wrong = tmp_path / "wrong_id"
+    write_keypair(wrong)
+    with SshdServer(tmp_path / "sshd", extra_config=["MaxAuthTries 1"]) as sshd:
+        options = {**sshd.transport_options(), "ssh_key": str(wrong)}
+        transport = OpensshTransport.from_uri(parse(sshd.uri(str(tmp_path))), options)
+
+        async def main() -> None:
+            try:
+                await transport.exec(["true"], timeout=30)
+            finally:
+                await transport.aclose()
+
+        with pytest.raises(AuthFailed, match="authentication failed"):
+            asyncio.run(main())

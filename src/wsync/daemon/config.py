@@ -499,6 +499,12 @@ def check_dest(raw: str, roots: list[Path], keep_out: Sequence[Path] = ()) -> Pa
     except (RuntimeError, OSError) as err:  # a symlink loop (RuntimeError before 3.13)
         raise DestForbidden(f"dest {raw!r} cannot be resolved: {err}") from None
     refuse_reserved(resolved)  # a link in a root may name one too
+    try:
+        # a link in a root may also lead to a name that is not UTF-8, which no job store
+        # holds exactly (and which failed as an internal error, ending a schedule)
+        str(resolved).encode("utf-8")
+    except UnicodeEncodeError:
+        raise DestForbidden(f"dest {raw!r} resolves to a path that is not UTF-8") from None
     for kept in keep_out:
         if overlaps(resolved, kept.resolve(strict=False)):
             raise DestForbidden(

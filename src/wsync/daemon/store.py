@@ -102,6 +102,9 @@ class Job:
 
 _COLUMNS = [f.name for f in dataclasses.fields(Job)]
 _JSON_COLUMNS = ("progress", "result")
+#: the columns that may quote a guest's or server's words (see :func:`storable`); the
+#: others (ids, URI, DEST) were checked on the way in and are kept exactly
+_FREE_TEXT = ("error", *_JSON_COLUMNS)
 
 
 #: how long a write waits for another connection's lock (an operator's ``sqlite3`` shell
@@ -156,7 +159,9 @@ class JobStore:
     def _params(self, job: Job) -> list[Any]:
         out: list[Any] = []
         for name in _COLUMNS:
-            value = storable(getattr(job, name))
+            value = getattr(job, name)
+            if name in _FREE_TEXT:
+                value = storable(value)
             if name in _JSON_COLUMNS and value is not None:
                 value = json.dumps(value, sort_keys=True)
             out.append(value)

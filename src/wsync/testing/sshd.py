@@ -36,6 +36,7 @@ import socket
 import subprocess
 import time
 import urllib.parse
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -118,8 +119,11 @@ class SshdServer:
         start_timeout: float = 30.0,
         log_level: str = "VERBOSE",
         isolate_home: bool = True,
+        extra_config: Sequence[str] = (),
     ) -> None:
         self.workdir = Path(workdir)
+        #: more ``sshd_config`` lines (``MaxAuthTries 1``, say)
+        self.extra_config = tuple(extra_config)
         self.host = host
         self.user = pwd.getpwuid(os.getuid()).pw_name
         self.start_timeout = start_timeout
@@ -272,6 +276,7 @@ class SshdServer:
             "MaxSessions 64",
             "MaxStartups 64",
             f"LogLevel {self.log_level}",
+            *self.extra_config,
         ]
         if self.session_home is not None:
             self.session_home.mkdir(exist_ok=True)

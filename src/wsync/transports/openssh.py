@@ -301,20 +301,25 @@ class OpensshTransport(SshTransportBase):
         text = master.messages()
         # ssh(1) sanitises a server's words itself; printable all the same
         last = printable(text.splitlines()[-1], 300) if text else "no answer"
-        # ssh(1)'s own words decide, not the server's: a DISCONNECT's reason, which ssh
-        # logs as it came, could say "Permission denied (" or "Host key verification
-        # failed" and make a lost connection look like a refused key, never retried
-        low = "\n".join(
-            line for line in text.splitlines() if not line.startswith(_SERVER_SAID)
-        ).lower()
-        if "host key verification failed" in low or "host identification has changed" in low:
+        # ssh(1)'s own words decide, not the server's.  ssh logs a DISCONNECT's reason as
+        # it came (newlines too) and exits: all from its first such line is the server's.
+        # A host key is checked before anything the server says, and ssh's refusal is a
+        # line of its own; the auth methods inside "Permission denied (...)" are the
+        # server's too, so that line never tells a host key
+        lines = text.splitlines()
+        cut = next((i for i, line in enumerate(lines) if line.startswith(_SERVER_SAID)), None)
+        own = [line.strip().lower() for line in lines[:cut]]
+        low = "\n".join(own)
+        if "host key verification failed." in own or "host identification has changed" in low:
             port = self.port or 22
             scan = f"ssh-keyscan -p {port} {shlex.quote(self.host)} >> ~/.ssh/known_hosts"
             return SandboxUnreachable(
                 f"{desc}: host key not verified; if you trust this host, record its key "
                 f"(`{scan}`) or pass --known-hosts FILE"
             )
-        if "permission denied (" in low or "too many authentication failures" in low:
+        # sshd says "Too many authentication failures" only in its DISCONNECT: believed
+        # (a server that claims to refuse the key can refuse it anyway)
+        if "permission denied (" in low or "too many authentication failures" in text.lower():
             return AuthFailed(
                 f"{desc}: authentication failed ({last}); check the user name and pass "
                 "--ssh-key PATH"
