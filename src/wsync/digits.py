@@ -13,8 +13,9 @@ def ascii_digits(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-def figure(text: str) -> int | None:
+def figure(text: str | bytes) -> int | None:
     """``text`` as a count or size of at most 19 digits (what a signed 64-bit field holds),
     else None.  ``int`` of a guest's 5,000 digits raises ``ValueError`` (Python's limit on
     conversions), and ``float`` of 400 ``OverflowError``: neither is the clear error due."""
-    return int(text) if ascii_digits(text) and len(text) <= 19 else None
+    digits = text.isdigit() if isinstance(text, bytes) else ascii_digits(text)
+    return int(text) if digits and len(text) <= 19 else None

@@ -42,6 +42,7 @@ import binascii
 import dataclasses
 import enum
 
+from wsync.digits import figure
 from wsync.errors import ProtocolError
 from wsync.protocol.hashing import Algorithm
 
@@ -233,9 +234,10 @@ class EnvelopeParser:
         status, length, encoding = fields
         if status not in (b"ok", b"err") or encoding not in (b"raw", b"b64"):
             raise ProtocolError(f"bad envelope header {line[:80]!r}", "malformed")
-        if not length.isdigit() or len(length) > 19:
+        size = figure(length)
+        if size is None:
             raise ProtocolError(f"bad envelope length {length[:40]!r}", "malformed")
-        self._length = int(length)
+        self._length = size
         if self._length > self._max_length:
             raise ProtocolError(
                 f"envelope length {self._length} exceeds {self._max_length}", "oversize"

@@ -195,7 +195,7 @@ def parse_admit(payload: bytes) -> AdmitReport:
     word, *figures = payload.strip().split(b" ")
     if word not in (b"admitted", b"reconciled") or len(figures) > 2:
         raise ProtocolError(f"admit: unexpected answer {printable(payload, 60)!r}", "malformed")
-    numbers = [int(f) if f.isdigit() and len(f) <= 19 else None for f in figures]
+    numbers = [figure(f) for f in figures]
     numbers += [None] * (2 - len(numbers))
     return AdmitReport(word == b"reconciled", numbers[0], numbers[1])
 
