@@ -371,9 +371,11 @@ def test_an_exec_upgrade_is_not_redirected(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- Docker, E2B
 
 
-def test_a_docker_exec_said_to_run_still_has_no_exit_code() -> None:
-    """Podman's compatible API (and moby before 1.25) says ``ExitCode: 0`` while an exec
-    runs; after the stream's end that 0 was the command's status."""
+def docker_daemon(
+    frames: bytes, inspect: dict[str, object], held: asyncio.Event | None = None
+) -> Handler:
+    """A Docker daemon of one exec: its stream is ``frames`` (held open until ``held`` is
+    set, if given), and every inspect answers ``inspect``."""
 
     async def handler(line: str, headers: dict[str, str], writer: asyncio.StreamWriter) -> None:
         method, path, _ = line.split(" ")
@@ -382,11 +384,23 @@ def test_a_docker_exec_said_to_run_still_has_no_exit_code() -> None:
         elif path.endswith("/start"):
             writer.write(
                 b"HTTP/1.1 101 UPGRADED\r\nContent-Type: application/vnd.docker.multiplexed-"
-                b"stream\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n\r\n"
-                + encode_frame(STDOUT, b"partial\n")
+                b"stream\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n\r\n" + frames
             )
+            if held is not None:
+                await writer.drain()
+                await held.wait()
         else:
-            writer.write(answer(json.dumps({"Running": True, "ExitCode": 0, "Pid": 7}).encode()))
+            writer.write(answer(json.dumps(inspect).encode()))
+
+    return handler
+
+
+def test_a_docker_exec_said_to_run_still_has_no_exit_code() -> None:
+    """Podman's compatible API (and moby before 1.25) says ``ExitCode: 0`` while an exec
+    runs; after the stream's end that 0 was the command's status."""
+    handler = docker_daemon(
+        encode_frame(STDOUT, b"partial\n"), {"Running": True, "ExitCode": 0, "Pid": 7}
+    )
 
     async def main() -> tuple[int | None, tuple[str, ...]]:
         server, port = await serve(handler)
@@ -410,22 +424,11 @@ def test_a_docker_system_error_on_a_stream_held_open_is_the_calls_error() -> Non
     system error sent before was dropped with the held stream (an independent review's
     suspect), though the same frame on a stream that ends fails the call."""
     release = asyncio.Event()
-
-    async def handler(line: str, headers: dict[str, str], writer: asyncio.StreamWriter) -> None:
-        method, path, _ = line.split(" ")
-        if method == "POST" and path.endswith("/exec"):
-            writer.write(answer(json.dumps({"Id": "e1"}).encode(), "201 Created"))
-        elif path.endswith("/start"):
-            writer.write(
-                b"HTTP/1.1 101 UPGRADED\r\nContent-Type: application/vnd.docker.multiplexed-"
-                b"stream\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n\r\n"
-                + encode_frame(STDOUT, b"partial\n")
-                + encode_frame(SYSTEMERR, b"oci runtime exec failed")
-            )
-            await writer.drain()
-            await release.wait()  # held open
-        else:
-            writer.write(answer(json.dumps({"Running": False, "ExitCode": 0, "Pid": 7}).encode()))
+    handler = docker_daemon(
+        encode_frame(STDOUT, b"partial\n") + encode_frame(SYSTEMERR, b"oci runtime exec failed"),
+        {"Running": False, "ExitCode": 0, "Pid": 7},
+        held=release,
+    )
 
     async def main() -> BaseException | None:
         server, port = await serve(handler)
