@@ -15,6 +15,13 @@ with its rows measured in rounds interleaved and the median of ``--runs`` kept:
 * ``slowrc``: ``loopback`` and ``small`` again with a shell profile (``~/.bashrc``)
   that sleeps 100 ms, as real sandboxes' profiles take time: every exec pays it.
 
+``--floor`` adds to ``loopback`` two rows that move no byte over any link: the host side
+of the plain stream alone, ``zstd -d | tar -x`` of the same archive (made once, beforehand,
+at the stream's level) from a local file, and the same followed by ``sync -f`` (the
+durable tree that docs/design.md asks for before the swap; ``rsync`` syncs nothing).
+They are floors of every pull that receives the workspace as one tar stream (wsync's
+design), on this machine's disk and cores.
+
 Each row prints wall time, peak RSS of the host-side command tree and, for
 wsync, the execs it ran and the bytes it read (``--json``); the ratios print
 the per-round ratio's median against ``rsync`` (``-az`` on the slow links,
@@ -47,6 +54,8 @@ from wsync.treediff import diff
 
 MBIT = 1_000_000 / 8
 SCENARIOS = ("loopback", "100mbit", "20mbit", "small", "slowrc")
+#: the rows of ``--floor``
+FLOORS = ("tar -x, local file", "tar -x, local, synced")
 
 
 def stdlib_tree(root: Path, quick: bool) -> Path:
@@ -92,6 +101,11 @@ def main() -> int:
         help="add a row of wsync --ssh-client openssh (OpenSSH's client, one master)",
     )
     parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="add to loopback a row of zstd -d | tar -x from a local archive (no link)",
+    )
+    parser.add_argument(
         "--settle",
         type=float,
         default=65.0,
@@ -113,6 +127,11 @@ def main() -> int:
     results: list[dict[str, object]] = []
     ratios: dict[str, float] = {}
     py = shlex.quote(sys.executable)
+    archive = root / "floor.tar.zst"  # the stream's own bytes, for --floor
+    if args.floor and "loopback" in (args.only or SCENARIOS):
+        run(
+            f"tar -cf - -C {shlex.quote(str(big))} . | zstd -q -c -T0 > {shlex.quote(str(archive))}"
+        )
     with SshdServer(root / "sshd") as sshd:
         assert sshd.session_home is not None
         opts = sshd.transport_options()
@@ -155,6 +174,14 @@ def main() -> int:
                 "tar|zstd stream": lambda d: (
                     f"mkdir -p {shlex.quote(str(d))} && {ssh} 127.0.0.1 {remote} "
                     f"| zstd -q -d -c | tar -xf - -C {shlex.quote(str(d))}"
+                ),
+                "tar -x, local file": lambda d: (
+                    f"mkdir -p {shlex.quote(str(d))} && zstd -q -d -c {shlex.quote(str(archive))} "
+                    f"| tar -xf - -C {shlex.quote(str(d))}"
+                ),
+                "tar -x, local, synced": lambda d: (
+                    f"mkdir -p {shlex.quote(str(d))} && zstd -q -d -c {shlex.quote(str(archive))} "
+                    f"| tar -xf - -C {shlex.quote(str(d))} && sync -f {shlex.quote(str(d))}"
                 ),
                 "wsync": lambda d: (
                     f"{py} -m wsync pull {uri} {shlex.quote(str(d))} {wsync} "
@@ -217,7 +244,7 @@ def main() -> int:
                 med = statistics.median(walls[name])
                 picked = min(extra[name], key=lambda r: abs(float(r["wall_s"]) - med))  # type: ignore[arg-type]
                 results.append({"scenario": label, "row": name, **picked, "wall_s": round(med, 3)})
-            for ours in ("wsync", "wsync openssh"):
+            for ours in ("wsync", "wsync openssh", *FLOORS):
                 for other in (base, "tar|zstd stream"):
                     if ours in names and other in names:
                         pairs = zip(walls[ours], walls[other], strict=True)
@@ -227,7 +254,8 @@ def main() -> int:
         only = args.only or list(SCENARIOS)
         everything = ["rsync -a", "tar|zstd stream", "wsync"]
         if "loopback" in only:
-            scenario("loopback", big, sshd.port, everything, "rsync -a")
+            floor = list(FLOORS) if args.floor else []
+            scenario("loopback", big, sshd.port, [*everything, *floor], "rsync -a")
         for label, mbit in (("100mbit", 100), ("20mbit", 20)):
             if label in only:
                 with TcpProxy("127.0.0.1", sshd.port, rate=mbit * MBIT) as proxy:
@@ -246,13 +274,13 @@ def main() -> int:
             finally:
                 rc.unlink()
     print(
-        f"\n{'scenario':<16} {'row':<16} {'wall s':>7} {'RSS MiB':>8} {'execs':>6} {'wire MB':>8}"
+        f"\n{'scenario':<16} {'row':<22} {'wall s':>7} {'RSS MiB':>8} {'execs':>6} {'wire MB':>8}"
         f" {'level':>5}"
     )
     for r in results:
         wire = f"{int(r['wire']) / 1e6:.1f}" if "wire" in r else "-"  # type: ignore[call-overload]
         print(
-            f"{r['scenario']!s:<16} {r['row']!s:<16} {r['wall_s']!s:>7} {r['rss_mib']!s:>8} "
+            f"{r['scenario']!s:<16} {r['row']!s:<22} {r['wall_s']!s:>7} {r['rss_mib']!s:>8} "
             f"{r.get('execs', '-')!s:>6} {wire:>8} {r.get('level', '-')!s:>5}"
         )
     print()
