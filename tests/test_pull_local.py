@@ -440,7 +440,7 @@ def _held_open_archive(tmp_path: Path) -> tuple[Path, LocalTransport]:
     bindir = tmp_path / "slow-tar"
     bindir.mkdir()
     (bindir / "tar").write_text(
-        f'#!/bin/sh\n{shutil.which("tar")} "$@"\n[ "$1" = -cf ] && exec sleep 60\nexit 0\n'
+        f'#!/bin/sh\n{shutil.which("tar")} "$@"\ncase " $* " in *" -cf "*) exec sleep 60 ;; esac\nexit 0\n'
     )
     (bindir / "tar").chmod(0o755)
     return ws, LocalTransport(env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
@@ -1275,7 +1275,7 @@ def test_gnu_tar_behind_a_noisy_wrapper_is_still_taken_for_gnu_tar(tmp_path: Pat
         "echo \"ERROR: ld.so: object 'x.so' from LD_PRELOAD cannot be preloaded\" >&2\n"
         f'{real} "$@"; rc=$?\n'
         # GNU tar's exit for a file that changed while it was read
-        '[ "$rc" = 0 ] && [ "$1" = -cf ] && exit 1\n'
+        'case " $* " in *" -cf "*) [ "$rc" = 0 ] && exit 1 ;; esac\n'
         "exit $rc\n"
     )
     (bindir / "tar").chmod(0o755)

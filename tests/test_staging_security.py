@@ -299,7 +299,7 @@ def _slow_tar(tmp_path: Path, arg: str, guest: dict[str, str] | None) -> dict[st
     real = shutil.which("tar", path=(guest or os.environ)["PATH"])
     sleep = shutil.which("sleep")
     (bindir / "tar").write_text(
-        f'#!/bin/sh\n{real} "$@"\n[ "$1" = -cf ] && exec {sleep} {arg}\nexit 0\n'
+        f'#!/bin/sh\n{real} "$@"\ncase " $* " in *" -cf "*) exec {sleep} {arg} ;; esac\nexit 0\n'
     )
     (bindir / "tar").chmod(0o755)
     env = dict(guest or os.environ)
@@ -521,7 +521,7 @@ def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:
             run="r" * 16,
             producer_hash="0" * 128,
             need_kb=scripts.NEED_KB_MAX - 1,  # the longest size it is given
-            tools="gcp",  # the longest tools
+            tools="gcps",  # the longest tools
         ),
     ]
     for argv in calls:
@@ -555,7 +555,7 @@ def test_an_admission_carries_its_status_in_a_url_only_while_it_fits() -> None:
             need_kb=scripts.NEED_KB_MAX - 1,
             status_looks=20,
             inline=scripts.STATUS_INLINE_MAX,
-            tools="gcp",
+            tools="gcps",
         )
 
     usual, deep = carried("/home/user/workspace/project"), carried("/w" * 600)

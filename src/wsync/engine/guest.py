@@ -129,7 +129,7 @@ class GuestSession(GuestCalls):
         self.algorithm = algorithm
         self._base64 = report.has("base64")
         self._gzip = report.has("gzip")
-        flags = (("g", "gnu_tar"), ("c", "find_cnewer"), ("p", "find_printf"))
+        flags = (("g", "gnu_tar"), ("c", "find_cnewer"), ("p", "find_printf"), ("s", "tar_sort"))
         tools = "".join(flag for flag, tool in flags if report.has(tool))
         self._tools = tools or scripts.NONE
         if self.helpers is not None and not report.has("setsid"):

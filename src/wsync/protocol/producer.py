@@ -298,12 +298,13 @@ esac
 # ones); non-directories that still changed in the last round are listed in
 # "unstable", ones that vanished after a torn read in "gone" (NUL-separated)
 D=$(pwd -P) || exit 1
-# the tools the host's probe saw (each asked there once, not by every run): g for GNU
-# tar, c for a find with -cnewer, p for one with -printf
-cn=-newer gnu=0 pf=
+# the tools the host's probe saw (asked there, not by each run): g for GNU tar (s: it
+# has --sort), c for find's -cnewer, p for its -printf
+cn=-newer gnu=0 pf= srt=
 case $tl in *g*) gnu=1 ;; esac
 case $tl in *c*) cn=-cnewer ;; esac
 case $tl in *p*) pf=1 ;; esac
+case $tl in *s*) srt=--sort=name ;; esac
 tick() {
   : > m && : > tick.t || fail "cannot write a mark"
   t_=0
@@ -335,7 +336,7 @@ exists() {
 }
 rounds() {
   tick
-  tar -cf - -C "$ws" . 2>>tar.err
+  tar $srt -cf - -C "$ws" . 2>>tar.err
   echo $? > tar.rc
   changed
   k=0
@@ -343,7 +344,7 @@ rounds() {
     k=$((k + 1))
     mv -f m prev || fail "cannot write a mark"
     tick
-    tar -cf - -N "$D/prev" -C "$ws" . 2>>tar.err
+    tar $srt -cf - -N "$D/prev" -C "$ws" . 2>>tar.err
     rc=$?
     rd tar.rc
     [ $rc -gt "$v_" ] && echo $rc > tar.rc

@@ -243,12 +243,13 @@ def admit(
     says ``cleaned 1`` (the stream is the host's then: no cleanup call is needed for it).
 
     ``tools`` are what the probe saw (``g`` for GNU tar, ``c`` and ``p`` for find's
-    ``-cnewer`` and ``-printf``): programs the producer would otherwise run each time.
+    ``-cnewer`` and ``-printf``, ``s`` for tar's ``--sort=name``): programs the producer
+    would otherwise run each time.
     Without ``collect`` the stale snapshots are left alone: the pull's first admission
     has just collected them.
     """
     check_snapshot_id(snapshot)
-    if tools != NONE and not set(tools) <= set("gcp"):
+    if tools != NONE and not set(tools) <= set("gcps"):
         raise ValueError(f"bad tools {tools!r}")
     if not -1 <= status_looks <= 600 or not 0 <= inline <= STATUS_INLINE_MAX:
         raise ValueError("bad status arguments")
@@ -285,7 +286,7 @@ INSTALL_PART = 1536
 INSTALL_PART_LONG = 5120
 #: parts of :data:`PRODUCER_GZ64` where argv goes in a URL (base64 stays nearly itself
 #: there, where the script's text triples): 2 calls instead of 8
-INSTALL_PART_GZ64 = 2880
+INSTALL_PART_GZ64 = 2944
 
 
 def install_producer(
