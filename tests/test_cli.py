@@ -80,6 +80,13 @@ def test_json_result_has_the_documented_fields(tmp_path: Path) -> None:
         (["pull", "ssh://127.0.0.1:1/work", "out"], 3, ""),
         (["pull", "local:/tmp", "out", "--parallel", "0"], 2, "at least 1"),
         (["pull", "local:/tmp", "out", "--chunk-size", "lots"], 2, "not a size"),
+        # found by a red team: tracebacks (OverflowError, ValueError), a limit of 0 bytes
+        # that failed every pull with exit 7, a --parallel that ran the host out of memory
+        (["pull", "local:/tmp", "out", "--chunk-size", "inf"], 2, "not a finite size"),
+        (["pull", "local:/tmp", "out", "--max-bytes", "1e400"], 2, "not a finite size"),
+        (["pull", "local:/tmp", "out", "--max-bytes", "0.5"], 2, "at least 1 byte"),
+        (["pull", "local:/tmp", "out", "--parallel", "65"], 2, "at most 64"),
+        (["pull", "ssh://[::1/work", "out"], 2, "Invalid IPv6 URL"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_a_documented_code(

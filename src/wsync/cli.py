@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar, cast
 
 from wsync import interrupts, mallocopts, stdstreams
 from wsync.cliargs import build_parser, transport_options
-from wsync.errors import Interrupted, UsageError, WsyncError
+from wsync.errors import HostIOError, Interrupted, UsageError, WsyncError
 
 if TYPE_CHECKING:
     from wsync.engine.api import PullOptions
@@ -277,6 +277,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
         if not isinstance(exc.code, int | None):
             print(exc.code, file=sys.stderr)
+    lost = stdstreams.lost_stdout()
+    if lost is not None and code == 0:
+        print(
+            f"wsync: error: what this command printed to stdout was cut short ({lost}); "
+            "anything it did besides is done (a pull's DEST is complete)",
+            file=sys.stderr,
+        )
+        code = HostIOError.exit_code
     if interrupts.current() is not None:
         interrupts.exit_process(code)
     return code

@@ -49,8 +49,10 @@ def parse_size(text: str) -> int:
         value = float(number) * SIZE_UNITS[unit]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4M, 512k, 10G)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    if not math.isfinite(value):  # "inf", "1e400"
+        raise argparse.ArgumentTypeError(f"not a finite size: {text!r}")
+    if value < 1:  # "0.5" would be 0 bytes: every pull over the limit
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte: {text!r}")
     return int(value)
 
 
@@ -72,6 +74,26 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {text!r}")
     return value
+
+
+#: the most reads in flight, as the daemon's ``[limits] parallel`` allows: each is a task
+#: and a buffer of up to a chunk (``--parallel 100000000`` ran the host out of memory)
+MAX_PARALLEL = 64
+
+
+def parallel(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_PARALLEL:
+        raise argparse.ArgumentTypeError(f"at most {MAX_PARALLEL}: {text!r}")
+    return value
+
+
+def path_arg(text: str) -> Path:
+    """A path argument, never empty: ``Path("")`` is the current directory, so an unset
+    ``$DEST`` in a script named it, and ``--force`` then replaced it with the pull."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return Path(text)
 
 
 def seconds(text: str) -> float:
@@ -267,7 +289,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI including the workspace path")
-    p.add_argument("dest", metavar="DEST", type=Path, help="destination directory on this host")
+    p.add_argument("dest", metavar="DEST", type=path_arg, help="destination directory on this host")
     p.add_argument("--json", action="store_true", help="print one JSON result object on stdout")
     p.add_argument(
         "--no-progress",
@@ -276,7 +298,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         "otherwise, none with --json)",
     )
     p.add_argument(
-        "--parallel", type=positive_int, default=4, metavar="N", help="reads in flight (4)"
+        "--parallel", type=parallel, default=4, metavar="N", help="reads in flight (4, at most 64)"
     )
     p.add_argument(
         "--timeout",
@@ -300,7 +322,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--state-dir",
-        type=Path,
+        type=path_arg,
         default=None,
         metavar="DIR",
         help=f"journal and state (default {default_state_dir()})",
@@ -367,7 +389,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         "--exclude-from",
         action="append",
         default=[],
-        type=Path,
+        type=path_arg,
         metavar="FILE",
         help="read exclude patterns from FILE, one a line (# comments)",
     )
@@ -430,7 +452,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         "backend's emulator with its field faults on",
     )
     m.add_argument(
-        "--dir", type=Path, default=None, help="work directory (default: a new temp dir)"
+        "--dir", type=path_arg, default=None, help="work directory (default: a new temp dir)"
     )
     m.add_argument("--json", action="store_true", help="print the outcome as JSON")
 
@@ -473,7 +495,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     man.add_argument(
-        "-o", "--output", type=Path, metavar="FILE", help="write to FILE instead of stdout"
+        "-o", "--output", type=path_arg, metavar="FILE", help="write to FILE instead of stdout"
     )
     return parser
 

@@ -13,11 +13,18 @@ team as an "internal error" (exit 1):
   ``print(..., file=sys.stderr)`` wrote to *stdout* (``print`` takes
   ``file=None`` for stdout), into the ``--json`` object.
 
+And one way the reader cannot be reached: a write that fails otherwise (``2>>log`` on a
+full disk, ``EIO`` from a terminal that hung up) aborted a pull on a progress line, or
+made a finished one "internal error".
+
 :func:`tame` makes each of the two a stream that swallows what cannot be
-delivered: a missing one writes to ``/dev/null``; a write to a broken pipe
-points the file descriptor at ``/dev/null`` (the recipe of Python's signal
-documentation, so the interpreter's own last flush cannot fail either) and the
-text is dropped.  The exit code stays the command's.
+delivered: a missing one writes to ``/dev/null``; a write that fails points the
+file descriptor at ``/dev/null`` (the recipe of Python's signal documentation, so
+the interpreter's own last flush cannot fail either) and the text is dropped.  The
+exit code stays the command's, with one exception: stdout that failed other than
+by a gone reader holds a truncated result (a ``--json`` object cut short in a file),
+which :func:`lost_stdout` tells, and the command then exits 8 (guarantee 6: truncated
+output is reported as truncated).
 """
 
 from __future__ import annotations
@@ -40,27 +47,30 @@ def _mute(stream: TextIO) -> None:
 
 
 class _Tolerant:
-    """A text stream delegating to ``inner`` whose writes never raise on a gone reader."""
+    """A text stream delegating to ``inner`` whose writes never raise."""
 
     def __init__(self, inner: TextIO) -> None:
         self._inner = inner
+        #: the first failure that was not a gone reader (EPIPE), if any
+        self.lost: OSError | None = None
+
+    def _failed(self, exc: OSError) -> None:
+        if exc.errno != errno.EPIPE and self.lost is None:
+            self.lost = exc
+        _mute(self._inner)
 
     def write(self, text: str) -> int:
         try:
             return self._inner.write(text)
         except OSError as exc:
-            if exc.errno != errno.EPIPE:
-                raise
-            _mute(self._inner)
+            self._failed(exc)
             return len(text)
 
     def flush(self) -> None:
         try:
             self._inner.flush()
         except OSError as exc:
-            if exc.errno != errno.EPIPE:
-                raise
-            _mute(self._inner)
+            self._failed(exc)
             with contextlib.suppress(OSError):
                 self._inner.flush()  # what the buffer held now goes to /dev/null
 
@@ -90,3 +100,15 @@ def tame() -> None:
         if stream is None:
             stream = open(fd, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
         setattr(sys, name, _Tolerant(stream))
+
+
+def lost_stdout() -> str | None:
+    """Why stdout lost text other than to a gone reader (a full disk, an I/O error), if it
+    did: what the command printed there is cut short.  Flushes it first."""
+    stream = sys.stdout
+    if not isinstance(stream, _Tolerant):
+        return None
+    stream.flush()
+    if stream.lost is None:
+        return None
+    return stream.lost.strerror or str(stream.lost)

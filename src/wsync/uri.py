@@ -67,7 +67,10 @@ def parse(raw: str) -> SandboxURI:
             rest = os.path.abspath(os.path.expanduser(rest))
             raw = f"local:{rest}"
         return SandboxURI(scheme=scheme, path=rest, raw=raw)
-    parts = urllib.parse.urlsplit(raw)
+    try:
+        parts = urllib.parse.urlsplit(raw)
+    except ValueError as err:  # an unclosed "[" of an IPv6 host, and the like
+        raise UsageError(f"{raw!r}: {err}") from None
     if parts.query or parts.fragment:
         raise UsageError(f"{raw!r}: query strings and fragments are not supported")
     try:

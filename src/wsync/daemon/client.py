@@ -32,6 +32,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from wsync.cliargs import path_arg, positive_seconds
 from wsync.protocol.records import printable
 
 DEFAULT_URL = "http://127.0.0.1:8477"
@@ -95,11 +96,18 @@ class DaemonClient:
     def _connection(self) -> http.client.HTTPConnection:
         if self.unix:
             return _UnixConnection(self.unix, self.timeout)
-        parts = urllib.parse.urlsplit(self.url)
+        try:
+            parts = urllib.parse.urlsplit(self.url)
+        except ValueError as err:  # an unclosed "[" of an IPv6 host
+            raise ClientError(f"bad daemon URL {self.url!r}: {err}", 2) from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ClientError(f"bad daemon URL {self.url!r} (expected http://HOST:PORT)", 2)
+        try:
+            port = parts.port  # "Port out of range 0-65535", a port that is not a number
+        except ValueError as err:
+            raise ClientError(f"bad daemon URL {self.url!r}: {err}", 2) from None
         cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        return cls(parts.hostname, parts.port, timeout=self.timeout)
+        return cls(parts.hostname, port, timeout=self.timeout)
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         conn = self._connection()
@@ -228,7 +236,7 @@ CLIENT_EPILOG = (
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
-        type=Path,
+        type=path_arg,
         metavar="FILE",
         help="the daemon's TOML config: take the address and the token from it",
     )
@@ -244,13 +252,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--token-file",
-        type=Path,
+        type=path_arg,
         metavar="FILE",
         help="file holding the API token (default: from --config, else $WSYNC_API_TOKEN)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
-        "--timeout", type=float, default=10.0, metavar="S", help="seconds per request (10)"
+        "--timeout",
+        type=positive_seconds,
+        default=10.0,
+        metavar="S",
+        help="seconds per request (10)",
     )
 
 

@@ -40,6 +40,7 @@ from pydantic_settings import (
     InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 from wsync.daemon.configfile import ConfigError as ConfigError
@@ -52,6 +53,7 @@ from wsync.engine.destdir import refuse_reserved
 from wsync.engine.excludes import Excludes, check_pattern
 from wsync.engine.fsutil import overlaps
 from wsync.errors import UsageError
+from wsync.protocol.records import printable
 from wsync.transports.registry import SCHEMES
 from wsync.uri import SandboxURI, parse
 
@@ -603,5 +605,16 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -
         return DaemonConfig(**dict(overrides or {}))
     except pydantic.ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
+    except SettingsError as err:  # a WSYNC_* variable that is not JSON where JSON is due
+        hint = _settings_hint(str(err))
+        raise ConfigError(f"{printable(str(err), 300)}{hint}") from None
     finally:
         _TOML_DATA.reset(token)
+
+
+def _settings_hint(message: str) -> str:
+    """How to write a complex value in the environment (pydantic-settings reads lists
+    and tables from a variable as JSON: ``WSYNC_DEST_ROOTS=/srv/ws`` is not one)."""
+    if "error parsing value" in message:
+        return " (lists and tables are JSON in the environment: WSYNC_DEST_ROOTS='[\"/srv/ws\"]')"
+    return ""

@@ -30,6 +30,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read {path}: {err.strerror}") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    except UnicodeDecodeError as err:  # tomllib reads the bytes as UTF-8
+        raise ConfigError(f"{path}: not UTF-8 (byte {err.start})") from None
     return _anchor_paths(data, path.absolute().parent)
 
 

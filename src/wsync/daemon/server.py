@@ -39,6 +39,7 @@ import structlog
 import uvicorn
 
 import wsync
+from wsync.cliargs import path_arg
 from wsync.daemon import logs, sighup_held
 from wsync.daemon.api import AppState, create_app
 from wsync.daemon.config import (
@@ -406,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--config",
-        type=Path,
+        type=path_arg,
         metavar="FILE",
         help="TOML config file (config.example.toml: production; config.dev.toml: trying it)",
     )
@@ -417,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--state-dir",
-        type=Path,
+        type=path_arg,
         metavar="DIR",
         help="state directory (overrides state_dir and WSYNC_STATE_DIR)",
     )

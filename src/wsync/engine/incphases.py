@@ -189,6 +189,7 @@ class IncrementalRunner(LeftoverRunner):
             inc.decide(plan, stdin=self.session.gate, tmp_fd=fd, own_links=own_links)
             if self.options.dry_run and inc.diff is None:
                 inc.diff = inc.state.diff(fd)
+                inc.changed = inc.diff.changed  # what it lists, as a dry run says
         finally:
             os.close(fd)
 

@@ -437,7 +437,7 @@ async def _pull(
     except TimeoutError:
         journal.close()
         late = IntegrityFailed(
-            f"the overall deadline of {options.timeout:.0f}s passed; run again to resume"
+            f"the overall deadline of {options.timeout:g}s passed; run again to resume"
         )
         late.so_far = _so_far(runner)
         raise late from None
@@ -491,7 +491,10 @@ async def _pull(
         warnings=runner.warnings,
         unstable_files=runner.unstable,
         mode=inc.mode if inc is not None else "full",
-        changed_files=inc.changed if inc is not None and inc.mode != "full" else files,
+        # a dry run extracts nothing: its count is the diff's, as its itemized lines are
+        changed_files=(
+            inc.changed if inc is not None and (inc.mode != "full" or options.dry_run) else files
+        ),
         deleted_files=inc.deleted if inc is not None else 0,
         tree_bytes=runner.tree_bytes,
         changes=runner.changes,

@@ -1,0 +1,161 @@
+"""What a red team found at the command line's edges (2026-12-05): an empty path that
+named the current directory, output that could not be written, environment and config
+values the daemon's settings could not read, a dry run that contradicted its own listing.
+Each runs the real command in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_exact, make_tree
+
+
+def wsync(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, **kw: object
+) -> subprocess.CompletedProcess[str]:
+    """The command, its stdout and stderr captured unless ``kw`` gives one of them."""
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stderr", subprocess.PIPE)
+    return subprocess.run(  # type: ignore[call-overload, no-any-return]
+        [sys.executable, "-m", "wsync", *args],
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        **kw,
+    )
+
+
+def _dirs(tmp_path: Path) -> list[str]:
+    return ["--state-dir", str(tmp_path / "state"), "--staging-dir", str(tmp_path / "stg")]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["pull", "local:WS", "", "--force"],
+        ["pull", "local:WS", "DEST", "--state-dir", ""],
+        ["pull", "local:WS", "DEST", "--exclude-from", ""],
+        ["demo", "--dir", ""],
+        ["man", "-o", ""],
+        ["daemon", "--state-dir", ""],
+        ["status", "--config", ""],
+    ],
+    ids=["dest", "state-dir", "exclude-from", "demo-dir", "man-output", "daemon", "status"],
+)
+def test_an_empty_path_is_refused_not_taken_for_the_current_directory(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """``Path("")`` is ``.``: an unset ``$DEST`` in a script named the current directory,
+    and ``--force`` replaced it with the workspace."""
+    ws = make_tree(tmp_path / "ws", big=1024, small=2)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "precious.txt").write_text("keep me\n")
+    argv = [a.replace("WS", str(ws)).replace("DEST", str(tmp_path / "d")) for a in args]
+    done = wsync(*argv, cwd=cwd, env={"WSYNC_API_TOKEN": "t" * 24})
+    assert done.returncode == 2, done.stderr
+    assert "must not be empty" in done.stderr and "Traceback" not in done.stderr
+    assert sorted(p.name for p in cwd.iterdir()) == ["precious.txt"]
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_stderr_that_cannot_be_written_does_not_stop_the_pull(tmp_path: Path) -> None:
+    """``2>>log`` on a full disk: the progress lines are dropped, the pull goes on and
+    exits 0 (it died on its first progress line, DEST not swapped)."""
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=5)
+    with open("/dev/full", "w") as full:
+        done = wsync("pull", f"local:{ws}", str(tmp_path / "d"), *_dirs(tmp_path), stderr=full)
+    assert done.returncode == 0
+    assert_exact(ws, tmp_path / "d")
+
+
+def test_a_json_result_that_cannot_be_written_is_exit_8_with_dest_complete(
+    tmp_path: Path,
+) -> None:
+    """stdout on a full disk: the pull is done, but the result a script reads is cut short,
+    which the exit code says (8, a host write) instead of "internal error" (1)."""
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=5)
+    with open("/dev/full", "w") as full:
+        done = wsync(
+            "pull", f"local:{ws}", str(tmp_path / "d"), *_dirs(tmp_path), "--json", stdout=full
+        )
+    assert done.returncode == 8, done.stderr
+    assert "cut short" in done.stderr and "No space left" in done.stderr
+    assert "internal error" not in done.stderr
+    assert_exact(ws, tmp_path / "d")
+
+
+def test_a_gone_reader_of_json_is_still_a_success(tmp_path: Path) -> None:
+    """A reader that left (EPIPE) is not a cut-short result: exit 0, as before."""
+    ws = make_tree(tmp_path / "ws", big=64 * 1024, small=5)
+    argv = [sys.executable, "-m", "wsync", "pull", f"local:{ws}", str(tmp_path / "d")]
+    script = " ".join(f"'{a}'" for a in [*argv, *_dirs(tmp_path), "--json"])
+    done = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {script} | true; echo $?"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.stdout.strip() == "0", done.stderr
+    assert_exact(ws, tmp_path / "d")
+
+
+@pytest.mark.parametrize("command", ["daemon", "status"])
+def test_a_setting_the_environment_cannot_give_is_a_config_error(
+    tmp_path: Path, command: str
+) -> None:
+    """``WSYNC_DEST_ROOTS=/srv/ws`` (a path where pydantic-settings reads a JSON list)
+    was a SettingsError traceback, exit 1."""
+    config = tmp_path / "c.toml"
+    config.write_text(f'state_dir = "{tmp_path / "state"}"\n[api]\nlisten = "127.0.0.1:0"\n')
+    env = {"WSYNC_API_TOKEN": "t" * 24, "WSYNC_DEST_ROOTS": "/srv/ws"}
+    done = wsync(command, "--config", str(config), env=env)
+    assert done.returncode == 2, done.stderr
+    assert "config error" in done.stderr and "JSON" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", ["daemon", "status"])
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path, command: str) -> None:
+    config = tmp_path / "c.toml"
+    config.write_bytes(b'state_dir = "\xff"\n')
+    done = wsync(command, "--config", str(config), env={"WSYNC_API_TOKEN": "t" * 24})
+    assert done.returncode == 2, done.stderr
+    assert "not UTF-8" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--url", "http://[::1"], "Invalid IPv6 URL"),
+        (["--url", "http://127.0.0.1:99999"], "Port out of range"),
+        (["--timeout", "nan"], "not a finite number"),
+        (["--timeout", "-1"], "must not be negative"),
+        (["--timeout", "0"], "more than 0"),
+    ],
+)
+def test_a_bad_daemon_address_or_timeout_is_a_usage_error(args: list[str], says: str) -> None:
+    done = wsync("status", *args, env={"WSYNC_API_TOKEN": "t" * 24})
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_first_dry_run_counts_what_it_lists(tmp_path: Path) -> None:
+    """A dry run into a new DEST listed every entry and said "0 changes" (the extractor's
+    count, which a dry run never runs)."""
+    ws = make_tree(tmp_path / "ws", big=1024, small=3)
+    dest = tmp_path / "d"
+    done = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), "--dry-run", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["mode"] == "full" and not dest.exists()
+    assert result["changed_files"] == len(result["changes"]) > 10
+    done = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), "--dry-run")
+    assert f"dry run (full): {len(result['changes'])} changes" in done.stderr
