@@ -159,3 +159,75 @@ def test_a_first_dry_run_counts_what_it_lists(tmp_path: Path) -> None:
     assert result["changed_files"] == len(result["changes"]) > 10
     done = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), "--dry-run")
     assert f"dry run (full): {len(result['changes'])} changes" in done.stderr
+
+
+def test_a_home_relative_path_in_the_config_is_that_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``token_file = "~/tok"`` was read relative to the daemon's working directory (and
+    ``--dev`` made a directory named ``~`` there); ``~`` is now the home, as in a shell."""
+    from wsync.daemon.config import ConfigError, load_config
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "tok").write_text("t" * 24 + "\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("WSYNC_API_TOKEN", raising=False)
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "c.toml"
+    config.write_text('state_dir = "~/state"\n[api]\ntoken_file = "~/tok"\n')
+    loaded = load_config(config)
+    assert loaded.api.token_file == home / "tok"
+    assert loaded.state_dir == home / "state"
+    config.write_text('[api]\ntoken_file = "~no-such-user-here/tok"\n')
+    with pytest.raises(ConfigError, match="cannot expand"):
+        load_config(config)
+
+
+def test_a_demo_dir_that_is_a_file_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    done = wsync("demo", "--dir", str(tmp_path / "afile"))
+    assert done.returncode == 2, done.stderr
+    assert "File exists" in done.stderr and "internal error" not in done.stderr
+
+
+def test_a_unix_socket_path_too_long_says_why(tmp_path: Path) -> None:
+    """The bind's OSError has no strerror there: the message ended in "None"."""
+    listen = "unix:" + str(tmp_path / ("s" * 120))
+    done = wsync(
+        "daemon",
+        "--listen",
+        listen,
+        "--state-dir",
+        str(tmp_path / "state"),
+        env={"WSYNC_API_TOKEN": "t" * 24},
+    )
+    assert done.returncode != 0
+    assert "cannot listen" in done.stderr and "too long" in done.stderr, done.stderr
+
+
+def test_a_file_that_never_settles_is_named_once_per_spelling(tmp_path: Path) -> None:
+    """Every round of a file that keeps changing listed it again (GNU tar's warning of it,
+    in tar's quoting, once per round): one file was 5 entries of ``unstable_files``."""
+    from helpers import writer_around_tar
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "calm.txt").write_text("calm\n")
+    (ws / "busy.log").write_text("start\n")
+    # each read: the log grows, and tar warns of a name it had to quote (as GNU tar does
+    # for a name with an escape character: the guest cannot undo the quoting)
+    writer_around_tar(
+        tmp_path,
+        'printf "again\\n" >> "$WS/busy.log"\n'
+        "printf '%s\\n' 'tar: ./e\\033x.log: file changed as we read it' >&2\n"
+        'real_tar "$@"',
+    )
+    env = {"PATH": f"{tmp_path / 'wrapped-tar'}:{os.environ['PATH']}"}
+    done = wsync(
+        "pull", f"local:{ws}", str(tmp_path / "d"), *_dirs(tmp_path), "--json", "--best-effort",
+        env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    names = json.loads(done.stdout)["unstable_files"]
+    assert len(names) == len(set(names)) == 2, names

@@ -431,7 +431,12 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         "do: random files of 16K..4M read back with one plain exec each (exit code trusted), "
         "next to wsync's verified read of the same files.",
     )
-    d.add_argument("sandbox", metavar="SANDBOX", help="sandbox URI (its path is used for scratch)")
+    d.add_argument(
+        "sandbox",
+        metavar="SANDBOX",
+        help="sandbox URI (its workspace is probed, not written; the scratch files go in "
+        "the guest's staging directory)",
+    )
     d.add_argument("--json", action="store_true", help="print the report as JSON")
     d.add_argument("--staging-dir", type=staging_dir, default="", metavar="DIR", help=STAGING_HELP)
     add_transport_options(d)

@@ -31,7 +31,7 @@ import zstandard
 
 from wsync.engine.api import PullOptions
 from wsync.engine.pull import pull_uri
-from wsync.errors import WsyncError
+from wsync.errors import UsageError, WsyncError
 from wsync.progress import human_bytes
 from wsync.transports.registry import open_transport
 from wsync.treediff import diff
@@ -141,7 +141,10 @@ def backend(kind: str, workdir: Path, workspace: Path) -> Iterator[tuple[str, di
 def run_demo(args: argparse.Namespace) -> int:
     workdir = args.dir or Path(tempfile.mkdtemp(prefix="wsync-demo-"))
     workdir = workdir.resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file of that name, a parent that cannot be made
+        raise UsageError(f"--dir {workdir}: {err.strerror or err}") from None
     workspace = workdir / "workspace"
     naive_dest, wsync_dest = workdir / "naive-copy", workdir / "wsync-copy"
     for path in (workspace, naive_dest, wsync_dest):

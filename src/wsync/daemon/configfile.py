@@ -8,6 +8,7 @@ working directory; flags and environment variables must be absolute (the schema 
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,15 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def _anchor(value: Any, base: Path) -> Any:
-    """A relative path string → absolute under ``base``; anything else unchanged."""
-    if isinstance(value, str) and value and not value.startswith(("/", "~")):
+    """A relative path string → absolute under ``base``; ``~`` and ``~user`` → that home
+    (it was left as it was, and then read relative to the daemon's working directory:
+    ``--dev`` made a directory named ``~`` there); anything else unchanged."""
+    if isinstance(value, str) and value.startswith("~"):
+        home = os.path.expanduser(value)
+        if home.startswith("~"):
+            raise ConfigError(f"cannot expand {value!r}: no such user, or no home directory")
+        return home
+    if isinstance(value, str) and value and not value.startswith("/"):
         return str(base / value)
     return value
 

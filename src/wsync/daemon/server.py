@@ -257,8 +257,9 @@ class Daemon:
             sock, address = bind(self.config.api.listen)
         except OSError as err:
             await self.manager.close()
-            log.error("listen.failed", listen=self.config.api.listen, error=err.strerror)
-            _say(f"cannot listen on {self.config.api.listen}: {err.strerror}")
+            reason = err.strerror or str(err) or type(err).__name__  # (a too-long unix path)
+            log.error("listen.failed", listen=self.config.api.listen, error=reason)
+            _say(f"cannot listen on {self.config.api.listen}: {reason}")
             return 2
         self.app_state = AppState(self.manager, self.metrics, self.token, self.reload, address)
         raise_fd_limit()

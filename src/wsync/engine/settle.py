@@ -40,7 +40,9 @@ async def read_list(session: GuestSession, file: str, size: int, sizer: ReadSize
     data = bytearray()
     while len(data) < size:
         data += await session.read(file, len(data), size - len(data), sizer)
-    return parse_name_list(bytes(data))
+    # once each: every round of a file that never settles lists it again (tar's warning
+    # of it too, in tar's quoting, which the guest cannot undo)
+    return list(dict.fromkeys(parse_name_list(bytes(data))))
 
 
 async def apply_lists(
