@@ -382,8 +382,9 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="PATTERN",
-        help="leave out entries matching PATTERN (rsync/.gitignore meaning; repeatable); "
-        "they never leave the sandbox and go from DEST too",
+        help="leave out entries matching PATTERN (rsync/.gitignore meaning; a leading ! "
+        "re-includes, as in .gitignore; repeatable); they never leave the sandbox and go "
+        "from DEST too",
     )
     p.add_argument(
         "--exclude-from",
