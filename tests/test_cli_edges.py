@@ -5,6 +5,8 @@ Each runs the real command in a subprocess."""
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import subprocess
@@ -231,3 +233,54 @@ def test_a_file_that_never_settles_is_named_once_per_spelling(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     names = json.loads(done.stdout)["unstable_files"]
     assert len(names) == len(set(names)) == 2, names
+
+
+class _FullOnce(io.StringIO):
+    """A stream whose second write fails as a full disk does, once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        if self.writes == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(text)
+
+
+def test_a_stderr_full_for_a_moment_drops_one_line_not_the_rest() -> None:
+    """A daemon logs to stderr: a disk full for a moment must cost the line written then,
+    not every line after it (found by review: the first fix muted stderr for good)."""
+    from wsync.stdstreams import _Tolerant
+
+    inner = _FullOnce()
+    stream = _Tolerant(inner, mute_on_error=False)  # type: ignore[arg-type]
+    for line in ("one\n", "two\n", "three\n"):
+        stream.write(line)
+    assert inner.getvalue() == "one\nthree\n"
+    assert stream.lost is not None and stream.lost.errno == errno.ENOSPC
+
+
+def test_a_huge_client_timeout_or_chunk_size_is_a_usage_error(tmp_path: Path) -> None:
+    """Finite but past what a socket (``1e10`` s: OverflowError) or the guest's shell
+    (a 31-digit chunk size) takes."""
+    done = wsync("status", "--url", "http://127.0.0.1:1", "--timeout", "1e10",
+                 env={"WSYNC_API_TOKEN": "t" * 24})  # fmt: skip
+    assert done.returncode == 2 and "at most a year" in done.stderr, done.stderr
+    ws = make_tree(tmp_path / "ws", big=1024, small=2)
+    done = wsync("pull", f"local:{ws}", str(tmp_path / "d"), "--chunk-size", "1e30")
+    assert done.returncode == 2 and "at most 256M" in done.stderr, done.stderr
+
+
+def test_an_empty_home_is_no_home_for_a_config_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``expanduser`` makes ``~/st`` ``/st`` where HOME is empty."""
+    from wsync.daemon.config import ConfigError, load_config
+
+    monkeypatch.setenv("HOME", "")
+    config = tmp_path / "c.toml"
+    config.write_text('state_dir = "~/st"\n')
+    with pytest.raises(ConfigError, match="HOME is not an absolute path"):
+        load_config(config)

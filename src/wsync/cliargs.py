@@ -56,6 +56,18 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+#: the largest chunk, as the daemon's ``[limits] chunk_size`` allows (a chunk is read
+#: and held whole; the guest's shell compares the size as a number of at most 19 digits)
+MAX_CHUNK = 256 * 1024**2
+
+
+def chunk_size(text: str) -> int:
+    value = parse_size(text)
+    if value > MAX_CHUNK:
+        raise argparse.ArgumentTypeError(f"at most 256M: {text!r}")
+    return value
+
+
 def size_or_zero(text: str) -> int:
     """:func:`parse_size`, where 0 (``0``, ``0M``, ...) means "none" (``--min-free 0``)."""
     try:
@@ -112,6 +124,15 @@ def positive_seconds(text: str) -> float:
     value = seconds(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be more than 0: {text!r}")
+    return value
+
+
+def socket_seconds(text: str) -> float:
+    """:func:`positive_seconds` a socket takes as its timeout (``1e10`` is an
+    OverflowError there): at most a year."""
+    value = positive_seconds(text)
+    if value > 365 * 86400:
+        raise argparse.ArgumentTypeError(f"at most a year ({365 * 86400}): {text!r}")
     return value
 
 
@@ -318,7 +339,11 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         "--retries", type=positive_int, default=12, metavar="N", help="attempts per call (12)"
     )
     p.add_argument(
-        "--chunk-size", type=parse_size, default=4 * 1024**2, metavar="SIZE", help="chunk size (4M)"
+        "--chunk-size",
+        type=chunk_size,
+        default=4 * 1024**2,
+        metavar="SIZE",
+        help="chunk size (4M, at most 256M)",
     )
     p.add_argument(
         "--state-dir",

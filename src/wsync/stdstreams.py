@@ -49,15 +49,20 @@ def _mute(stream: TextIO) -> None:
 class _Tolerant:
     """A text stream delegating to ``inner`` whose writes never raise."""
 
-    def __init__(self, inner: TextIO) -> None:
+    def __init__(self, inner: TextIO, *, mute_on_error: bool) -> None:
         self._inner = inner
+        #: stdout goes quiet at its first failure (its loss is reported: :func:`lost_stdout`);
+        #: stderr only when its reader is gone: a disk that was full for a moment must not
+        #: silence a daemon's log for good, so there a failed line is dropped, no more
+        self._mute_on_error = mute_on_error
         #: the first failure that was not a gone reader (EPIPE), if any
         self.lost: OSError | None = None
 
     def _failed(self, exc: OSError) -> None:
         if exc.errno != errno.EPIPE and self.lost is None:
             self.lost = exc
-        _mute(self._inner)
+        if exc.errno == errno.EPIPE or self._mute_on_error:
+            _mute(self._inner)
 
     def write(self, text: str) -> int:
         try:
@@ -72,7 +77,7 @@ class _Tolerant:
         except OSError as exc:
             self._failed(exc)
             with contextlib.suppress(OSError):
-                self._inner.flush()  # what the buffer held now goes to /dev/null
+                self._inner.flush()  # to /dev/null if muted, else one more try
 
     def __getattr__(self, name: str) -> object:  # isatty, fileno, encoding, ...
         return getattr(self._inner, name)
@@ -99,7 +104,7 @@ def tame() -> None:
             continue
         if stream is None:
             stream = open(fd, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
-        setattr(sys, name, _Tolerant(stream))
+        setattr(sys, name, _Tolerant(stream, mute_on_error=name == "stdout"))
 
 
 def lost_stdout() -> str | None:

@@ -32,7 +32,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from wsync.cliargs import path_arg, positive_seconds
+from wsync.cliargs import path_arg, socket_seconds
 from wsync.protocol.records import printable
 
 DEFAULT_URL = "http://127.0.0.1:8477"
@@ -259,7 +259,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
         "--timeout",
-        type=positive_seconds,
+        type=socket_seconds,
         default=10.0,
         metavar="S",
         help="seconds per request (10)",

@@ -41,6 +41,10 @@ def _anchor(value: Any, base: Path) -> Any:
     (it was left as it was, and then read relative to the daemon's working directory:
     ``--dev`` made a directory named ``~`` there); anything else unchanged."""
     if isinstance(value, str) and value.startswith("~"):
+        own = value == "~" or value.startswith("~/")
+        if own and not os.environ.get("HOME", "").startswith("/"):
+            # expanduser makes "~/x" "/x" where HOME is empty
+            raise ConfigError(f"cannot expand {value!r}: HOME is not an absolute path")
         home = os.path.expanduser(value)
         if home.startswith("~"):
             raise ConfigError(f"cannot expand {value!r}: no such user, or no home directory")
