@@ -56,7 +56,7 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-#: the largest chunk, as the daemon's ``[limits] chunk_size`` allows (a chunk is read
+#: the largest chunk, here and in the daemon's ``[limits] chunk_size`` (a chunk is read
 #: and held whole; the guest's shell compares the size as a number of at most 19 digits)
 MAX_CHUNK = 256 * 1024**2
 
@@ -64,7 +64,7 @@ MAX_CHUNK = 256 * 1024**2
 def chunk_size(text: str) -> int:
     value = parse_size(text)
     if value > MAX_CHUNK:
-        raise argparse.ArgumentTypeError(f"at most 256M: {text!r}")
+        raise argparse.ArgumentTypeError(f"at most {MAX_CHUNK >> 20}M: {text!r}")
     return value
 
 
@@ -88,8 +88,8 @@ def positive_int(text: str) -> int:
     return value
 
 
-#: the most reads in flight, as the daemon's ``[limits] parallel`` allows: each is a task
-#: and a buffer of up to a chunk (``--parallel 100000000`` ran the host out of memory)
+#: the most reads in flight, here and in the daemon's ``[limits] parallel``: each is a
+#: task and a buffer of up to a chunk (``--parallel 100000000`` ran the host out of memory)
 MAX_PARALLEL = 64
 
 

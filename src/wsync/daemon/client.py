@@ -96,16 +96,13 @@ class DaemonClient:
     def _connection(self) -> http.client.HTTPConnection:
         if self.unix:
             return _UnixConnection(self.unix, self.timeout)
-        try:
+        try:  # an unclosed "[" of an IPv6 host, a port out of range or not a number
             parts = urllib.parse.urlsplit(self.url)
-        except ValueError as err:  # an unclosed "[" of an IPv6 host
+            port = parts.port
+        except ValueError as err:
             raise ClientError(f"bad daemon URL {self.url!r}: {err}", 2) from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ClientError(f"bad daemon URL {self.url!r} (expected http://HOST:PORT)", 2)
-        try:
-            port = parts.port  # "Port out of range 0-65535", a port that is not a number
-        except ValueError as err:
-            raise ClientError(f"bad daemon URL {self.url!r}: {err}", 2) from None
         cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         return cls(parts.hostname, port, timeout=self.timeout)
 

@@ -43,6 +43,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from wsync.cliargs import MAX_CHUNK, MAX_PARALLEL
 from wsync.daemon.configfile import ConfigError as ConfigError
 from wsync.daemon.configfile import read_config_file
 from wsync.daemon.confine import Forbidden
@@ -106,9 +107,9 @@ class LimitsConfig(_Strict):
     #: pulls running at once against one sandbox (overridable per sandbox)
     per_sandbox: int = Field(default=1, ge=1, le=64)
     #: chunk reads in flight within one pull
-    parallel: int = Field(default=4, ge=1, le=64)
+    parallel: int = Field(default=4, ge=1, le=MAX_PARALLEL)
     #: guest producer chunk size in bytes, a multiple of 64 KiB
-    chunk_size: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=256 * 1024 * 1024)
+    chunk_size: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=MAX_CHUNK)
     #: deadline of one guest exec, seconds
     call_timeout: float = Field(default=60.0, gt=0)
     #: deadline of a whole pull, seconds (0: none)
@@ -145,8 +146,8 @@ class SandboxConfig(_Strict):
     jitter: float = Field(default=0.1, ge=0, le=1)
     #: per-sandbox concurrency (default: limits.per_sandbox)
     max_concurrent: int | None = Field(default=None, ge=1, le=64)
-    parallel: int | None = Field(default=None, ge=1, le=64)
-    chunk_size: int | None = Field(default=None, ge=64 * 1024, le=256 * 1024 * 1024)
+    parallel: int | None = Field(default=None, ge=1, le=MAX_PARALLEL)
+    chunk_size: int | None = Field(default=None, ge=64 * 1024, le=MAX_CHUNK)
     #: non-secret transport options, e.g. ssh_key / known_hosts paths, sprites_url
     options: dict[str, str | int | float | bool] = Field(default_factory=dict)
     #: secret transport options by reference only: "env:NAME" or "file:/path"
