@@ -18,13 +18,15 @@ full disk, ``EIO`` from a terminal that hung up) aborted a pull on a progress li
 made a finished one "internal error".
 
 :func:`tame` makes each of the two a stream that swallows what cannot be
-delivered: a missing one writes to ``/dev/null``; a write that fails points the
-file descriptor at ``/dev/null`` (the recipe of Python's signal documentation, so
-the interpreter's own last flush cannot fail either) and the text is dropped.  The
-exit code stays the command's, with one exception: stdout that failed other than
-by a gone reader holds a truncated result (a ``--json`` object cut short in a file),
-which :func:`lost_stdout` tells, and the command then exits 8 (guarantee 6: truncated
-output is reported as truncated).
+delivered: a missing one writes to ``/dev/null``; a write to a gone reader, and any
+failed write to stdout, points the file descriptor at ``/dev/null`` (the recipe of
+Python's signal documentation, so the interpreter's own last flush cannot fail either)
+and the text is dropped; any other failed write to stderr drops that text only (a disk
+full for a moment must not silence a daemon's log for good).  The exit code stays the
+command's, with one exception: stdout that failed other than by a gone reader holds a
+truncated result (a ``--json`` object cut short in a file), which :func:`lost_stdout`
+tells, and the command then exits 8 (guarantee 6: truncated output is reported as
+truncated).
 """
 
 from __future__ import annotations
