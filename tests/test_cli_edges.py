@@ -163,6 +163,61 @@ def test_a_first_dry_run_counts_what_it_lists(tmp_path: Path) -> None:
     assert f"dry run (full): {len(result['changes'])} changes" in done.stderr
 
 
+def test_a_full_dry_run_lists_what_a_full_pull_deletes(tmp_path: Path) -> None:
+    """``--dry-run --full`` diffed against an empty tree: it listed no deletion, while the
+    full pull it previews removes every entry of DEST that the guest does not hold."""
+    ws = make_tree(tmp_path / "ws", big=1024, small=3)
+    dest = tmp_path / "d"
+    assert wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path)).returncode == 0
+    (dest / "host-only").write_bytes(b"x")
+    (dest / "host-dir").mkdir()
+    (dest / "host-dir" / "f").write_bytes(b"y")
+    args = ("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), "--full")
+    done = wsync(*args, "--dry-run", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    gone = sorted(line for line in result["changes"] if line.startswith("*deleting"))
+    assert gone == ["*deleting   host-dir/", "*deleting   host-dir/f", "*deleting   host-only"]
+    assert result["deleted_files"] == 3 and result["mode"] == "full"
+    assert (dest / "host-only").exists()  # a dry run
+    fetched = {line.split(" ", 1)[1] for line in result["changes"] if line[0] in "c>"}
+    assert len(fetched) == sum(1 for _ in ws.rglob("*")) + 1  # every entry, and ./
+    done = wsync(*args, "--json")
+    assert done.returncode == 0, done.stderr
+    assert_exact(ws, dest)
+
+
+def _strings(value: object) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in [k, *_strings(v)]]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def test_a_dest_name_that_is_not_utf8_stays_strict_json(tmp_path: Path) -> None:
+    """A DEST named with a byte that is not UTF-8 reached ``--json`` as a lone surrogate
+    (``"\\udcff"``): Python reads that back, strict JSON decoders refuse the whole line."""
+    ws = make_tree(tmp_path / "ws", big=1024, small=3)
+    dest = os.fsencode(tmp_path) + b"/d\xff\\x"
+    for extra in ([], ["--full", "--exclude", "["]):  # a pull, and a usage error
+        argv = [sys.executable, "-m", "wsync", "pull", f"local:{ws}", dest, *_dirs(tmp_path)]
+        done = subprocess.run(
+            [*argv, "--json", *extra],
+            capture_output=True,
+            timeout=300,
+        )
+        assert done.returncode == (2 if extra else 0), done.stderr
+        done.stdout.decode("utf-8")  # strict
+        result = json.loads(done.stdout)
+        for text in _strings(result):
+            text.encode("utf-8")  # no lone surrogate anywhere
+        assert result["dest"] == os.fsdecode(tmp_path) + "/d\\#377\\#134x"
+    assert_exact(ws, Path(os.fsdecode(dest)))
+
+
 def test_a_home_relative_path_in_the_config_is_that_home(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from wsync.engine.excludes import Excludes
+from wsync.engine.itemize import strict_text
 from wsync.errors import Interrupted, WsyncError
 
 KiB = 1024
@@ -197,4 +198,16 @@ class PullResult:
         if self.ok:
             for key in ("error", "error_kind"):
                 data.pop(key)
-        return data
+        return {key: _strict(value) for key, value in data.items()}
+
+
+def _strict(value: Any) -> Any:
+    """``value`` with every string made strict UTF-8 (:func:`strict_text`): paths and
+    messages from the command line may be raw bytes."""
+    if isinstance(value, str):
+        return strict_text(value)
+    if isinstance(value, dict):
+        return {strict_text(k) if isinstance(k, str) else k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict(v) for v in value]
+    return value

@@ -177,8 +177,9 @@ class IncrementalRunner(LeftoverRunner):
         await in_thread(lambda: inc.locked(lambda: self.decide(inc, plan, empty)))
 
     def decide(self, inc: Incremental, plan: GuestPlan, empty: Path) -> None:
-        """Diff (in a thread); a full pull with excludes or a dry run without a baseline
-        diffs against an empty directory of the journal."""
+        """Diff (in a thread); a full pull with excludes diffs against an empty directory of
+        the journal, a dry run without a baseline against DEST with no state (see
+        :meth:`preview_full`)."""
         with host_io(f"writing {empty}"):
             with contextlib.suppress(FileExistsError):
                 empty.mkdir(mode=0o700)
@@ -188,10 +189,26 @@ class IncrementalRunner(LeftoverRunner):
             own_links = early.links_to if early is not None else None
             inc.decide(plan, stdin=self.session.gate, tmp_fd=fd, own_links=own_links)
             if self.options.dry_run and inc.diff is None:
-                inc.diff = inc.state.diff(fd)
-                inc.changed = inc.diff.changed  # what it lists, as a dry run says
+                self.preview_full(inc, fd)
         finally:
             os.close(fd)
+
+    def preview_full(self, inc: Incremental, empty_fd: int) -> None:
+        """What a full pull would do, for a dry run: every entry fetched, and what DEST
+        holds that the guest does not list deleted.  So the diff is against DEST as it is,
+        with no recorded state (an empty directory where DEST is missing or is not a
+        directory, which a pull would refuse or replace whole)."""
+        try:
+            dest_fd = incremental.open_dest(self.target)
+        except HostIOError:
+            dest_fd = None
+        try:
+            inc.diff = inc.state.diff(empty_fd if dest_fd is None else dest_fd, baseline=False)
+        finally:
+            if dest_fd is not None:
+                os.close(dest_fd)
+        inc.changed = inc.diff.changed  # what it lists, as a dry run says
+        inc.deleted = inc.diff.deleted
 
     async def manifest_phase(self, plan: GuestPlan, inc: Incremental, *, skip: bool) -> None:
         """The manifest run, streamed into the state (see :mod:`wsync.engine.incremental`).

@@ -266,12 +266,20 @@ class PullState:
         held = self._held  # first: a diff in another thread replaces the list, then the flags
         return held if self._held_whole and self._scanned is not None else None
 
-    def diff(self, dest_fd: int, own_links: Callable[[bytes], int | None] | None = None) -> Diff:
+    def diff(
+        self,
+        dest_fd: int,
+        own_links: Callable[[bytes], int | None] | None = None,
+        *,
+        baseline: bool = True,
+    ) -> Diff:
         """Compare the loaded manifest and DEST (open at ``dest_fd``) with the state.
 
         DEST is scanned here unless :meth:`scan` scanned this directory since the last diff.
         ``own_links(path)`` says how many links to DEST's entry this pull made itself (the
-        early farm's: :meth:`wsync.engine.prefarm.Prefarm.links_to`), None if unknown."""
+        early farm's: :meth:`wsync.engine.prefarm.Prefarm.links_to`), None if unknown.
+        ``baseline=False`` diffs against no recorded state even where there is one (what a
+        full pull would do: fetch every entry, delete what the guest does not list)."""
         if not self._loaded:
             raise RuntimeError("load_manifest() first")
         st = os.fstat(dest_fd)
@@ -285,14 +293,15 @@ class PullState:
             db = self.db
             # "base" is the recorded state, or an empty one when it is not this sandbox's
             db.execute("DROP VIEW IF EXISTS temp.base")
-            if self.has_baseline():
+            based = baseline and self.has_baseline()
+            if based:
                 db.execute("CREATE TEMP VIEW base AS SELECT * FROM main.state")
             else:
                 db.execute("CREATE TEMP VIEW base AS SELECT * FROM s.nostate")
             db.execute("DELETE FROM s.plan")
             lo, hi = self.window()
             db.execute(incsql.PLAN, {"lo": lo, "hi": hi})
-            if self._recheck(dest_fd, own_links) and self.has_baseline():
+            if self._recheck(dest_fd, own_links) and based:
                 # verified by their bytes: record where they are now, so the next pull
                 # does not hash them again (the hash recorded stays the same)
                 self.stamped = True

@@ -37,6 +37,25 @@ def escape(name: bytes) -> str:
     return "".join(out)
 
 
+def strict_text(text: str) -> str:
+    """``text`` as strict UTF-8 can carry it: unchanged where it can, else :func:`escape`'d.
+
+    Why: a name that is not UTF-8 (a DEST given as raw bytes on the command line) is a
+    ``str`` with lone surrogates here; ``json.dumps`` writes them as ``\\udcff``, which
+    Python reads back but strict JSON decoders refuse, so one odd name would make a whole
+    ``--json`` result unreadable to a script."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return escape(text.encode("utf-8", "surrogateescape" if _escaped(text) else "replace"))
+    return text
+
+
+def _escaped(text: str) -> bool:
+    """Every lone surrogate of ``text`` is one that ``surrogateescape`` made (a byte)."""
+    return all(not 0xD800 <= ord(ch) <= 0xDFFF or 0xDC80 <= ord(ch) <= 0xDCFF for ch in text)
+
+
 def changed_flags(act: str, new: Record, old: Record) -> str:
     """The 11 flag characters for an entry the diff did not keep."""
     kind = str(new[0])
