@@ -291,6 +291,34 @@ def test_a_small_finished_stream_comes_with_the_status(
     assert run_status(snap, guest_path, 0, looks=0, inline=len(data)).inline is None
 
 
+def test_a_stream_comes_whole_only_with_the_done_record_the_answer_carries(
+    producer: tuple[Path, int], guest_path: str, tmp_path: Path
+) -> None:
+    """The status read the done record, then measured the index and the data, then looked
+    for the record again to decide whether to carry the stream: a record written between
+    the two looks (the producer's last step, under load) made an answer with the stream
+    and no record.  An admission that asked for it removed the staging too, and the host,
+    still waiting for the record, found the staging gone and started the pull afresh (a CI
+    flake).  Here a ``wc`` shim writes the record at the status's first measure."""
+    if "/bb" in guest_path:
+        pytest.skip("busybox's sh runs its wc applet unshimmed")
+    snap, _ = producer
+    data = b"a small stream"
+    _finished(snap, data)
+    (tmp_path / "record").write_text((snap / "done").read_text())
+    (snap / "done").unlink()
+    shim = f"""#!/bin/sh
+[ -f {tmp_path}/record ] && mv {tmp_path}/record {snap}/done
+exec {shutil.which("wc", path=guest_path)} "$@"
+"""
+    path, _ = shim_tools(tmp_path / "t", guest_path, {"wc": shim})
+    report = run_status(snap, path, 0, looks=0, inline=1024)
+    assert (snap / "done").exists()  # written during that status
+    assert report.done is None and report.inline is None
+    report = run_status(snap, path, 0, looks=0, inline=1024)
+    assert report.done is not None and report.inline == data
+
+
 def test_a_status_waits_for_the_done_record_once_the_stream_is_complete(
     producer: tuple[Path, int], guest_path: str, tmp_path: Path
 ) -> None:

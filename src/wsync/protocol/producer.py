@@ -56,7 +56,7 @@ STATUS_FN = r"""
 # the status of snapshot dir $1 into p: the status call's answer, and the one an
 # admission carries (the call that follows it, saved)
 st() {
-d=$1 io=$2 w=$3 il=$4 b=
+d=$1 io=$2 w=$3 il=$4 b= dn=
 if [ ! -d "$d" ]; then p="exists 0"; return 0; fi
 touch "$d"
 al() {
@@ -94,7 +94,7 @@ while [ $alive = 1 ] && [ "$k" -lt "$w" ] && [ ! -f "$d/done" ] && [ ! -f "$d/fa
 done
 [ $k = 0 ] || al
 p="exists 1"
-if [ -f "$d/done" ]; then l=; while IFS= read -r l || [ -n "$l" ]; do p="$p${nl}done_$l"; done < "$d/done"; fi
+if [ -f "$d/done" ]; then dn=1 l=; while IFS= read -r l || [ -n "$l" ]; do p="$p${nl}done_$l"; done < "$d/done"; fi
 if [ -f "$d/failed" ]; then p="$p${nl}failed $(head -c 400 "$d/failed" | tr '\n' ' ')"; fi
 launched=0
 [ -d "$d/launch" ] && launched=1
@@ -103,8 +103,10 @@ dsz=$(wc -c < "$d/data") || dsz=0
 p="$p${nl}alive $alive${nl}launched $launched"
 p="$p${nl}index_size $((isz + 0))${nl}data_size $((dsz + 0))"
 # a finished stream of at most il bytes comes along whole, in base64 (a read call fewer
-# for every small run: the host checks each chunk against the index's hash as a read's)
-if [ "$il" -gt 0 ] && [ "$io" -ge 0 ] && [ -f "$d/done" ] && [ $((dsz + 0)) -gt 0 ] &&
+# for every small run: the host checks each chunk against the index's hash as a read's).
+# Finished as the record above says (dn), not by looking again: a record written since
+# would have the stream carried, and its staging removed, without the record
+if [ "$il" -gt 0 ] && [ "$io" -ge 0 ] && [ -n "$dn" ] && [ $((dsz + 0)) -gt 0 ] &&
   [ $((dsz + 0)) -le "$il" ]; then
   b=$(base64 < "$d/data" | tr -d '\n') && p="$p${nl}data_b64 $b" || b=
 fi
