@@ -163,16 +163,18 @@ def test_a_first_dry_run_counts_what_it_lists(tmp_path: Path) -> None:
     assert f"dry run (full): {len(result['changes'])} changes" in done.stderr
 
 
-def test_a_full_dry_run_lists_what_a_full_pull_deletes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [[], ["--exclude", "no-such-name"]], ids=["", "exclude"])
+def test_a_full_dry_run_lists_what_a_full_pull_deletes(tmp_path: Path, extra: list[str]) -> None:
     """``--dry-run --full`` diffed against an empty tree: it listed no deletion, while the
-    full pull it previews removes every entry of DEST that the guest does not hold."""
+    full pull it previews removes every entry of DEST that the guest does not hold (with
+    excludes too, whose full pull diffs against an empty tree to list what to fetch)."""
     ws = make_tree(tmp_path / "ws", big=1024, small=3)
     dest = tmp_path / "d"
     assert wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path)).returncode == 0
     (dest / "host-only").write_bytes(b"x")
     (dest / "host-dir").mkdir()
     (dest / "host-dir" / "f").write_bytes(b"y")
-    args = ("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), "--full")
+    args = ("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), "--full", *extra)
     done = wsync(*args, "--dry-run", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)

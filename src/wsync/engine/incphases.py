@@ -178,8 +178,7 @@ class IncrementalRunner(LeftoverRunner):
 
     def decide(self, inc: Incremental, plan: GuestPlan, empty: Path) -> None:
         """Diff (in a thread); a full pull with excludes diffs against an empty directory of
-        the journal, a dry run without a baseline against DEST with no state (see
-        :meth:`preview_full`)."""
+        the journal, a full dry run against DEST with no state (see :meth:`preview_full`)."""
         with host_io(f"writing {empty}"):
             with contextlib.suppress(FileExistsError):
                 empty.mkdir(mode=0o700)
@@ -188,8 +187,8 @@ class IncrementalRunner(LeftoverRunner):
         try:
             own_links = early.links_to if early is not None else None
             inc.decide(plan, stdin=self.session.gate, tmp_fd=fd, own_links=own_links)
-            if self.options.dry_run and inc.diff is None:
-                self.preview_full(inc, fd)
+            if self.options.dry_run and inc.mode == "full":
+                self.preview_full(inc, fd)  # (with excludes, in place of the diff above)
         finally:
             os.close(fd)
 
