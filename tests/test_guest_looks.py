@@ -319,6 +319,26 @@ exec {shutil.which("wc", path=guest_path)} "$@"
     assert report.done is not None and report.inline == data
 
 
+def test_a_status_never_makes_a_snapshot_gone_under_it(
+    producer: tuple[Path, int], guest_path: str, tmp_path: Path
+) -> None:
+    """A status looked for the snapshot, then ``touch``ed it (the gc's clock): a snapshot
+    removed between the two (a carrying admission, a cleanup) came back as an empty
+    file, which no cleanup or gc removes and which failed any later admission of that
+    id.  Here a ``touch`` shim renames the snapshot away first."""
+    if "/bb" in guest_path:
+        pytest.skip("busybox's sh runs its touch applet unshimmed")
+    snap, _ = producer
+    shim = f"""#!/bin/sh
+for a; do [ -d "$a" ] && mv "$a" "$a.gone"; done
+exec {shutil.which("touch", path=guest_path)} "$@"
+"""
+    path, _ = shim_tools(tmp_path / "t", guest_path, {"touch": shim})
+    report = run_status(snap, path, 0, looks=0)
+    assert not report.exists
+    assert Path(f"{snap}.gone").is_dir() and not snap.exists()
+
+
 def test_a_status_waits_for_the_done_record_once_the_stream_is_complete(
     producer: tuple[Path, int], guest_path: str, tmp_path: Path
 ) -> None:

@@ -228,6 +228,53 @@ def test_a_snapshot_removed_under_a_retried_admission_starts_the_pull_afresh(
     assert [len(c) for c in calls] == [1, 2] and _staged(tmp_path) == []
 
 
+# a mkdir that, once armed, lets the given-up attempt's removal land right after the
+# retry's ``mkdir -p "$d"`` (the carrying admission renames the snapshot away first)
+_MKDIR_THEN_LOST = """#!/bin/sh
+{real} "$@"
+rc=$?
+if [ "$1" = -p ] && [ -e {arm} ]; then
+  case $2 in */s*) rm -f {arm}; mv "$2" "$2.lost" ;; esac
+fi
+exit $rc
+"""
+
+
+def test_a_snapshot_removed_inside_a_retried_admission_starts_the_pull_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same race as above, landing inside the retry: between its ``mkdir -p`` of the
+    snapshot and its admission token.  The token cannot be written ("token-failed"),
+    which was a plain staging failure, so the pull failed where it starts afresh when the
+    removal lands a moment later.  (Found by a review of the guest scripts' races.)"""
+    ws = make_tree(tmp_path / "ws", big=2 * KiB, small=3)
+    shims, arm = tmp_path / "shims", tmp_path / "arm"
+    shims.mkdir()
+    mkdir = shims / "mkdir"
+    mkdir.write_text(_MKDIR_THEN_LOST.format(real=shutil.which("mkdir"), arm=arm))
+    mkdir.chmod(0o755)
+    env = {"PATH": f"{shims}:{os.environ['PATH']}"}
+    real = GuestSession.admit
+    fired: list[str] = []
+
+    async def admit(self: GuestSession, snapshot: str, *args: Any, **kwargs: Any) -> bool:
+        if kwargs.get("mode", "tar") == "tar" and not fired:
+            fired.append(snapshot)
+            # the attempt given up on: launched, its producer done, its removal to come
+            await real(self, snapshot, *args, **{**kwargs, "status_wait": None, "clean": False})
+            for _ in range(600):
+                if (await self.status(0, 1.0)).done is not None:
+                    break
+            arm.write_text("")
+        return await real(self, snapshot, *args, **kwargs)
+
+    monkeypatch.setattr(GuestSession, "admit", admit)
+    result = run_pull(local(env), ws, tmp_path / "out", options(tmp_path))
+    assert fired and not arm.exists()  # the removal landed inside the retry
+    assert result.ok and any("staging was lost" in w for w in result.warnings), result
+    assert_exact(ws, tmp_path / "out")
+
+
 def test_a_small_run_with_a_gone_or_unstable_list_keeps_its_staging_for_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

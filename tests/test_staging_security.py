@@ -375,33 +375,41 @@ def test_only_our_producer_counts_as_killable(
     bystander: subprocess.Popen[bytes],
 ) -> None:
     """The guest's kill decision itself, asked about real processes: the live
-    producer yes; pid 1, odd spellings, and a process of ours that is not the
-    producer no.  (The producer also ends itself when its directory goes, so
-    the tests above could not tell a kill from that.)"""
+    producer of that snapshot yes; pid 1, odd spellings, a process of ours that is not
+    the producer, and the producer asked about as another snapshot's no.  (The producer
+    also ends itself when its directory goes, so the tests above could not tell a kill
+    from that.)  The last: a stale snapshot's pid file naming a pid that another pull's
+    producer now holds (a sandbox whose pid namespace restarted, its staging kept) had
+    that producer killed by the gc, and its pull failed."""
     arg = procs.sleep_arg(300)
     env = _slow_tar(tmp_path, arg, guest)
     opts = options(tmp_path)
     ask = callsh.compact(
-        callsh.PRELUDE + callsh.KILL + 'pn=$1; shift; for p; do mine "$p" && echo y || echo n; done'
+        callsh.PRELUDE
+        + callsh.KILL
+        + 'pn=$1 d=$2; shift 2; for p; do mine "$p" "$d" && echo y || echo n; done'
     )
 
-    async def go() -> list[str]:
+    async def go() -> tuple[list[str], list[str]]:
         transport = LocalTransport(env=env)
         try:
             session = GuestSession(transport, opts, CallStats())
             plan = await session.probe(str(workspace))
             await session.admit("s-live", str(workspace), plan.compressor)
             assert procs.wait_present(arg, timeout=30)
-            pid = Path(session.staging_root, "s-live", "pid").read_text().strip()  # noqa: ASYNC240
+            live = f"{session.staging_root}/s-live"
+            pid = Path(live, "pid").read_text().strip()  # noqa: ASYNC240
             candidates = [pid, "1", f"0{pid}", f"{pid} ", f"-{pid}", str(bystander.pid), ""]
             argv = ["sh", "-c", ask, "wsync", "0", "n", "md5", "raw", scripts.PRODUCER_NAME]
-            result = await transport.exec([*argv, *candidates], timeout=30)
+            result = await transport.exec([*argv, live, *candidates], timeout=30)
+            other = f"{session.staging_root}/s-li"  # (a prefix of the live one's name too)
+            elsewhere = await transport.exec([*argv, other, pid], timeout=30)
             await session.cleanup()
-            return result.stdout.decode().split()
+            return result.stdout.decode().split(), elsewhere.stdout.decode().split()
         finally:
             await transport.aclose()
 
-    assert asyncio.run(go()) == ["y", "n", "n", "n", "n", "n", "n"]
+    assert asyncio.run(go()) == (["y", "n", "n", "n", "n", "n", "n"], ["n"])
 
 
 def test_a_planted_pid_1_is_never_signalled(tmp_path: Path, workspace: Path) -> None:

@@ -24,6 +24,7 @@ from wsync.errors import (
     GuestToolsMissing,
     ListMissing,
     StagingFailed,
+    StagingGone,
     UsageError,
     WsyncError,
 )
@@ -225,6 +226,11 @@ class GuestSession(GuestCalls):
                 clean=clean,
             )
         if not envelope.ok:
+            if envelope.text == "token-failed" and not (await self.status()).exists:
+                # its directory went between the admission's steps: where an attempt of
+                # this admission given up on (its answer lost) carried the stream whole and
+                # removed it meanwhile, the pull starts afresh (see pull)
+                raise StagingGone("the guest staging directory disappeared during the admission")
             self._admission_failed(envelope.text, workspace)
         self._collected = True  # the stale snapshots went with this admission
         answer, status = envelope.payload, b""

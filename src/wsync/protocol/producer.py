@@ -58,7 +58,7 @@ STATUS_FN = r"""
 st() {
 d=$1 io=$2 w=$3 il=$4 b= dn=
 if [ ! -d "$d" ]; then p="exists 0"; return 0; fi
-touch "$d"
+touch -c "$d"
 al() {
   alive=0
   for x in pid pid.launch; do rd "$d/$x"; busy "$v_" && alive=1; done
@@ -132,19 +132,20 @@ lsn() { set -f; set -- $(ls -ldn "$1"); set +f; m=${1:-?} u=${3:-?}; }
 #: by the caller), shared by the cleanup script and the producer's ``--gc`` mode
 KILL_FNS = r"""
 # a pid read from staging is killed only when it is a process of this user
-# running wsync's producer; without /proc nothing is killed
+# running wsync's producer on that very snapshot dir (a pid reused by another pull's
+# producer is not this one's); without /proc nothing is killed
 mine() {
   busy "$1" && [ -r "/proc/$1/cmdline" ] || return 1
   lsn "/proc/$1"
   [ "$u" = "$me" ] || return 1
-  case $(cmd "$1") in *"$pn"*) return 0 ;; esac
+  case $(cmd "$1") in *"/$pn $2 "*) return 0 ;; esac
   return 1
 }
 stop() {
   for k in pid pid.launch; do
     rd "$1/$k"
     s=$v_
-    mine "$s" && { kill -TERM "-$s" || kill "$s"; }
+    mine "$s" "$1" && { kill -TERM "-$s" || kill "$s"; }
   done
 }
 """
