@@ -37,7 +37,6 @@ pull's own links and unlinks (:mod:`wsync.engine.finish`, :meth:`PullState.windo
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import os
@@ -223,6 +222,11 @@ class Incremental:
         #: this pull's ctime window opens here, before its first scan of DEST, by DEST's
         #: filesystem's own clock (see :meth:`PullState.window`); None: no window
         self.window_lo = target.fs_now()
+        #: the commit records the whole new tree as read before the swap
+        #: (:meth:`note_tree`): no link or unlink of this pull moves a ctime of it after
+        #: that, so no window is opened, and an edit of DEST from the swap on, even a
+        #: same-size rewrite with the mtime put back, is re-hashed by the next pull
+        self.noted_whole = False
         self.state = PullState.open(options.state_dir, target.path, sandbox_key)
         #: what the state held when opened: a baseline of this sandbox, and a no-op record
         #: (read once here: the loop thread must not wait for a worker using the state)
@@ -498,11 +502,27 @@ class Incremental:
 
         set_dir_meta(tmp_fd, self.diff.dirs(), seen)
 
+    def note_tree(self, tmp_fd: int) -> None:
+        """The last step before the swap: what the commit records of DEST is read off the
+        finished new tree now (:meth:`PullState.note_tree`), so that nothing done to DEST
+        after the swap is recorded as this pull's.  After a diff, the rows of what it made
+        (:func:`prevtree.restat`); after a whole-tree run, the whole tree.  A diff without
+        a listing (no window) leaves it to the commit, which scans DEST once the old tree
+        is gone."""
+        if self.reuses:
+            if self.manifest_digest:
+                db = self.state.db
+                self.state.note_tree(tmp_fd, prevtree.restat(db, tmp_fd, self.dir_rows))
+        else:
+            self.state.note_tree(tmp_fd)
+            self.noted_whole = True
+
     def commit(self, *, kept_prev: bool = False) -> bool:
         """Record DEST as this sandbox's baseline (after the swap, while the old tree is
-        removed).  After a diff only what this pull made is looked at again
-        (:func:`prevtree.restat`): every entry it kept is the inode the diff scanned, whose
-        ctime its links and unlinks move within the window :meth:`close_window` closes.
+        removed), from what :meth:`note_tree` read before the swap.  After a diff only what
+        this pull made was read (:func:`prevtree.restat`): every entry it kept is the inode
+        the diff scanned, whose ctime its links and unlinks move within the window
+        :meth:`close_window` closes.
 
         A reused previous tree that is kept again (``kept_prev``) moved no ctime of what
         it kept (only of the few entries it linked anew: the next pull re-hashes those):
@@ -511,13 +531,6 @@ class Incremental:
         dest_fd = open_dest(self.target)
         if dest_fd is None:
             return False
-        db = self.state.db
-        # (without a listing no window is recorded: DEST is scanned whole)
-        restat = (
-            functools.partial(prevtree.restat, db, dest_fd, self.dir_rows)
-            if self.reuses and self.manifest_digest
-            else None
-        )
         if self.forget_racy:
             # (the wait of IncrementalRunner.after_listing_second could not come first:
             # the next pull fetches them again, after its own listing's second)
@@ -526,10 +539,11 @@ class Incremental:
             self.state.commit(
                 dest_fd,
                 iter(self.hashes),
-                restat,
                 listing=self.manifest_digest,
                 options=self.options_key(),
-                window_lo=None if self.reused and kept_prev else self.window_lo,
+                window_lo=None
+                if self.noted_whole or (kept_prev and self.reused)
+                else self.window_lo,
             )
         finally:
             os.close(dest_fd)

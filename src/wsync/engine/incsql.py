@@ -36,6 +36,9 @@ CREATE TABLE IF NOT EXISTS records (
 """
 
 INSERT_HOST = "INSERT OR REPLACE INTO s.host VALUES (?,?,?,?,?,?,?)"
+#: a row of what the pull made, read off the new tree before the swap (``kind`` NULL: not
+#: there; see ``PullState.note_tree``)
+INSERT_MADE = "INSERT OR REPLACE INTO s.made VALUES (?,?,?,?,?,?,?)"
 #: the plan's acts of an entry the content run fetches (an SQL list)
 FETCHED = "('new', 'changed', 'missing', 'tampered', 'linked')"
 
@@ -235,6 +238,10 @@ def scratch(db: sqlite3.Connection) -> None:
     db.execute(
         "CREATE TABLE s.plan (path BLOB PRIMARY KEY, kind TEXT, ino INT, act TEXT, hash TEXT) "
         "WITHOUT ROWID"
+    )
+    db.execute(
+        "CREATE TABLE s.made (path BLOB PRIMARY KEY, kind TEXT, mode INT, size INT, mtime INT, "
+        "ctime INT, ino INT) WITHOUT ROWID"
     )
     db.execute("CREATE TABLE s.verdict (path BLOB PRIMARY KEY, ok INT) WITHOUT ROWID")
     db.execute(

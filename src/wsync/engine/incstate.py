@@ -124,6 +124,10 @@ class PullState:
         self.sandbox_key = sandbox_key
         self._loaded = False
         self._diffed = False
+        #: what :meth:`note_tree` read off the new tree before the swap: "" (nothing: the
+        #: commit scans DEST), "scan" (the whole tree, in ``s.host``) or "made" (the rows
+        #: of what the pull made, in ``s.made``)
+        self._noted = ""
         #: the regular files' bytes in the loaded manifest, in KiB rounded up (what a
         #: whole-tree run needs in the guest staging, before compression)
         self.listed_kb = 0
@@ -244,6 +248,7 @@ class PullState:
             self.db.commit()
         self._loaded = True
         self._diffed = False
+        self._noted = ""
 
     # -- the diff -----------------------------------------------------------------------
 
@@ -502,11 +507,40 @@ class PullState:
 
     # -- after the pull -----------------------------------------------------------------
 
+    def note_tree(
+        self, tree_fd: int, made: Iterator[tuple[bytes, hostscan.HostRow | None]] | None = None
+    ) -> None:
+        """Before the swap: what the commit is to record of DEST, read off the finished new
+        tree (open at ``tree_fd``), the whole tree or, after a diff, ``made``: the lstat
+        rows of every entry the pull made (:func:`wsync.engine.prevtree.restat`; None for
+        one that is not there).
+
+        Why before: read after the swap, a change made to DEST in between (a symlink
+        pointed elsewhere, a chmod, a same-size rewrite with the mtime put back) was
+        recorded as what the pull left, and no later pull looked at that entry again.
+        Read here, anything done to DEST from the swap on differs from the rows recorded
+        next time, and the pull repairs it."""
+        with self._errors():
+            db = self.db
+            if made is None:
+                if self._diffed:
+                    db.execute("DELETE FROM s.kept")
+                    db.execute(incsql.KEPT)
+                self._scan_host(tree_fd)
+                self._noted = "scan"
+            else:
+                db.execute("DELETE FROM s.made")
+                for batch in incload.batches(made):
+                    gone = (None,) * 6
+                    rows = [row or (path, *gone) for path, row in batch]
+                    incsql.insert_rows(db, incsql.INSERT_MADE, rows)
+                self._noted = "made"
+            db.commit()
+
     def commit(
         self,
         dest_fd: int,
         file_hashes: Mapping[bytes, str] | Iterable[tuple[bytes, str, Written]],
-        restat: Callable[[], Iterator[tuple[bytes, hostscan.HostRow | None]]] | None = None,
         *,
         listing: str = "",
         options: str = "",
@@ -521,11 +555,12 @@ class PullState:
         manifest's kind, so anything the pull did not leave (vanished in the guest,
         refused) is fetched next time.
 
-        DEST is scanned again, unless ``restat`` gives the lstat rows of every entry this
-        pull made (:func:`wsync.engine.prevtree.restat`): then every other row is the one
-        of the scan the diff used.  An older signature is never a missed change: anything
-        done to an entry since that scan differs from it next time.  Scanned again, a kept
-        entry the host changed during the pull (see ``incsql.KEPT_MOVED``) is left out.
+        DEST is scanned again, unless :meth:`note_tree` read the new tree before the swap:
+        the whole of it, or the rows of every entry this pull made, and then every other
+        row is the one of the scan the diff used.  An older signature is never a missed
+        change: anything done to an entry since that scan differs from it next time.
+        Scanned again, a kept entry the host changed during the pull (see
+        ``incsql.KEPT_MOVED``) is left out.
         ``listing`` is the manifest's stream digest (:meth:`last_listing`), ``options``
         what the pull's options key was (:meth:`known`), ``window_lo`` when the pull began
         (in ns, before its first scan of DEST): it opens the ctime window that
@@ -541,18 +576,18 @@ class PullState:
             records = file_hashes
         with self._errors():
             db = self.db
-            if restat is None or not self._diffed:
-                if self._diffed:
+            noted, self._noted = self._noted, ""
+            if noted == "made" and self._diffed:
+                db.execute("DELETE FROM s.host WHERE path IN (SELECT path FROM s.made)")
+                db.execute("INSERT INTO s.host SELECT * FROM s.made WHERE kind IS NOT NULL")
+            else:
+                if self._diffed and noted != "scan":
                     db.execute("DELETE FROM s.kept")
                     db.execute(incsql.KEPT)
-                self._scan_host(dest_fd)
+                if noted != "scan":
+                    self._scan_host(dest_fd)
                 if self._diffed:
                     db.execute(incsql.KEPT_MOVED)
-            else:
-                for batch in incload.batches(restat()):
-                    gone = [(path,) for path, row in batch if row is None]
-                    db.executemany("DELETE FROM s.host WHERE path = ?", gone)
-                    incsql.insert_rows(db, incsql.INSERT_HOST, [row for _, row in batch if row])
             for path, digest, written in records:
                 self.add_hash(path, digest, written)
             self._flush_hashes()

@@ -367,25 +367,25 @@ def prune(db: sqlite3.Connection, prev_fd: int, check_cancel: Callable[[], None]
 
 
 def restat(
-    db: sqlite3.Connection, dest_fd: int, dir_rows: Mapping[bytes, HostRow]
+    db: sqlite3.Connection, tree_fd: int, dir_rows: Mapping[bytes, HostRow]
 ) -> Iterator[tuple[bytes, HostRow | None]]:
     """After a pull that diffed DEST (the tree reused by :func:`reuse`, or a farm), the
-    lstat rows of what it made in DEST (now at ``dest_fd``): every directory and every
-    fetched entry; None for one that is gone.  Streamed: the caller writes them to
-    ``s.host`` as they come (a million-entry change must not be a million rows in memory).
-    A directory in ``dir_rows`` (as the pull left it before the swap) is not looked at
-    again; the root always is (the swap moved it).
+    lstat rows of what it made in its new tree (at ``tree_fd``, finished, before the swap:
+    ``PullState.note_tree``): every directory and every fetched entry; None for one that
+    is gone.  Streamed: the caller writes them to a table as they come (a million-entry
+    change must not be a million rows in memory).  A directory in ``dir_rows`` (as the
+    pull left it) is not looked at again; the root always is.
 
     Every other row stays the diff's scan, also for an entry the farm or the reuse linked
     anew (a link moves the inode's ctime: within the commit's ctime window, or, after a
     reuse that opens none, re-hashed once by the next pull): recording its lstat now would
     record whatever was done to it since the scan, which no later pull would see."""
-    parents = _Parents(dest_fd)
+    parents = _Parents(tree_fd)
     try:
         for (raw,) in db.execute(_TOUCHED):
             path = bytes(raw)
             if path == b".":
-                yield path, row(path, os.fstat(dest_fd))
+                yield path, row(path, os.fstat(tree_fd))
                 continue
             known = dir_rows.get(path)
             if known is not None:

@@ -197,6 +197,8 @@ class _Pull(FinishRunner):
             # the manifest, when it loaded while the content run went on: a listing that
             # does not load fails the pull here, DEST untouched
             await self.load_late()
+            if inc is not None:
+                await tree_work(lambda fd: inc.locked(lambda: inc.note_tree(fd)))
             old = self.swap_in(tmp, tmp_fd)
             self.outcome = (stats, chunks, length, old)
         except BaseException as exc:
@@ -271,6 +273,7 @@ class _Pull(FinishRunner):
                 )
             )
             await in_thread(owned(tmp_fd, lambda fd: inc.locked(lambda: inc.dir_meta(fd))))
+            await in_thread(owned(tmp_fd, lambda fd: inc.locked(lambda: inc.note_tree(fd))))
             old = self.swap_in(tmp, tmp_fd)
             self.outcome = (ExtractStats(), 0, 0, old)
         except BaseException:
