@@ -407,6 +407,33 @@ def test_a_select_run_launched_without_its_list_fails_and_dest_stays(
     assert_exact(ws, dest)
 
 
+def test_a_select_run_that_lost_its_list_once_starts_the_pull_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same end state once, as the race leaves it where the admission given up on
+    removed the snapshot between the list check of its retry and that retry's ``mkdir``
+    (found by a review of the guest scripts): the pull starts afresh, as where the
+    snapshot was gone, and ends exact, instead of failing."""
+    ws, dest = _pulled(tmp_path)
+    (ws / "src" / "f2.txt").write_text("changed, and longer than before\n")
+    real = GuestSession.upload_list
+    lost: list[str] = []
+
+    async def upload_then_lose_once(session: GuestSession, snapshot: str, data: bytes) -> None:
+        await real(session, snapshot, data)
+        if not lost:
+            lost.append(snapshot)
+            staged = Path(session.staging_root, snapshot)
+            (staged / "list").unlink()
+            (staged / "launch").mkdir()
+
+    monkeypatch.setattr(GuestSession, "upload_list", upload_then_lose_once)
+    result = run_pull(local(), ws, dest, options(tmp_path))
+    assert lost and result.ok and result.mode == "incremental", result.error
+    assert any("staging was lost" in w for w in result.warnings), result.warnings
+    assert_exact(ws, dest)
+
+
 def test_a_list_upload_refused_once_goes_up_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

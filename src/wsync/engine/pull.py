@@ -417,9 +417,11 @@ async def _pull(
             except StagingFailed as exc:
                 # a snapshot whose staging is gone where admissions remove the staging of
                 # what they carry whole: an admission attempt given up on (a deadline)
-                # removed it under its retry, or the guest's base64 encoded other bytes
-                # than it did for the probe: afresh once, no admission removing anything
-                cleaned = runner.asked_clean and isinstance(exc, StagingGone)
+                # removed it under its retry (a select run's producer may then have found
+                # its list gone: the retry's admission made the snapshot again), or the
+                # guest's base64 encoded other bytes than it did for the probe: afresh
+                # once, no admission removing anything
+                cleaned = runner.asked_clean and isinstance(exc, StagingGone | ListMissing)
                 if not runner.reconciled and not cleaned:
                     raise
                 raise_if_cancelled()  # no fresh start for a pull being stopped
