@@ -225,7 +225,9 @@ class Incremental:
         #: the commit records the whole new tree as read before the swap
         #: (:meth:`note_tree`): no link or unlink of this pull moves a ctime of it after
         #: that, so no window is opened, and an edit of DEST from the swap on, even a
-        #: same-size rewrite with the mtime put back, is re-hashed by the next pull
+        #: same-size rewrite with the mtime put back, is re-hashed by the next pull (unless
+        #: it is stamped in the same tick of the filesystem's clock as the pull's own last
+        #: change to that file: a second on a filesystem of whole seconds)
         self.noted_whole = False
         self.state = PullState.open(options.state_dir, target.path, sandbox_key)
         #: what the state held when opened: a baseline of this sandbox, and a no-op record

@@ -43,7 +43,8 @@ def strict_text(text: str) -> str:
     Why: a name that is not UTF-8 (a DEST given as raw bytes on the command line) is a
     ``str`` with lone surrogates here; ``json.dumps`` writes them as ``\\udcff``, which
     Python reads back but strict JSON decoders refuse, so one odd name would make a whole
-    ``--json`` result unreadable to a script."""
+    ``--json`` result unreadable to a script.  (A valid name is left as it is, so one that
+    holds ``\\#377`` itself reads like an escaped byte: the name was the caller's own.)"""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
