@@ -90,8 +90,12 @@ def test_a_json_result_that_cannot_be_written_is_exit_8_with_dest_complete(
         )
     assert done.returncode == 8, done.stderr
     assert "cut short" in done.stderr and "No space left" in done.stderr
-    assert "internal error" not in done.stderr
+    assert "DEST complete" in done.stderr and "internal error" not in done.stderr
     assert_exact(ws, tmp_path / "d")
+    with open("/dev/full", "w") as full:
+        done = wsync("completion", "bash", stdout=full)
+    assert done.returncode == 8 and "cut short" in done.stderr  # no word of a DEST there
+    assert "DEST" not in done.stderr, done.stderr
 
 
 def test_a_gone_reader_of_json_is_still_a_success(tmp_path: Path) -> None:

@@ -279,9 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(exc.code, file=sys.stderr)
     lost = stdstreams.lost_stdout()
     if lost is not None and code == 0:
+        # (the command is the first word that is not an option: the top level takes flags)
+        command = next((arg for arg in args if not arg.startswith("-")), "")
+        done = "; the pull is done and DEST complete" if command == "pull" else ""
         print(
-            f"wsync: error: what this command printed to stdout was cut short ({lost}); "
-            "anything it did besides is done (a pull's DEST is complete)",
+            f"wsync: error: what this command printed to stdout was cut short ({lost}){done}",
             file=sys.stderr,
         )
         code = HostIOError.exit_code
