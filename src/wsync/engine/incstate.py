@@ -523,19 +523,25 @@ class PullState:
         with self._errors():
             db = self.db
             if made is None:
-                if self._diffed:
-                    db.execute("DELETE FROM s.kept")
-                    db.execute(incsql.KEPT)
-                self._scan_host(tree_fd)
+                self._rescan(tree_fd)
                 self._noted = "scan"
             else:
                 db.execute("DELETE FROM s.made")
+                gone = (None,) * 6
                 for batch in incload.batches(made):
-                    gone = (None,) * 6
                     rows = [row or (path, *gone) for path, row in batch]
                     incsql.insert_rows(db, incsql.INSERT_MADE, rows)
                 self._noted = "made"
             db.commit()
+
+    def _rescan(self, tree_fd: int) -> None:
+        """``s.host`` from a scan of the tree at ``tree_fd``, after a diff with its scan of
+        the entries the farm linked as they are set aside first (``incsql.KEPT``: what
+        ``KEPT_MOVED`` compares the new scan with)."""
+        if self._diffed:
+            self.db.execute("DELETE FROM s.kept")
+            self.db.execute(incsql.KEPT)
+        self._scan_host(tree_fd)
 
     def commit(
         self,
@@ -581,11 +587,8 @@ class PullState:
                 db.execute("DELETE FROM s.host WHERE path IN (SELECT path FROM s.made)")
                 db.execute("INSERT INTO s.host SELECT * FROM s.made WHERE kind IS NOT NULL")
             else:
-                if self._diffed and noted != "scan":
-                    db.execute("DELETE FROM s.kept")
-                    db.execute(incsql.KEPT)
                 if noted != "scan":
-                    self._scan_host(dest_fd)
+                    self._rescan(dest_fd)
                 if self._diffed:
                     db.execute(incsql.KEPT_MOVED)
             for path, digest, written in records:
