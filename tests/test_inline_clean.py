@@ -381,6 +381,25 @@ def test_a_status_of_a_snapshot_removed_while_it_was_read_says_it_is_gone(
     assert answer == b"exists 0"
 
 
+def _list_lost_after_upload(monkeypatch: pytest.MonkeyPatch, times: int | None) -> list[str]:
+    """``upload_list`` leaves the end state of the race below after its first ``times``
+    uploads (None: every one): the list gone, the snapshot launched.  Returns the snapshots
+    that lost it."""
+    real = GuestSession.upload_list
+    lost: list[str] = []
+
+    async def upload_then_lose(session: GuestSession, snapshot: str, data: bytes) -> None:
+        await real(session, snapshot, data)
+        if times is None or len(lost) < times:
+            lost.append(snapshot)
+            staged = Path(session.staging_root, snapshot)
+            (staged / "list").unlink()
+            (staged / "launch").mkdir()  # the end state of that race
+
+    monkeypatch.setattr(GuestSession, "upload_list", upload_then_lose)
+    return lost
+
+
 def test_a_select_run_launched_without_its_list_fails_and_dest_stays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -390,19 +409,11 @@ def test_a_select_run_launched_without_its_list_fails_and_dest_stays(
     ws, dest = _pulled(tmp_path)
     (ws / "src" / "f2.txt").write_text("changed, and longer than before\n")
     before = (dest / "src" / "f2.txt").read_bytes()
-    real = GuestSession.upload_list
-
-    async def upload_then_lose(session: GuestSession, snapshot: str, data: bytes) -> None:
-        await real(session, snapshot, data)
-        staged = Path(session.staging_root, snapshot)
-        (staged / "list").unlink()
-        (staged / "launch").mkdir()  # the end state of that race
-
-    monkeypatch.setattr(GuestSession, "upload_list", upload_then_lose)
+    _list_lost_after_upload(monkeypatch, None)
     with pytest.raises(StagingFailed, match="list of entries to archive is missing"):
         run_pull(local(), ws, dest, options(tmp_path))
     assert (dest / "src" / "f2.txt").read_bytes() == before
-    monkeypatch.setattr(GuestSession, "upload_list", real)
+    monkeypatch.undo()
     assert run_pull(local(), ws, dest, options(tmp_path)).ok
     assert_exact(ws, dest)
 
@@ -416,18 +427,7 @@ def test_a_select_run_that_lost_its_list_once_starts_the_pull_afresh(
     snapshot was gone, and ends exact, instead of failing."""
     ws, dest = _pulled(tmp_path)
     (ws / "src" / "f2.txt").write_text("changed, and longer than before\n")
-    real = GuestSession.upload_list
-    lost: list[str] = []
-
-    async def upload_then_lose_once(session: GuestSession, snapshot: str, data: bytes) -> None:
-        await real(session, snapshot, data)
-        if not lost:
-            lost.append(snapshot)
-            staged = Path(session.staging_root, snapshot)
-            (staged / "list").unlink()
-            (staged / "launch").mkdir()
-
-    monkeypatch.setattr(GuestSession, "upload_list", upload_then_lose_once)
+    lost = _list_lost_after_upload(monkeypatch, 1)
     result = run_pull(local(), ws, dest, options(tmp_path))
     assert lost and result.ok and result.mode == "incremental", result.error
     assert any("staging was lost" in w for w in result.warnings), result.warnings
