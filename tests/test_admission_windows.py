@@ -334,6 +334,54 @@ def test_a_live_producer_is_adopted_never_doubled_and_a_reused_pid_is_not_one(
     asyncio.run(go())
 
 
+def test_a_dead_producers_pid_taken_by_another_snapshots_producer_is_not_busy(
+    tmp_path: Path, workspace: Path, guest_path: str, procs: ProcessWatch
+) -> None:
+    """A producer dies without a result and its pid is taken by the producer of another
+    snapshot (a sandbox whose pid namespace restarted with its staging kept): that
+    process runs wsync's producer, but not on this snapshot.  The status says nothing
+    runs and an admission starts the snapshot again, where both read the other
+    snapshot's producer as this one's: the pull waited for it to end, or for its
+    ``--timeout``.  The other producer is never signalled."""
+    arg = procs.sleep_arg(300)
+    env = {"PATH": guest_path, "HOME": str(tmp_path)}
+    slow = _slow_tar(tmp_path, arg, env)
+
+    async def go() -> None:
+        other, comp = await _session(slow, tmp_path, workspace)
+        assert not await other.admit("s-other", str(workspace), comp)
+        assert procs.wait_present(arg, timeout=30)
+        first, comp = await _session(slow, tmp_path, workspace)
+        assert not await first.admit("s-dead", str(workspace), comp)
+        snap = Path(first.staging_root, "s-dead")
+        for _ in range(600):
+            if len(procs.pids(arg)) == 2 and (snap / "pid").exists():
+                break
+            await asyncio.sleep(0.05)
+        assert len(procs.pids(arg)) == 2
+        os.killpg(int((snap / "pid").read_text()), signal.SIGKILL)
+        for _ in range(600):
+            if len(procs.pids(arg)) == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert len(procs.pids(arg)) == 1
+        taken = int((snap.parent / "s-other" / "pid").read_text())
+        for name in ("pid", "pid.launch", "lock.1/pid"):
+            (snap / name).write_text(f"{taken}\n")
+        assert not (await first.status()).alive
+        again, comp = await _session(env, tmp_path, workspace)
+        assert not await again.admit("s-dead", str(workspace), comp)  # started again
+        status = await _finished(again)
+        assert status.done is not None and status.failed is None
+        assert _generations(snap) == ["lock.1", "lock.2"]
+        await again.cleanup()
+        assert len(procs.pids(arg)) == 1  # the other snapshot's producer runs on
+        assert (await other.status()).alive
+        await other.cleanup()
+
+    asyncio.run(go())
+
+
 def test_concurrent_relaunches_start_one_producer(
     tmp_path: Path, workspace: Path, guest_path: str
 ) -> None:

@@ -58,15 +58,15 @@ def counted(tmp_path: Path, guest_path: str) -> tuple[str, Path]:
 @pytest.fixture
 def producer(tmp_path: Path) -> Iterator[tuple[Path, int]]:
     """A snapshot directory whose ``pid`` and ``pid.launch`` name a live process that
-    runs a file named like wsync's producer (a ``sh`` that waits)."""
+    runs a file named like wsync's producer on that directory (a ``sh`` that waits)."""
     root = tmp_path / "staging"
     root.mkdir(mode=0o700)
     fake = root / ".producer-0000000000000000.sh"
     fake.write_text("sleep 300\n:\n")
-    proc = subprocess.Popen(["sh", str(fake)], start_new_session=True)
+    snap = root / "s-look"
+    snap.mkdir()
+    proc = subprocess.Popen(["sh", str(fake), str(snap), "/ws"], start_new_session=True)
     try:
-        snap = root / "s-look"
-        snap.mkdir()
         for name in ("pid", "pid.launch"):
             (snap / name).write_text(f"{proc.pid}\n")
         yield snap, proc.pid

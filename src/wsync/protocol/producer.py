@@ -29,17 +29,19 @@ alive() {
   fi
   return 0
 }
-# a pid read from staging that may still be a producer (or its launch): alive and,
-# where /proc tells, running wsync's producer; without /proc any live process counts.
-# The shell's read drops the NULs between arguments (dash, bash and busybox alike), so
-# the producer's path is seen without a fork; where it is not, tr decides as before
+# a pid read from staging that may still be snapshot dir $d's producer (or its
+# launch): alive and, where /proc tells, running wsync's producer on that very dir (a
+# dead producer's pid that another snapshot's producer took is not this one's);
+# without /proc any live process counts.  The shell's read drops the NULs between
+# arguments (dash, bash and busybox alike), so the producer's path and its dir are
+# seen without a fork; where they are not, tr decides as before
 busy() {
   case $1 in ''|0*|1|*[!0-9]*|??????????*) return 1 ;; esac
   alive "$1" || return 1
   [ -r "/proc/$1/cmdline" ] || return 0
   rd "/proc/$1/cmdline"
-  case $v_ in */.producer-*) return 0 ;; esac
-  case $(cmd "$1") in *.producer-*) return 0 ;; esac
+  case $v_ in */.producer-*"$d"*) return 0 ;; esac
+  case $(cmd "$1") in *.producer-*" $d "*) return 0 ;; esac
   return 1
 }
 cmd() { tr '\000' ' ' < "/proc/$1/cmdline"; }
@@ -133,19 +135,21 @@ lsn() { set -f; set -- $(ls -ldn "$1"); set +f; m=${1:-?} u=${3:-?}; }
 KILL_FNS = r"""
 # a pid read from staging is killed only when it is a process of this user
 # running wsync's producer on that very snapshot dir (a pid reused by another pull's
-# producer is not this one's); without /proc nothing is killed
+# producer is not this one's); without /proc nothing is killed.  (The dir is d, which
+# stop sets: busy looks for it too)
 mine() {
   busy "$1" && [ -r "/proc/$1/cmdline" ] || return 1
   lsn "/proc/$1"
   [ "$u" = "$me" ] || return 1
-  case $(cmd "$1") in *"/$pn $2 "*) return 0 ;; esac
+  case $(cmd "$1") in *"/$pn $d "*) return 0 ;; esac
   return 1
 }
 stop() {
+  d=$1
   for k in pid pid.launch; do
     rd "$1/$k"
     s=$v_
-    mine "$s" "$1" && { kill -TERM "-$s" || kill "$s"; }
+    mine "$s" && { kill -TERM "-$s" || kill "$s"; }
   done
 }
 """
