@@ -40,8 +40,7 @@ async def read_list(session: GuestSession, file: str, size: int, sizer: ReadSize
     data = bytearray()
     while len(data) < size:
         data += await session.read(file, len(data), size - len(data), sizer)
-    # once each: every round of a file that never settles lists it again (tar's warning
-    # of it too, in tar's quoting, which the guest cannot undo)
+    # once each, whatever the guest wrote (a list is names, not a count)
     return list(dict.fromkeys(parse_name_list(bytes(data))))
 
 

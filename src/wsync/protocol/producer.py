@@ -59,7 +59,7 @@ STATUS_FN = r"""
 # admission carries (the call that follows it, saved)
 st() {
 d=$1 io=$2 w=$3 il=$4 b= dn=
-if [ ! -d "$d" ]; then p="exists 0"; return 0; fi
+[ -d "$d" ] || { p="exists 0"; return 0; }
 touch -c "$d"
 al() {
   alive=0
@@ -253,7 +253,7 @@ if [ $g -gt 1 ]; then
   [ -f done ] || [ -f failed ] && exit 0
 fi
 # (a claim left by an earlier process of this pid: gone first)
-if [ -e "claim.$$" ] || [ -L "claim.$$" ]; then rm -rf "claim.$$"; fi
+[ -e "claim.$$" ] || [ -L "claim.$$" ] && rm -rf "claim.$$"
 mkdir "claim.$$" && echo $$ > "claim.$$/pid" || exit 1
 mv "claim.$$" "lock.$g" 2>/dev/null
 rd "lock.$g/pid"
@@ -272,7 +272,7 @@ if [ $g -gt 1 ]; then
 fi
 fail() {
   # a failed write on a full disk says so: the host names the figures
-  f=$(df -Pk . | awk 'NR == 2 { print $4 + 0 }')
+  f=$(df -Pk . | awk 'NR==2{print $4+0}')
   [ "${f:-9999}" -lt 1024 ] && set -- "disk-full $f: $1"
   # failed.tmp was reserved at start: rewriting it in place (1<>, no
   # truncation) needs no new disk blocks, so a full disk can still say why
@@ -363,18 +363,28 @@ rounds() {
   if [ -s live ]; then mv -f live unstable || fail "cannot record unstable files"; fi
 }
 # a file tar read torn and that vanished before the next find is in no list:
-# tar named it ("changed as we read it", "shrank"); gone if it is still absent,
-# unstable if its name came escaped (C locale, escape quoting: undecodable here)
+# tar named it ("changed as we read it", "shrank"); gone if it is still absent (one
+# still there changed after the mark, so a later round read it again, or lists it).
+# tar gives an odd name in its escape quoting (C locale): \ooo for a byte, \\, \t, \n
+# and the like, \: for a colon.  That is printf's format once % is doubled and \: is a
+# colon (a colon always comes escaped, so the \ before one is its own).  Taken only
+# where tar quotes the name so found as it gave it (--no-unquote: tar would read a name
+# given to it as quoted); else it stays unstable, the pull's to fail
 torn() {
   [ -s tar.err ] || return 0
   sed -n -e 's/^[^ ]*tar: \(.*\): file changed as we read it$/\1/p' \
     -e 's/^[^ ]*tar: \(.*\): File shrank by [0-9]* bytes; padding with zeros$/\1/p' tar.err |
     while IFS= read -r n; do
       case $n in
-        *\\*) printf '%s\0' "$n" >> live ;;
-        *) [ -e "$ws/$n" ] || [ -L "$ws/$n" ] || [ $((${#ws} + ${#n})) -ge 4095 ] ||
-             printf '%s\0' "$n" >> gone ;;
+        *\\*)
+          x=$(printf "$(printf '%s\n' "$n" | sed 's/%/%%/g;s/\\:/:/g')."); x=${x%.}
+          case $(cd "$ws" && tar --no-unquote -cf /dev/null "$x/.n" 2>&1) in
+            *"tar: $n/.n: "*) n=$x ;;
+            *) printf '%s\0' "$n" >> live; continue ;;
+          esac ;;
       esac
+      [ -e "$ws/$n" ] || [ -L "$ws/$n" ] || [ $((${#ws} + ${#n})) -ge 4095 ] ||
+        printf '%s\0' "$n" >> gone
     done
 }
 : > gone || fail "cannot create the gone list"
