@@ -161,7 +161,11 @@ WHERE EXISTS (
 #: the new state: each entry of the manifest that DEST holds with the manifest's kind, with
 #: the hash the extractor wrote, or the one the diff verified for a kept file; a file the
 #: extractor wrote that DEST holds with another inode, mode, size or mtime now (changed on the
-#: host between the swap and this commit) is left out, fetched next time
+#: host between the swap and this commit) is left out, fetched next time.  So is a file or
+#: symlink whose size in DEST is not the listed one (a symlink's is its target's length):
+#: what the guest's archive put there is not what its listing described (a file changed
+#: between the two reads, or a hostile guest), and recorded with that listing it would
+#: match every later honest listing, the wrong entry kept for good
 COMMIT = """
 INSERT INTO main.state
 SELECT m.path, m.kind, m.mode, m.size, m.mtime, m.ctime, m.ino, m.target, m.digest,
@@ -171,8 +175,9 @@ FROM s.man m
 JOIN s.host h ON h.path = m.path AND h.kind = m.kind
 LEFT JOIN s.hashes fh ON fh.path = m.path
 LEFT JOIN s.plan p ON p.path = m.path
-WHERE fh.ino IS NULL
-  OR (h.ino IS fh.ino AND h.mode IS fh.mode AND h.size IS fh.size AND h.mtime IS fh.mtime)
+WHERE (fh.ino IS NULL
+  OR (h.ino IS fh.ino AND h.mode IS fh.mode AND h.size IS fh.size AND h.mtime IS fh.mtime))
+  AND (m.kind NOT IN ('f', 'l') OR h.size IS m.size)
 """
 
 
