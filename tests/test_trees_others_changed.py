@@ -94,6 +94,27 @@ def test_removing_a_tree_never_enters_a_mount_in_it(tmp_path: Path, kind: str) -
         assert not (tree / "a" / "file").exists()
 
 
+def test_the_warning_names_where_a_mount_in_the_old_tree_stays(tmp_path: Path) -> None:
+    """A tmpfs mounted inside DEST: the pull replaces DEST, the old tree's removal leaves
+    the mount where it is, and the warning names that very place (before: the name the
+    old tree had before it was set aside for its removal, which no longer exists)."""
+    ws = make_tree(tmp_path / "ws", big=4096, small=10)
+    dest = tmp_path / "out"
+    opts = options(tmp_path)
+    assert run_pull(LocalTransport(), ws, dest, opts).ok
+    (dest / "sub").mkdir()
+    with mounted("-t", "tmpfs", "none", str(dest / "sub"), under=tmp_path):
+        fs = os.stat(dest / "sub").st_dev
+        (ws / "src" / "f1.txt").write_text("round 1\n")
+        result = run_pull(LocalTransport(), ws, dest, opts)
+        assert result.ok
+        assert_exact(ws, dest)
+        where = [Path(top) for top, _, _ in os.walk(tmp_path) if os.stat(top).st_dev == fs]
+        shown = [w for w in result.warnings if "not fully removed" in w]
+        assert where and shown, (where, result.warnings)
+        assert f"{where[0]}:" in shown[0], (where, shown)
+
+
 def test_a_mount_in_the_kept_tree_is_not_emptied(tmp_path: Path) -> None:
     """A tmpfs mounted on a directory of ``.NAME.wsync-prev``: the pull neither reuses that
     tree nor deletes the mount's files, and DEST comes out exact."""

@@ -455,8 +455,8 @@ class DestDir:
         the tree under a stale name given here, so that a removal still running after its
         wait was given up never has a name a later pull reuses."""
         fd = os.dup(self.parent_fd)
-        shown = str(self.path.parent / name)
         name = self.set_aside(name) or name
+        shown = str(self.path.parent / name)  # where what cannot go stays (a mount in it)
 
         def run() -> None:
             try:
