@@ -157,3 +157,30 @@ def test_other_excludes_are_not_the_recorded_noop(
     result = go(ws, dest, opts)
     assert loads.count == 1
     assert result.deleted_files > 0 and not list(dest.rglob("*.txt"))
+
+
+@pytest.mark.parametrize("keep_prev", [False, True], ids=["default", "keep-prev"])
+def test_an_unchanged_pull_removes_what_killed_runs_left_beside_dest(
+    tmp_path: Path, keep_prev: bool
+) -> None:
+    """A ``--full`` pull killed while it extracted leaves its partial tree beside DEST
+    (and an older wsync its ``.NAME.wsync-old``); a pull that then finds nothing to do
+    removes them, where before only a pull that changed something did.  The kept tree
+    of ``--keep-prev`` stays (the next pull starts from it)."""
+    ws = make_tree(tmp_path / "ws", big=4096, small=10)
+    dest = tmp_path / "out"
+    opts = options(tmp_path, keep_prev=keep_prev)
+    go(ws, dest, opts)
+    (ws / "src" / "f1.txt").write_text("changed\n")
+    go(ws, dest, opts)  # (with --keep-prev: the kept tree)
+    go(ws, dest, opts)
+    killed = tmp_path / ".out.wsync-tmp-0123456789ab"
+    shutil.copytree(dest / "src", killed / "src")  # a partial copy of DEST
+    (tmp_path / ".out.wsync-old").mkdir()
+    beside = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
+    result = go(ws, dest, opts)
+    assert result.changed_files == result.deleted_files == 0
+    assert_exact(ws, dest)
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
+    assert left == ([".out.wsync-prev"] if keep_prev else []), (beside, left)
+    assert result.warnings == []

@@ -339,6 +339,22 @@ class DestDir:
         """Where an incremental pull keeps the old tree (:mod:`wsync.engine.prevtree`)."""
         return f".{self.name}.wsync-prev"
 
+    def _ours(self) -> re.Pattern[str]:
+        """Exactly our names beside DEST: DEST "out.wsync-tmp-x" has tmp trees that start
+        like ours."""
+        return re.compile(re.escape(f".{self.name}.wsync-") + r"(tmp-[0-9a-f]{12}|old|prev)")
+
+    def leftovers(self) -> list[str]:
+        """The trees earlier runs left beside DEST that no pull will take up again once
+        this one is done: every ``.NAME.wsync-tmp-*`` and ``.NAME.wsync-old``, never the
+        previous tree (``--keep-prev``'s, or one the next pull that changes something
+        removes).  For a pull that builds no tree (:meth:`make_tmp` finds them there)."""
+        self.verify()
+        ours = self._ours()
+        with host_io(f"listing {self.path.parent}"), os.scandir(self.parent_fd) as entries:
+            names = {e.name for e in entries if ours.fullmatch(e.name)}
+        return sorted(names - {self.prev_name})
+
     def make_tmp(self, name: str, *, reuse: bool = False) -> tuple[int, list[str], bool, list[str]]:
         """The tmp tree ``name`` beside DEST: its fd, warnings, whether it was reused, and
         the left-overs of earlier runs for the caller to remove (the DEST lock says no other
@@ -351,8 +367,7 @@ class DestDir:
         """
         self.verify()
         warnings: list[str] = []
-        # exactly our names: DEST "out.wsync-tmp-x" has tmp trees that start like ours
-        ours = re.compile(re.escape(f".{self.name}.wsync-") + r"(tmp-[0-9a-f]{12}|old|prev)")
+        ours = self._ours()
         with host_io(f"listing {self.path.parent}"), os.scandir(self.parent_fd) as entries:
             present = {e.name for e in entries if ours.fullmatch(e.name)}
         base = next((n for n in (name, self.prev_name) if n in present), None) if reuse else None

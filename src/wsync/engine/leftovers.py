@@ -45,12 +45,27 @@ class LeftoverRunner(StreamRunner):
         tmp = self.tmp_name
         tmp_fd, warnings, reused, stale = self.target.make_tmp(tmp, reuse=reuse)
         self.warnings.extend(warnings)
-        for name in stale:
+        await self._remove_leftovers(stale)
+        return tmp, tmp_fd, reused
+
+    async def sweep_leftovers(self) -> None:
+        """A pull that builds no tree (nothing changed) removes what killed or failed runs
+        left beside DEST, its own included (it is done: no rerun takes that tree up):
+        without this, a partial copy of DEST from a killed ``--full`` pull stayed until a
+        pull that changed something."""
+        try:
+            stale = await in_thread(self.target.leftovers)
+        except (HostIOError, OSError) as exc:
+            self.warnings.append(f"the left-overs of earlier pulls were not looked for: {exc}")
+            return
+        await self._remove_leftovers(stale)
+
+    async def _remove_leftovers(self, names: list[str]) -> None:
+        for name in names:
             try:
                 await in_thread(self.target.removal(name))
             except (HostIOError, OSError) as exc:
                 self.warnings.append(f"a left-over of an earlier pull was not removed: {exc}")
-        return tmp, tmp_fd, reused
 
     async def remove_tmp(self, tmp: str) -> None:
         """Remove the partial tree beside DEST (bounded; the next run removes what stays).

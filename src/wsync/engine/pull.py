@@ -99,9 +99,14 @@ class _Pull(FinishRunner):
             run = inc.run
             if not run or self.options.dry_run:
                 await self.drop_late_load()  # (a state recorded where the guest cannot select)
+                # an early farm's make_tmp took the left-overs of earlier runs, and its own
+                # tree may still be going in a thread: only without one are they swept
+                sweep = self.early_task is None and not self.options.dry_run
                 if await self.drop_early_farm():
                     # its links and unlinks moved the ctime of every inode of DEST
                     await in_thread(lambda: inc.locked(inc.refresh_after_farm))
+                if sweep:
+                    await self.sweep_leftovers()
                 return None
             if run == "tar" or inc.mode != "incremental":
                 await self.drop_early_farm()  # a whole-tree run starts from an empty tree
