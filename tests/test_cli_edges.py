@@ -96,6 +96,18 @@ def test_a_json_result_that_cannot_be_written_is_exit_8_with_dest_complete(
         done = wsync("completion", "bash", stdout=full)
     assert done.returncode == 8 and "cut short" in done.stderr  # no word of a DEST there
     assert "DEST" not in done.stderr, done.stderr
+    # nor for a pull's --help, or a dry run (found by a new user: "DEST complete" where
+    # nothing was written)
+    with open("/dev/full", "w") as full:
+        helped = wsync("pull", "--help", stdout=full)
+        (ws / "new.txt").write_text("new\n")
+        dry = wsync(
+            "pull", f"local:{ws}", str(tmp_path / "d"), *_dirs(tmp_path), "--dry-run", stdout=full
+        )
+    for done in (helped, dry):
+        assert done.returncode == 8 and "cut short" in done.stderr
+        assert "DEST complete" not in done.stderr, done.stderr
+    assert not (tmp_path / "d" / "new.txt").exists()
 
 
 def test_a_gone_reader_of_json_is_still_a_success(tmp_path: Path) -> None:

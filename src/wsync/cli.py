@@ -187,6 +187,11 @@ def _preconnect(args: argparse.Namespace) -> None:
         preconnect(parse(args.sandbox), transport_options(args))
 
 
+#: this process ran a pull to its end (not a dry run): a stdout cut short afterwards
+#: says DEST is complete all the same (see :func:`main`)
+_PULLED = False
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     if args.ssh_client == "openssh" and args.sandbox.startswith("ssh://"):
         _preconnect(args)
@@ -214,6 +219,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
         raise
     if bar:
         bar.close()
+    if not args.dry_run:
+        global _PULLED  # (one process, one command: what its end may say)
+        _PULLED = True
     if args.json:
         print(json.dumps(result.to_json()))
     elif args.dry_run:
@@ -279,9 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(exc.code, file=sys.stderr)
     lost = stdstreams.lost_stdout()
     if lost is not None and code == 0:
-        # (the command is the first word that is not an option: the top level takes flags)
-        command = next((arg for arg in args if not arg.startswith("-")), "")
-        done = "; the pull is done and DEST complete" if command == "pull" else ""
+        # only a pull that wrote DEST says so (not a dry run, not --help)
+        done = "" if not _PULLED else "; the pull is done and DEST complete"
         print(
             f"wsync: error: what this command printed to stdout was cut short ({lost}){done}",
             file=sys.stderr,
