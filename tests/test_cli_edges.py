@@ -357,3 +357,22 @@ def test_an_empty_home_is_no_home_for_a_config_path(
     config.write_text('state_dir = "~/st"\n')
     with pytest.raises(ConfigError, match="HOME is not an absolute path"):
         load_config(config)
+
+
+def test_a_dest_name_too_long_for_the_tree_beside_it_is_refused_at_the_start(
+    tmp_path: Path,
+) -> None:
+    """The new tree is built beside DEST as ``.NAME.wsync-tmp-`` and 12 hex digits: a
+    DEST name over 231 bytes cannot have it (a name may have 255).  Such a pull failed
+    once its work was done, with a log line on stderr; it is exit 2 before anything is
+    read, in one line.  231 bytes pull exactly."""
+    ws = make_tree(tmp_path / "ws", big=4096, small=3)
+    refused = tmp_path / ("q" * 232)
+    done = wsync("pull", f"local:{ws}", str(refused), *_dirs(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "at most 231 bytes" in done.stderr, done.stderr
+    assert not refused.exists() and not (tmp_path / "stg").exists()
+    longest = tmp_path / ("q" * 231)
+    done = wsync("pull", f"local:{ws}", str(longest), *_dirs(tmp_path), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert_exact(ws, longest)

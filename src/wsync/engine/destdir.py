@@ -54,6 +54,11 @@ log = structlog.get_logger("wsync.destdir")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _PATH_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 _LOCK_TRIES = 16
+#: a file name's longest (Linux filesystems' NAME_MAX), and what a tree beside DEST NAME
+#: adds to it: ``.NAME.wsync-tmp-`` and 12 hex digits (the longest of wsync's names there)
+NAME_MAX = 255
+TMP_INFIX = ".wsync-tmp-"
+TMP_HEX = 12
 #: the names wsync gives entries beside a DEST NAME (lock, kept tree, tmp and old trees)
 _RESERVED = re.compile(r"\..+\.wsync-(lock|prev|old|tmp-.*)", re.DOTALL)
 
@@ -98,6 +103,14 @@ class DestDir:
         if dest == dest.parent:
             raise UsageError("DEST cannot be the filesystem root")
         refuse_reserved(dest)
+        # found late, this failed the pull once its work was done (creating the tree)
+        size, extra = len(os.fsencode(dest.name)), len(".") + len(TMP_INFIX) + TMP_HEX
+        if size + extra > NAME_MAX:
+            raise UsageError(
+                f"DEST's name is {size} bytes: wsync builds the new tree beside it as "
+                f".NAME{TMP_INFIX}..., {extra} bytes more, and a name may have {NAME_MAX}; "
+                f"choose a DEST name of at most {NAME_MAX - extra} bytes"
+            )
         if root is None:
             with _refusing(dest, None, dest.parent):
                 fd = os.open(dest.parent, _DIR_FLAGS)
@@ -439,7 +452,7 @@ class DestDir:
         next pull), so that nothing takes it for a tree to reuse or to extract into while a
         worker thread may still be at work in it.  Returns the new name; None when there
         was nothing to rename or the rename failed (logged)."""
-        stale = f".{self.name}.wsync-tmp-{os.urandom(6).hex()}"
+        stale = f".{self.name}{TMP_INFIX}{os.urandom(TMP_HEX // 2).hex()}"
         try:
             os.rename(name, stale, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
         except FileNotFoundError:
