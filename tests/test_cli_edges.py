@@ -376,3 +376,31 @@ def test_a_dest_name_too_long_for_the_tree_beside_it_is_refused_at_the_start(
     done = wsync("pull", f"local:{ws}", str(longest), *_dirs(tmp_path), "--no-progress")
     assert done.returncode == 0, done.stderr
     assert_exact(ws, longest)
+
+
+def test_restart_leaves_a_snapshot_that_cannot_fit_for_the_workspace_as_it_is(
+    tmp_path: Path,
+) -> None:
+    """A host limit keeps the snapshot for the next run to resume (make room, run again).
+    A user who shrank the workspace instead met the same failure on every run, ``--full``
+    included, for a file no longer there (found by a new user's first hour).
+    ``--restart`` forgets that snapshot, pulls the workspace as it is now, and removes
+    the old snapshot's staging from the guest."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "huge.bin").write_bytes(os.urandom(300 * 1024))
+    (ws / "small.txt").write_text("hi\n")
+    dest = tmp_path / "d"
+    limit = ["--max-bytes", "100K", "--no-progress"]
+    first = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), *limit)
+    assert first.returncode == 7, first.stderr
+    (ws / "huge.bin").unlink()
+    again = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), *limit, "--full")
+    assert again.returncode == 7, again.stderr  # the old snapshot, resumed
+    staged = {p.name for p in (tmp_path / "stg").iterdir() if p.name.startswith("s")}
+    assert staged
+    done = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), *limit, "--restart")
+    assert done.returncode == 0, done.stderr
+    assert_exact(ws, dest)
+    left = {p.name for p in (tmp_path / "stg").iterdir() if p.name.startswith("s")}
+    assert not left & staged, (staged, left)

@@ -158,6 +158,7 @@ def pull_options(args: argparse.Namespace) -> PullOptions:
         staging_root=args.staging_dir,
         force=args.force,
         keep_staging=args.keep_staging,
+        restart=args.restart,
         helpers=not args.exec_per_call,
         best_effort=args.best_effort,
         keep_prev=args.keep_prev,

@@ -376,6 +376,13 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     )
     p.add_argument("--keep-staging", action="store_true", help="leave guest staging after success")
     p.add_argument(
+        "--restart",
+        action="store_true",
+        help="forget what an interrupted or failed run of this pull left and start from the "
+        "workspace as it is now (by default a run resumes that snapshot: after a full disk, "
+        "make room and run again; after changing the workspace instead, use this)",
+    )
+    p.add_argument(
         "--exec-per-call",
         action="store_true",
         help="run every guest call as its own exec (by default, where the backend keeps a "

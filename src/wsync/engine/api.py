@@ -67,6 +67,9 @@ class PullOptions:
     force: bool = False
     #: leave guest staging in place after success (debugging)
     keep_staging: bool = False
+    #: forget what an interrupted or failed run of this pull left (its journal; its guest
+    #: staging goes in this pull's cleanup) and start from a new snapshot
+    restart: bool = False
     #: preferred compressor in the guest: "zstd" or "gzip" (falls back when missing)
     compressor: str = "zstd"
     #: the compression level 1-19, or None to choose it from the link's measured speed

@@ -173,6 +173,18 @@ class Journal:
             fsync_dir(self.dir)
         self.meta = None
 
+    def restart(self) -> list[str]:
+        """Forget every snapshot this pull's journal holds, its phases' too (``--restart``):
+        the run starts from a new one.  Returns their ids, for the guest's cleanup."""
+        ids: list[str] = []
+        with host_io("clearing the journal"):
+            phases = sorted(p for p in self.dir.iterdir() if p.name.startswith("phase-"))
+        for journal in (self, *(self.phase(p.name.removeprefix("phase-")) for p in phases)):
+            if journal.meta is not None and isinstance(journal.meta.get("snapshot"), str):
+                ids.append(journal.meta["snapshot"])
+            journal.forget()
+        return ids
+
     def _unlink(self, *names: str) -> None:
         with host_io("clearing the journal"):
             for name in names:

@@ -415,6 +415,13 @@ async def _pull(
         dry_run=options.dry_run,
     ).open()  # fmt: skip
     runner = _Pull(transport, workspace, real, options, journal, on_progress, helpers=helpers)
+    if options.restart and not options.dry_run:
+        try:
+            # what this pull's last cleanup removes from the guest, with its own
+            runner.snapshots.extend(journal.restart())
+        except BaseException:
+            journal.close()
+            raise
     try:
         async with asyncio.timeout(options.timeout or None):
             try:
