@@ -181,6 +181,9 @@ def test_an_unchanged_pull_removes_what_killed_runs_left_beside_dest(
     result = go(ws, dest, opts)
     assert result.changed_files == result.deleted_files == 0
     assert_exact(ws, dest)
+    # the tree's size, as a pull that changed something says (it said 0: an empty DEST)
+    files = [p for p in ws.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert result.tree_bytes == sum(p.stat().st_size for p in files) > 0
     left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
     assert left == ([".out.wsync-prev"] if keep_prev else []), (beside, left)
     assert result.warnings == []

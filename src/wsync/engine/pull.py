@@ -107,6 +107,11 @@ class _Pull(FinishRunner):
                     await in_thread(lambda: inc.locked(inc.refresh_after_farm))
                 if sweep:
                     await self.sweep_leftovers()
+                if not self.options.dry_run:
+                    # DEST is the tree the state records: its size (0 said "empty" in
+                    # --json and in the daemon's wsync_tree_bytes_total)
+                    with contextlib.suppress(WsyncError, OSError):
+                        self.tree_bytes = await in_thread(lambda: inc.locked(inc.tree_bytes))
                 return None
             if run == "tar" or inc.mode != "incremental":
                 await self.drop_early_farm()  # a whole-tree run starts from an empty tree
