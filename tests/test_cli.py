@@ -85,6 +85,8 @@ def test_json_result_has_the_documented_fields(tmp_path: Path) -> None:
         (["pull", "local:/tmp", "out", "--chunk-size", "inf"], 2, "not a finite size"),
         (["pull", "local:/tmp", "out", "--max-bytes", "1e400"], 2, "not a finite size"),
         (["pull", "local:/tmp", "out", "--max-bytes", "0.5"], 2, "at least 1 byte"),
+        # (an option that takes 0 never says "at least 1 byte")
+        (["pull", "local:/tmp", "out", "--min-free", "-5"], 2, "'-5' (0: none"),
         (["pull", "local:/tmp", "out", "--parallel", "65"], 2, "at most 64"),
         (["pull", "ssh://[::1/work", "out"], 2, "Invalid IPv6 URL"),
     ],

@@ -75,7 +75,8 @@ def size_or_zero(text: str) -> int:
     except argparse.ArgumentTypeError:
         if re.fullmatch(r"0+(\.0*)?[kmgt]?(i?b)?", text.strip().lower()):
             return 0
-        raise
+        # (parse_size's own complaint would say "at least 1 byte" of an option taking 0)
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (0: none; or 256M, ...)") from None
 
 
 def positive_int(text: str) -> int:
@@ -343,7 +344,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         type=chunk_size,
         default=4 * 1024**2,
         metavar="SIZE",
-        help="chunk size (4M, at most 256M)",
+        help="chunk size, a multiple of 64K (4M, at most 256M)",
     )
     p.add_argument(
         "--state-dir",
