@@ -404,3 +404,28 @@ def test_restart_leaves_a_snapshot_that_cannot_fit_for_the_workspace_as_it_is(
     assert_exact(ws, dest)
     left = {p.name for p in (tmp_path / "stg").iterdir() if p.name.startswith("s")}
     assert not left & staged, (staged, left)
+
+
+def test_a_dry_run_fails_as_the_pull_would_on_what_it_refuses(tmp_path: Path) -> None:
+    """A FIFO, or a file with a setuid bit, in the workspace: the pull refuses the archive
+    (exit 7), and a dry run said ``ok`` with the entries among its changes (found by a new
+    user's first hour).  It now fails with the pull's error, on a first pull and on a
+    later one; excluded, the entry is no obstacle to either."""
+    ws = make_tree(tmp_path / "ws", big=4096, small=3)
+    dest = tmp_path / "d"
+    assert wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path)).returncode == 0
+    os.mkfifo(ws / "fifo")
+    (ws / "tool").write_text("#!/bin/sh\n")
+    (ws / "tool").chmod(0o4755)
+    for into, extra in ((dest, []), (dest, ["--full"]), (tmp_path / "fresh", [])):
+        done = wsync("pull", f"local:{ws}", str(into), *_dirs(tmp_path), "--dry-run", *extra)
+        assert done.returncode == 7, done.stderr
+        assert "archive refused: 'fifo': FIFO" in done.stderr, done.stderr
+    excluded = ["--exclude", "fifo"]
+    done = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), "--dry-run", *excluded)
+    assert done.returncode == 7 and "'tool': setuid" in done.stderr, done.stderr
+    excluded += ["--exclude", "tool"]
+    done = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), "--dry-run", *excluded)
+    assert done.returncode == 0, done.stderr
+    pulled = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), *excluded)
+    assert pulled.returncode == 0, pulled.stderr

@@ -13,6 +13,14 @@ from wsync.engine.itemize import changed_flags, itemize_line
 
 #: the longest path, NUL included, that Linux takes in one system call
 PATH_MAX = 4096
+#: why the pull refuses an entry of each kind (see :meth:`Diff.refused`)
+_REFUSED = {
+    "p": "FIFO",
+    "c": "character device",
+    "b": "block device",
+    "f": "setuid, setgid or sticky bit on a file",
+    "d": "setuid bit on a directory",
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,6 +109,23 @@ class Diff:
         root = self.db.execute("SELECT mode, mtime FROM s.man WHERE path = x'2e'").fetchone()
         if root is not None:
             yield DirMeta(b".", int(root[0]), incsql.py_int(root[1]))
+
+    def refused(self) -> tuple[bytes, str] | None:
+        """The first entry (by path) that the pull would refuse, and why, in the words of
+        the extractor and the directory pass: a FIFO or a device it fetches, a file it
+        fetches with a setuid, setgid or sticky bit, any directory with a setuid bit.
+        For a dry run, which fetches nothing and would otherwise report success where
+        the pull fails (exit 7)."""
+        row = self.db.execute(
+            "SELECT p.path, m.kind FROM s.plan p JOIN s.man m USING (path) WHERE "  # noqa: S608
+            f"(m.kind IN ('p', 'c', 'b', 'f') AND p.act IN {incsql.FETCHED} "
+            "AND (m.kind != 'f' OR m.mode & 3584 != 0)) "  # 0o7000
+            "OR (m.kind = 'd' AND m.mode & 2048 != 0) "  # 0o4000
+            "ORDER BY p.path LIMIT 1"
+        ).fetchone()
+        if row is None:
+            return None
+        return bytes(row[0]), _REFUSED[str(row[1])]
 
     def itemize(self) -> Iterator[str]:
         """``rsync -i`` style lines: deletions first, then changes, paths escaped."""

@@ -48,6 +48,7 @@ from wsync.engine.incremental import Incremental
 from wsync.engine.journal import DestRegistry, Journal
 from wsync.engine.prefarm import Prefarm
 from wsync.engine.settle import apply_lists
+from wsync.engine.tarstream import show_name
 from wsync.engine.winddown import in_thread, owned, raise_if_cancelled
 from wsync.errors import (
     DestReplaced,
@@ -95,6 +96,9 @@ class _Pull(FinishRunner):
         if inc is not None:
             if self.options.dry_run and inc.diff is not None:
                 diff = inc.diff
+                refused = await in_thread(lambda: inc.locked(diff.refused))
+                if refused is not None:  # what the pull would fail with (exit 7)
+                    raise HostileArchive(f"{show_name(refused[0])}: {refused[1]}")
                 self.changes = await in_thread(lambda: inc.locked(lambda: list(diff.itemize())))
             run = inc.run
             if not run or self.options.dry_run:
