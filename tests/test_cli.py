@@ -89,6 +89,9 @@ def test_json_result_has_the_documented_fields(tmp_path: Path) -> None:
         (["pull", "local:/tmp", "out", "--min-free", "-5"], 2, "'-5' (0: none"),
         (["pull", "local:/tmp", "out", "--parallel", "65"], 2, "at most 64"),
         (["pull", "ssh://[::1/work", "out"], 2, "Invalid IPv6 URL"),
+        # found by a new user: an abbreviation was the option it began (--fo: --force)
+        (["pull", "local:/tmp", "out", "--fo"], 2, "unrecognized arguments: --fo"),
+        (["pull", "local:/tmp", "out", "--ful"], 2, "unrecognized arguments: --ful"),
     ],
 )
 def test_bad_input_is_one_clear_line_and_a_documented_code(
@@ -104,6 +107,7 @@ def test_bad_input_is_one_clear_line_and_a_documented_code(
     assert proc.returncode == code, stderr
     assert message in stderr
     assert "Traceback" not in stderr
+    assert stderr.count("\n") == 1, stderr  # one line (a usage error had the usage before)
     assert not (tmp_path / "out").exists()
 
 

@@ -12,7 +12,7 @@ import argparse
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from wsync import __version__
 from wsync.errors import EXIT_CODES
@@ -261,6 +261,24 @@ def transport_options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in pairs.items() if v is not None}
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, as a careful user expects it of a tool that replaces directories:
+
+    - no abbreviations: ``--fo`` was ``--force`` and ``--ful`` silently ``--full``;
+      a mistyped option is an error, never another option;
+    - a usage error is one line (README: "errors are one line"), naming where the usage
+      is, instead of the whole usage block before it.
+
+    Subparsers are made of the same class (argparse's default ``parser_class``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(full: bool = False) -> argparse.ArgumentParser:
     """The ``wsync`` parser.  ``full``: with the daemon commands' own options.
 
@@ -270,7 +288,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     """
     from wsync.engine.api import default_state_dir
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="wsync",
         description="Pull an agent's workspace out of a remote sandbox, verified and resumable, "
         "over exec channels that lose bytes.",
@@ -282,7 +300,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     # the same flags after the subcommand (``wsync pull ... --debug``); SUPPRESS
     # keeps a subparser from resetting a flag given before the subcommand
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument(
         "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP
     )
@@ -508,7 +526,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
                 name,
                 help=text,
                 add_help=False,
-                parents=[own],
+                parents=[own],  # type: ignore[list-item]  # (plain argparse: actions copied)
                 description=own.description,
                 epilog=own.epilog,
             )
