@@ -89,6 +89,11 @@ def test_json_result_has_the_documented_fields(tmp_path: Path) -> None:
         (["pull", "local:/tmp", "out", "--min-free", "-5"], 2, "'-5' (0: none"),
         (["pull", "local:/tmp", "out", "--parallel", "65"], 2, "at most 64"),
         (["pull", "ssh://[::1/work", "out"], 2, "Invalid IPv6 URL"),
+        # found by a new user: the path was checked before the scheme ("missing host"),
+        # and every scheme's hint said "host"
+        (["pull", "file:///tmp/x", "out"], 2, "unknown sandbox scheme 'file'"),
+        (["pull", "foo://x", "out"], 2, "unknown sandbox scheme 'foo'"),
+        (["pull", "docker://c", "out"], 2, "e.g. docker://CONTAINER/work"),
         # found by a new user: an abbreviation was the option it began (--fo: --force)
         (["pull", "local:/tmp", "out", "--fo"], 2, "unrecognized arguments: --fo"),
         (["pull", "local:/tmp", "out", "--ful"], 2, "unrecognized arguments: --ful"),

@@ -12,12 +12,29 @@ from __future__ import annotations
 import dataclasses
 import os
 import urllib.parse
+from collections.abc import Collection
 
 from wsync.errors import UsageError
 
 #: schemes whose sandbox is named by two segments, ``k8s://NAMESPACE/POD/PATH``: the
 #: name is ``NAMESPACE/POD`` and the path is what follows
 TWO_SEGMENT_NAMES = frozenset({"k8s"})
+#: what names the sandbox in each scheme's ``SCHEME://NAME/PATH`` (``wsync pull --help``)
+NAME_HINTS = {
+    "ssh": "host",
+    "sprites": "NAME",
+    "e2b": "SANDBOX_ID",
+    "daytona": "SANDBOX_ID",
+    "cloudflare": "SANDBOX_ID",
+    "docker": "CONTAINER",
+    "k8s": "NAMESPACE/POD",
+}
+
+
+def unknown_scheme(scheme: str, known: Collection[str]) -> UsageError:
+    return UsageError(
+        f"unknown sandbox scheme {scheme!r} (known: {', '.join(f'{s}:' for s in sorted(known))})"
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,8 +65,9 @@ def check_text(value: str, what: str) -> str:
     return value
 
 
-def parse(raw: str) -> SandboxURI:
-    """Split a sandbox URI; the scheme is checked by the registry, not here."""
+def parse(raw: str, known: Collection[str] | None = None) -> SandboxURI:
+    """Split a sandbox URI.  With ``known`` (the registry's schemes) an unknown scheme is
+    the error, before anything else is: ``file:///x`` said "missing host"."""
     check_text(raw, "sandbox URI")
     if not raw.strip():
         raise UsageError("sandbox URI is empty (try local:/path/to/workspace)")
@@ -57,6 +75,8 @@ def parse(raw: str) -> SandboxURI:
     if not sep or not scheme or not scheme.isascii() or not scheme.isalnum():
         raise UsageError(f"not a sandbox URI: {raw!r} (expected SCHEME:..., e.g. local:/path)")
     scheme = scheme.lower()
+    if known is not None and scheme not in known:
+        raise unknown_scheme(scheme, known)
     if not rest.startswith("//"):
         # opaque form: local:PATH
         if not rest:
@@ -81,8 +101,9 @@ def parse(raw: str) -> SandboxURI:
     if path.startswith("/~"):
         path = path[1:]
     if not path or path == "/":
+        hint = NAME_HINTS.get(scheme, "host")
         raise UsageError(
-            f"{raw!r}: missing workspace path after the host (e.g. {scheme}://host/work)"
+            f"{raw!r}: missing workspace path after the {hint} (e.g. {scheme}://{hint}/work)"
         )
     try:
         port = parts.port

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from wsync.errors import UsageError
 from wsync.transports.base import Transport
-from wsync.uri import SandboxURI, parse
+from wsync.uri import SandboxURI, parse, unknown_scheme
 
 #: scheme → "module:ClassName"
 SCHEMES: dict[str, str] = {
@@ -49,8 +49,7 @@ def factory_for(scheme: str, client: str | None = None) -> TransportFactory:
             raise UsageError(f"{scheme}: no client {client!r} (it is {what})")
         target = VARIANTS.get((scheme, client), target)
     if target is None:
-        known = ", ".join(f"{s}:" for s in sorted(SCHEMES))
-        raise UsageError(f"unknown sandbox scheme {scheme!r} (known: {known})")
+        raise unknown_scheme(scheme, SCHEMES)
     module_name, _, class_name = target.partition(":")
     module = importlib.import_module(module_name)
     factory: TransportFactory = getattr(module, class_name)
@@ -66,7 +65,7 @@ def open_transport(
     wraps the transport in the fault injector: a demo and testing knob.
     """
     options = options or {}
-    uri = parse(raw_or_uri) if isinstance(raw_or_uri, str) else raw_or_uri
+    uri = parse(raw_or_uri, SCHEMES) if isinstance(raw_or_uri, str) else raw_or_uri
     client = options.get("ssh_client") if uri.scheme == "ssh" else None
     transport = factory_for(uri.scheme, client).from_uri(uri, options)
     chaos = options.get("chaos")
