@@ -160,6 +160,8 @@ def test_man_page_renders_with_every_command_and_option(tmp_path: Path) -> None:
     assert "cloudflare://SANDBOX_ID/PATH" in text
     assert "WSYNC STATUS, WSYNC JOBS Finding the daemon and its token" in text
     assert "SEE ALSO docs/daemon.md" in text
+    # the exit codes under man-pages(7)'s heading (argparse-manpage says COMMENTS)
+    assert "EXIT STATUS 0 success: DEST holds exactly" in text and "COMMENTS" not in text
 
 
 def _all_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:

@@ -82,7 +82,9 @@ def man_page() -> str:
         for heading, body in _epilog_sections(parser):
             page.add_section(heading, ">", body)
         page.add_section("see also", ">", _roff(SEE_ALSO))
-        text = str(page)
+        # argparse-manpage files the top-level epilog, the exit codes, under COMMENTS:
+        # man-pages(7) calls that section EXIT STATUS
+        text = str(page).replace(".SH COMMENTS\nexit codes:\n", ".SH EXIT STATUS\n", 1)
     finally:
         if saved is None:
             del os.environ["COLUMNS"]
@@ -102,7 +104,7 @@ def _roff(text: str, raw: bool = True) -> str:
 def _epilog_sections(parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
     """The subcommands' epilogs (argparse-manpage leaves them out), one section each.
 
-    The exit-code table every epilog ends with is already the page's COMMENTS
+    The exit-code table every epilog ends with is already the page's EXIT STATUS
     section, so it is cut; commands sharing an epilog share its section.
     """
     from wsync.cliargs import EPILOG_EXIT

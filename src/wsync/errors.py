@@ -235,10 +235,11 @@ EXIT_CODES: dict[int, str] = {
     0: "success: DEST holds exactly the guest's tree",
     1: "internal error (a bug; re-run with --debug)",
     2: "usage or bad input (or DEST, or a DEST around or inside it, is being pulled into)",
-    3: "sandbox unreachable, not found, or authentication failed",
-    4: "guest lacks required tools (sh, tar, a hash tool)",
-    5: "guest-side staging failed (disk full, producer died, tar fatal error)",
-    6: "integrity not established after retries",
+    3: "sandbox unreachable, not found, host key not verified, or authentication failed",
+    4: "guest lacks required tools (sh, tar, ls, id, a hash tool, gzip/zstd)",
+    5: "guest-side staging failed or refused (unsafe staging root, disk full, producer died, "
+    "tar fatal error)",
+    6: "integrity not established after retries (or the overall deadline passed)",
     7: "hostile archive refused, or an extraction limit exceeded",
     8: "host-side failure: a write (DEST, journal, state), free space below --min-free, "
     "memory, open files, or DEST replaced by another program during the pull",
