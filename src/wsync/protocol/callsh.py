@@ -248,8 +248,10 @@ fi
 # (looks 5 ms apart, the pid file read without a fork: the producer takes a few
 # programs to get there, and this wait is on the path of every pull, the smallest
 # included; 2000 looks, or 10 s).  An admission that carries the first status waits
-# after it: the producer has detached by then, as a rule, and the status's own wait
-# for the producer's first chunk did not wait behind this one
+# before it too: until the launch is the producer (its exec, then its pid), the
+# launch's pid names a fork of this admission, which the status cannot tell from
+# another snapshot's process, so it said nothing runs and did not wait for the first
+# chunk.  (The producer writes its pid before its first chunk: a look, 5 ms, at most)
 detached() {
   [ -n "$lp" ] || return 0
   i=0
@@ -270,12 +272,12 @@ rd "$d/launch/size"
 emit ok "$a $v_"
 """
 ADMIT_STATUS_ANSWER = r"""
+detached
 rd "$d/launch/size"
 r="$a $v_"
 p=$(sh "$prod" --status "$d" 0 "$sw" "$sil" "$sc"; echo .)
 p=${p%.}
 [ -n "$p" ] && r="$r${nl}$p"
-detached
 emit ok "$r"
 """
 
