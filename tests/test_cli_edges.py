@@ -429,3 +429,17 @@ def test_a_dry_run_fails_as_the_pull_would_on_what_it_refuses(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     pulled = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), *excluded)
     assert pulled.returncode == 0, pulled.stderr
+
+
+def test_a_dest_pulled_with_another_state_dir_is_refused_saying_so(tmp_path: Path) -> None:
+    """wsync knows the DESTs it wrote from its state directory: a DEST pulled with another
+    ``--state-dir`` is refused as one it did not write, and the message now says which
+    state directory it looked in (found by a new user's first hour)."""
+    ws = make_tree(tmp_path / "ws", big=4096, small=3)
+    dest = tmp_path / "d"
+    assert wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path)).returncode == 0
+    other = tmp_path / "other-state"
+    done = wsync("pull", f"local:{ws}", str(dest), "--state-dir", str(other), "--no-progress")
+    assert done.returncode == 2, done.stderr
+    assert "did not write" in done.stderr and f"--state-dir, {other}" in done.stderr
+    assert_exact(ws, dest)

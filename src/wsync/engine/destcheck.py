@@ -57,8 +57,9 @@ def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOp
             target.check_not_mount(st)
             if not target.is_empty() and not options.force and not registry.owns(real):
                 raise UsageError(
-                    f"DEST {dest} is a non-empty directory that wsync did not write; "
-                    "it would be replaced entirely (pass --force to allow this)"
+                    f"DEST {dest} is a non-empty directory that wsync did not write (or "
+                    f"not with this --state-dir, {options.state_dir}); it would be replaced "
+                    "entirely (pass --force to allow this)"
                 )
     except BaseException:
         target.close()
