@@ -63,7 +63,14 @@ from wsync.daemon.jobs import (
     resolve_request,
 )
 from wsync.daemon.metrics import Metrics
-from wsync.daemon.pgstore import CHANNEL, Claimed, PgStore, StoreDown, new_owner_id
+from wsync.daemon.pgstore import (
+    CHANNEL,
+    Claimed,
+    PgStore,
+    StoreDown,
+    new_owner_id,
+    session_options,
+)
 from wsync.daemon.pullthread import PullCancelled, PullThread
 from wsync.daemon.store import FINAL_STATES, Job, StoreUnavailable, new_job_id
 from wsync.engine.api import PullResult
@@ -446,7 +453,10 @@ class FleetManager:
         while True:
             try:
                 conn = await psycopg.AsyncConnection.connect(
-                    self.config.store, autocommit=True, connect_timeout=5
+                    self.config.store,
+                    autocommit=True,
+                    # keepalives: a LISTEN on a path gone silent is found and redone
+                    **session_options(self.config.store, self.config.lease_seconds),
                 )
             except (psycopg.Error, OSError) as err:
                 self.metrics.store_errors.inc()

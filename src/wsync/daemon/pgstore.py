@@ -13,9 +13,10 @@ running job's writes: those would be SQL of our own beside its tables anyway.
 
 How the rules hold with several daemons writing at once:
 
-* **Claim**: one transaction takes a transaction-scoped advisory lock (claims
+* **Claim**: one transaction tries a transaction-scoped advisory lock (claims
   are serialised fleet-wide, so the running counts it reads cannot change
-  under it), picks the oldest claimable job with ``FOR UPDATE SKIP LOCKED``
+  under it; a daemon that does not get it at once skips the round instead of
+  waiting behind it), picks the oldest claimable job with ``FOR UPDATE SKIP LOCKED``
   and turns it into a lease: ``owner``, ``lease_until`` (the *database's*
   clock, the only clock the fleet shares) and ``fence`` + 1.  A job whose
   lease ran out while ``running`` is claimable again: that is a takeover.
@@ -29,6 +30,19 @@ How the rules hold with several daemons writing at once:
 * **Audit**: every claim opens a row in ``wsync_attempts`` that its end closes
   (``succeeded``/``failed``/``cancelled``/``released``/``fenced``), so
   "exactly once" and "never two at once" can be checked after the fact.
+
+**A member frozen or cut off inside a transaction** (SIGSTOP, a paused VM, a
+partition) would keep its locks for as long as it stays so (the server sees
+only an idle session, for hours if the host is gone): the claim lock, and with
+it every other daemon's claims, takeovers included.  So every connection
+carries server-side limits (:func:`session_options`):
+``idle_in_transaction_session_timeout`` ends such a session (and its
+transaction, which never commits) after :func:`hold_limit` seconds, well under
+the lease, and ``lock_timeout`` bounds any wait behind a lock the same way;
+TCP keepalives (both ends) and ``tcp_user_timeout`` find a vanished peer.  The
+woken member's next statement fails, which is a store error (retried), never
+a success: nothing of the aborted transaction was written, and its fence was
+not renewed, so its pull is fenced as after any other lapse.
 
 Events cross daemons by ``NOTIFY wsync_events`` (payload: the event name, the
 job id, and for progress the numbers); each daemon ``LISTEN``\\s on its own
@@ -58,6 +72,8 @@ CHANNEL = "wsync_events"
 _MAX_PAYLOAD = 7000
 #: serialises claims fleet-wide (a constant key in the advisory lock space)
 _CLAIM_LOCK = 0x77_73_79_6E  # "wsyn"
+#: bounds of :func:`hold_limit`, in seconds
+_HOLD_MIN, _HOLD_MAX = 1.0, 10.0
 
 _MIGRATIONS: dict[int, str] = {
     1: """
@@ -141,6 +157,47 @@ def _jsonb(value: Any) -> str | None:
     return None if value is None else json.dumps(storable(value), sort_keys=True)
 
 
+def hold_limit(lease_seconds: float) -> float:
+    """Seconds a session may sit idle inside a transaction, or wait for a lock.
+
+    A third of the lease, so that a member frozen while it holds the claim lock
+    (or a schedule's row) releases it well before the leases it held run out
+    and the others must take them over; at least a second, so that a healthy
+    daemon whose event loop is slow for a moment between two statements of one
+    transaction is not cut off; at most ten, because the claim lock is
+    fleet-wide: no job is claimed anywhere while it is held.
+    """
+    return min(max(lease_seconds / 3, _HOLD_MIN), _HOLD_MAX)
+
+
+def session_options(dsn: str, lease_seconds: float) -> dict[str, Any]:
+    """libpq connection parameters of every store connection (module docstring).
+
+    Server-side limits go in ``options`` (set at connection start, so they hold for
+    every transaction on the connection, with nothing to forget on a new one); an
+    ``options`` the DSN (or ``PGOPTIONS``) already has is kept after ours, so an
+    operator can still override a value deliberately.
+    """
+    from psycopg.conninfo import conninfo_to_dict
+
+    hold_ms = int(hold_limit(lease_seconds) * 1000)
+    ours = (
+        f"-c idle_in_transaction_session_timeout={hold_ms} -c lock_timeout={hold_ms} "
+        "-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3"
+    )
+    theirs = str(conninfo_to_dict(dsn).get("options") or os.environ.get("PGOPTIONS") or "")
+    return {
+        "connect_timeout": 5,
+        "options": f"{ours} {theirs}".strip(),
+        # this side: a server (or path) gone silent ends the call instead of hanging it
+        "keepalives": 1,
+        "keepalives_idle": 10,
+        "keepalives_interval": 5,
+        "keepalives_count": 3,
+        "tcp_user_timeout": 30_000,
+    }
+
+
 class StoreDown(StoreUnavailable):
     """PostgreSQL is unreachable or refused a statement; the caller retries with backoff."""
 
@@ -179,7 +236,7 @@ class PgStore:
             timeout=5.0,
             # an outage of any length ends when PostgreSQL is back, never in a dead pool
             reconnect_timeout=365 * 24 * 3600.0,
-            kwargs={"autocommit": True, "connect_timeout": 5},
+            kwargs={"autocommit": True, **session_options(self.dsn, self.lease_seconds)},
             check=AsyncConnectionPool.check_connection,
             name="wsync-store",
         )
@@ -335,12 +392,20 @@ class PgStore:
         so a daemon that does not know the sandbox must leave it to one that does.
         The sandbox must be under its limit and the fleet under ``fleet_max``
         (0: no cap), counting only running jobs with a live lease.
+
+        None too when another daemon holds the claim lock: waiting behind it would
+        hang this daemon's dispatcher for as long as that daemon stays frozen (its
+        session ends after :func:`hold_limit` seconds), while the next round, a
+        poll or a wake-up later, finds it free.
         """
         prefixes = [r.rstrip("/") + "/" for r in roots]
         try:
             async with self.pool.connection() as conn, conn.transaction():
-                await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_CLAIM_LOCK,))
                 cur = conn.cursor(row_factory=dict_row)
+                await cur.execute("SELECT pg_try_advisory_xact_lock(%s) AS got", (_CLAIM_LOCK,))
+                got = await cur.fetchone()
+                if got is None or not got["got"]:
+                    return None
                 await cur.execute(
                     """
 WITH live AS (
@@ -399,6 +464,10 @@ FOR UPDATE OF j SKIP LOCKED
                 # a DELETE that reached a dead owner: the new owner stops at once
                 claimed.cancel_requested = bool(row["cancel_requested"])
                 return claimed
+        except psycopg.errors.LockNotAvailable:
+            # a row or index entry another transaction holds (a member frozen in it):
+            # contention, not an outage; that transaction ends within hold_limit
+            return None
         except psycopg.Error as err:
             raise StoreDown(_say(err)) from None
         except Exception as err:
@@ -494,6 +563,10 @@ FOR UPDATE OF j SKIP LOCKED
         Exactly one daemon's ``UPDATE`` matches per interval (the row lock makes
         the others re-check ``next_at`` and find it in the future).  Returns the
         job (and whether it reconciled with an active one), or None if not due.
+
+        None too when the row stayed locked for ``lock_timeout`` (:func:`hold_limit`):
+        a daemon froze while firing it.  Its transaction is ended by the server and
+        never commits, so the schedule is still due and a later round fires it.
         """
         try:
             async with self.pool.connection() as conn, conn.transaction():
@@ -526,6 +599,8 @@ FOR UPDATE OF j SKIP LOCKED
                 )
                 row = await dict_cur.fetchone()
                 return (_job(row), True) if row else None
+        except psycopg.errors.LockNotAvailable:
+            return None
         except psycopg.Error as err:
             raise StoreDown(_say(err)) from None
         except Exception as err:
