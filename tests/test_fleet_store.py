@@ -286,3 +286,94 @@ def test_a_job_end_that_is_no_json_is_a_refused_value_not_an_outage(
     with pytest.raises(InternalError) as info:
         asyncio.run(ended_job(pg_dsn, end))
     assert not isinstance(info.value, StoreDown)
+
+
+def fleet_attempts(dsn: str) -> list[tuple[int, str | None, bool]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT fence, outcome, ended_at IS NOT NULL FROM wsync_attempts ORDER BY fence"
+        ).fetchall()
+    return [(int(f), o, bool(e)) for f, o, e in rows]
+
+
+def test_a_job_end_whose_commit_answer_was_lost_is_not_taken_for_a_fenced_write(
+    tmp_path: Path,
+    pg_dsn: str,  # noqa: F811 - the fixture
+) -> None:
+    """Found by a red-team review: the connection dropped after PostgreSQL committed a job's
+    end but before its answer came; the retry found the job no longer running, took that
+    for a fencing refusal, rewrote the attempt's ``succeeded`` to ``fenced``, counted a
+    fenced write and neither the pull nor its NOTIFY.  The retry is now a success."""
+    manager = idle_manager(tmp_path, pg_dsn)
+    store = PgStore(pg_dsn, new_owner_id(), 10.0)
+
+    class AnswerLost:
+        """The real store, but its first ``finish`` commits and then loses its answer."""
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def finish(self, job: Job, fence: int, outcome: str, backoff: float) -> bool:
+            self.calls += 1
+            ok = await store.finish(job, fence, outcome, backoff)
+            if self.calls == 1:
+                assert ok
+                raise StoreDown("OperationalError: server closed the connection unexpectedly")
+            return ok
+
+    async def run() -> bool:
+        await store.open()
+        try:
+            await store.submit(Job(id=new_job_id(), sandbox="s", uri="local:/ws", dest="/r/s"))
+            claimed = await store.claim(["/r"], ["s"], False, {}, 1, 0)
+            assert claimed is not None
+            claimed.job.state, claimed.job.exit_code = "succeeded", 0
+            lossy = AnswerLost()
+            manager.store = lossy  # type: ignore[assignment]
+            recorded = await manager._record(
+                fleet._Run(job=claimed.job, fence=claimed.fence), "succeeded", 0.0
+            )
+            assert lossy.calls == 2  # the retry did happen
+            stored = await store.get(claimed.job.id)
+            assert stored is not None and stored.state == "succeeded"
+            return recorded
+        finally:
+            await store.close()
+
+    assert asyncio.run(run()) is True
+    assert manager.metrics.fenced._value.get() == 0
+    assert fleet_attempts(pg_dsn) == [(1, "succeeded", True)]
+
+
+def test_a_refused_job_end_marks_an_expired_attempt_fenced_and_never_a_recorded_one(
+    pg_dsn: str,  # noqa: F811 - the fixture
+) -> None:
+    """Fencing holds with the idempotent end: a write of an old fence is still refused."""
+
+    async def run() -> None:
+        a, b = (PgStore(pg_dsn, new_owner_id(), 1.0) for _ in range(2))
+        await a.open()
+        await b.open()
+        try:
+            await a.submit(Job(id=new_job_id(), sandbox="s", uri="local:/ws", dest="/r/s"))
+            args = (["/r"], ["s"], False, {}, 1, 0)
+            first = await a.claim(*args)
+            assert first is not None
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("UPDATE wsync_jobs SET lease_until = now() - interval '1 s'")
+            second = await b.claim(*args)  # a takeover: the first attempt is 'expired'
+            assert second is not None and second.fence == first.fence + 1
+            second.job.state, second.job.exit_code = "succeeded", 0
+            assert await b.finish(second.job, second.fence, "succeeded")
+            first.job.state, first.job.exit_code = "succeeded", 0
+            assert not await a.finish(first.job, first.fence, "succeeded")
+            assert not await a.finish(first.job, first.fence, "succeeded")  # a retry too
+            # the new owner's retry of its own end, and an old write under its fence
+            assert await b.finish(second.job, second.fence, "succeeded")
+            assert not await a.finish(second.job, second.fence, "failed")
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(run())
+    assert fleet_attempts(pg_dsn) == [(1, "fenced", True), (2, "succeeded", True)]

@@ -488,7 +488,14 @@ FOR UPDATE OF j SKIP LOCKED
 
     async def finish(self, job: Job, fence: int, outcome: str, backoff: float = 0.0) -> bool:
         """Record the job's final state (or ``queued`` to hand it back) if the fence is
-        still ours; False when another daemon owns it now (the write is refused)."""
+        still ours; False when another daemon owns it now (the write is refused).
+
+        Idempotent for its own fence: a retry of a write that did commit (its answer
+        lost with the connection) is True, not a refusal, so a pull that succeeded is
+        neither rewritten ``fenced`` in the audit nor counted as a fenced write.  An
+        attempt's recorded end is never overwritten, but for the takeover's
+        ``expired``, which a refused write refines to ``fenced``.
+        """
         release = job.state == "queued"
         try:
             async with self.pool.connection() as conn, conn.transaction():
@@ -519,13 +526,34 @@ FOR UPDATE OF j SKIP LOCKED
                         fence,
                     ),
                 )
-                ok = await cur.fetchone() is not None
-                await conn.execute(
-                    "UPDATE wsync_attempts SET ended_at = clock_timestamp(), outcome = %s "
-                    "WHERE job_id = %s AND fence = %s AND (ended_at IS NULL OR %s)",
-                    (outcome if ok else "fenced", job.id, fence, not ok),
+                if await cur.fetchone() is not None:
+                    await conn.execute(
+                        "UPDATE wsync_attempts SET ended_at = clock_timestamp(), outcome = %s "
+                        "WHERE job_id = %s AND fence = %s AND ended_at IS NULL",
+                        (outcome, job.id, fence),
+                    )
+                    return True
+                # no longer ours to write: either another daemon took the job over (a
+                # refusal), or this very write committed before and only its answer was
+                # lost (the connection dropped between COMMIT and its reply, and this is
+                # the retry).  Only this fence's own end writes its outcome on its
+                # attempt, so finding it there tells the two apart.
+                dup = await conn.execute(
+                    "SELECT 1 FROM wsync_attempts WHERE job_id = %s AND fence = %s "
+                    "AND ended_at IS NOT NULL AND outcome = %s",
+                    (job.id, fence, outcome),
                 )
-                return ok
+                if await dup.fetchone() is not None:
+                    return True
+                # a refusal: an attempt still open, or closed only by the takeover
+                # ('expired'), is marked 'fenced'; an end already recorded stays as it is
+                await conn.execute(
+                    "UPDATE wsync_attempts SET ended_at = clock_timestamp(), outcome = 'fenced' "
+                    "WHERE job_id = %s AND fence = %s "
+                    "AND (ended_at IS NULL OR outcome = 'expired')",
+                    (job.id, fence),
+                )
+                return False
         except (psycopg.errors.DataError, TypeError, ValueError) as err:
             # a value the store refused, or one that is not JSON (never up to the store):
             # retrying the same write cannot help
