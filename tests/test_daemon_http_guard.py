@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
 import time
@@ -187,3 +188,79 @@ def test_a_connection_that_sends_no_whole_request_head_is_closed(daemon: DaemonP
         sock.sendall(_head("GET", "/healthz", None, ""))
         status, _, _ = _answer(sock)
         assert status == 200
+
+
+def _held_by(pid: int, server_port: int, sock: socket.socket) -> bool:
+    """Whether process ``pid`` still holds the daemon's end of ``sock`` (a descriptor).
+
+    Read from ``/proc``, not from ``sock``: a connection the daemon closed may stay
+    established on this side for a while (its FIN queued behind the unread answer, in a
+    socket the kernel keeps, no descriptor of the daemon's any more)."""
+    client_port = sock.getsockname()[1]
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                local, remote, inode = fields[1], fields[2], fields[9]
+                if (
+                    int(local.rsplit(":", 1)[1], 16) == server_port
+                    and int(remote.rsplit(":", 1)[1], 16) == client_port
+                    and inode != "0"
+                ):
+                    inodes.add(f"socket:[{inode}]")
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return bool(inodes & held)
+
+
+def test_a_client_that_never_reads_its_answers_is_dropped(daemon: DaemonProcess) -> None:
+    """Found by a red-team review: a client with a tiny receive window that pipelined
+    ``GET /openapi.json`` (no token needed) and never read kept its connection for good:
+    the answer it did not read never completed, so the head deadline never came back,
+    and enough such clients took every file descriptor of the daemon.  One that sends a
+    single request and never reads its answer is let go in time too."""
+    from wsync.daemon.httpconn import HEAD_DEADLINE, WRITE_STALL_DEADLINE
+
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    host, _, port = daemon.address.rpartition(":")
+    clients = []
+    for count in (400, 1):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # a tiny window
+        sock.settimeout(20)
+        sock.connect((host, int(port)))
+        sock.sendall(_head("GET", "/openapi.json", None, "") * count)
+        clients.append(sock)
+    try:
+        time.sleep(1)
+        assert all(_held_by(pid, int(port), s) for s in clients)  # the probe sees them
+        bound = HEAD_DEADLINE + WRITE_STALL_DEADLINE + 60  # generous for a loaded machine
+        deadline = time.monotonic() + bound
+        while any(_held_by(pid, int(port), s) for s in clients):
+            assert time.monotonic() < deadline, (
+                f"the daemon still holds {[_held_by(pid, int(port), s) for s in clients]} "
+                f"after {bound:.0f} s"
+            )
+            time.sleep(0.5)
+    finally:
+        for sock in clients:
+            sock.close()
+    with _connect(daemon) as sock:  # and the door still opens for a whole request
+        sock.sendall(_head("GET", "/healthz", None, ""))
+        status, _, _ = _answer(sock)
+        assert status == 200
+
+
+def test_connections_may_take_half_the_open_file_limit_and_no_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The other half stays for pulls: the red team's non-reading clients had taken all."""
+    from wsync.daemon import httpconn
+
+    for soft, cap in ((256, 128), (100, httpconn.MIN_CONNECTIONS), (1 << 20, 1 << 19)):
+        monkeypatch.setattr(httpconn.resource, "getrlimit", lambda _which, s=soft: (s, s))
+        assert httpconn.connection_cap() == cap

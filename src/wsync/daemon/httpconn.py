@@ -1,4 +1,5 @@
-"""The daemon's HTTP connections: each must send a whole request head in time.
+"""The daemon's HTTP connections: each must send a whole request head in time, and read
+its answers in time.
 
 uvicorn closes an idle keep-alive connection after a response, but not one that never
 sends a request, nor one that trickles a request head a byte at a time (any byte cancels
@@ -8,12 +9,29 @@ scheduled pulls failed to start, and asyncio logged every refused accept (found 
 review, 505 sockets against a limit of 512).  So a connection gets
 :data:`HEAD_DEADLINE` seconds from when it is made, and again from each response, to
 complete its next request head; one that does not is closed.
+
+The same attack works from the other side (found by a red-team review): a client that
+pipelines requests (``GET /openapi.json`` needs no token) and never reads the answers.
+The answer it does not read fills the socket's buffers, uvicorn waits for them to drain
+before it finishes the response, and the head deadline, off while a request is being
+answered, never comes back.  So a connection whose writes stay paused (the transport's
+buffer over its high-water mark) for :data:`WRITE_STALL_DEADLINE` seconds is dropped, and
+so is one closed with an answer still unread in its buffer that does not drain within as
+long (a ``close`` waits for that buffer to drain, for good if the peer never reads: such
+connections are *aborted*, with an RST).  On top of that, connections beyond half the
+open-file limit are dropped at once (:func:`connection_cap`): what any client can open
+must never take the descriptors a pull needs for its journal and files.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import resource
+import socket
+import struct
+import time
 from typing import Any
 
 import structlog
@@ -23,21 +41,67 @@ log = structlog.get_logger("wsync.daemon")
 
 #: seconds a connection has to send a whole request head
 HEAD_DEADLINE = 10.0
+#: seconds a connection may leave the daemon's answer unread (its writes paused)
+WRITE_STALL_DEADLINE = 30.0
+#: at least this many connections are allowed, whatever the open-file limit
+MIN_CONNECTIONS = 64
+#: seconds between two log lines about dropped connections (with a count between them)
+_SAY_EVERY = 10.0
+
+
+class _Throttle:
+    """One log line per :data:`_SAY_EVERY` seconds for an event an attacker can repeat."""
+
+    def __init__(self) -> None:
+        self.last = -_SAY_EVERY
+        self.quiet = 0
+
+    def due(self) -> int | None:
+        """How many went unsaid before this one, if this one is to be said; else None."""
+        now = time.monotonic()
+        if now - self.last < _SAY_EVERY:
+            self.quiet += 1
+            return None
+        self.last, quiet, self.quiet = now, self.quiet, 0
+        return quiet
+
+
+_over_cap = _Throttle()
+
+
+def connection_cap() -> int:
+    """Most HTTP connections open at once: half the open-file limit (at least
+    :data:`MIN_CONNECTIONS`), the other half kept for pulls, the job store and logs."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(MIN_CONNECTIONS, soft // 2)
 
 
 class DeadlineH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request head (module docstring)."""
+    """uvicorn's h11 protocol with a deadline for each request head and for each stall of
+    its answers, and a cap on connections (module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
+        self._stall: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if len(self.connections) > connection_cap():
+            quiet = _over_cap.due()
+            if quiet is not None:
+                log.warning(
+                    "http.too_many_connections", open=len(self.connections), dropped_quietly=quiet
+                )
+            self._drop()
+            return
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._unstall()
         super().connection_lost(exc)
 
     def handle_events(self) -> None:
@@ -52,6 +116,15 @@ class DeadlineH11(H11Protocol):
         if self.cycle is before and not self.transport.is_closing():
             self._arm()
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(WRITE_STALL_DEADLINE, self._stalled)
+
+    def resume_writing(self) -> None:
+        self._unstall()
+        super().resume_writing()
+
     def _arm(self) -> None:
         self._disarm()
         self._deadline = self.loop.call_later(HEAD_DEADLINE, self._expire)
@@ -61,11 +134,63 @@ class DeadlineH11(H11Protocol):
             self._deadline.cancel()
             self._deadline = None
 
+    def _unstall(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
     def _expire(self) -> None:
         self._deadline = None
         if not self.transport.is_closing():
             log.info("http.head_timeout", client=self.client)
             self.transport.close()
+        if self.transport.get_write_buffer_size() and self._stall is None:
+            # a close waits for the buffer to drain (here, or uvicorn's keep-alive close
+            # before): that wait is bounded like any other stall
+            self._stall = self.loop.call_later(WRITE_STALL_DEADLINE, self._stalled)
+
+    def _stalled(self) -> None:
+        self._stall = None
+        log.info(
+            "http.write_stall",
+            client=self.client,
+            unread=self.transport.get_write_buffer_size(),
+            seconds=WRITE_STALL_DEADLINE,
+        )
+        self._drop()
+
+    def _drop(self) -> None:
+        """Close at once, unsent data discarded (an RST), the descriptor freed now."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
+
+
+class _AcceptErrors(logging.Filter):
+    """asyncio logs every accept refused for want of descriptors (with a traceback, about
+    once a second while it lasts): one line per :data:`_SAY_EVERY` seconds is enough."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.throttle = _Throttle()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("socket.accept() out of system resource"):
+            return True
+        quiet = self.throttle.due()
+        if quiet is None:
+            return False
+        record.msg = f"{record.msg} ({quiet} more since the last such line)"
+        return True
+
+
+def quiet_accept_errors() -> None:
+    """Throttle asyncio's log line for each accept refused (:class:`_AcceptErrors`)."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AcceptErrors) for f in logger.filters):
+        logger.addFilter(_AcceptErrors())
 
 
 def raise_fd_limit() -> None:

@@ -52,7 +52,7 @@ from wsync.daemon.config import (
 )
 from wsync.daemon.confine import find_root
 from wsync.daemon.dsn import store_secrets
-from wsync.daemon.httpconn import DeadlineH11, raise_fd_limit
+from wsync.daemon.httpconn import DeadlineH11, quiet_accept_errors, raise_fd_limit
 from wsync.daemon.jobs import JobManager
 from wsync.daemon.metrics import Metrics
 from wsync.daemon.service import JobService, LocalJobs
@@ -263,6 +263,7 @@ class Daemon:
             return 2
         self.app_state = AppState(self.manager, self.metrics, self.token, self.reload, address)
         raise_fd_limit()
+        quiet_accept_errors()
         uv = uvicorn.Config(
             create_app(self.app_state),
             http=DeadlineH11,
