@@ -236,6 +236,7 @@ def test_status_reads_address_and_token_from_the_daemon_config(
 ) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("a-token-for-the-client-0123\n", encoding="utf-8")
+    token_file.chmod(0o600)  # one others can read is refused
     daemon = DaemonProcess(
         tmp_path,
         f'state_dir = "state"\n[api]\nlisten = "127.0.0.1:0"\ntoken_file = "{token_file}"\n',

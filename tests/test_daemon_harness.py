@@ -308,6 +308,7 @@ def test_token_file_unix_socket_and_state_dir_lock(tmp_path: Path) -> None:
     """--listen unix:PATH and [api] token_file work; a second daemon on one state dir is refused."""
     token_file = tmp_path / "token"
     token_file.write_text("file-token-0123456789\n", encoding="utf-8")
+    token_file.chmod(0o600)  # one others can read is refused
     sock = tmp_path / "run" / "api.sock"
     config = base_config(tmp_path).replace("[api]\n", f'[api]\ntoken_file = "{token_file}"\n')
     env = {k: v for k, v in os.environ.items() if k != "WSYNC_API_TOKEN"}
@@ -552,6 +553,7 @@ def _status_of(tmp_path: Path, listen: str) -> int:
     from wsync.daemon.client import status_main
 
     (tmp_path / "token").write_text(TOKEN + "\n", encoding="utf-8")
+    (tmp_path / "token").chmod(0o600)  # one others can read is refused
     (tmp_path / "state").mkdir()  # the daemon's (root's, as the test runs)
     cfg = tmp_path / "config.toml"
     cfg.write_text(

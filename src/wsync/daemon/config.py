@@ -29,11 +29,13 @@ from __future__ import annotations
 import contextvars
 import os
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pydantic
+import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
@@ -57,6 +59,8 @@ from wsync.errors import UsageError
 from wsync.protocol.records import printable
 from wsync.transports.registry import SCHEMES
 from wsync.uri import SandboxURI, parse
+
+log = structlog.get_logger("wsync.daemon")
 
 DEFAULT_LISTEN = "127.0.0.1:8477"
 _LIMITS = ExtractLimits()
@@ -376,7 +380,7 @@ class DaemonConfig(BaseSettings):
                 "api.token_file: no API token; set [api] token_file or WSYNC_API_TOKEN"
             )
         try:
-            text = self.api.token_file.read_text(encoding="utf-8")
+            text, too_open = read_secret_file(self.api.token_file)
         except FileNotFoundError:
             raise ConfigError(
                 f"api.token_file: {self.api.token_file} does not exist; create it "
@@ -387,6 +391,10 @@ class DaemonConfig(BaseSettings):
             raise ConfigError(
                 f"api.token_file: cannot read {self.api.token_file}: {err.strerror}"
             ) from None
+        if too_open:
+            # refused the way ssh refuses a private key others can read: whoever can
+            # read this file holds the whole API (no documented recipe leaves it so)
+            raise ConfigError(f"api.token_file: {too_open}")
         token = text.strip().splitlines()[0].strip() if text.strip() else ""
         if len(token) < MIN_TOKEN_LENGTH:
             raise ConfigError(
@@ -421,6 +429,36 @@ class DaemonConfig(BaseSettings):
         return self.limits.per_sandbox
 
 
+def too_open(path: Path, st: os.stat_result) -> str | None:
+    """Why a file holding a secret is open to more users than it should be, or None.
+
+    Other users may do nothing with it (``o`` bits), and its group may not write it
+    (whoever writes it chooses the token).  Its group may read it: that is how the
+    documented systemd setup lets the ``wsync`` user read a root-owned token
+    (``umask 027``, ``chgrp wsync``: mode 0640), so refusing it would refuse that
+    setup; ``chmod 600`` (owned by the daemon's user) is stricter still.
+    """
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o007 or mode & 0o020:
+        who = "other users" if mode & 0o007 else "its group"
+        return (
+            f"{path} can be read or written by {who} (mode {mode:04o}); chmod 600 {path} "
+            "(or 640, owned by root with the daemon's group, as in systemd/wsync.service)"
+        )
+    return None
+
+
+def read_secret_file(path: Path) -> tuple[str, str | None]:
+    """The text of a file holding a secret, and :func:`too_open`'s finding about it.
+
+    The mode is read from the file as opened (``fstat``), so it is the mode of the
+    very file read, not of one swapped in between.  Raises OSError as reading does.
+    """
+    with open(path, encoding="utf-8") as fh:
+        finding = too_open(path, os.fstat(fh.fileno()))
+        return fh.read(), finding
+
+
 def resolve_transport_options(box: SandboxConfig | None) -> dict[str, Any]:
     """Build transport options, resolving secret references now (never stored, never logged)."""
     if box is None:
@@ -434,9 +472,15 @@ def resolve_transport_options(box: SandboxConfig | None) -> dict[str, Any]:
                 raise ConfigError(f"secret {key!r}: environment variable {target} is not set")
         else:
             try:
-                value = Path(target).read_text(encoding="utf-8").strip()
+                text, finding = read_secret_file(Path(target))
             except OSError as err:
                 raise ConfigError(f"secret {key!r}: cannot read {target}: {err.strerror}") from None
+            if finding:
+                # warned, not refused: a Kubernetes secret volume or a docker secret
+                # is mounted 0644 by default, and refusing would fail such a setup
+                # outright; the API token file, which no recipe leaves open, is refused
+                log.warning("secret.file_too_open", secret=key, problem=finding)
+            value = text.strip()
         options[key] = value
     if box.chaos:
         options["chaos"] = box.chaos
