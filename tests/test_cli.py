@@ -459,3 +459,15 @@ def test_a_full_sqlite_temporary_directory_is_named_in_the_warning(tmp_path: Pat
     (warning,) = json.loads(done.stdout)["warnings"]
     assert f"SQLite's temporary directory, {tiny}, is full" in warning
     assert_exact(ws, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["status", "--wai"], ["jobs", "--stat", "running"], ["daemon", "--conf", "x.toml"]],
+)
+def test_the_daemon_commands_take_no_abbreviations_either(args: list[str]) -> None:
+    """``wsync status --wai`` was ``--wait``, ``wsync daemon --conf`` ``--config``: as in
+    ``wsync pull``, a mistyped option is an error, in one line (found by a review)."""
+    proc = wsync(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert "unrecognized arguments" in proc.stderr and proc.stderr.count("\n") == 1

@@ -526,7 +526,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
                 name,
                 help=text,
                 add_help=False,
-                parents=[own],  # type: ignore[list-item]  # (plain argparse: actions copied)
+                parents=[own],
                 description=own.description,
                 epilog=own.epilog,
             )
@@ -557,7 +557,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
-def _delegated_parser(name: str) -> argparse.ArgumentParser:
+def _delegated_parser(name: str) -> Parser:
     """The real parser of ``wsync daemon|status|jobs`` (imported only when asked for)."""
     if name == "daemon":
         from wsync.daemon.server import build_parser as daemon_parser

@@ -32,7 +32,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from wsync.cliargs import path_arg, socket_seconds
+from wsync.cliargs import Parser, path_arg, socket_seconds
 from wsync.protocol.records import printable
 
 DEFAULT_URL = "http://127.0.0.1:8477"
@@ -420,11 +420,9 @@ def status_main(argv: list[str]) -> int:
     return _status(args)
 
 
-def status_parser() -> argparse.ArgumentParser:
+def status_parser() -> Parser:
     """The parser of ``wsync status`` (also walked for completion and the man page)."""
-    parser = argparse.ArgumentParser(
-        prog="wsync status", description=STATUS_DESCRIPTION, epilog=CLIENT_EPILOG
-    )
+    parser = Parser(prog="wsync status", description=STATUS_DESCRIPTION, epilog=CLIENT_EPILOG)
     parser.add_argument(
         "id", nargs="?", metavar="ID", help="a job id (omit for the daemon's own status)"
     )
@@ -466,11 +464,9 @@ def _status(args: argparse.Namespace) -> int:
         return err.exit_code
 
 
-def jobs_parser() -> argparse.ArgumentParser:
+def jobs_parser() -> Parser:
     """The parser of ``wsync jobs`` (also walked for completion and the man page)."""
-    parser = argparse.ArgumentParser(
-        prog="wsync jobs", description=JOBS_DESCRIPTION, epilog=CLIENT_EPILOG
-    )
+    parser = Parser(prog="wsync jobs", description=JOBS_DESCRIPTION, epilog=CLIENT_EPILOG)
     parser.add_argument(
         "--state",
         action="append",

@@ -16,7 +16,6 @@ dependency.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import errno
@@ -39,7 +38,7 @@ import structlog
 import uvicorn
 
 import wsync
-from wsync.cliargs import path_arg
+from wsync.cliargs import Parser, path_arg
 from wsync.daemon import logs, sighup_held
 from wsync.daemon.api import AppState, create_app
 from wsync.daemon.config import (
@@ -402,8 +401,8 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    parser = Parser(
         prog="wsync daemon",
         description="Run the wsync host daemon / sidecar (HTTP API, scheduled pulls).",
     )
