@@ -264,3 +264,60 @@ def test_connections_may_take_half_the_open_file_limit_and_no_more(
     for soft, cap in ((256, 128), (100, httpconn.MIN_CONNECTIONS), (1 << 20, 1 << 19)):
         monkeypatch.setattr(httpconn.resource, "getrlimit", lambda _which, s=soft: (s, s))
         assert httpconn.connection_cap() == cap
+
+
+def test_a_slow_client_that_keeps_reading_a_large_answer_is_not_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stall deadline bounds the time between two reads, not the time an answer
+    takes: a 16 MiB answer read 256 KiB at a time, 0.1 s apart (the writes paused all
+    along), with the deadline lowered to 1.5 s, comes whole (found by a review: the
+    deadline counted from the pause, and such a client got an RST at 6%)."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    from wsync.daemon import httpconn
+
+    monkeypatch.setattr(httpconn, "WRITE_STALL_DEADLINE", 1.5)
+    body = b"x" * (16 << 20)
+
+    async def app(scope: dict[str, object], receive: object, send: object) -> None:
+        if scope["type"] != "http":
+            return
+        head = [(b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": head})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": body})  # type: ignore[operator]
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, http=httpconn.DeadlineH11, log_level="warning",
+        lifespan="off",
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert time.monotonic() < deadline, "the server never started"
+            time.sleep(0.05)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = b""
+            while b"\r\n\r\n" not in got:
+                got += sock.recv(65536)
+            received = len(got.partition(b"\r\n\r\n")[2])
+            while received < len(body):
+                chunk = sock.recv(256 * 1024)
+                assert chunk, f"closed after {received} of {len(body)} bytes"
+                received += len(chunk)
+                time.sleep(0.1)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

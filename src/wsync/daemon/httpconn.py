@@ -41,7 +41,9 @@ log = structlog.get_logger("wsync.daemon")
 
 #: seconds a connection has to send a whole request head
 HEAD_DEADLINE = 10.0
-#: seconds a connection may leave the daemon's answer unread (its writes paused)
+#: seconds a connection may leave the daemon's answer unread (its writes paused) without
+#: reading any of it: a slow reader that keeps reading is never dropped (the time between
+#: two reads is what is bounded, as nginx's send_timeout does)
 WRITE_STALL_DEADLINE = 30.0
 #: at least this many connections are allowed, whatever the open-file limit
 MIN_CONNECTIONS = 64
@@ -86,6 +88,8 @@ class DeadlineH11(H11Protocol):
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None
+        #: bytes unsent when the stall deadline was last armed
+        self._unsent = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -119,7 +123,7 @@ class DeadlineH11(H11Protocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._stall is None:
-            self._stall = self.loop.call_later(WRITE_STALL_DEADLINE, self._stalled)
+            self._watch_stall()
 
     def resume_writing(self) -> None:
         self._unstall()
@@ -147,10 +151,23 @@ class DeadlineH11(H11Protocol):
         if self.transport.get_write_buffer_size() and self._stall is None:
             # a close waits for the buffer to drain (here, or uvicorn's keep-alive close
             # before): that wait is bounded like any other stall
-            self._stall = self.loop.call_later(WRITE_STALL_DEADLINE, self._stalled)
+            self._watch_stall()
+
+    def _watch_stall(self) -> None:
+        """(Re)arm the stall deadline from now, remembering what is unsent.  While the
+        writes are paused (or the connection closes) nothing is added to the buffer, so
+        a smaller one later means the peer read some of it."""
+        self._unstall()
+        self._unsent = self.transport.get_write_buffer_size()
+        self._stall = self.loop.call_later(WRITE_STALL_DEADLINE, self._stalled)
 
     def _stalled(self) -> None:
         self._stall = None
+        unsent = self.transport.get_write_buffer_size()
+        if unsent < self._unsent:  # read, slowly (a large answer takes long at 300 KB/s)
+            if unsent:
+                self._watch_stall()
+            return
         log.info(
             "http.write_stall",
             client=self.client,
