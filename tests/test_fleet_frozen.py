@@ -179,10 +179,28 @@ def test_a_member_frozen_while_firing_a_schedule_does_not_stop_it_firing(
         assert conn.execute("SELECT count(*) FROM wsync_jobs").fetchone() == (1,)
 
 
-def test_the_session_limits_keep_options_the_store_url_already_has() -> None:
-    options = pgstore.session_options("postgresql://u@h/db?options=-c%20search_path%3Dx", 30.0)
-    assert "idle_in_transaction_session_timeout=10000" in options["options"]
-    assert "lock_timeout=10000" in options["options"]
-    # the operator's own last: it may override ours on purpose
-    assert options["options"].endswith("-c search_path=x")
-    assert options["keepalives"] == 1
+def test_the_limits_are_the_transactions_own_and_no_startup_option(pg_dsn: str) -> None:  # noqa: F811
+    """The limits travel as ``SET LOCAL`` in each transaction, not as a connection's
+    startup ``options``: a pooler such as PgBouncer refuses startup parameters it does
+    not know, and the fleet could not connect through one (found by a review)."""
+    options = pgstore.session_options()
+    assert "options" not in options and options["keepalives"] == 1
+
+    async def run() -> tuple[str, str, str]:
+        conn = await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, **options)
+        try:
+            async with conn.transaction():
+                await pgstore._bounded(conn, 30.0)
+                inside = await (await conn.execute("SHOW lock_timeout")).fetchone()
+                idle = await (
+                    await conn.execute("SHOW idle_in_transaction_session_timeout")
+                ).fetchone()
+            after = await (await conn.execute("SHOW lock_timeout")).fetchone()
+        finally:
+            await conn.close()
+        assert inside and idle and after
+        return str(inside[0]), str(idle[0]), str(after[0])
+
+    inside, idle, after = asyncio.run(run())
+    assert inside == idle == "10s"  # a third of the lease, at most 10 s
+    assert after == "0"  # the connection's own setting again: nothing leaks out

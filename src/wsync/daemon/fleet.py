@@ -456,7 +456,7 @@ class FleetManager:
                     self.config.store,
                     autocommit=True,
                     # keepalives: a LISTEN on a path gone silent is found and redone
-                    **session_options(self.config.store, self.config.lease_seconds),
+                    **session_options(),
                 )
             except (psycopg.Error, OSError) as err:
                 self.metrics.store_errors.inc()

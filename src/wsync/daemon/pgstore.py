@@ -34,12 +34,15 @@ How the rules hold with several daemons writing at once:
 **A member frozen or cut off inside a transaction** (SIGSTOP, a paused VM, a
 partition) would keep its locks for as long as it stays so (the server sees
 only an idle session, for hours if the host is gone): the claim lock, and with
-it every other daemon's claims, takeovers included.  So every connection
-carries server-side limits (:func:`session_options`):
+it every other daemon's claims, takeovers included.  So every transaction
+starts with server-side limits of its own (:func:`_bounded`, ``SET LOCAL``):
 ``idle_in_transaction_session_timeout`` ends such a session (and its
 transaction, which never commits) after :func:`hold_limit` seconds, well under
-the lease, and ``lock_timeout`` bounds any wait behind a lock the same way;
-TCP keepalives (both ends) and ``tcp_user_timeout`` find a vanished peer.  The
+the lease, and ``lock_timeout`` bounds any wait behind a lock the same way.
+(Set per transaction, not as connection ``options``: a pooler such as PgBouncer
+refuses startup parameters it does not know, and takes ``SET LOCAL`` in any
+pooling mode.)  TCP keepalives and ``tcp_user_timeout`` on every connection
+(:func:`session_options`) find a vanished server.  The
 woken member's next statement fails, which is a store error (retried), never
 a success: nothing of the aborted transaction was written, and its fence was
 not renewed, so its pull is fenced as after any other lapse.
@@ -170,32 +173,30 @@ def hold_limit(lease_seconds: float) -> float:
     return min(max(lease_seconds / 3, _HOLD_MIN), _HOLD_MAX)
 
 
-def session_options(dsn: str, lease_seconds: float) -> dict[str, Any]:
-    """libpq connection parameters of every store connection (module docstring).
-
-    Server-side limits go in ``options`` (set at connection start, so they hold for
-    every transaction on the connection, with nothing to forget on a new one); an
-    ``options`` the DSN (or ``PGOPTIONS``) already has is kept after ours, so an
-    operator can still override a value deliberately.
-    """
-    from psycopg.conninfo import conninfo_to_dict
-
-    hold_ms = int(hold_limit(lease_seconds) * 1000)
-    ours = (
-        f"-c idle_in_transaction_session_timeout={hold_ms} -c lock_timeout={hold_ms} "
-        "-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3"
-    )
-    theirs = str(conninfo_to_dict(dsn).get("options") or os.environ.get("PGOPTIONS") or "")
+def session_options() -> dict[str, Any]:
+    """libpq connection parameters of every store connection: client-side only (no
+    startup ``options``, which poolers refuse; the server-side limits are set per
+    transaction by :func:`_bounded`).  A server or path gone silent ends the call
+    instead of hanging it."""
     return {
         "connect_timeout": 5,
-        "options": f"{ours} {theirs}".strip(),
-        # this side: a server (or path) gone silent ends the call instead of hanging it
         "keepalives": 1,
         "keepalives_idle": 10,
         "keepalives_interval": 5,
         "keepalives_count": 3,
         "tcp_user_timeout": 30_000,
     }
+
+
+async def _bounded(conn: Any, lease_seconds: float) -> None:
+    """The first statement of every transaction: its own limits on sitting idle and on
+    waiting for a lock (module docstring), as ``SET LOCAL`` does, in one round trip."""
+    hold_ms = str(int(hold_limit(lease_seconds) * 1000))
+    await conn.execute(
+        "SELECT set_config('idle_in_transaction_session_timeout', %s, true), "
+        "set_config('lock_timeout', %s, true)",
+        (hold_ms, hold_ms),
+    )
 
 
 class StoreDown(StoreUnavailable):
@@ -236,7 +237,7 @@ class PgStore:
             timeout=5.0,
             # an outage of any length ends when PostgreSQL is back, never in a dead pool
             reconnect_timeout=365 * 24 * 3600.0,
-            kwargs={"autocommit": True, **session_options(self.dsn, self.lease_seconds)},
+            kwargs={"autocommit": True, **session_options()},
             check=AsyncConnectionPool.check_connection,
             name="wsync-store",
         )
@@ -283,6 +284,7 @@ class PgStore:
         """Apply the migrations this version knows beyond the database's; return the version."""
         try:
             async with self.pool.connection() as conn, conn.transaction():
+                await _bounded(conn, self.lease_seconds)
                 await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_CLAIM_LOCK + 1,))
                 await conn.execute(
                     "CREATE TABLE IF NOT EXISTS wsync_schema (version INTEGER NOT NULL)"
@@ -401,6 +403,7 @@ class PgStore:
         prefixes = [r.rstrip("/") + "/" for r in roots]
         try:
             async with self.pool.connection() as conn, conn.transaction():
+                await _bounded(conn, self.lease_seconds)
                 cur = conn.cursor(row_factory=dict_row)
                 await cur.execute("SELECT pg_try_advisory_xact_lock(%s) AS got", (_CLAIM_LOCK,))
                 got = await cur.fetchone()
@@ -499,6 +502,7 @@ FOR UPDATE OF j SKIP LOCKED
         release = job.state == "queued"
         try:
             async with self.pool.connection() as conn, conn.transaction():
+                await _bounded(conn, self.lease_seconds)
                 cur = await conn.execute(
                     "UPDATE wsync_jobs SET state = %s, finished_at = %s, progress = %s::jsonb, "
                     "result = %s::jsonb, error = %s, error_kind = %s, exit_code = %s, "
@@ -598,6 +602,7 @@ FOR UPDATE OF j SKIP LOCKED
         """
         try:
             async with self.pool.connection() as conn, conn.transaction():
+                await _bounded(conn, self.lease_seconds)
                 await conn.execute(
                     "INSERT INTO wsync_schedule (sandbox, next_at) "
                     "VALUES (%s, now() + make_interval(secs => %s)) ON CONFLICT DO NOTHING",
