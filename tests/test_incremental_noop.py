@@ -187,3 +187,30 @@ def test_an_unchanged_pull_removes_what_killed_runs_left_beside_dest(
     left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
     assert left == ([".out.wsync-prev"] if keep_prev else []), (beside, left)
     assert result.warnings == []
+
+
+def test_an_unchanged_pull_keeps_the_kept_tree_a_killed_run_took_up(tmp_path: Path) -> None:
+    """A ``--keep-prev`` select run renames the kept tree to its own tmp name before it
+    builds on it; killed there, it leaves that tree for the next run of the same pull.
+    An unchanged pull in between leaves it too (found by a review: the sweep removed it,
+    and the next pull that changed something built a whole farm again)."""
+    from wsync.engine.journal import Journal
+
+    ws = make_tree(tmp_path / "ws", big=4096, small=10)
+    dest = tmp_path / "out"
+    opts = options(tmp_path, keep_prev=True)
+    go(ws, dest, opts)
+    (ws / "src" / "f1.txt").write_text("changed\n")
+    go(ws, dest, opts)
+    own = f".out.wsync-tmp-{Journal(opts.state_dir, 'local', dest.resolve()).key[:12]}"
+    (tmp_path / ".out.wsync-prev").rename(tmp_path / own)  # where the killed run left it
+    assert go(ws, dest, opts).changed_files == 0
+    assert (tmp_path / own).is_dir()
+    kept = os.stat(tmp_path / own).st_ino
+    (ws / "src" / "f2.txt").write_text("changed again\n")
+    result = go(ws, dest, opts)
+    assert result.changed_files == 1
+    assert_exact(ws, dest)
+    assert os.stat(dest).st_ino == kept  # the new DEST is that tree, taken up
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
+    assert left == [".out.wsync-prev"]

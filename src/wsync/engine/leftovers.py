@@ -58,6 +58,10 @@ class LeftoverRunner(StreamRunner):
         except (HostIOError, OSError) as exc:
             self.warnings.append(f"the left-overs of earlier pulls were not looked for: {exc}")
             return
+        if self.options.keep_prev:
+            # a killed --keep-prev run renamed the kept tree to this pull's name: the
+            # next pull that changes something starts from it
+            stale = [name for name in stale if name != self.tmp_name]
         await self._remove_leftovers(stale)
 
     async def _remove_leftovers(self, names: list[str]) -> None:
