@@ -406,6 +406,35 @@ def test_restart_leaves_a_snapshot_that_cannot_fit_for_the_workspace_as_it_is(
     assert not left & staged, (staged, left)
 
 
+def test_a_restart_that_fails_leaves_its_forgotten_snapshots_to_the_next_run(
+    tmp_path: Path,
+) -> None:
+    """The snapshots ``--restart`` forgets are removed from the guest by this run's last
+    cleanup, or, if it fails before one (here: its overall deadline), by the next run's
+    (found by a review: they were named only in the failed run's memory, and stayed in
+    the guest until its garbage collection, a day later)."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "huge.bin").write_bytes(os.urandom(300 * 1024))
+    dest = tmp_path / "d"
+    limit = ["--max-bytes", "100K", "--no-progress"]
+    assert wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), *limit).returncode == 7
+    staged = {p.name for p in (tmp_path / "stg").iterdir() if p.name.startswith("s")}
+    assert staged
+    (ws / "huge.bin").unlink()
+    (ws / "small.txt").write_text("hi\n")
+    failed = wsync(
+        "pull", f"local:{ws}", str(dest), *_dirs(tmp_path), *limit, "--restart", "--timeout",
+        "0.01",
+    )  # fmt: skip
+    assert failed.returncode == 6, failed.stderr
+    assert staged <= {p.name for p in (tmp_path / "stg").iterdir()}
+    done = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), *limit)
+    assert done.returncode == 0, done.stderr
+    assert_exact(ws, dest)
+    assert not staged & {p.name for p in (tmp_path / "stg").iterdir()}
+
+
 def test_a_dry_run_fails_as_the_pull_would_on_what_it_refuses(tmp_path: Path) -> None:
     """A FIFO, or a file with a setuid bit, in the workspace: the pull refuses the archive
     (exit 7), and a dry run said ``ok`` with the entries among its changes (found by a new

@@ -173,17 +173,30 @@ class Journal:
             fsync_dir(self.dir)
         self.meta = None
 
-    def restart(self) -> list[str]:
+    def restart(self) -> None:
         """Forget every snapshot this pull's journal holds, its phases' too (``--restart``):
-        the run starts from a new one.  Returns their ids, for the guest's cleanup."""
-        ids: list[str] = []
+        the run starts from a new one.  Their ids are kept for the guest's cleanup
+        (:meth:`forgotten`) until the journal goes."""
+        ids = self.forgotten()
         with host_io("clearing the journal"):
             phases = sorted(p for p in self.dir.iterdir() if p.name.startswith("phase-"))
-        for journal in (self, *(self.phase(p.name.removeprefix("phase-")) for p in phases)):
+        journals = [self, *(self.phase(p.name.removeprefix("phase-")) for p in phases)]
+        for journal in journals:
             if journal.meta is not None and isinstance(journal.meta.get("snapshot"), str):
                 ids.append(journal.meta["snapshot"])
+        write_atomic(self.dir / "forgotten.json", json.dumps(sorted(set(ids))).encode())
+        for journal in journals:
             journal.forget()
-        return ids
+
+    def forgotten(self) -> list[str]:
+        """Snapshots a ``--restart`` forgot whose guest staging may still be there: every
+        run of this pull names them in its cleanup, until one succeeds and the journal
+        is removed (a failed run keeps the list for the next)."""
+        try:
+            ids = json.loads((self.dir / "forgotten.json").read_text("utf-8"))
+        except (OSError, ValueError):
+            return []
+        return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
 
     def _unlink(self, *names: str) -> None:
         with host_io("clearing the journal"):

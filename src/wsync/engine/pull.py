@@ -424,13 +424,15 @@ async def _pull(
         dry_run=options.dry_run,
     ).open()  # fmt: skip
     runner = _Pull(transport, workspace, real, options, journal, on_progress, helpers=helpers)
-    if options.restart and not options.dry_run:
-        try:
-            # what this pull's last cleanup removes from the guest, with its own
-            runner.snapshots.extend(journal.restart())
-        except BaseException:
-            journal.close()
-            raise
+    try:
+        if options.restart and not options.dry_run:
+            journal.restart()
+        # what the last cleanup of this run (of any, until one succeeds) removes too
+        forgotten = [] if options.dry_run else journal.forgotten()
+    except BaseException:
+        journal.close()
+        raise
+    runner.snapshots.extend(forgotten)
     try:
         async with asyncio.timeout(options.timeout or None):
             try:
@@ -452,6 +454,7 @@ async def _pull(
                 runner = _Pull(
                     transport, workspace, real, options, journal, on_progress, runner.stats, helpers
                 )
+                runner.snapshots.extend(forgotten)
                 runner.self_clean = not cleaned
                 what = (
                     "a snapshot's guest staging was lost"
