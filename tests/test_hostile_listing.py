@@ -6,8 +6,8 @@ records must not outlive the lie: once the guest answers honestly again, the nex
 must bring DEST back to the guest's tree.  Before, the commit recorded the listing's
 record beside whatever the archive had put in DEST, so a later honest listing matched
 the record, DEST's scan matched the state, and the wrong entry stayed for good (only
-``--full`` repaired it).  Now an entry is recorded only where DEST holds it with the
-size the listing gave (a symlink's size is its target's length).
+``--full`` repaired it).  Now a file is recorded only where DEST holds it with the size
+the listing gave, and a symlink only where it points where the listing says.
 
 The shims are Python programs put first in the guest's PATH; each runs the real tool and
 rewrites what it wrote, where the environment asks it to (found by a red team, with
@@ -130,9 +130,11 @@ def pulled(tmp_path: Path) -> tuple[Path, Path, PullOptions]:
     [
         {"EVIL_TAR": "plant:./f.txt:PLANTED BY A HOSTILE TAR, NOT IN THE WORKSPACE\n"},
         {"EVIL_TAR": "retarget:./s:/etc/shadow"},
+        # a target of the listed one's length (its size in DEST is the listed size)
+        {"EVIL_TAR": "retarget:./s:target-XYZ"},
         {"EVIL_FIND": "ino:./f.txt:./k.txt"},
     ],
-    ids=["content", "symlink-target", "hardlink-group"],
+    ids=["content", "symlink-target", "symlink-same-length", "hardlink-group"],
 )
 @pytest.mark.parametrize("keep_prev", [False, True], ids=["default", "keep-prev"])
 def test_an_archive_unlike_its_listing_is_repaired_by_the_next_honest_pull(

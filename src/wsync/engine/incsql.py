@@ -161,11 +161,12 @@ WHERE EXISTS (
 #: the new state: each entry of the manifest that DEST holds with the manifest's kind, with
 #: the hash the extractor wrote, or the one the diff verified for a kept file; a file the
 #: extractor wrote that DEST holds with another inode, mode, size or mtime now (changed on the
-#: host between the swap and this commit) is left out, fetched next time.  So is a file or
-#: symlink whose size in DEST is not the listed one (a symlink's is its target's length):
-#: what the guest's archive put there is not what its listing described (a file changed
-#: between the two reads, or a hostile guest), and recorded with that listing it would
-#: match every later honest listing, the wrong entry kept for good
+#: host between the swap and this commit) is left out, fetched next time.  So is a file
+#: whose size in DEST is not the listed one: what the guest's archive put there is not
+#: what its listing described (a file changed between the two reads, or a hostile guest),
+#: and recorded with that listing it would match every later honest listing, the wrong
+#: entry kept for good (a symlink is held to its listed target where the new tree is
+#: read, ``PullState.note_tree``)
 COMMIT = """
 INSERT INTO main.state
 SELECT m.path, m.kind, m.mode, m.size, m.mtime, m.ctime, m.ino, m.target, m.digest,
@@ -177,7 +178,7 @@ LEFT JOIN s.hashes fh ON fh.path = m.path
 LEFT JOIN s.plan p ON p.path = m.path
 WHERE (fh.ino IS NULL
   OR (h.ino IS fh.ino AND h.mode IS fh.mode AND h.size IS fh.size AND h.mtime IS fh.mtime))
-  AND (m.kind NOT IN ('f', 'l') OR h.size IS m.size)
+  AND (m.kind != 'f' OR h.size IS m.size)
 """
 
 

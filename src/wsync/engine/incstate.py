@@ -532,7 +532,32 @@ class PullState:
                     rows = [row or (path, *gone) for path, row in batch]
                     incsql.insert_rows(db, incsql.INSERT_MADE, rows)
                 self._noted = "made"
+            self._unlike_links(tree_fd, "s.host" if made is None else "s.made")
             db.commit()
+
+    def _unlike_links(self, tree_fd: int, table: str) -> None:
+        """Leave out of what the commit records each symlink of ``table`` (the rows just
+        read off the new tree) that does not point where the listing says: what the
+        guest's archive put there is not what it listed (a hostile tar, or a link
+        changed between the two reads), and recorded with that listing it would match
+        every later honest one for good.  (Files are held to the listed size by the
+        commit itself, ``incsql.COMMIT``; a link's own size is its target's length on
+        most filesystems but not all, so it is read.)"""
+        db = self.db
+        rows = db.execute(
+            f"SELECT t.path, m.target FROM {table} t JOIN s.man m USING (path) "  # noqa: S608
+            "WHERE t.kind = 'l' AND m.kind = 'l'"
+        )
+        unlike = [
+            (path,)
+            for path, target in rows
+            if hostscan.link_target(tree_fd, bytes(path))
+            != (None if target is None else bytes(target))
+        ]
+        if table == "s.made":
+            db.executemany("UPDATE s.made SET kind = NULL WHERE path = ?", unlike)
+        else:
+            db.executemany("DELETE FROM s.host WHERE path = ?", unlike)
 
     def _rescan(self, tree_fd: int) -> None:
         """``s.host`` from a scan of the tree at ``tree_fd``, after a diff with its scan of
