@@ -204,8 +204,9 @@ fi
 mkdir -p "$d" || no mkdir-failed
 # nothing runs for a launched snapshot and nothing came of it: the admission that
 # launched was killed before its producer detached, or the producer died.  A launch
-# that may still be starting counts as running (and the producer's claim keeps a
-# second one from running anyway: see the producer)
+# counts as running once it runs the producer on this snapshot (its exec: a moment
+# after another admission's fork, in which this one launches again), and the
+# producer's claim keeps a second one from running anyway: see the producer
 # Liveness first, then the records: a producer writes its record before it exits, so
 # one found gone has left its record for the look after (the other order let a
 # producer finish between the two looks and be launched again)
