@@ -612,3 +612,16 @@ def test_a_pull_beneath_a_dest_sees_its_lock_through_a_directory_it_may_only_sea
             outer.close()
     finally:
         shutil.rmtree(top)
+
+
+def test_a_dest_name_is_held_to_what_its_filesystem_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """eCryptfs takes names of 143 bytes: DEST's name is held to what the filesystem of
+    its parent says, not to 255 alone (found by a review), and the fd is not leaked."""
+    monkeypatch.setattr(os, "fpathconf", lambda fd, name: 143)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(UsageError, match="at most 119 bytes"):
+        DestDir.open(tmp_path / ("q" * 120))
+    assert len(os.listdir("/proc/self/fd")) == fds
+    DestDir.open(tmp_path / ("q" * 119)).close()

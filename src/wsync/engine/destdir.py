@@ -76,6 +76,26 @@ def refuse_reserved(dest: Path) -> None:
         )
 
 
+def _name_fits(name: str, parent_fd: int | None = None) -> None:
+    """UsageError when the tree wsync builds beside DEST NAME (``.NAME.wsync-tmp-`` and
+    12 hex digits) cannot have its name: a name may have NAME_MAX bytes, or what the
+    filesystem of ``parent_fd`` says (eCryptfs: 143).  Found late, this failed the pull
+    once its work was done, creating that tree.  ``parent_fd`` is closed on refusal."""
+    size, extra = len(os.fsencode(name)), len(".") + len(TMP_INFIX) + TMP_HEX
+    most = NAME_MAX
+    if parent_fd is not None:
+        with contextlib.suppress(OSError, ValueError):
+            most = min(most, os.fpathconf(parent_fd, "PC_NAME_MAX"))
+    if size + extra > most:
+        if parent_fd is not None:
+            os.close(parent_fd)
+        raise UsageError(
+            f"DEST's name is {size} bytes: wsync builds the new tree beside it as "
+            f".NAME{TMP_INFIX}..., {extra} bytes more, and a name there may have {most}; "
+            f"choose a DEST name of at most {most - extra} bytes"
+        )
+
+
 class DestDir:
     """An open fd on DEST's parent, the DEST lock, and the writes made through them."""
 
@@ -103,17 +123,11 @@ class DestDir:
         if dest == dest.parent:
             raise UsageError("DEST cannot be the filesystem root")
         refuse_reserved(dest)
-        # found late, this failed the pull once its work was done (creating the tree)
-        size, extra = len(os.fsencode(dest.name)), len(".") + len(TMP_INFIX) + TMP_HEX
-        if size + extra > NAME_MAX:
-            raise UsageError(
-                f"DEST's name is {size} bytes: wsync builds the new tree beside it as "
-                f".NAME{TMP_INFIX}..., {extra} bytes more, and a name may have {NAME_MAX}; "
-                f"choose a DEST name of at most {NAME_MAX - extra} bytes"
-            )
+        _name_fits(dest.name)
         if root is None:
             with _refusing(dest, None, dest.parent):
                 fd = os.open(dest.parent, _DIR_FLAGS)
+            _name_fits(dest.name, fd)
             return cls(Path(os.path.realpath(dest.parent)) / dest.name, fd, None, ())
         real_root = Path(os.path.realpath(root))
         rel: tuple[str, ...] | None = None
@@ -130,6 +144,7 @@ class DestDir:
                 fd = open_beneath(root_fd, rel[:-1])
         finally:
             os.close(root_fd)
+        _name_fits(dest.name, fd)
         return cls(real_root.joinpath(*rel), fd, real_root, rel[:-1])
 
     def verify(self) -> None:
