@@ -443,7 +443,8 @@ def too_open(path: Path, st: os.stat_result) -> str | None:
         who = "other users" if mode & 0o007 else "its group"
         return (
             f"{path} can be read or written by {who} (mode {mode:04o}); chmod 600 {path} "
-            "(or 640, owned by root with the daemon's group, as in systemd/wsync.service)"
+            "(or 640, owned by root with the daemon's group, as in systemd/wsync.service; "
+            "a Kubernetes Secret volume: defaultMode 0400)"
         )
     return None
 
