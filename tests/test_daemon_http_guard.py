@@ -321,3 +321,51 @@ def test_a_slow_client_that_keeps_reading_a_large_answer_is_not_dropped(
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_a_close_with_an_answer_unread_is_bounded_though_nothing_paused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """uvicorn closes a connection itself in the middle of its send ("Connection: close",
+    an error): the close waits for the buffer to drain, for good if the peer never reads,
+    and an answer left under the high-water mark never paused the writes, so no deadline
+    was armed (found by a review: the descriptor stayed).  Any close with bytes unsent
+    is now bounded like a stall."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from wsync.daemon import httpconn
+
+    monkeypatch.setattr(httpconn, "WRITE_STALL_DEADLINE", 0.5)
+
+    async def app(scope: object, receive: object, send: object) -> None:
+        return None
+
+    async def run() -> tuple[int, bool, bool]:
+        ours, peer = socket.socketpair()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and never read
+        loop = asyncio.get_running_loop()
+        config = uvicorn.Config(app, lifespan="off", log_level="warning")
+        state = ServerState()
+        try:
+            transport, proto = await loop.connect_accepted_socket(
+                lambda: httpconn.DeadlineH11(config, state, {}, loop), sock=ours
+            )
+            proto._disarm()  # a request head came (handle_events): no head deadline now
+            transport.write(b"x" * 40_000)  # under the 64 KiB high-water mark: no pause
+            unsent = transport.get_write_buffer_size()
+            transport.close()
+            for _ in range(400):  # (20 s: the deadline is 0.5 s)
+                if proto not in state.connections:
+                    break
+                await asyncio.sleep(0.05)
+            return unsent, proto in state.connections, transport.is_closing()
+        finally:
+            peer.close()
+
+    unsent, held, closing = asyncio.run(run())
+    assert 0 < unsent < 64 * 1024, unsent  # the case: something unsent, nothing paused
+    assert closing and not held

@@ -93,6 +93,18 @@ class DeadlineH11(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # every close (uvicorn's for "Connection: close" in the middle of its send, on an
+        # error, a 400) waits for the buffer to drain, for good if the peer never reads,
+        # and an answer left under the high-water mark paused nothing: bounded like any
+        # other stall (found by a review; the head deadline's close was the only one)
+        close = transport.close
+
+        def closing() -> None:
+            close()
+            if transport.get_write_buffer_size() and self._stall is None:
+                self._watch_stall()
+
+        transport.close = closing  # type: ignore[method-assign]
         if len(self.connections) > connection_cap():
             quiet = _over_cap.due()
             if quiet is not None:
@@ -147,11 +159,7 @@ class DeadlineH11(H11Protocol):
         self._deadline = None
         if not self.transport.is_closing():
             log.info("http.head_timeout", client=self.client)
-            self.transport.close()
-        if self.transport.get_write_buffer_size() and self._stall is None:
-            # a close waits for the buffer to drain (here, or uvicorn's keep-alive close
-            # before): that wait is bounded like any other stall
-            self._watch_stall()
+            self.transport.close()  # (its wait for the buffer to drain is bounded)
 
     def _watch_stall(self) -> None:
         """(Re)arm the stall deadline from now, remembering what is unsent.  While the
