@@ -214,3 +214,23 @@ def test_an_unchanged_pull_keeps_the_kept_tree_a_killed_run_took_up(tmp_path: Pa
     assert os.stat(dest).st_ino == kept  # the new DEST is that tree, taken up
     left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
     assert left == [".out.wsync-prev"]
+
+
+def test_an_unchanged_keep_prev_pull_removes_a_killed_full_runs_copy(tmp_path: Path) -> None:
+    """With the kept tree still beside DEST, this pull's own tmp name holds something
+    else: the partial copy of a killed ``--full`` run.  An unchanged ``--keep-prev`` pull
+    removes it and keeps the kept tree (found by a review: it kept both, and the next pull
+    that changed something preferred the partial copy to the kept tree)."""
+    from wsync.engine.journal import Journal
+
+    ws = make_tree(tmp_path / "ws", big=4096, small=10)
+    dest = tmp_path / "out"
+    opts = options(tmp_path, keep_prev=True)
+    go(ws, dest, opts)
+    (ws / "src" / "f1.txt").write_text("changed\n")
+    go(ws, dest, opts)
+    own = f".out.wsync-tmp-{Journal(opts.state_dir, 'local', dest.resolve()).key[:12]}"
+    shutil.copytree(dest / "src", tmp_path / own / "src")  # a killed --full run's copy
+    assert go(ws, dest, opts).changed_files == 0
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
+    assert left == [".out.wsync-prev"]

@@ -373,15 +373,13 @@ class DestDir:
         return re.compile(re.escape(f".{self.name}.wsync-") + r"(tmp-[0-9a-f]{12}|old|prev)")
 
     def leftovers(self) -> list[str]:
-        """The trees earlier runs left beside DEST that no pull will take up again once
-        this one is done: every ``.NAME.wsync-tmp-*`` and ``.NAME.wsync-old``, never the
-        previous tree (``--keep-prev``'s, or one the next pull that changes something
-        removes).  For a pull that builds no tree (:meth:`make_tmp` finds them there)."""
+        """The trees earlier runs left beside DEST (every ``.NAME.wsync-tmp-*``,
+        ``.NAME.wsync-old`` and the previous tree), for a pull that builds no tree to say
+        which of them go (:meth:`make_tmp` finds them there otherwise)."""
         self.verify()
         ours = self._ours()
         with host_io(f"listing {self.path.parent}"), os.scandir(self.parent_fd) as entries:
-            names = {e.name for e in entries if ours.fullmatch(e.name)}
-        return sorted(names - {self.prev_name})
+            return sorted(e.name for e in entries if ours.fullmatch(e.name))
 
     def make_tmp(self, name: str, *, reuse: bool = False) -> tuple[int, list[str], bool, list[str]]:
         """The tmp tree ``name`` beside DEST: its fd, warnings, whether it was reused, and

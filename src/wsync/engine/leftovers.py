@@ -54,13 +54,17 @@ class LeftoverRunner(StreamRunner):
         without this, a partial copy of DEST from a killed ``--full`` pull stayed until a
         pull that changed something."""
         try:
-            stale = await in_thread(self.target.leftovers)
+            found = await in_thread(self.target.leftovers)
         except (HostIOError, OSError) as exc:
             self.warnings.append(f"the left-overs of earlier pulls were not looked for: {exc}")
             return
-        if self.options.keep_prev:
+        # never the previous tree (--keep-prev's, or one the next pull that changes
+        # something removes)
+        stale = [name for name in found if name != self.target.prev_name]
+        if self.options.keep_prev and self.target.prev_name not in found:
             # a killed --keep-prev run renamed the kept tree to this pull's name: the
-            # next pull that changes something starts from it
+            # next pull that changes something starts from it (with the kept tree still
+            # there, this name holds something else: a killed whole-tree run's copy)
             stale = [name for name in stale if name != self.tmp_name]
         await self._remove_leftovers(stale)
 
