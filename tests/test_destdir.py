@@ -625,3 +625,7 @@ def test_a_dest_name_is_held_to_what_its_filesystem_takes(
         DestDir.open(tmp_path / ("q" * 120))
     assert len(os.listdir("/proc/self/fd")) == fds
     DestDir.open(tmp_path / ("q" * 119)).close()
+    # a filesystem that says 0 or -1 (some FUSE ones) is not believed: 255 holds
+    for said in (0, -1):
+        monkeypatch.setattr(os, "fpathconf", lambda fd, name, said=said: said)
+        DestDir.open(tmp_path / ("q" * 231)).close()

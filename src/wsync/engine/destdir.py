@@ -85,7 +85,9 @@ def _name_fits(name: str, parent_fd: int | None = None) -> None:
     most = NAME_MAX
     if parent_fd is not None:
         with contextlib.suppress(OSError, ValueError):
-            most = min(most, os.fpathconf(parent_fd, "PC_NAME_MAX"))
+            said = os.fpathconf(parent_fd, "PC_NAME_MAX")
+            if extra < said < most:  # (a FUSE filesystem may say 0 or -1: not believed)
+                most = said
     if size + extra > most:
         if parent_fd is not None:
             os.close(parent_fd)
