@@ -184,9 +184,11 @@ class Journal:
         for journal in journals:
             if journal.meta is not None and isinstance(journal.meta.get("snapshot"), str):
                 ids.append(journal.meta["snapshot"])
-        write_atomic(self.dir / "forgotten.json", json.dumps(sorted(set(ids))).encode())
-        for journal in journals:
             journal.forget()
+        # only now: killed in between, a snapshot both resumable and listed for cleanup
+        # could have its staging removed under the run that resumes it (killed after the
+        # forgetting, the ids are lost: the guest's GC takes them a day later)
+        write_atomic(self.dir / "forgotten.json", json.dumps(sorted(set(ids))).encode())
 
     def forgotten(self) -> list[str]:
         """Snapshots a ``--restart`` forgot whose guest staging may still be there: every
