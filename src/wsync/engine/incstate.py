@@ -614,6 +614,7 @@ class PullState:
             else:
                 if noted != "scan":
                     self._rescan(dest_fd)
+                    self._unlike_links(dest_fd, "s.host")  # (what note_tree does)
                 if self._diffed:
                     db.execute(incsql.KEPT_MOVED)
             for path, digest, written in records:
