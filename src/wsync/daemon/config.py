@@ -444,7 +444,8 @@ def too_open(path: Path, st: os.stat_result) -> str | None:
         return (
             f"{path} can be read or written by {who} (mode {mode:04o}); chmod 600 {path} "
             "(or 640, owned by root with the daemon's group, as in systemd/wsync.service; "
-            "a Kubernetes Secret volume: defaultMode 0400)"
+            "a Kubernetes Secret volume: defaultMode 0440 with the pod's fsGroup, as in "
+            "deploy/k8s-pod.yaml)"
         )
     return None
 
