@@ -65,6 +65,7 @@ from wsync.digits import ascii_digits
 from wsync.engine import hostscan, incload, incsql
 from wsync.engine.excludes import Excludes
 from wsync.engine.extract import Written
+from wsync.engine.farm import _Parents, _split
 from wsync.engine.fsutil import host_io
 from wsync.engine.incdiff import Diff
 from wsync.engine.incload import ManifestEntry
@@ -546,14 +547,21 @@ class PullState:
         db = self.db
         rows = db.execute(
             f"SELECT t.path, m.target FROM {table} t JOIN s.man m USING (path) "  # noqa: S608
-            "WHERE t.kind = 'l' AND m.kind = 'l'"
+            "WHERE t.kind = 'l' AND m.kind = 'l' ORDER BY t.path"
         )
-        unlike = [
-            (path,)
-            for path, target in rows
-            if hostscan.link_target(tree_fd, bytes(path))
-            != (None if target is None else bytes(target))
-        ]
+        unlike = []
+        parents = _Parents(tree_fd)  # (one open per directory, not per link: in path order)
+        try:
+            for path, target in rows:
+                parent, leaf = _split(bytes(path))
+                try:
+                    now: bytes | None = os.readlink(leaf, dir_fd=parents.get(parent))
+                except OSError:
+                    now = None
+                if now is None or now != (None if target is None else bytes(target)):
+                    unlike.append((path,))
+        finally:
+            parents.close()
         if table == "s.made":
             db.executemany("UPDATE s.made SET kind = NULL WHERE path = ?", unlike)
         else:
