@@ -467,7 +467,7 @@ class DestDir:
         next pull), so that nothing takes it for a tree to reuse or to extract into while a
         worker thread may still be at work in it.  Returns the new name; None when there
         was nothing to rename or the rename failed (logged)."""
-        stale = f".{self.name}{TMP_INFIX}{os.urandom(TMP_HEX // 2).hex()}"
+        stale = tmp_name(self.name)
         try:
             os.rename(name, stale, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
         except FileNotFoundError:
@@ -571,10 +571,16 @@ def lock_name(dest_name: str) -> str:
     return f".{dest_name}.wsync-lock"
 
 
+def tmp_name(dest_name: str, tag: str | None = None) -> str:
+    """A tree's name beside DEST ``dest_name``: ``.NAME.wsync-tmp-`` and ``tag``, 12 hex
+    digits (a pull's own, from its journal key), or random ones (a stale name)."""
+    return f".{dest_name}{TMP_INFIX}{tag or os.urandom(TMP_HEX // 2).hex()}"
+
+
 def fs_stamp(parent_fd: int, dest_name: str) -> int | None:
     """The ctime of a directory made in ``parent_fd`` and removed again (see
     :meth:`DestDir.fs_now`), under a stale tmp name of DEST ``dest_name``."""
-    name = f".{dest_name}.wsync-tmp-{os.urandom(6).hex()}"
+    name = tmp_name(dest_name)
     try:
         os.mkdir(name, 0o700, dir_fd=parent_fd)
     except OSError:

@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from wsync.engine.destdir import TMP_HEX, tmp_name
 from wsync.engine.guest import GuestPlan
 from wsync.engine.journal import Journal
 from wsync.engine.phases import _WIND_DOWN_S, StreamRunner, new_snapshot_id
@@ -37,7 +38,7 @@ class LeftoverRunner(StreamRunner):
     @property
     def tmp_name(self) -> str:
         """The name beside DEST of this pull's tree (a rerun of it finds it again)."""
-        return f".{self.dest.name}.wsync-tmp-{self.journal.key[:12]}"
+        return tmp_name(self.dest.name, self.journal.key[:TMP_HEX])
 
     async def make_tmp(self, *, reuse: bool) -> tuple[str, int, bool]:
         """The tree beside DEST that becomes DEST (stale ones of earlier runs go): its
