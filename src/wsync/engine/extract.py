@@ -87,6 +87,7 @@ from wsync.engine.api import ExtractLimits, MiB
 from wsync.engine.extractfs import (
     DIR_FLAGS,
     FILE_FLAGS,
+    REFUSED,
     DirStack,
     abandon,
     check_link_target,
@@ -127,9 +128,9 @@ _REGULAR = frozenset((tarstream.REGTYPE, tarstream.AREGTYPE, tarstream.CONTTYPE)
 #: the other types created: directories, symlinks, hardlinks (refused with a payload)
 _CREATED = frozenset((tarstream.DIRTYPE, tarstream.SYMTYPE, tarstream.LNKTYPE))
 _KNOWN_BAD = {
-    tarstream.CHRTYPE: "character device",
-    tarstream.BLKTYPE: "block device",
-    tarstream.FIFOTYPE: "FIFO",
+    tarstream.CHRTYPE: REFUSED["c"],
+    tarstream.BLKTYPE: REFUSED["b"],
+    tarstream.FIFOTYPE: REFUSED["p"],
     tarstream.GNUTYPE_SPARSE: "GNU sparse file",
 }
 
@@ -345,7 +346,7 @@ class _Extractor:
     def _file(self, name: bytes, mode: int, size: int, mtime_ns: int) -> None:
         parts = split_name(name, is_dir=False)
         if mode & 0o7000:
-            raise HostileArchive(f"{show_name(name)}: setuid, setgid or sticky bit on a file")
+            raise HostileArchive(f"{show_name(name)}: {REFUSED['f']}")
         if size < 0:
             raise HostileArchive(f"{show_name(name)}: negative size")
         if self.stats.bytes + size > self.limits.max_bytes:
@@ -426,7 +427,7 @@ class _Extractor:
     def _dir(self, name: bytes, mode: int, mtime_ns: int) -> None:
         parts = split_name(name, is_dir=True)
         if mode & 0o4000:
-            raise HostileArchive(f"{show_name(name)}: setuid bit on a directory")
+            raise HostileArchive(f"{show_name(name)}: {REFUSED['d']}")
         if not parts:
             if self.root_meta is not None and not self._fresh():
                 raise HostileArchive(f"{show_name(name)}: the root directory appears twice")

@@ -24,6 +24,15 @@ from wsync.errors import HostileArchive, HostIOError, WsyncError
 
 #: longest member name or link target, in bytes
 MAX_NAME = 64 * 1024
+#: why an entry is refused, by its kind as a listing gives it, in one place: the extractor
+#: and the directory pass say it, and a dry run that finds one (incdiff.Diff.refused)
+REFUSED = {
+    "p": "FIFO",
+    "c": "character device",
+    "b": "block device",
+    "f": "setuid, setgid or sticky bit on a file",
+    "d": "setuid bit on a directory",
+}
 #: directory fds kept open along the current path
 WINDOW = 48
 FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

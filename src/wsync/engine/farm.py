@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from wsync.engine.beneath import open_beneath
-from wsync.engine.extractfs import clamp_time, set_times
+from wsync.engine.extractfs import REFUSED, clamp_time, set_times
 from wsync.engine.hostscan import parts_of
 from wsync.engine.itemize import escape
 from wsync.errors import HostileArchive, HostIOError
@@ -225,7 +225,7 @@ def set_dir_meta(
         for entry in dirs:
             mode, path = entry.mode & 0o7777, entry.path
             if mode & 0o4000:
-                raise HostileArchive(f"{escape(path)}: setuid bit on a directory")
+                raise HostileArchive(f"{escape(path)}: {REFUSED['d']}")
             mtime_ns = clamp_time(entry.mtime_ns)
             try:
                 if path == b".":

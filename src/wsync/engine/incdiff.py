@@ -9,18 +9,11 @@ import sqlite3
 from collections.abc import Iterator
 
 from wsync.engine import incsql
+from wsync.engine.extractfs import REFUSED
 from wsync.engine.itemize import changed_flags, itemize_line
 
 #: the longest path, NUL included, that Linux takes in one system call
 PATH_MAX = 4096
-#: why the pull refuses an entry of each kind (see :meth:`Diff.refused`)
-_REFUSED = {
-    "p": "FIFO",
-    "c": "character device",
-    "b": "block device",
-    "f": "setuid, setgid or sticky bit on a file",
-    "d": "setuid bit on a directory",
-}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,7 +118,7 @@ class Diff:
         ).fetchone()
         if row is None:
             return None
-        return bytes(row[0]), _REFUSED[str(row[1])]
+        return bytes(row[0]), REFUSED[str(row[1])]
 
     def itemize(self) -> Iterator[str]:
         """``rsync -i`` style lines: deletions first, then changes, paths escaped."""
