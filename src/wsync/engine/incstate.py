@@ -532,8 +532,8 @@ class PullState:
                 for batch in incload.batches(made):
                     rows = [row or (path, *gone) for path, row in batch]
                     incsql.insert_rows(db, incsql.INSERT_MADE, rows)
+                self._unlike_links(tree_fd, "s.made")
                 self._noted = "made"
-            self._unlike_links(tree_fd, "s.host" if made is None else "s.made")
             db.commit()
 
     def _unlike_links(self, tree_fd: int, table: str) -> None:
@@ -558,7 +558,7 @@ class PullState:
                     now: bytes | None = os.readlink(leaf, dir_fd=parents.get(parent))
                 except OSError:
                     now = None
-                if now is None or now != (None if target is None else bytes(target)):
+                if now is None or target is None or now != bytes(target):
                     unlike.append((path,))
         finally:
             parents.close()
@@ -568,13 +568,15 @@ class PullState:
             db.executemany("DELETE FROM s.host WHERE path = ?", unlike)
 
     def _rescan(self, tree_fd: int) -> None:
-        """``s.host`` from a scan of the tree at ``tree_fd``, after a diff with its scan of
-        the entries the farm linked as they are set aside first (``incsql.KEPT``: what
+        """``s.host`` from a scan of the tree at ``tree_fd`` for the commit to record (its
+        symlinks held to their listed targets), after a diff with its scan of the entries
+        the farm linked as they are set aside first (``incsql.KEPT``: what
         ``KEPT_MOVED`` compares the new scan with)."""
         if self._diffed:
             self.db.execute("DELETE FROM s.kept")
             self.db.execute(incsql.KEPT)
         self._scan_host(tree_fd)
+        self._unlike_links(tree_fd, "s.host")
 
     def commit(
         self,
@@ -622,7 +624,6 @@ class PullState:
             else:
                 if noted != "scan":
                     self._rescan(dest_fd)
-                    self._unlike_links(dest_fd, "s.host")  # (what note_tree does)
                 if self._diffed:
                     db.execute(incsql.KEPT_MOVED)
             for path, digest, written in records:
