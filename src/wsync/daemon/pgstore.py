@@ -54,11 +54,12 @@ connection and fans out to its SSE clients.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -280,11 +281,19 @@ class PgStore:
         except Exception as err:  # psycopg_pool.PoolTimeout and friends
             raise StoreDown(_say(err)) from None
 
+    @contextlib.asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A pool connection inside a transaction that starts with its own limits
+        (:func:`_bounded`): every transaction of the store takes this, so none goes
+        without them."""
+        async with self.pool.connection() as conn, conn.transaction():
+            await _bounded(conn, self.lease_seconds)
+            yield conn
+
     async def migrate(self) -> int:
         """Apply the migrations this version knows beyond the database's; return the version."""
         try:
-            async with self.pool.connection() as conn, conn.transaction():
-                await _bounded(conn, self.lease_seconds)
+            async with self._transaction() as conn:
                 await conn.execute("SELECT pg_advisory_xact_lock(%s)", (_CLAIM_LOCK + 1,))
                 await conn.execute(
                     "CREATE TABLE IF NOT EXISTS wsync_schema (version INTEGER NOT NULL)"
@@ -402,8 +411,7 @@ class PgStore:
         """
         prefixes = [r.rstrip("/") + "/" for r in roots]
         try:
-            async with self.pool.connection() as conn, conn.transaction():
-                await _bounded(conn, self.lease_seconds)
+            async with self._transaction() as conn:
                 cur = conn.cursor(row_factory=dict_row)
                 await cur.execute("SELECT pg_try_advisory_xact_lock(%s) AS got", (_CLAIM_LOCK,))
                 got = await cur.fetchone()
@@ -501,8 +509,7 @@ FOR UPDATE OF j SKIP LOCKED
         """
         release = job.state == "queued"
         try:
-            async with self.pool.connection() as conn, conn.transaction():
-                await _bounded(conn, self.lease_seconds)
+            async with self._transaction() as conn:
                 cur = await conn.execute(
                     "UPDATE wsync_jobs SET state = %s, finished_at = %s, progress = %s::jsonb, "
                     "result = %s::jsonb, error = %s, error_kind = %s, exit_code = %s, "
@@ -601,8 +608,7 @@ FOR UPDATE OF j SKIP LOCKED
         never commits, so the schedule is still due and a later round fires it.
         """
         try:
-            async with self.pool.connection() as conn, conn.transaction():
-                await _bounded(conn, self.lease_seconds)
+            async with self._transaction() as conn:
                 await conn.execute(
                     "INSERT INTO wsync_schedule (sandbox, next_at) "
                     "VALUES (%s, now() + make_interval(secs => %s)) ON CONFLICT DO NOTHING",
