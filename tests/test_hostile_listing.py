@@ -16,7 +16,6 @@ these cases).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import shutil
@@ -26,9 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_exact, options
+from helpers import assert_exact, options, run_pull
 from wsync.engine.api import PullOptions, PullResult
-from wsync.engine.pull import pull
 from wsync.transports.local import LocalTransport
 
 #: the guest's tar: a select run (``-T``, the list of what to fetch) has its archive
@@ -95,13 +93,7 @@ def _guest(tmp_path: Path, **evil: str) -> LocalTransport:
 
 
 def _pull(ws: Path, dest: Path, opts: PullOptions, guest: LocalTransport) -> PullResult:
-    async def run() -> PullResult:
-        try:
-            return await pull(guest, str(ws), dest, opts)
-        finally:
-            await guest.aclose()
-
-    result = asyncio.run(run())
+    result = run_pull(guest, ws, dest, opts)
     assert result.ok, result.error
     return result
 

@@ -159,6 +159,27 @@ def test_other_excludes_are_not_the_recorded_noop(
     assert result.deleted_files > 0 and not list(dest.rglob("*.txt"))
 
 
+def _kept_tree(tmp_path: Path) -> tuple[Path, Path, PullOptions, str]:
+    """A workspace pulled twice with ``--keep-prev`` (a kept tree beside DEST), and the
+    name of this pull's own tmp tree (from its journal key, as the pull names it)."""
+    from wsync.engine.destdir import tmp_name
+    from wsync.engine.journal import Journal
+
+    ws = make_tree(tmp_path / "ws", big=4096, small=10)
+    dest = tmp_path / "out"
+    opts = options(tmp_path, keep_prev=True)
+    go(ws, dest, opts)
+    (ws / "src" / "f1.txt").write_text("changed\n")
+    go(ws, dest, opts)
+    key = Journal(opts.state_dir, "local", dest.resolve()).key
+    return ws, dest, opts, tmp_name(dest.name, key[:12])
+
+
+def _beside(tmp_path: Path) -> list[str]:
+    """wsync's names beside DEST ``out``."""
+    return sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
+
+
 @pytest.mark.parametrize("keep_prev", [False, True], ids=["default", "keep-prev"])
 def test_an_unchanged_pull_removes_what_killed_runs_left_beside_dest(
     tmp_path: Path, keep_prev: bool
@@ -177,14 +198,14 @@ def test_an_unchanged_pull_removes_what_killed_runs_left_beside_dest(
     killed = tmp_path / ".out.wsync-tmp-0123456789ab"
     shutil.copytree(dest / "src", killed / "src")  # a partial copy of DEST
     (tmp_path / ".out.wsync-old").mkdir()
-    beside = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
+    beside = _beside(tmp_path)
     result = go(ws, dest, opts)
     assert result.changed_files == result.deleted_files == 0
     assert_exact(ws, dest)
     # the tree's size, as a pull that changed something says (it said 0: an empty DEST)
     files = [p for p in ws.rglob("*") if p.is_file() and not p.is_symlink()]
     assert result.tree_bytes == sum(p.stat().st_size for p in files) > 0
-    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
+    left = _beside(tmp_path)
     assert left == ([".out.wsync-prev"] if keep_prev else []), (beside, left)
     assert result.warnings == []
 
@@ -194,15 +215,7 @@ def test_an_unchanged_pull_keeps_the_kept_tree_a_killed_run_took_up(tmp_path: Pa
     builds on it; killed there, it leaves that tree for the next run of the same pull.
     An unchanged pull in between leaves it too (found by a review: the sweep removed it,
     and the next pull that changed something built a whole farm again)."""
-    from wsync.engine.journal import Journal
-
-    ws = make_tree(tmp_path / "ws", big=4096, small=10)
-    dest = tmp_path / "out"
-    opts = options(tmp_path, keep_prev=True)
-    go(ws, dest, opts)
-    (ws / "src" / "f1.txt").write_text("changed\n")
-    go(ws, dest, opts)
-    own = f".out.wsync-tmp-{Journal(opts.state_dir, 'local', dest.resolve()).key[:12]}"
+    ws, dest, opts, own = _kept_tree(tmp_path)
     (tmp_path / ".out.wsync-prev").rename(tmp_path / own)  # where the killed run left it
     assert go(ws, dest, opts).changed_files == 0
     assert (tmp_path / own).is_dir()
@@ -212,7 +225,7 @@ def test_an_unchanged_pull_keeps_the_kept_tree_a_killed_run_took_up(tmp_path: Pa
     assert result.changed_files == 1
     assert_exact(ws, dest)
     assert os.stat(dest).st_ino == kept  # the new DEST is that tree, taken up
-    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
+    left = _beside(tmp_path)
     assert left == [".out.wsync-prev"]
 
 
@@ -221,16 +234,8 @@ def test_an_unchanged_keep_prev_pull_removes_a_killed_full_runs_copy(tmp_path: P
     else: the partial copy of a killed ``--full`` run.  An unchanged ``--keep-prev`` pull
     removes it and keeps the kept tree (found by a review: it kept both, and the next pull
     that changed something preferred the partial copy to the kept tree)."""
-    from wsync.engine.journal import Journal
-
-    ws = make_tree(tmp_path / "ws", big=4096, small=10)
-    dest = tmp_path / "out"
-    opts = options(tmp_path, keep_prev=True)
-    go(ws, dest, opts)
-    (ws / "src" / "f1.txt").write_text("changed\n")
-    go(ws, dest, opts)
-    own = f".out.wsync-tmp-{Journal(opts.state_dir, 'local', dest.resolve()).key[:12]}"
+    ws, dest, opts, own = _kept_tree(tmp_path)
     shutil.copytree(dest / "src", tmp_path / own / "src")  # a killed --full run's copy
     assert go(ws, dest, opts).changed_files == 0
-    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out."))
+    left = _beside(tmp_path)
     assert left == [".out.wsync-prev"]
