@@ -105,13 +105,13 @@ class _Pull(FinishRunner):
                 await self.drop_late_load()  # (a state recorded where the guest cannot select)
                 # an early farm's make_tmp took the left-overs of earlier runs, and its own
                 # tree may still be going in a thread: only without one are they swept
-                sweep = self.early_task is None and not self.options.dry_run
+                sweep = self.early_task is None
                 if await self.drop_early_farm():
                     # its links and unlinks moved the ctime of every inode of DEST
                     await in_thread(lambda: inc.locked(inc.refresh_after_farm))
-                if sweep:
-                    await self.sweep_leftovers()
                 if not self.options.dry_run:
+                    if sweep:
+                        await self.sweep_leftovers()
                     # DEST is the tree the state records: its size (0 said "empty" in
                     # --json and in the daemon's wsync_tree_bytes_total)
                     with contextlib.suppress(WsyncError, OSError):
