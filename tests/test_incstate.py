@@ -7,12 +7,17 @@ from __future__ import annotations
 import os
 import shutil
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
 
 from incr_helpers import Entry, manifest, pull
+from wsync.engine import incstate
+from wsync.engine.api import PullOptions
+from wsync.engine.destdir import DestDir
 from wsync.engine.excludes import Excludes
+from wsync.engine.incremental import HashLog, Incremental
 from wsync.engine.incstate import PullState, state_path
 from wsync.errors import HostileArchive, HostIOError, LimitExceeded, StagingFailed
 from wsync.treediff import diff as treediff
@@ -432,3 +437,45 @@ def test_a_full_disk_under_the_hash_log_is_a_host_write_error() -> None:
             log.add(f"f{i}".encode(), "0" * 32, (i, 0o100644, 1, 0))
         log.close()
     assert info.value.exit_code == 8
+
+
+@pytest.mark.parametrize("hold", [100_000, 2])
+def test_dest_is_scanned_beside_the_manifest_load(
+    env: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch, hold: int
+) -> None:
+    """The manifest's load holds the state's lock (``Incremental.busy``) for its whole run.
+    DEST's scan held it too, for its whole walk, so the load waited for the walk instead of
+    running beside it.  A scan that fits in memory (HOLD rows) now never takes the lock;
+    a larger one takes it only to write its rows, and the diff is the same either way."""
+    state, guest, dest = env
+    pull(state, guest, dest)
+    (guest / "a.txt").write_bytes(b"an edit\n")
+    (dest / "new-on-host").write_bytes(b"x")
+    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with PullState.open(state, dest, "local:guest") as st:  # the scan inside the diff
+            st.load_manifest(manifest(guest), Excludes(()))
+            ref = st.diff(fd)
+            expected = (ref.changed, ref.deleted, list(ref.fetch_paths()))
+        assert expected[1:] == (1, [b"a.txt", b"hard.txt"])  # (a.txt has a second name)
+        monkeypatch.setattr(incstate, "HOLD", hold)
+        monkeypatch.setattr(incstate, "BATCH", min(hold, incstate.BATCH))
+        opts = PullOptions(state_dir=state)
+        inc = Incremental(opts, DestDir.open(dest), "local:guest", HashLog(state / "h"))
+        try:
+            scanned = threading.Event()
+            scanner = threading.Thread(target=lambda: (inc.scan(), scanned.set()))
+            with inc.busy:  # the load, still running
+                scanner.start()
+                # (a scan that must write cannot finish while the lock is held)
+                under_load = scanned.wait(30 if hold > 100 else 0.5)
+            assert scanned.wait(60)
+            scanner.join()
+            assert under_load == (hold > 100), "the scan of a small tree waited for the load"
+            inc.state.load_manifest(manifest(guest), Excludes(()))
+            got = inc.state.diff(fd)
+            assert (got.changed, got.deleted, list(got.fetch_paths())) == expected
+        finally:
+            inc.close()
+    finally:
+        os.close(fd)

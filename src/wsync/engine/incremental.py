@@ -309,15 +309,16 @@ class Incremental:
         return self.recorded and not self.options.full and can_select(plan, stdin=stdin)
 
     def scan(self) -> None:
-        """Scan DEST into the state (worker thread, during the manifest run)."""
-        with self.busy:
-            dest_fd = open_dest(self.target)
-            if dest_fd is None:
-                return
-            try:
-                self.host_digest = self.state.scan(dest_fd, self._check_stop)
-            finally:
-                os.close(dest_fd)
+        """Scan DEST into the state (worker thread, during the manifest run).  The walk
+        uses the state's connection only to write a scan larger than HOLD, and holds
+        :attr:`busy` only for that: the manifest's load runs beside it."""
+        dest_fd = open_dest(self.target)
+        if dest_fd is None:
+            return
+        try:
+            self.host_digest = self.state.scan(dest_fd, self._check_stop, lock=self.busy)
+        finally:
+            os.close(dest_fd)
         log.debug("DEST scanned")
 
     def stop(self) -> None:

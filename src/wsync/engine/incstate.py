@@ -253,14 +253,21 @@ class PullState:
 
     # -- the diff -----------------------------------------------------------------------
 
-    def scan(self, dest_fd: int, check_cancel: Callable[[], None] | None = None) -> str:
-        """Scan DEST (open at ``dest_fd``) into the scratch table for the next :meth:`diff`,
-        and return the scan's digest.  A pull runs this while the guest writes its
-        manifest: the two are independent, and the walk is most of a host's diff time."""
-        with self._errors():
-            self._scanned = None
-            digest = self._scan_host(dest_fd, check_cancel, hold=True)
-            self.db.commit()
+    def scan(
+        self,
+        dest_fd: int,
+        check_cancel: Callable[[], None] | None = None,
+        *,
+        lock: contextlib.AbstractContextManager[object] | None = None,
+    ) -> str:
+        """Scan DEST (open at ``dest_fd``) for the next :meth:`diff`, and return the scan's
+        digest.  A pull runs this while the guest writes its manifest: the two are
+        independent, and the walk is most of a host's diff time.  The rows stay in memory
+        up to HOLD (the diff writes them); only a larger scan writes to the scratch table
+        as it goes, each write under ``lock``: so the manifest's load, which holds the
+        lock, runs beside the walk instead of after it."""
+        self._scanned = None
+        digest = self._scan_host(dest_fd, check_cancel, hold=True, lock=lock)
         st = os.fstat(dest_fd)
         self._scanned = (st.st_dev, st.st_ino)
         return digest
@@ -293,6 +300,8 @@ class PullState:
             if self._scanned != (st.st_dev, st.st_ino):
                 self._scan_host(dest_fd)
             self._scanned = None
+            if self._held_whole:  # (else the scan cleared the table at its first write)
+                self.db.execute("DELETE FROM s.host")
             incsql.insert_rows(self.db, incsql.INSERT_HOST, self._held)
             self._held = []
             self._held_whole = False
@@ -370,19 +379,36 @@ class PullState:
         self._diffed = False
 
     def _scan_host(
-        self, dest_fd: int, check_cancel: Callable[[], None] | None = None, *, hold: bool = False
+        self,
+        dest_fd: int,
+        check_cancel: Callable[[], None] | None = None,
+        *,
+        hold: bool = False,
+        lock: contextlib.AbstractContextManager[object] | None = None,
     ) -> str:
         """Fill ``s.host`` with DEST's entries; return a digest of every field of every row
         in walk order (the same tree, untouched, gives the same digest: see
         :meth:`noop_matches`).  With ``hold`` the first HOLD rows stay in memory until a
-        diff needs them."""
+        diff needs them (the table is then cleared by the diff, or by the first write of
+        a scan that outgrows them, under ``lock``)."""
         db = self.db
-        db.execute("DELETE FROM s.host")
         self._held = []
         self._held_whole = False
         batch: list[hostscan.HostRow] = []
         digest = hostscan.ScanDigest()
         limit = HOLD if hold else BATCH
+        written = False
+
+        def write() -> None:
+            nonlocal written
+            with lock or contextlib.nullcontext(), self._errors():
+                if not written:
+                    db.execute("DELETE FROM s.host")
+                    written = True
+                incsql.insert_rows(db, incsql.INSERT_HOST, batch)
+                if hold:
+                    db.commit()  # (the lock's next holder finds no transaction of ours)
+
         with host_io("reading DEST"):
             for item in hostscan.scan(dest_fd):
                 digest.add(item)
@@ -391,14 +417,14 @@ class PullState:
                     if check_cancel is not None:
                         check_cancel()
                     if len(batch) >= limit:
-                        incsql.insert_rows(db, incsql.INSERT_HOST, batch)
+                        write()
                         batch.clear()
                         limit = BATCH
         if hold:
             self._held = batch
-            self._held_whole = limit == HOLD
+            self._held_whole = not written
         else:
-            incsql.insert_rows(db, incsql.INSERT_HOST, batch)
+            write()
         self.host_digest = digest.hexdigest()
         return self.host_digest
 
