@@ -234,23 +234,28 @@ def set_dir_meta(
                     set_times(tmp_fd, atime_ns, mtime_ns)
                     continue
                 parent, leaf = _split(path)
-                fd = os.open(
-                    leaf,
-                    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                    dir_fd=tmp.get(parent),
-                )
-                try:
-                    st = os.fstat(fd)
-                    # a reused tree's unchanged directory already has both: no write
-                    if stat.S_IMODE(st.st_mode) != mode or st.st_mtime_ns != mtime_ns:
+                parent_fd = tmp.get(parent)
+                # a reused tree's unchanged directory already has both: one lstat, no
+                # write (the tree is private: nobody else can put another entry there)
+                st = os.stat(leaf, dir_fd=parent_fd, follow_symlinks=False)
+                if (
+                    not stat.S_ISDIR(st.st_mode)
+                    or stat.S_IMODE(st.st_mode) != mode
+                    or st.st_mtime_ns != mtime_ns
+                ):
+                    fd = os.open(
+                        leaf,
+                        os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                        dir_fd=parent_fd,
+                    )
+                    try:
                         os.fchmod(fd, mode)
                         set_times(fd, atime_ns, mtime_ns)
-                        if seen is not None:
-                            st = os.fstat(fd)
-                    if seen is not None:
-                        seen(path, st)
-                finally:
-                    os.close(fd)
+                        st = os.fstat(fd)
+                    finally:
+                        os.close(fd)
+                if seen is not None:
+                    seen(path, st)
             except OSError as exc:
                 raise HostIOError(f"{escape(path)}: {exc.strerror or exc}") from exc
     finally:

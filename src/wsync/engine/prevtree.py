@@ -108,18 +108,25 @@ def _private_dir(parent_fd: int, name: str, dev: int) -> int | None:
     unchanged directory costs no write at all (one the guest has since closed further is
     made 0700 after the verdict: :data:`_NARROWED`)."""
     try:
+        # one lstat for the common case, a directory left as it is: the parent is private
+        # (ours, 0700 or narrower for others), so nobody else can put another entry there
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_dev != dev:
+        return None  # not ours, or another filesystem: inode numbers mean nothing
+    mode = stat.S_IMODE(st.st_mode)
+    if not (mode & 0o022 or mode & 0o700 != 0o700):
+        return mode
+    try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError:
         return None
     try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid() or st.st_dev != dev:
-            return None  # not ours, or another filesystem: inode numbers mean nothing
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o022 or mode & 0o700 != 0o700:
-            os.fchmod(fd, 0o700)
-            mode = 0o700
-        return mode
+        if os.fstat(fd).st_ino != st.st_ino:
+            return None  # (one of this user's processes swapped it: not walked)
+        os.fchmod(fd, 0o700)
+        return 0o700
     except OSError:
         return None
     finally:
