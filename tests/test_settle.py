@@ -80,7 +80,7 @@ def test_best_effort_takes_the_last_read_and_lists_it(tmp_path: Path, workspace:
     )
     dest = tmp_path / "out"
     result = run_pull(transport, workspace, dest, options(tmp_path, best_effort=True))
-    assert result.unstable_files == ["'log.txt'"]
+    assert result.unstable_files == ["log.txt"]
     # the last read happened before the last write: a version that existed
     assert (dest / "log.txt").read_text() == "first\nwrite 1\nwrite 2\nwrite 3\n"
     assert any("kept changing" in w for w in result.warnings)
@@ -178,7 +178,7 @@ def test_cli_exit_24_and_best_effort_json(tmp_path: Path, workspace: Path) -> No
         [*base, "--json", "--best-effort"], capture_output=True, text=True, timeout=300, env=env
     )
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["unstable_files"] == ["'log.txt'"]
+    assert json.loads(proc.stdout)["unstable_files"] == ["log.txt"]
 
 
 # -- the host side: later archives of the stream, the gone list --------------------------------
@@ -365,7 +365,7 @@ def test_an_escaped_name_that_never_settles_is_listed_once(
     transport = writer_around_tar(tmp_path, _torn_once('echo "write $N" >> "$F"', when="true"))
     dest = tmp_path / "out"
     result = run_pull(transport, workspace, dest, options(tmp_path, best_effort=True))
-    assert result.unstable_files == [repr(name)]
+    assert result.unstable_files == [name]
     assert (dest / name).read_text() == "first\nwrite 1\nwrite 2\nwrite 3\n"
 
 

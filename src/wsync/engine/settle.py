@@ -23,6 +23,7 @@ from wsync.engine.api import MiB
 from wsync.engine.beneath import open_beneath
 from wsync.engine.fsutil import remove_tree_at
 from wsync.engine.guest import GuestSession
+from wsync.engine.itemize import escape
 from wsync.engine.tarstream import show_name
 from wsync.engine.winddown import in_thread
 from wsync.errors import HostIOError, StagingFailed, UnstableFiles
@@ -60,7 +61,8 @@ async def apply_lists(
         names = await read_list(session, "unstable", done.unstable_bytes, sizer)
         if not best_effort:
             raise UnstableFiles(describe(names) or "(names not given)")
-        taken = [show_name(name) for name in names]
+        # whole paths for scripts, as a dry run's lines print them (not quoted or cut)
+        taken = [escape(name.removeprefix(b"./")) for name in names]
         warnings.append(f"taken as last read although they kept changing: {describe(names)}")
     if done.gone_bytes:
         names = await read_list(session, "gone", done.gone_bytes, sizer)
