@@ -337,7 +337,7 @@ def test_cumulative_bytes_limit(root: Path) -> None:
 def test_min_free_bytes_refuses_at_start(root: Path) -> None:
     st = os.statvfs(root)
     limits = ExtractLimits(min_free_bytes=st.f_bavail * st.f_frsize + 1024 * GiB)
-    with pytest.raises(DiskLow, match="free bytes"):
+    with pytest.raises(DiskLow, match="free-space reserve"):
         extract(build(member("f", data=b"x")), root, limits)
     assert os.listdir(root) == []
 
@@ -356,7 +356,7 @@ def test_min_free_bytes_refuses_a_large_file_before_writing(root: Path) -> None:
 
     stream = GeneratedStream(chunks())
     limits = ExtractLimits(min_free_bytes=max(free - GiB, 0), max_bytes=2**62)
-    with pytest.raises(DiskLow, match="free bytes"):
+    with pytest.raises(DiskLow, match="free-space reserve"):
         extract_tar_stream(stream, root, limits)  # type: ignore[arg-type]
     assert os.listdir(root) == ["small"]
 

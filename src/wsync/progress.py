@@ -22,7 +22,9 @@ import time
 from collections.abc import Iterable
 from typing import Protocol, TextIO
 
-from wsync.engine.api import Progress
+from wsync.engine.api import Progress, human_bytes
+
+__all__ = ["human_bytes"]  # (wsync.cli and wsync.demo take it from here)
 
 #: redraws per second of the live line (the issue asks for at least one)
 REFRESH_PER_SECOND = 4
@@ -31,14 +33,6 @@ RATE_WINDOW_S = 5.0
 #: a rate over less than this is noise: none is shown
 _RATE_MIN_SPAN_S = 0.5
 _SEP = "  "
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
 
 
 def human_pair(done: float, total: float) -> str:

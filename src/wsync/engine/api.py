@@ -23,6 +23,15 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 
 
+def human_bytes(n: float) -> str:
+    """``1.5 MiB``: a size for a message or the progress line."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
 def default_state_dir() -> Path:
     """``$XDG_STATE_HOME/wsync``, falling back to ``~/.local/state/wsync``."""
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")

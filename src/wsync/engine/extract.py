@@ -83,7 +83,7 @@ from typing import BinaryIO
 import xxhash
 
 from wsync.engine import tarstream
-from wsync.engine.api import ExtractLimits, MiB
+from wsync.engine.api import ExtractLimits, MiB, human_bytes
 from wsync.engine.extractfs import (
     DIR_FLAGS,
     FILE_FLAGS,
@@ -279,8 +279,9 @@ class _Extractor:
         free = st.f_bavail * st.f_frsize
         if free - upcoming < self.limits.min_free_bytes:
             raise DiskLow(
-                f"DEST's filesystem would drop below {self.limits.min_free_bytes} free bytes"
-                f" ({free} free, {upcoming} about to be written)"
+                f"DEST's filesystem would drop below its {human_bytes(self.limits.min_free_bytes)}"
+                f" free-space reserve ({human_bytes(free)} free,"
+                f" {human_bytes(upcoming)} about to be written)"
             )
         self.unchecked_bytes = 0
         self.unchecked_members = 0

@@ -39,6 +39,7 @@ from typing import Any
 import structlog
 
 from wsync.digits import ascii_digits
+from wsync.engine.api import human_bytes
 from wsync.engine.destdir import DestDir
 from wsync.engine.fsutil import fsync_dir, host_io, rmtree, write_atomic
 from wsync.errors import Busy, DiskLow, HostIOError
@@ -278,10 +279,12 @@ class Journal:
         path = self.chunk_path(seq, digest)
         with host_io("checking free space in the state directory"):
             st = os.statvfs(self.chunks_dir)
-        if st.f_bavail * st.f_frsize - len(data) < self.min_free:
+        free = st.f_bavail * st.f_frsize
+        if free - len(data) < self.min_free:
             raise DiskLow(
-                f"the state directory's filesystem would drop below {self.min_free} free bytes"
-                f" (journal in {self.chunks_dir})"
+                "the state directory's filesystem would drop below its "
+                f"{human_bytes(self.min_free)} free-space reserve ({human_bytes(free)} free, "
+                f"journal in {self.chunks_dir})"
             )
         try:
             write_atomic(path, data)
