@@ -18,6 +18,7 @@ import pytest
 import structlog
 
 from test_daemon_harness import base_config
+from wsync.daemon.client import status_main
 from wsync.daemon.config import (
     ConfigError,
     SandboxConfig,
@@ -94,3 +95,25 @@ def test_a_file_secret_other_users_can_read_is_used_with_a_warning(tmp_path: Pat
         if warned:
             assert f"chmod 600 {secret}" in found[0]["problem"]
             assert "a-backend-token" not in str(found[0])
+
+
+@pytest.mark.parametrize(("mode", "warned"), [(0o644, True), (0o604, True), (0o600, False)])
+def test_the_client_warns_of_a_token_file_others_can_read(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    mode: int,
+    warned: bool,
+) -> None:
+    """``wsync status --token-file`` read the token whatever the file's mode, where the
+    daemon refuses the same file.  It now says so, as the daemon would, and goes on (the
+    token is out already; a Kubernetes Secret volume is 0644 unless told otherwise)."""
+    monkeypatch.delenv("WSYNC_API_TOKEN", raising=False)
+    token = tmp_path / "cli-token"
+    token.write_text(TOKEN + "\n", encoding="utf-8")
+    token.chmod(mode)
+    assert status_main(["--url", "http://127.0.0.1:9", "--token-file", str(token)]) == 3
+    err = capsys.readouterr().err
+    assert "cannot reach" in err  # it went on to the daemon
+    assert (f"wsync: warning: {token} can be read or written by" in err) == warned, err
+    assert "chmod 600" in err if warned else TOKEN not in err

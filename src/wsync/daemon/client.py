@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from wsync.cliargs import Parser, path_arg, socket_seconds
+from wsync.daemon.secretfile import read_secret_file
 from wsync.protocol.records import printable
 
 DEFAULT_URL = "http://127.0.0.1:8477"
@@ -341,9 +342,16 @@ def _client(args: argparse.Namespace) -> DaemonClient:
         unix, owner = args.unix.removeprefix("unix:"), None
     if args.token_file is not None:
         try:
-            token = args.token_file.read_text(encoding="utf-8").strip()
+            text, too_open = read_secret_file(args.token_file)
         except OSError as err:
             raise ClientError(f"cannot read {args.token_file}: {err.strerror}", 2) from None
+        except UnicodeDecodeError:
+            raise ClientError(f"{args.token_file}: not UTF-8 text", 2) from None
+        if too_open:
+            # a warning, not a refusal: the token is out already, and a Kubernetes
+            # Secret volume is 0644 unless its defaultMode says otherwise
+            print(f"wsync: warning: {printable(too_open, 1000)}", file=sys.stderr)
+        token = text.strip()
     if not token:
         raise ClientError(
             "no API token: pass --config (the daemon's config), --token-file, "
