@@ -377,3 +377,48 @@ def test_a_refused_job_end_marks_an_expired_attempt_fenced_and_never_a_recorded_
 
     asyncio.run(run())
     assert fleet_attempts(pg_dsn) == [(1, "fenced", True), (2, "succeeded", True)]
+
+
+def test_a_pruned_jobs_attempts_go_with_it(
+    pg_dsn: str,  # noqa: F811 - the fixture
+) -> None:
+    """``wsync_attempts`` (the audit: one row per claim) was never pruned: a fleet that
+    pulls every few minutes grew it by hundreds of rows a day for ever, long after the
+    jobs they describe were pruned.  A pruned job's attempts now go with it; the kept
+    jobs keep theirs, and so does a running claim."""
+
+    async def run() -> tuple[set[str], set[str], str]:
+        store = PgStore(pg_dsn, new_owner_id(), 10.0)
+        await store.open()
+        try:
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:  # (a scratch database)
+                # an attempt whose job an earlier prune took (before this fix)
+                conn.execute(
+                    "INSERT INTO wsync_attempts (job_id, fence, owner, sandbox, dest, "
+                    "takeover, ended_at, outcome) VALUES ('j-long-gone', 1, 'o', 'box', "
+                    "'/roots/box', false, now(), 'succeeded')"
+                )
+            args = (["/roots"], ["box"], False, {}, 1, 0)
+            for _ in range(12):
+                job = Job(id=new_job_id(), sandbox="box", uri="local:/ws", dest="/roots/box")
+                await store.submit(job)
+                claimed = await store.claim(*args)
+                assert claimed is not None and claimed.job.id == job.id
+                done = claimed.job
+                done.state = "succeeded"
+                assert await store.finish(done, claimed.fence, "succeeded")
+                await asyncio.sleep(0.002)  # (created_at orders them)
+            running = Job(id=new_job_id(), sandbox="box", uri="local:/ws", dest="/roots/box")
+            await store.submit(running)
+            assert await store.claim(*args) is not None
+            await store.prune(10)
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                jobs = {r[0] for r in conn.execute("SELECT id FROM wsync_jobs")}
+                audited = {r[0] for r in conn.execute("SELECT job_id FROM wsync_attempts")}
+            return jobs, audited, running.id
+        finally:
+            await store.close()
+
+    jobs, audited, running = asyncio.run(run())
+    assert len(jobs) == 11 and running in jobs  # the 10 newest finished, and the running
+    assert audited == jobs, audited ^ jobs

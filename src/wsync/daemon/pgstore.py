@@ -575,11 +575,19 @@ FOR UPDATE OF j SKIP LOCKED
             raise StoreDown(_say(err)) from None
 
     async def prune(self, keep_finished: int) -> None:
+        """Keep the newest ``keep_finished`` finished jobs, and the audit rows of the jobs
+        kept: a job's attempts go with it (they grew without end before; the second
+        statement also takes those that pruned jobs left then)."""
         await self._run(
-            "DELETE FROM wsync_jobs WHERE id IN (SELECT id FROM wsync_jobs "
+            "WITH gone AS (DELETE FROM wsync_jobs WHERE id IN (SELECT id FROM wsync_jobs "
             "WHERE state IN ('succeeded', 'failed', 'cancelled') "
-            "ORDER BY created_at DESC OFFSET %s)",
+            "ORDER BY created_at DESC OFFSET %s) RETURNING id) "
+            "DELETE FROM wsync_attempts WHERE job_id IN (SELECT id FROM gone)",
             (keep_finished,),
+        )
+        await self._run(
+            "DELETE FROM wsync_attempts a WHERE a.ended_at IS NOT NULL AND NOT EXISTS "
+            "(SELECT 1 FROM wsync_jobs j WHERE j.id = a.job_id)"
         )
 
     # -- schedule -------------------------------------------------------------
