@@ -18,8 +18,10 @@ import pytest
 
 from incr_helpers import OPTIONS, listing, pull
 from wsync.engine import incstate
+from wsync.engine.api import PullOptions
+from wsync.engine.destdir import DestDir
 from wsync.engine.excludes import Excludes
-from wsync.engine.incremental import read_manifest
+from wsync.engine.incremental import HashLog, Incremental, read_manifest
 from wsync.engine.incstate import PullState, state_path
 from wsync.errors import LimitExceeded, UnstableFiles
 from wsync.protocol.manifest import Entry, Known, ManifestParser, fingerprint
@@ -344,3 +346,29 @@ def test_the_limit_stops_the_load_before_what_follows_it(tmp_path: Path, use_kno
             st.load_manifest(
                 feed(ManifestParser(known), [data]), Excludes.none(), max_entries=3, known=known
             )
+
+
+def test_the_scan_reads_the_known_records_ahead_of_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load's first step, reading the last pull's records (0.1-0.3 s on 59k entries),
+    waited for the guest's listing to arrive; DEST's scan thread, which starts before the
+    listing, now reads them first, and the load takes them (once: the parser uses them
+    up).  Not after a pull that found nothing to do: the listing is then most likely not
+    loaded at all."""
+    guest, dest, state = _tree(tmp_path / "guest"), tmp_path / "dest", tmp_path / "state"
+    pull(state, guest, dest, parse=True)
+    (guest / "d0" / "f0.txt").write_bytes(b"an edit\n")
+    monkeypatch.setattr(Incremental, "options_key", lambda self: OPTIONS)
+    options, target = PullOptions(state_dir=state), DestDir.open(dest)
+    inc = Incremental(options, target, "local:guest", HashLog(state / "h"))
+    try:
+        assert inc.recorded and not inc.noop_recorded
+        inc.scan()
+        ahead = inc._known
+        assert ahead is not None and len(ahead.left) > 5
+        inc.load(io.BytesIO(listing(guest)))
+        assert inc._known is None
+        assert ahead.matched == 1 + 4 * 2 + 4 * 5 * 2 + 2 - 1, "the load did not use them"
+    finally:
+        inc.close()

@@ -109,16 +109,20 @@ def read_manifest(
     options: str,
     *,
     trust_known: bool = True,
+    known: Known | None = None,
 ) -> int:
     """Parse the decompressed manifest ``stream`` into ``state``; return the entries read.
 
     The stream was verified chunk by chunk, so a record that does not parse is the guest's
     doing: refused like a hostile archive (the snapshot is discarded).  Records the state
     holds from the last pull (made under the same ``options``) are not parsed again but
-    copied (:meth:`PullState.known`), unless not ``trust_known`` (``--full``: nothing
-    recorded is relied on).
+    copied (:meth:`PullState.known`, or ``known`` when the caller read them already),
+    unless not ``trust_known`` (``--full``: nothing recorded is relied on).
     """
-    known = state.known(options) if trust_known else Known(set())
+    if not trust_known:
+        known = Known(set())
+    elif known is None:
+        known = state.known(options)
     parser = ManifestParser(known)
 
     def entries() -> Iterator[Entry]:
@@ -248,6 +252,8 @@ class Incremental:
         self.entries = 0
         #: held while a worker thread uses the state's connection
         self.busy = threading.Lock()
+        #: the state's records for the load, read ahead by :meth:`scan`
+        self._known: Known | None = None
         #: the digests the no-op shortcut compares (see the module docstring): DEST's scan
         #: made during the manifest run, and the verified manifest stream
         self.host_digest = ""
@@ -288,6 +294,7 @@ class Incremental:
     def load(self, stream: BinaryIO) -> None:
         """The manifest phase's consumer (extractor thread)."""
         with self.busy:
+            known, self._known = self._known, None  # (the parser uses it up)
             self.entries = read_manifest(
                 stream,
                 self.state,
@@ -295,6 +302,7 @@ class Incremental:
                 self.options.limits.max_files,
                 self.options_key(),
                 trust_known=not self.options.full,
+                known=known,
             )
             self.loaded = True
 
@@ -312,6 +320,12 @@ class Incremental:
         """Scan DEST into the state (worker thread, during the manifest run).  The walk
         uses the state's connection only to write a scan larger than HOLD, and holds
         :attr:`busy` only for that: the manifest's load runs beside it."""
+        if not (self.options.full or self.noop_recorded):
+            # first, while the guest lists: the records the load will skip (the last
+            # pull's), unless that pull found nothing to do and this one likely finds the
+            # same (then the listing is most likely not loaded at all)
+            with self.busy:
+                self._known = self.state.known(self.options_key())
         dest_fd = open_dest(self.target)
         if dest_fd is None:
             return
