@@ -320,12 +320,16 @@ class Incremental:
         """Scan DEST into the state (worker thread, during the manifest run).  The walk
         uses the state's connection only to write a scan larger than HOLD, and holds
         :attr:`busy` only for that: the manifest's load runs beside it."""
-        if not (self.options.full or self.noop_recorded):
+        if not (self.options.full or self.noop_recorded) and self.busy.acquire(blocking=False):
             # first, while the guest lists: the records the load will skip (the last
             # pull's), unless that pull found nothing to do and this one likely finds the
-            # same (then the listing is most likely not loaded at all)
-            with self.busy:
-                self._known = self.state.known(self.options_key())
+            # same (then the listing is most likely not loaded at all), or the load began
+            # already (it reads them itself: the walk never waits for it)
+            try:
+                if not self.loaded:
+                    self._known = self.state.known(self.options_key())
+            finally:
+                self.busy.release()
         dest_fd = open_dest(self.target)
         if dest_fd is None:
             return
