@@ -21,7 +21,7 @@ import pytest
 
 from helpers import assert_exact, local, options, run_pull
 from test_incremental_noop import Loads
-from wsync.engine import incsql
+from wsync.engine import incload, incsql
 
 #: 2500-06-01, in ns: past 2**63 (2262-04-11); ext4 keeps it as 2446-05-10, still past it
 FAR = 16_725_225_600 * 10**9
@@ -149,3 +149,22 @@ def test_the_tree_bytes_of_a_dest_past_2_63_bytes_are_counted(tmp_path: Path) ->
             assert state.tree_bytes() == 2**63
     finally:
         shutil.rmtree(dest)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[5, 7, 0], [5, 2**63 + 5, 30], [2**62, 2**62, 1], [2**63 - 1, 2**64 + 3, 2**62, 2**62]],
+)
+def test_the_listed_bytes_are_summed_exactly_past_64_bits(sizes: list[int]) -> None:
+    """A whole-tree run's staging need sums the listed file sizes: in SQL while they fit
+    in 64 bits, in Python where one is stored as a BLOB or their sum passes 2**63 (SQL's
+    sum() raises "integer overflow" there)."""
+    db = sqlite3.connect(":memory:")
+    incsql.scratch(db)
+    rows = [
+        (f"f{i}".encode(), b".", "f", 0o644, size, 0, 0, i, b"", "", None)
+        for i, size in enumerate(sizes)
+    ]
+    rows.append((b"d", b".", "d", 0o755, 2**62, 0, 0, 99, b"", "", None))  # (not a file)
+    incsql.insert_rows(db, "INSERT OR REPLACE INTO s.man VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+    assert incload._listed_bytes(db) == sum(sizes)

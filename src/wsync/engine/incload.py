@@ -127,12 +127,24 @@ def load(
         )
         if cur.rowcount <= 0:
             break
-    # summed here, not by SQL: a guest may claim sizes past 2**63 (stored as BLOBs, which
-    # SQL's sum() and total() would read as text)
-    listed = sum(
-        incsql.py_int(size) for (size,) in db.execute("SELECT size FROM s.man WHERE kind = 'f'")
-    )
-    return -(-listed // 1024)
+    return -(-_listed_bytes(db) // 1024)
+
+
+def _listed_bytes(db: sqlite3.Connection) -> int:
+    """The regular files' bytes in ``s.man``.  A guest may claim sizes past 2**63 (stored
+    as BLOBs, which SQL's sum() would read as text) and sums past it (sum() raises): such
+    sizes, and then every size, are summed in Python (SQL's own sum is a fifth of the
+    time of reading every size into Python)."""
+    wide = "SELECT size FROM s.man WHERE kind = 'f' AND typeof(size) != 'integer'"
+    listed = sum(incsql.py_int(size) for (size,) in db.execute(wide))
+    try:
+        (ints,) = db.execute(
+            "SELECT coalesce(sum(size), 0) FROM s.man WHERE kind = 'f' AND typeof(size) = 'integer'"
+        ).fetchone()
+    except sqlite3.OperationalError:  # integer overflow
+        every = db.execute("SELECT size FROM s.man WHERE kind = 'f'")
+        return sum(incsql.py_int(size) for (size,) in every)
+    return listed + int(ints)
 
 
 def _refuse_duplicates(db: sqlite3.Connection, count: int) -> None:
