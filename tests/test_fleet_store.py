@@ -411,6 +411,12 @@ def test_a_pruned_jobs_attempts_go_with_it(
             running = Job(id=new_job_id(), sandbox="box", uri="local:/ws", dest="/roots/box")
             await store.submit(running)
             assert await store.claim(*args) is not None
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                # (a pruned job's audit rows outlive it for a day: see the next test)
+                conn.execute(
+                    "UPDATE wsync_attempts SET started_at = started_at - interval '2 days', "
+                    "ended_at = ended_at - interval '2 days'"
+                )
             await store.prune(10)
             with psycopg.connect(pg_dsn, autocommit=True) as conn:
                 jobs = {r[0] for r in conn.execute("SELECT id FROM wsync_jobs")}
@@ -422,3 +428,59 @@ def test_a_pruned_jobs_attempts_go_with_it(
     jobs, audited, running = asyncio.run(run())
     assert len(jobs) == 11 and running in jobs  # the 10 newest finished, and the running
     assert audited == jobs, audited ^ jobs
+
+
+def test_a_job_end_whose_answer_was_lost_is_not_fenced_when_a_prune_came_between(
+    tmp_path: Path,
+    pg_dsn: str,  # noqa: F811 - the fixture
+) -> None:
+    """Found by a review: the idempotent retry of a job's end (its commit's answer lost)
+    tells its own committed write from a takeover's refusal by the attempt's recorded
+    outcome.  ``prune`` (run at every submit, by any daemon of the fleet) deleted the
+    attempts of a pruned job at once: a long job, older than ``keep_finished_jobs``
+    newer finished ones, pruned between the commit and the retry, was logged as a fenced
+    write, counted in ``fenced`` and never announced.  Recent audit rows now stay."""
+    manager = idle_manager(tmp_path, pg_dsn)
+    store = PgStore(pg_dsn, new_owner_id(), 10.0)
+
+    class AnswerLostThenPruned:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def finish(self, job: Job, fence: int, outcome: str, backoff: float) -> bool:
+            self.calls += 1
+            ok = await store.finish(job, fence, outcome, backoff)
+            if self.calls == 1:
+                assert ok
+                with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                    for i in range(10):  # newer finished jobs: the long one is pruned
+                        conn.execute(
+                            "INSERT INTO wsync_jobs (id, sandbox, uri, dest, state, trigger, "
+                            "created_at) VALUES (%s, 's', 'local:/ws', '/r/s', 'succeeded', "
+                            "'api', extract(epoch FROM now()) + %s)",
+                            (f"newer-{i}", i + 1),
+                        )
+                await store.prune(10)  # (another daemon's submit)
+                raise StoreDown("OperationalError: server closed the connection unexpectedly")
+            return ok
+
+    async def run() -> bool:
+        await store.open()
+        try:
+            await store.submit(Job(id=new_job_id(), sandbox="s", uri="local:/ws", dest="/r/s"))
+            claimed = await store.claim(["/r"], ["s"], False, {}, 1, 0)
+            assert claimed is not None
+            claimed.job.state, claimed.job.exit_code = "succeeded", 0
+            lossy = AnswerLostThenPruned()
+            manager.store = lossy  # type: ignore[assignment]
+            recorded = await manager._record(
+                fleet._Run(job=claimed.job, fence=claimed.fence), "succeeded", 0.0
+            )
+            assert lossy.calls == 2
+            assert await store.get(claimed.job.id) is None  # (pruned, as it should be)
+            return recorded
+        finally:
+            await store.close()
+
+    assert asyncio.run(run()) is True
+    assert manager.metrics.fenced._value.get() == 0

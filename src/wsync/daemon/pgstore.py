@@ -76,6 +76,8 @@ CHANNEL = "wsync_events"
 _MAX_PAYLOAD = 7000
 #: serialises claims fleet-wide (a constant key in the advisory lock space)
 _CLAIM_LOCK = 0x77_73_79_6E  # "wsyn"
+#: how long a pruned job's audit rows outlive it (see :meth:`PgStore.prune`), in seconds
+_AUDIT_GRACE_S = 86_400.0
 #: bounds of :func:`hold_limit`, in seconds
 _HOLD_MIN, _HOLD_MAX = 1.0, 10.0
 
@@ -576,18 +578,21 @@ FOR UPDATE OF j SKIP LOCKED
 
     async def prune(self, keep_finished: int) -> None:
         """Keep the newest ``keep_finished`` finished jobs, and the audit rows of the jobs
-        kept: a job's attempts go with it (they grew without end before; the second
-        statement also takes those that pruned jobs left then)."""
+        kept.  A pruned job's attempts go once they are :data:`_AUDIT_GRACE_S` old: a
+        job's end whose commit answer was lost is retried, and the retry tells its own
+        committed write from a takeover's refusal by its attempt's recorded outcome (see
+        :meth:`finish`); a prune in between must not take that row."""
         await self._run(
-            "WITH gone AS (DELETE FROM wsync_jobs WHERE id IN (SELECT id FROM wsync_jobs "
+            "DELETE FROM wsync_jobs WHERE id IN (SELECT id FROM wsync_jobs "
             "WHERE state IN ('succeeded', 'failed', 'cancelled') "
-            "ORDER BY created_at DESC OFFSET %s) RETURNING id) "
-            "DELETE FROM wsync_attempts WHERE job_id IN (SELECT id FROM gone)",
+            "ORDER BY created_at DESC OFFSET %s)",
             (keep_finished,),
         )
         await self._run(
-            "DELETE FROM wsync_attempts a WHERE a.ended_at IS NOT NULL AND NOT EXISTS "
-            "(SELECT 1 FROM wsync_jobs j WHERE j.id = a.job_id)"
+            "DELETE FROM wsync_attempts a "
+            "WHERE coalesce(a.ended_at, a.started_at) < now() - make_interval(secs => %s) "
+            "AND NOT EXISTS (SELECT 1 FROM wsync_jobs j WHERE j.id = a.job_id)",
+            (_AUDIT_GRACE_S,),
         )
 
     # -- schedule -------------------------------------------------------------
