@@ -266,16 +266,15 @@ def test_connections_may_take_half_the_open_file_limit_and_no_more(
         assert httpconn.connection_cap() == cap
 
 
-def test_a_slow_client_that_keeps_reading_a_large_answer_is_not_dropped(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The stall deadline bounds the time between two reads, not the time an answer
-    takes: a 4 MiB answer read at most 256 KiB at a time, 0.3 s apart (the writes paused all
-    along), with the deadline lowered to 1.5 s, comes whole.  Found by a review: the
-    deadline counted from the pause, and such a client got an RST at 6%.  Then by a CI
-    run: the deadline watched the transport's buffer only, which stays put while the
-    kernel's send queue (grown to megabytes) drains, and a client reading every 0.1 s
-    was dropped on a loaded machine, one reading every 0.3 s on any."""
+def _read_slowly(
+    monkeypatch: pytest.MonkeyPatch, size: int, pause: float, give_up: float, rcvbuf: int
+) -> tuple[int, int]:
+    """A 4 MiB answer from a real uvicorn with the daemon's connection class, its stall
+    deadline lowered to 1.5 s, read ``size`` bytes at a time ``pause`` seconds apart for
+    at most ``give_up`` seconds, then at full speed to the end: (bytes received, of how
+    many).  Fewer than all: the server dropped the connection.  ``rcvbuf`` is set before
+    the connection is made (the window the client offers: how far one read moves the
+    server's send queue)."""
     import asyncio
     import threading
 
@@ -309,21 +308,57 @@ def test_a_slow_client_that_keeps_reading_a_large_answer_is_not_dropped(
         while not server.started:
             assert time.monotonic() < deadline, "the server never started"
             time.sleep(0.05)
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        with socket.socket() as sock:
+            sock.settimeout(30)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            sock.connect(("127.0.0.1", port))
             sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             got = b""
             while b"\r\n\r\n" not in got:
                 got += sock.recv(65536)
             received = len(got.partition(b"\r\n\r\n")[2])
-            while received < len(body):
-                chunk = sock.recv(256 * 1024)
-                assert chunk, f"closed after {received} of {len(body)} bytes"
-                received += len(chunk)
-                time.sleep(0.3)
+            until = time.monotonic() + give_up
+            with contextlib.suppress(ConnectionResetError):
+                while received < len(body) and time.monotonic() < until:
+                    chunk = sock.recv(size)
+                    if not chunk:
+                        return received, len(body)
+                    received += len(chunk)
+                    time.sleep(pause)
+                # then at full speed: a live connection gives the rest, a dropped one
+                # ends with what the kernel had buffered
+                while received < len(body) and (chunk := sock.recv(1 << 20)):
+                    received += len(chunk)
+            return received, len(body)
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_a_slow_client_that_keeps_reading_a_large_answer_is_not_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stall deadline bounds the time between two reads, not the time an answer
+    takes: a 4 MiB answer read at most 256 KiB at a time, 0.3 s apart (the writes paused all
+    along), with the deadline lowered to 1.5 s, comes whole.  Found by a review: the
+    deadline counted from the pause, and such a client got an RST at 6%.  Then by a CI
+    run: the deadline watched the transport's buffer only, which stays put while the
+    kernel's send queue (grown to megabytes) drains, and a client reading every 0.1 s
+    was dropped on a loaded machine, one reading every 0.3 s on any."""
+    received, whole = _read_slowly(monkeypatch, 256 * 1024, 0.3, give_up=600, rcvbuf=64 << 10)
+    assert received == whole, f"dropped after {received} of {whole} bytes"
+
+
+def test_a_client_that_only_trickles_its_answer_out_is_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The send queue moves with every segment the peer takes, so counting it (above)
+    let a client hold a connection by reading a few hundred bytes a deadline (found by a
+    review): a paused answer must now move by MIN_PROGRESS (16 KiB) within each one.
+    2 KiB every 0.25 s through a 4 KiB window moves it by about 12 KiB per 1.5 s
+    deadline: dropped within 8 s, where it was kept to the end."""
+    received, whole = _read_slowly(monkeypatch, 2048, 0.25, give_up=8, rcvbuf=4096)
+    assert received < whole, "a trickle held the connection: it read the whole answer"
 
 
 def test_a_close_with_an_answer_unread_is_bounded_though_nothing_paused(

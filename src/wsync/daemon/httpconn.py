@@ -44,9 +44,12 @@ log = structlog.get_logger("wsync.daemon")
 #: seconds a connection has to send a whole request head
 HEAD_DEADLINE = 10.0
 #: seconds a connection may leave the daemon's answer unread (its writes paused) without
-#: reading any of it: a slow reader that keeps reading is never dropped (the time between
-#: two reads is what is bounded, as nginx's send_timeout does)
+#: reading :data:`MIN_PROGRESS` of it: a slow reader that keeps reading is never dropped
+#: (the time between two reads is what is bounded, as nginx's send_timeout does)
 WRITE_STALL_DEADLINE = 30.0
+#: bytes a paused answer must move by within a stall deadline (or all of what is left):
+#: less is a trickle that only holds the connection (see ``_stalled``)
+MIN_PROGRESS = 16 * 1024
 #: at least this many connections are allowed, whatever the open-file limit
 MIN_CONNECTIONS = 64
 #: seconds between two log lines about dropped connections (with a count between them)
@@ -188,7 +191,9 @@ class DeadlineH11(H11Protocol):
     def _stalled(self) -> None:
         self._stall = None
         unsent = self._unsent_now()
-        if unsent < self._unsent:  # read, slowly (a large answer takes long at 300 KB/s)
+        # read, slowly (a large answer takes long at 300 KB/s), but not a trickle: the send
+        # queue moves with every ACK, so one segment a deadline would hold a connection
+        if self._unsent - unsent >= min(MIN_PROGRESS, self._unsent):
             if unsent:
                 self._watch_stall()
             return
