@@ -56,6 +56,7 @@ import contextlib
 import hashlib
 import os
 import sqlite3
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -140,6 +141,8 @@ class PullState:
         #: all of it
         self._held: list[hostscan.HostRow] = []
         self._held_whole = False
+        #: held while :meth:`scan` publishes its rows and while a diff takes them
+        self._publish = threading.Lock()
         #: (path, hash, inode, mode, size, mtime) of files the extractor wrote, not yet stored
         self._hash_batch: list[tuple[object, ...]] = []
         #: this run recorded ctimes of DEST as its scans saw them (a re-hash's verdict, the
@@ -265,19 +268,17 @@ class PullState:
         independent, and the walk is most of a host's diff time.  The rows stay in memory
         up to HOLD (the diff writes them); only a larger scan writes to the scratch table
         as it goes, each write under ``lock``: so the manifest's load, which holds the
-        lock, runs beside the walk instead of after it."""
-        self._scanned = None
-        digest = self._scan_host(dest_fd, check_cancel, hold=True, lock=lock)
-        st = os.fstat(dest_fd)
-        self._scanned = (st.st_dev, st.st_ino)
-        return digest
+        lock, runs beside the walk instead of after it.  What the scan found is published
+        at its end, and only if ``check_cancel`` lets it then: a scan stopped and left
+        running (the pull no longer needs it) never hands its rows to a later diff."""
+        return self._scan_host(dest_fd, check_cancel, hold=True, lock=lock)
 
     def held_scan(self) -> list[hostscan.HostRow] | None:
         """All rows of the last :meth:`scan`, parents before children, while they are
         still in memory only (no more than HOLD, and no diff since): what an early farm
         (:mod:`wsync.engine.prefarm`) links.  The list is never changed afterwards."""
-        held = self._held  # first: a diff in another thread replaces the list, then the flags
-        return held if self._held_whole and self._scanned is not None else None
+        with self._publish:
+            return self._held if self._held_whole and self._scanned is not None else None
 
     def diff(
         self,
@@ -297,14 +298,17 @@ class PullState:
             raise RuntimeError("load_manifest() first")
         st = os.fstat(dest_fd)
         with self._errors():
-            if self._scanned != (st.st_dev, st.st_ino):
+            with self._publish:
+                scanned, self._scanned = self._scanned, None
+                held, whole = self._held, self._held_whole
+                self._held, self._held_whole = [], False
+            if scanned != (st.st_dev, st.st_ino):
                 self._scan_host(dest_fd)
-            self._scanned = None
-            if self._held_whole:  # (else the scan cleared the table at its first write)
+            elif whole:  # (else the scan cleared the table at its first write)
                 self.db.execute("DELETE FROM s.host")
-            incsql.insert_rows(self.db, incsql.INSERT_HOST, self._held)
-            self._held = []
-            self._held_whole = False
+                incsql.insert_rows(self.db, incsql.INSERT_HOST, held)
+            else:
+                incsql.insert_rows(self.db, incsql.INSERT_HOST, held)
             db = self.db
             # "base" is the recorded state, or an empty one when it is not this sandbox's
             db.execute("DROP VIEW IF EXISTS temp.base")
@@ -388,12 +392,15 @@ class PullState:
     ) -> str:
         """Fill ``s.host`` with DEST's entries; return a digest of every field of every row
         in walk order (the same tree, untouched, gives the same digest: see
-        :meth:`noop_matches`).  With ``hold`` the first HOLD rows stay in memory until a
-        diff needs them (the table is then cleared by the diff, or by the first write of
-        a scan that outgrows them, under ``lock``)."""
+        :meth:`noop_matches`).  With ``hold`` (:meth:`scan`) the first HOLD rows stay in
+        memory until a diff needs them (the table is then cleared by the diff, or by the
+        first write of a scan that outgrows them, under ``lock``)."""
         db = self.db
-        self._held = []
-        self._held_whole = False
+        guard = lock or contextlib.nullcontext()
+        stop = check_cancel or (lambda: None)
+        if not hold:
+            self._held = []
+            self._held_whole = False
         batch: list[hostscan.HostRow] = []
         digest = hostscan.ScanDigest()
         limit = HOLD if hold else BATCH
@@ -401,7 +408,8 @@ class PullState:
 
         def write() -> None:
             nonlocal written
-            with lock or contextlib.nullcontext(), self._errors():
+            with guard, self._errors():
+                stop()  # (under the lock: a stopped scan writes nothing a diff meets)
                 if not written:
                     db.execute("DELETE FROM s.host")
                     written = True
@@ -414,18 +422,21 @@ class PullState:
                 digest.add(item)
                 batch.append(item)
                 if len(batch) % BATCH == 0:
-                    if check_cancel is not None:
-                        check_cancel()
+                    stop()
                     if len(batch) >= limit:
                         write()
                         batch.clear()
                         limit = BATCH
-        if hold:
-            self._held = batch
-            self._held_whole = not written
-        else:
+        if not hold:
             write()
-        self.host_digest = digest.hexdigest()
+            self.host_digest = digest.hexdigest()
+            return self.host_digest
+        st = os.fstat(dest_fd)
+        with self._publish:
+            stop()
+            self._held, self._held_whole = batch, not written
+            self._scanned = (st.st_dev, st.st_ino)
+            self.host_digest = digest.hexdigest()
         return self.host_digest
 
     # -- the no-op shortcut -------------------------------------------------------------
