@@ -355,9 +355,9 @@ def test_a_client_that_only_trickles_its_answer_out_is_dropped(
     """The send queue moves with every segment the peer takes, so counting it (above)
     let a client hold a connection by reading a few hundred bytes a deadline (found by a
     review): a paused answer must now move by MIN_PROGRESS (16 KiB) within each one.
-    2 KiB every 0.25 s through a 4 KiB window moves it by about 12 KiB per 1.5 s
+    2 KiB every 0.3 s through a 4 KiB window moves it by about 10 KiB per 1.5 s
     deadline: dropped within 8 s, where it was kept to the end."""
-    received, whole = _read_slowly(monkeypatch, 2048, 0.25, give_up=8, rcvbuf=4096)
+    received, whole = _read_slowly(monkeypatch, 2048, 0.3, give_up=8, rcvbuf=4096)
     assert received < whole, "a trickle held the connection: it read the whole answer"
 
 

@@ -48,7 +48,10 @@ HEAD_DEADLINE = 10.0
 #: (the time between two reads is what is bounded, as nginx's send_timeout does)
 WRITE_STALL_DEADLINE = 30.0
 #: bytes a paused answer must move by within a stall deadline (or all of what is left):
-#: less is a trickle that only holds the connection (see ``_stalled``)
+#: less is a trickle that only holds the connection (see ``_stalled``).  The kernel tells
+#: the move in steps: on loopback TCP as the reader's window reopens (up to 64 KiB at a
+#: time), on a unix socket a whole buffer (about 36 KiB) at a time, so there a reader
+#: needs somewhat more than this per deadline: 36 KiB in 30 s, far below any real client
 MIN_PROGRESS = 16 * 1024
 #: at least this many connections are allowed, whatever the open-file limit
 MIN_CONNECTIONS = 64
