@@ -8,7 +8,8 @@ Workspace: a copy of this Python's standard library directory (about 1 GB,
 ~60k files, site-packages included) plus a few large random files.  Every tool
 copies it from a throwaway OpenSSH server on loopback (the same machine, so
 the numbers measure the tools, not a network).  Reported per row: wall time
-(best of N runs), peak RSS of the host-side command tree, and the ratio to
+(best of N runs), the host-side CPU seconds of its command (the guest side under
+the test sshd not counted), peak RSS of the host-side command tree, and the ratio to
 rsync and to the plain stream.  Extra rows: wsync through the fault injector
 (all field-report faults on) and through the Sprites emulator, clean and with
 all faults, with the faulty/clean throughput ratio.  ``--quick --blob-mib 16
@@ -40,6 +41,7 @@ import itertools
 import json
 import os
 import random
+import resource
 import shlex
 import shutil
 import subprocess
@@ -50,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from wsync.testing.sshd import SshdServer
 from wsync.treediff import diff
@@ -115,8 +117,22 @@ def compile_wsync() -> None:
     compileall.compile_dir(str(Path(wsync.__file__).parent), quiet=1)
 
 
-def run(command: str) -> tuple[float, int, bytes]:
-    """Run a shell pipeline; return (wall seconds, peak summed RSS KiB of its tree, stdout)."""
+class Ran(NamedTuple):
+    """What :func:`run` measured of one pipeline."""
+
+    wall: float
+    #: peak summed RSS of its process tree, KiB
+    rss: int
+    out: bytes
+    #: CPU seconds (user and system) of the pipeline's own processes on this host: wsync or
+    #: rsync and their ssh client, not the guest side under the test sshd.  Steadier than
+    #: the wall time where the VM's speed moves: a pull that does less work shows it here
+    cpu: float
+
+
+def run(command: str) -> Ran:
+    """Run a shell pipeline and measure it (see :class:`Ran`)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     proc = subprocess.Popen(  # noqa: S602 - fixed benchmark pipelines, no guest input
         command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -137,7 +153,9 @@ def run(command: str) -> tuple[float, int, bytes]:
     sampler.join()
     if proc.returncode != 0:
         raise SystemExit(f"benchmark command failed ({proc.returncode}): {command}\n{err.decode()}")
-    return elapsed, peak, out
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return Ran(elapsed, peak, out, cpu)
 
 
 def _emulators() -> list[tuple[str, Any, Any]]:
@@ -230,11 +248,12 @@ def main() -> int:
 
         def measure_once(name: str, build: Callable[[Path], str]) -> dict[str, object]:
             d = dest(name)
-            wall, rss, out = run(build(d))
+            wall, rss, out, cpu = run(build(d))
             row: dict[str, object] = {
                 "name": name,
                 "wall_s": round(wall, 2),
                 "rss_mib": round(rss / 1024, 1),
+                "cpu_s": round(cpu, 2),
             }
             if out.strip().startswith(b"{"):
                 row["retries"] = json.loads(out).get("retries")
@@ -381,12 +400,13 @@ def main() -> int:
         return round(float(a["wall_s"]) / float(b["wall_s"]), 2)  # type: ignore[arg-type]
 
     print(
-        f"\n{'row':<42} {'wall s':>8} {'RSS MiB':>8} {'exact':>6} {'retries':>8} "
+        f"\n{'row':<42} {'wall s':>8} {'CPU s':>6} {'RSS MiB':>8} {'exact':>6} {'retries':>8} "
         f"{'wire bytes':>12} {'mode':>12}"
     )
     for row in rows:
         print(
-            f"{row['name']:<42} {row['wall_s']:>8} {row['rss_mib']:>8} "
+            f"{row['name']:<42} {row['wall_s']:>8} {row.get('cpu_s', '-')!s:>6} "
+            f"{row['rss_mib']:>8} "
             f"{row.get('exact', '-')!s:>6} {row.get('retries', '-')!s:>8} "
             f"{row.get('wire_bytes', '-')!s:>12} {row.get('mode', '-')!s:>12}"
         )
@@ -405,6 +425,10 @@ def main() -> int:
             summary[f"{label}: floor/rsync wall"] = ratio(w_row, r_row)
             continue
         summary[f"{label}: wsync/rsync wall"] = ratio(w_row, r_row)
+        summary[f"{label}: wsync/rsync host CPU"] = round(
+            float(w_row["cpu_s"]) / max(float(r_row["cpu_s"]), 0.01),  # type: ignore[arg-type]
+            2,
+        )
         summary[f"{label}: wsync/rsync bytes"] = round(
             float(w_row["wire_bytes"]) / max(float(r_row["wire_bytes"]), 1.0),  # type: ignore[arg-type]
             2,
@@ -486,11 +510,12 @@ def incremental_rows(
     out: dict[str, tuple[dict[str, object], dict[str, object]]] = {}
 
     def timed(name: str, command: str, dest: Path, kind: str) -> dict[str, object]:
-        wall, rss, stdout = run(command)
+        wall, rss, stdout, cpu = run(command)
         row: dict[str, object] = {
             "name": name,
             "wall_s": round(wall, 2),
             "rss_mib": round(rss / 1024, 1),
+            "cpu_s": round(cpu, 2),
         }
         if kind == "rsync":
             row["wire_bytes"] = _rsync_received(stdout)
@@ -546,7 +571,7 @@ def _floors(ws: Path, ssh: str, target: str, dest: Path) -> list[dict[str, objec
     listing = shlex.quote(
         f"cd {shlex.quote(str(ws))} && find . -printf '%y %m %s %T@ %C@ %i %p\\0' | zstd -q -c"
     )
-    wall, _, out = run(f"{ssh} {target} {listing}")
+    wall, _, out, _ = run(f"{ssh} {target} {listing}")
     rows: list[dict[str, object]] = [
         {"name": FLOOR_LISTING, "wall_s": round(wall, 2), "rss_mib": 0, "wire_bytes": len(out)}
     ]
@@ -554,7 +579,7 @@ def _floors(ws: Path, ssh: str, target: str, dest: Path) -> list[dict[str, objec
     subprocess.run(["rm", "-rf", str(farm)], check=True)
     subprocess.run(["cp", "-al", str(dest), str(farm)], check=True)
     subprocess.run(["sync"], check=True)
-    wall, _, _ = run(f"rm -rf {shlex.quote(str(farm))}")
+    wall, _, _, _ = run(f"rm -rf {shlex.quote(str(farm))}")
     rows.append({"name": FLOOR_REMOVAL, "wall_s": round(wall, 2), "rss_mib": 0, "wire_bytes": 0})
     for row in rows:
         print(f"  {row}", file=sys.stderr)

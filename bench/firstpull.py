@@ -224,7 +224,7 @@ def main() -> int:
                     d.parent.mkdir(parents=True, exist_ok=True)
                     subprocess.run(["sync"], check=True)
                     time.sleep(0.5)
-                    wall, rss, out = run(cmds[name](d))
+                    wall, rss, out, _ = run(cmds[name](d))
                     row: dict[str, object] = {"wall_s": round(wall, 3), "rss_mib": rss // 1024}
                     if name.startswith("wsync"):
                         res = json.loads(out)
