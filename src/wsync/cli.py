@@ -196,9 +196,9 @@ _PULLED = False
 def cmd_pull(args: argparse.Namespace) -> int:
     if args.ssh_client == "openssh" and args.sandbox.startswith("ssh://"):
         _preconnect(args)
-    from wsync.engine.api import PullResult
+    from wsync.engine.api import PullResult, human_bytes
     from wsync.engine.pull import pull_uri
-    from wsync.progress import describe_faults, human_bytes, plural, progress_display
+    from wsync.progress import describe_faults, plural, progress_display
 
     # --json: stdout holds exactly the result, stderr only errors and warnings
     bar = None

@@ -29,10 +29,9 @@ from typing import Any
 
 import zstandard
 
-from wsync.engine.api import PullOptions
+from wsync.engine.api import PullOptions, human_bytes
 from wsync.engine.pull import pull_uri
 from wsync.errors import UsageError, WsyncError
-from wsync.progress import human_bytes
 from wsync.transports.registry import open_transport
 from wsync.treediff import diff
 

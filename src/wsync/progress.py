@@ -24,8 +24,6 @@ from typing import Protocol, TextIO
 
 from wsync.engine.api import Progress, human_bytes
 
-__all__ = ["human_bytes"]  # (wsync.cli and wsync.demo take it from here)
-
 #: redraws per second of the live line (the issue asks for at least one)
 REFRESH_PER_SECOND = 4
 #: the rate is the bytes fetched over (at most) this many recent seconds

@@ -304,10 +304,9 @@ class PullState:
                 self._held, self._held_whole = [], False
             if scanned != (st.st_dev, st.st_ino):
                 self._scan_host(dest_fd)
-            elif whole:  # (else the scan cleared the table at its first write)
-                self.db.execute("DELETE FROM s.host")
-                incsql.insert_rows(self.db, incsql.INSERT_HOST, held)
             else:
+                if whole:  # (else the scan cleared the table at its first write)
+                    self.db.execute("DELETE FROM s.host")
                 incsql.insert_rows(self.db, incsql.INSERT_HOST, held)
             db = self.db
             # "base" is the recorded state, or an empty one when it is not this sandbox's
