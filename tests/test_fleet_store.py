@@ -9,7 +9,7 @@ arrange; here several stores (each its own pool and owner, as daemons are) call
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import psycopg
@@ -296,6 +296,52 @@ def fleet_attempts(dsn: str) -> list[tuple[int, str | None, bool]]:
     return [(int(f), o, bool(e)) for f, o, e in rows]
 
 
+class _AnswerLost:
+    """The real store, but its first ``finish`` commits and then loses its answer;
+    ``between`` runs in that moment (another daemon at work)."""
+
+    def __init__(
+        self, store: PgStore, between: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        self.store = store
+        self.between = between
+        self.calls = 0
+
+    async def finish(self, job: Job, fence: int, outcome: str, backoff: float) -> bool:
+        self.calls += 1
+        ok = await self.store.finish(job, fence, outcome, backoff)
+        if self.calls == 1:
+            assert ok
+            if self.between is not None:
+                await self.between()
+            raise StoreDown("OperationalError: server closed the connection unexpectedly")
+        return ok
+
+
+async def _end_with_its_answer_lost(
+    manager: fleet.FleetManager,
+    store: PgStore,
+    between: Callable[[], Awaitable[None]] | None = None,
+) -> tuple[bool, Job | None]:
+    """A claimed job's successful end recorded through :class:`_AnswerLost` (which must
+    have retried): what the manager's record said, and the job as the store holds it."""
+    await store.open()
+    try:
+        await store.submit(Job(id=new_job_id(), sandbox="s", uri="local:/ws", dest="/r/s"))
+        claimed = await store.claim(["/r"], ["s"], False, {}, 1, 0)
+        assert claimed is not None
+        claimed.job.state, claimed.job.exit_code = "succeeded", 0
+        lossy = _AnswerLost(store, between)
+        manager.store = lossy  # type: ignore[assignment]
+        recorded = await manager._record(
+            fleet._Run(job=claimed.job, fence=claimed.fence), "succeeded", 0.0
+        )
+        assert lossy.calls == 2  # the retry did happen
+        return recorded, await store.get(claimed.job.id)
+    finally:
+        await store.close()
+
+
 def test_a_job_end_whose_commit_answer_was_lost_is_not_taken_for_a_fenced_write(
     tmp_path: Path,
     pg_dsn: str,  # noqa: F811 - the fixture
@@ -306,41 +352,9 @@ def test_a_job_end_whose_commit_answer_was_lost_is_not_taken_for_a_fenced_write(
     fenced write and neither the pull nor its NOTIFY.  The retry is now a success."""
     manager = idle_manager(tmp_path, pg_dsn)
     store = PgStore(pg_dsn, new_owner_id(), 10.0)
-
-    class AnswerLost:
-        """The real store, but its first ``finish`` commits and then loses its answer."""
-
-        def __init__(self) -> None:
-            self.calls = 0
-
-        async def finish(self, job: Job, fence: int, outcome: str, backoff: float) -> bool:
-            self.calls += 1
-            ok = await store.finish(job, fence, outcome, backoff)
-            if self.calls == 1:
-                assert ok
-                raise StoreDown("OperationalError: server closed the connection unexpectedly")
-            return ok
-
-    async def run() -> bool:
-        await store.open()
-        try:
-            await store.submit(Job(id=new_job_id(), sandbox="s", uri="local:/ws", dest="/r/s"))
-            claimed = await store.claim(["/r"], ["s"], False, {}, 1, 0)
-            assert claimed is not None
-            claimed.job.state, claimed.job.exit_code = "succeeded", 0
-            lossy = AnswerLost()
-            manager.store = lossy  # type: ignore[assignment]
-            recorded = await manager._record(
-                fleet._Run(job=claimed.job, fence=claimed.fence), "succeeded", 0.0
-            )
-            assert lossy.calls == 2  # the retry did happen
-            stored = await store.get(claimed.job.id)
-            assert stored is not None and stored.state == "succeeded"
-            return recorded
-        finally:
-            await store.close()
-
-    assert asyncio.run(run()) is True
+    recorded, stored = asyncio.run(_end_with_its_answer_lost(manager, store))
+    assert recorded is True
+    assert stored is not None and stored.state == "succeeded"
     assert manager.metrics.fenced._value.get() == 0
     assert fleet_attempts(pg_dsn) == [(1, "succeeded", True)]
 
@@ -443,44 +457,20 @@ def test_a_job_end_whose_answer_was_lost_is_not_fenced_when_a_prune_came_between
     manager = idle_manager(tmp_path, pg_dsn)
     store = PgStore(pg_dsn, new_owner_id(), 10.0)
 
-    class AnswerLostThenPruned:
-        def __init__(self) -> None:
-            self.calls = 0
+    async def newer_jobs_then_prune() -> None:  # (another daemon's submit, in between)
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for i in range(10):  # newer finished jobs: the long one is pruned
+                conn.execute(
+                    "INSERT INTO wsync_jobs (id, sandbox, uri, dest, state, trigger, "
+                    "created_at) VALUES (%s, 's', 'local:/ws', '/r/s', 'succeeded', "
+                    "'api', extract(epoch FROM now()) + %s)",
+                    (f"newer-{i}", i + 1),
+                )
+        await store.prune(10)
 
-        async def finish(self, job: Job, fence: int, outcome: str, backoff: float) -> bool:
-            self.calls += 1
-            ok = await store.finish(job, fence, outcome, backoff)
-            if self.calls == 1:
-                assert ok
-                with psycopg.connect(pg_dsn, autocommit=True) as conn:
-                    for i in range(10):  # newer finished jobs: the long one is pruned
-                        conn.execute(
-                            "INSERT INTO wsync_jobs (id, sandbox, uri, dest, state, trigger, "
-                            "created_at) VALUES (%s, 's', 'local:/ws', '/r/s', 'succeeded', "
-                            "'api', extract(epoch FROM now()) + %s)",
-                            (f"newer-{i}", i + 1),
-                        )
-                await store.prune(10)  # (another daemon's submit)
-                raise StoreDown("OperationalError: server closed the connection unexpectedly")
-            return ok
-
-    async def run() -> bool:
-        await store.open()
-        try:
-            await store.submit(Job(id=new_job_id(), sandbox="s", uri="local:/ws", dest="/r/s"))
-            claimed = await store.claim(["/r"], ["s"], False, {}, 1, 0)
-            assert claimed is not None
-            claimed.job.state, claimed.job.exit_code = "succeeded", 0
-            lossy = AnswerLostThenPruned()
-            manager.store = lossy  # type: ignore[assignment]
-            recorded = await manager._record(
-                fleet._Run(job=claimed.job, fence=claimed.fence), "succeeded", 0.0
-            )
-            assert lossy.calls == 2
-            assert await store.get(claimed.job.id) is None  # (pruned, as it should be)
-            return recorded
-        finally:
-            await store.close()
-
-    assert asyncio.run(run()) is True
+    recorded, stored = asyncio.run(
+        _end_with_its_answer_lost(manager, store, between=newer_jobs_then_prune)
+    )
+    assert recorded is True
+    assert stored is None  # (pruned, as it should be)
     assert manager.metrics.fenced._value.get() == 0
