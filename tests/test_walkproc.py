@@ -19,7 +19,9 @@ from prevtree_helpers import prev_of
 from test_incremental_pull import change_everything, prepare
 from wsync.engine import prevtree, walkproc
 from wsync.engine.destdir import fs_stamp
+from wsync.engine.fsutil import remove_tree_at
 from wsync.engine.hostscan import HostRow
+from wsync.errors import HostIOError
 from wsync.transports.local import LocalTransport
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY
@@ -256,3 +258,58 @@ def test_a_worker_given_a_wrong_argv_says_so(tmp_path: Path) -> None:
     size = int.from_bytes(proc.stdout[:8], "little")
     kind, text = walkproc._PlainData(io.BytesIO(proc.stdout[8 : 8 + size])).load()
     assert kind == "crash" and "usage" in text
+
+
+def _set_aside_tree(tmp_path: Path) -> tuple[Path, Path]:
+    """A tree to remove, with a symlink out of it to a file that must stay."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("stays\n")
+    tree = odd_tree(tmp_path / "old")
+    (tree / "src" / "out").symlink_to(outside)
+    (tree / "src" / "deep" / "er").chmod(0o500)
+    return tree, outside
+
+
+@pytest.mark.parametrize("worker", [True, False], ids=["worker", "thread"])
+def test_a_removal_in_a_worker_removes_the_tree_and_nothing_else(
+    tmp_path: Path, worker: bool
+) -> None:
+    tree, outside = _set_aside_tree(tmp_path)
+    parent = os.open(tmp_path, _DIR)
+    try:
+        walkproc.remove(parent, "old", "shown") if worker else remove_tree_at(parent, "old")
+    finally:
+        os.close(parent)
+    assert not os.path.lexists(tree)
+    assert outside.read_text() == "stays\n"
+
+
+def test_a_removal_that_fails_says_what_it_could_not_remove(tmp_path: Path) -> None:
+    tree, _ = _set_aside_tree(tmp_path)
+    stuck = tree / "src" / "f1.txt"
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here")
+    parent = os.open(tmp_path, _DIR)
+    try:
+        with pytest.raises(HostIOError, match=r"cannot remove shown/src/f1.txt"):
+            walkproc.remove(parent, "old", "shown")
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], capture_output=True)
+        os.close(parent)
+    assert sorted(p.name for p in tree.rglob("*")) == ["f1.txt", "src"]  # all else went
+
+
+def test_an_old_tree_is_removed_when_its_worker_gives_no_answer(
+    tmp_path: Path, workers: list[list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    opts = options(tmp_path, chunk_size=256 * 1024)
+    for round_no in range(2):
+        (ws / "src" / "f1.txt").write_text(f"round {round_no}\n")
+        result = run_pull(LocalTransport(), ws, dest, opts)
+        assert result.ok and not result.warnings, (result.error, result.warnings)
+    assert "remove" in [args[0] for args in workers]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "staging", "state", "ws"]
+    assert_exact(ws, dest)
