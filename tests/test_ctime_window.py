@@ -212,8 +212,8 @@ def slow_removal(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     second of the wall clock (so that an edit right after the pull shares its second)."""
     real = DestDir.removal
 
-    def slowly(self: DestDir, name: str, *, worker: bool = False) -> Callable[[], None]:
-        run = real(self, name, worker=worker)
+    def slowly(self: DestDir, name: str) -> Callable[[], None]:
+        run = real(self, name)
 
         def go() -> None:
             run()

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import structlog
 
-from wsync.engine import fsutil, walkproc
+from wsync.engine import fsutil
 from wsync.engine.beneath import open_beneath
 from wsync.engine.fsutil import host_io, remove_tree_at, swap_at
 from wsync.errors import Busy, HostIOError, UsageError, WsyncError
@@ -492,25 +492,17 @@ class DestDir:
         """Remove entry ``name`` beside DEST, whole tree; HostIOError naming what stayed."""
         remove_tree_at(self.parent_fd, name, shown=str(self.path.parent / name))
 
-    def removal(self, name: str, *, worker: bool = False) -> Callable[[], None]:
+    def removal(self, name: str) -> Callable[[], None]:
         """:meth:`remove` for a worker thread: it works on its own copy of the parent fd,
         so closing this DestDir meanwhile cannot make it act on a reused fd number, and on
         the tree under a stale name given here, so that a removal still running after its
-        wait was given up never has a name a later pull reuses.  ``worker``: in a worker
-        process (:func:`wsync.engine.walkproc.remove`; a large tree), in this thread if
-        that worker gives no answer."""
+        wait was given up never has a name a later pull reuses."""
         fd = os.dup(self.parent_fd)
         name = self.set_aside(name) or name
         shown = str(self.path.parent / name)  # where what cannot go stays (a mount in it)
 
         def run() -> None:
             try:
-                if worker:
-                    try:
-                        walkproc.remove(fd, name, shown)
-                        return
-                    except walkproc.WorkerLost as exc:
-                        log.debug("removing in this thread", path=shown, why=str(exc))
                 remove_tree_at(fd, name, shown=shown)
             finally:
                 os.close(fd)

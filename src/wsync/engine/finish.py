@@ -125,7 +125,6 @@ class FinishRunner(IncrementalRunner):
 
     async def remove_old(self, old: str) -> None:
         try:
-            worker = self.inc is not None and self.inc.state.walk_in_worker
-            await in_thread(self.target.removal(old, worker=worker))
+            await in_thread(self.target.removal(old))
         except (HostIOError, OSError) as exc:
             self.warnings.append(f"the previous tree was not fully removed: {exc}")

@@ -49,7 +49,7 @@ from typing import BinaryIO, TypeVar
 
 import structlog
 
-from wsync.engine import hostscan, prefarm, prevtree, walkproc
+from wsync.engine import hostscan, prefarm, prevtree
 from wsync.engine.api import PullOptions
 from wsync.engine.destdir import DestDir
 from wsync.engine.excludes import Excludes
@@ -238,11 +238,6 @@ class Incremental:
         #: (read once here: the loop thread must not wait for a worker using the state)
         self.recorded = self.state.has_baseline()
         self.noop_recorded = self.recorded and self.state.has_noop_record()
-        #: DEST's scan and the kept tree's walk go to a worker process where the last pull
-        #: recorded a tree large enough for it (:mod:`wsync.engine.walkproc`)
-        self.state.walk_in_worker = (
-            self.recorded and self.state.recorded_entries() >= walkproc.MIN_ENTRIES
-        )
         #: the manifest digest of the last pull that diffed DEST (the early farm's trigger)
         self.last_listing = self.state.last_listing() if self.recorded else None
         self.hashes = hashes
@@ -485,16 +480,7 @@ class Incremental:
         DEST's parent, open at ``parent_fd``), in a worker thread while the diff runs: the
         reuse then only checks that it renamed that very tree into place and that none of
         its directories changed since (:func:`prevtree.walk_ahead`)."""
-        walked = None
-        if self.state.walk_in_worker:
-            try:
-                walked = walkproc.walk_ahead(parent_fd, names, check, HOLD, since, self.target.name)
-            except walkproc.WorkerLost as exc:  # (the reuse walks the tree itself)
-                log.debug("previous tree not walked ahead", why=str(exc))
-            except OSError as exc:
-                log.debug("previous tree not walked ahead", why=exc.strerror or str(exc))
-        else:
-            walked = prevtree.walk_ahead(parent_fd, names, check, HOLD, since, self.target.name)
+        walked = prevtree.walk_ahead(parent_fd, names, check, HOLD, since, self.target.name)
         self.walked = walked
         log.debug("previous tree walked", entries=None if walked is None else len(walked.rows))
 

@@ -63,7 +63,7 @@ from pathlib import Path
 import structlog
 
 from wsync.digits import ascii_digits
-from wsync.engine import hostscan, incload, incsql, walkproc
+from wsync.engine import hostscan, incload, incsql
 from wsync.engine.excludes import Excludes
 from wsync.engine.extract import Written
 from wsync.engine.farm import _Parents, _split
@@ -145,9 +145,6 @@ class PullState:
         self._publish = threading.Lock()
         #: (path, hash, inode, mode, size, mtime) of files the extractor wrote, not yet stored
         self._hash_batch: list[tuple[object, ...]] = []
-        #: DEST's scans run in a worker process (:mod:`wsync.engine.walkproc`): a tree
-        #: large enough that an interpreter's start is worth its walk
-        self.walk_in_worker = False
         #: this run recorded ctimes of DEST as its scans saw them (a re-hash's verdict, the
         #: no-op record, a refresh) outside a commit: see :meth:`Incremental.settle`
         self.stamped = False
@@ -196,11 +193,6 @@ class PullState:
                 return False
             root = self.db.execute("SELECT kind FROM state WHERE path = ?", (b".",)).fetchone()
             return root is not None and root[0] == "d"
-
-    def recorded_entries(self) -> int:
-        """How many entries the recorded state holds (a count of its table)."""
-        with self._errors():
-            return int(self.db.execute("SELECT count(*) FROM main.state").fetchone()[0])
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:
@@ -409,6 +401,7 @@ class PullState:
             self._held = []
             self._held_whole = False
         batch: list[hostscan.HostRow] = []
+        digest = hostscan.ScanDigest()
         limit = HOLD if hold else BATCH
         written = False
 
@@ -423,38 +416,26 @@ class PullState:
                 if hold:
                     db.commit()  # (the lock's next holder finds no transaction of ours)
 
-        def take(scan: walkproc.Scan) -> str:
-            nonlocal limit
-            for rows in scan.batches(stop):
-                stop()
-                batch.extend(rows)
-                if len(batch) >= limit:
-                    write()
-                    batch.clear()
-                    limit = BATCH
-            return scan.digest
-
         with host_io("reading DEST"):
-            try:
-                with walkproc.Scan(dest_fd, worker=self.walk_in_worker) as scan:
-                    digest = take(scan)
-            except walkproc.WorkerLost as exc:
-                log.debug("DEST scanned in this thread", why=str(exc))
-                batch.clear()
-                limit = HOLD if hold else BATCH
-                written = False  # (the first write clears what the worker's rows wrote)
-                with walkproc.Scan(dest_fd, worker=False) as scan:
-                    digest = take(scan)
+            for item in hostscan.scan(dest_fd):
+                digest.add(item)
+                batch.append(item)
+                if len(batch) % BATCH == 0:
+                    stop()
+                    if len(batch) >= limit:
+                        write()
+                        batch.clear()
+                        limit = BATCH
         if not hold:
             write()
-            self.host_digest = digest
+            self.host_digest = digest.hexdigest()
             return self.host_digest
         st = os.fstat(dest_fd)
         with self._publish:
             stop()
             self._held, self._held_whole = batch, not written
             self._scanned = (st.st_dev, st.st_ino)
-            self.host_digest = digest
+            self.host_digest = digest.hexdigest()
         return self.host_digest
 
     # -- the no-op shortcut -------------------------------------------------------------
