@@ -19,6 +19,7 @@ from wsync.engine.destdir import DestDir
 from wsync.engine.excludes import Excludes
 from wsync.engine.incremental import HashLog, Incremental
 from wsync.engine.incstate import PullState, state_path
+from wsync.engine.itemize import escape
 from wsync.errors import HostileArchive, HostIOError, LimitExceeded, StagingFailed
 from wsync.treediff import diff as treediff
 
@@ -317,6 +318,37 @@ def test_itemize_escapes_odd_bytes(env: tuple[Path, Path, Path]) -> None:
     assert all("\n" not in line for line in lines)
     assert "cd+++++++++ src/" in lines
     assert "cL+++++++++ link -> a.txt" in lines
+
+
+def _escaped_byte_by_byte(name: bytes) -> str:
+    """What ``escape`` must give: each character looked at alone (its loop, never its
+    shortcut for a name printable as a whole)."""
+    out = []
+    for ch in name.decode("utf-8", "surrogateescape"):
+        if 0xDC80 <= ord(ch) <= 0xDCFF:
+            out.append(f"\\#{ord(ch) - 0xDC00:03o}")
+        elif ch == "\\" or not ch.isprintable():
+            out.extend(f"\\#{b:03o}" for b in ch.encode("utf-8", "surrogatepass"))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def test_escape_of_any_name_is_one_printable_line_that_tells_names_apart() -> None:
+    import random
+
+    rng = random.Random(8)
+    pieces = [b"a", b"Z", b"/", b" ", b"\\", b"#", b"\n", b"\x7f", b"\xff", b"\xc3\xa9",
+              b"\xe2\x80\xae", b"\xf0\x9f\x98\x80", b"\xc3", b"\xed\xa0\x80", b"\x00"]  # fmt: skip
+    names = {b"", b"plain/ascii name.txt", b"caf\xc3\xa9", b"back\\slash", b"\xff"}
+    names |= {b"".join(rng.choices(pieces, k=rng.randrange(1, 12))) for _ in range(3000)}
+    shown = {}
+    for name in names:
+        text = escape(name)
+        assert text == _escaped_byte_by_byte(name), name
+        assert text.isprintable() and "\n" not in text
+        assert shown.setdefault(text, name) == name  # two names never print the same
+    assert escape("caf\xe9 \u202e".encode()) == "caf\xe9 \\#342\\#200\\#256"
 
 
 def test_scratch_tables_live_outside_the_state_file(env: tuple[Path, Path, Path]) -> None:
