@@ -60,6 +60,16 @@ def test_a_malformed_exclude_is_one_config_error(tmp_path: Path, bad: str) -> No
     assert "\n" not in str(err.value)
 
 
+async def _one_job(manager: JobManager) -> dict[str, Any]:
+    """Submit a pull of ``box`` and wait (within a generous deadline) for its record."""
+    job, _ = manager.submit("box", None)
+    deadline = time.monotonic() + 120
+    while manager.get(job.id).state not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    return manager.get(job.id).to_json()
+
+
 def test_job_record_and_metrics_show_mode_counts_and_bytes(tmp_path: Path) -> None:
     config = load_config(write_config(tmp_path, '["*.log"]'))
     seen: list[PullOptions] = []
@@ -89,12 +99,7 @@ def test_job_record_and_metrics_show_mode_counts_and_bytes(tmp_path: Path) -> No
         await manager.start()
         records = []
         for _ in results:
-            job, _ = manager.submit("box", None)
-            deadline = time.monotonic() + 60
-            while manager.get(job.id).state not in ("succeeded", "failed"):
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
-            records.append(manager.get(job.id).to_json())
+            records.append(await _one_job(manager))
         await manager.shutdown(5)
         text = metrics.render().decode()
         store.close()
@@ -135,3 +140,41 @@ def test_keep_prev_reaches_the_pull_and_its_tree_stays_beneath_the_root(tmp_path
     assert result.mode == "incremental"
     assert sorted(p.name for p in roots.iterdir()) == [".box.wsync-prev", "box"]
     assert os.stat(roots / ".box.wsync-prev" / "b").st_ino == os.stat(roots / "box" / "b").st_ino
+
+
+def test_a_sandbox_stuck_on_a_snapshot_over_the_limits_heals_by_itself(tmp_path: Path) -> None:
+    """A periodic pull refused by ``limits.max_bytes`` left its snapshot to resume, and each
+    later pull resumed it and was refused again, for a day (the staging's TTL), even once
+    the agent had deleted what was too big; the daemon had no --restart.  A resumed
+    snapshot over the limits now gives way to the workspace as it is."""
+    cfg = write_config(tmp_path, "[]")
+    cfg.write_text(
+        cfg.read_text() + "[limits]\nmax_bytes = 50000\nmin_free_bytes = 0\n", encoding="utf-8"
+    )
+    config = load_config(cfg)
+    ws = tmp_path / "ws"
+    (ws / "a.txt").write_text("a\n")
+
+    async def run() -> list[dict[str, Any]]:
+        store = JobStore(tmp_path / "jobs.sqlite")
+        manager = JobManager(config, store, Metrics())
+        await manager.start()
+        records = []
+        for step in ("pull", "grow", "again", "shrink"):
+            if step == "grow":
+                (ws / "big.bin").write_bytes(os.urandom(100_000))
+            if step == "shrink":
+                (ws / "big.bin").unlink()
+            records.append(await _one_job(manager))
+        await manager.shutdown(5)
+        store.close()
+        return records
+
+    states = [(r["state"], (r.get("result") or {}).get("error_kind")) for r in asyncio.run(run())]
+    assert states == [
+        ("succeeded", None),
+        ("failed", "limit"),
+        ("failed", "limit"),
+        ("succeeded", None),
+    ], states
+    assert_exact(ws, tmp_path / "roots" / "box")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import shlex
 import shutil
@@ -618,6 +619,98 @@ def test_a_host_limit_keeps_the_snapshot_for_the_next_run(tmp_path: Path, worksp
     assert_exact(workspace, dest)
     assert result.reconciled and result.snapshot == kept.name  # adopted, not tarred again
     assert result.compress_level == 0  # the earlier run's producer: its level unknown here
+
+
+def _over_the_file_limit(tmp_path: Path) -> tuple[Path, Path, PullOptions]:
+    """A workspace of 12 entries, a DEST and options that allow 8: every pull fails."""
+    from wsync.engine.api import ExtractLimits
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for i in range(11):
+        (ws / f"f{i}").write_text(f"{i}\n")
+    limits = ExtractLimits(max_files=8, min_free_bytes=0)
+    return ws, tmp_path / "out", options(tmp_path, chunk_size=256 * 1024, limits=limits)
+
+
+def _journaled(opts: PullOptions) -> list[str]:
+    """The snapshots the pulls' journals hold, their phases' too (what the next run
+    resumes)."""
+    metas = Path(opts.state_dir, "pulls").glob("**/meta.json")
+    return sorted({json.loads(meta.read_text())["snapshot"] for meta in metas})
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["first-pull", "incremental"])
+def test_a_snapshot_over_the_limits_gives_way_to_the_workspace_as_it_is_now(
+    tmp_path: Path, incremental: bool
+) -> None:
+    """A snapshot refused by a host limit is kept to resume when the limit is raised; but
+    with the limit as it was, it failed every later run even after the user deleted what
+    was too big (and a daemon's pulls stayed stuck for a day).  A resumed snapshot over
+    the limits is now given up once for a fresh one, with a warning; one that is still
+    over them fails as before, and is kept."""
+    from wsync.engine.api import ExtractLimits
+    from wsync.errors import LimitExceeded
+
+    ws, dest, tight = _over_the_file_limit(tmp_path)
+    too_big = [ws / f"f{i}" for i in range(6)]
+    if incremental:  # DEST from an earlier pull; then a file over --max-bytes is fetched
+        for path in ws.iterdir():
+            path.unlink()
+        tight = dataclasses.replace(tight, limits=ExtractLimits(max_bytes=50_000))
+        assert run_pull(local(), ws, dest, tight).mode == "full"
+        too_big = [ws / "big"]
+        too_big[0].write_bytes(os.urandom(100_000))
+    with pytest.raises(LimitExceeded):
+        run_pull(local(), ws, dest, tight)
+    first = _journaled(tight)
+    assert first
+    with pytest.raises(LimitExceeded):  # nothing changed: refused again (once, no loop)
+        run_pull(local(), ws, dest, tight)
+    kept = _journaled(tight)
+    assert kept and not set(kept) & set(first)  # the fresh one, over the limits too, stays
+    for path in too_big:
+        path.unlink()
+    result = run_pull(local(), ws, dest, tight)
+    assert_exact(ws, dest)
+    assert result.snapshot not in kept
+    assert [w for w in result.warnings if "over this run's limits" in w], result.warnings
+    again = run_pull(local(), ws, dest, tight)  # nothing is left to resume
+    assert again.ok and not again.warnings and not again.reconciled
+    assert_exact(ws, dest)
+
+
+def _refused(tmp_path: Path) -> tuple[Path, Path, PullOptions, list[str]]:
+    """:func:`_over_the_file_limit` pulled once (refused), and the snapshots kept."""
+    from wsync.errors import LimitExceeded
+
+    ws, dest, tight = _over_the_file_limit(tmp_path)
+    with pytest.raises(LimitExceeded):
+        run_pull(local(), ws, dest, tight)
+    return ws, dest, tight, _journaled(tight)
+
+
+def test_a_raised_limit_still_resumes_the_snapshot(tmp_path: Path) -> None:
+    from wsync.engine.api import ExtractLimits
+
+    ws, dest, tight, kept = _refused(tmp_path)
+    raised = dataclasses.replace(tight, limits=ExtractLimits(max_files=100, min_free_bytes=0))
+    result = run_pull(local(), ws, dest, raised)
+    assert result.reconciled and result.snapshot in kept and not result.warnings
+    assert_exact(ws, dest)
+
+
+def test_a_dry_run_never_gives_up_a_snapshot_over_the_limits(tmp_path: Path) -> None:
+    from wsync.errors import LimitExceeded
+
+    ws, dest, tight, kept = _refused(tmp_path)
+    for i in range(6):
+        (ws / f"f{i}").unlink()
+    with contextlib.suppress(LimitExceeded):
+        run_pull(local(), ws, dest, dataclasses.replace(tight, dry_run=True))
+    assert _journaled(tight) == kept
+    result = run_pull(local(), ws, dest, tight)
+    assert result.ok and result.snapshot not in kept
 
 
 @pytest.mark.parametrize("long_window", [True, False])

@@ -433,6 +433,18 @@ async def _pull(
         journal.close()
         raise
     runner.snapshots.extend(forgotten)
+
+    def afresh(warning: str, error: Exception) -> _Pull:
+        """The run that takes the place of one given up on: a fresh snapshot, once."""
+        raise_if_cancelled()  # no fresh start for a pull being stopped
+        log.warning("starting a fresh snapshot", why=warning, error=str(error))
+        fresh = _Pull(
+            transport, workspace, real, options, journal, on_progress, runner.stats, helpers
+        )
+        fresh.snapshots.extend(forgotten)
+        fresh.warnings.append(f"{warning} ({error}); started afresh")
+        return fresh
+
     try:
         async with asyncio.timeout(options.timeout or None):
             try:
@@ -447,21 +459,25 @@ async def _pull(
                 cleaned = runner.asked_clean and isinstance(exc, StagingGone | ListMissing)
                 if not runner.reconciled and not cleaned:
                     raise
-                raise_if_cancelled()  # no fresh start for a pull being stopped
                 # we adopted a snapshot from an earlier run and it had failed or
-                # died, or ours is gone (and is now discarded): start afresh once
-                log.warning("snapshot failed; starting a fresh one", error=str(exc))
-                runner = _Pull(
-                    transport, workspace, real, options, journal, on_progress, runner.stats, helpers
-                )
-                runner.snapshots.extend(forgotten)
+                # died, or ours is gone (and is now discarded)
+                lost = "a snapshot's guest staging was lost"
+                runner = afresh(lost if cleaned else "an adopted snapshot had failed", exc)
                 runner.self_clean = not cleaned
-                what = (
-                    "a snapshot's guest staging was lost"
-                    if cleaned
-                    else "an adopted snapshot had failed"
-                )
-                runner.warnings.append(f"{what} ({exc}); started afresh")
+                stats, chunks, length, old = await _attempt(runner)
+            except LimitExceeded as exc:
+                # a snapshot an earlier run made, over this run's limits: kept so that a
+                # raised limit resumes it, it fails the same way on every run while the
+                # limit stands, even after the workspace shrank (what was too big deleted;
+                # a daemon pulls on, stuck until the staging's TTL).  Once, as --restart
+                # does: the workspace as it is now (a fresh snapshot over the limits too
+                # is kept in its place)
+                if not runner.earlier_run or options.dry_run:
+                    raise
+                raise_if_cancelled()  # (before anything is forgotten)
+                journal.restart()
+                forgotten = journal.forgotten()
+                runner = afresh("the snapshot an earlier run left is over this run's limits", exc)
                 stats, chunks, length, old = await _attempt(runner)
     except TimeoutError:
         journal.close()
