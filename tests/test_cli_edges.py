@@ -378,14 +378,15 @@ def test_a_dest_name_too_long_for_the_tree_beside_it_is_refused_at_the_start(
     assert_exact(ws, longest)
 
 
-def test_restart_leaves_a_snapshot_that_cannot_fit_for_the_workspace_as_it_is(
+def test_a_snapshot_that_cannot_fit_gives_way_to_the_workspace_as_it_is(
     tmp_path: Path,
 ) -> None:
-    """A host limit keeps the snapshot for the next run to resume (make room, run again).
-    A user who shrank the workspace instead met the same failure on every run, ``--full``
-    included, for a file no longer there (found by a new user's first hour).
-    ``--restart`` forgets that snapshot, pulls the workspace as it is now, and removes
-    the old snapshot's staging from the guest."""
+    """A host limit keeps the snapshot for the next run to resume (raise the limit, run
+    again): the refusal names the option to raise.  A user who shrank the workspace
+    instead met the same failure on every run, ``--full`` included, for a file no longer
+    there (found by a new user's first hour), until ``--restart``.  Now the resumed
+    snapshot, over the limit again, gives way to the workspace as it is now, and the old
+    snapshot's staging leaves the guest."""
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "huge.bin").write_bytes(os.urandom(300 * 1024))
@@ -394,13 +395,13 @@ def test_restart_leaves_a_snapshot_that_cannot_fit_for_the_workspace_as_it_is(
     limit = ["--max-bytes", "100K", "--no-progress"]
     first = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), *limit)
     assert first.returncode == 7, first.stderr
-    (ws / "huge.bin").unlink()
-    again = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), *limit, "--full")
-    assert again.returncode == 7, again.stderr  # the old snapshot, resumed
+    assert "(--max-bytes; the daemon's limits.max_bytes)" in first.stderr, first.stderr
     staged = {p.name for p in (tmp_path / "stg").iterdir() if p.name.startswith("s")}
     assert staged
-    done = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), *limit, "--restart")
-    assert done.returncode == 0, done.stderr
+    (ws / "huge.bin").unlink()
+    again = wsync("pull", f"local:{ws}", str(dest), *_dirs(tmp_path), *limit, "--full")
+    assert again.returncode == 0, again.stderr
+    assert "over this run's limits" in again.stderr and "started afresh" in again.stderr
     assert_exact(ws, dest)
     left = {p.name for p in (tmp_path / "stg").iterdir() if p.name.startswith("s")}
     assert not left & staged, (staged, left)

@@ -123,6 +123,12 @@ class LimitExceeded(HostileArchive):
     template = "archive refused, limit exceeded: {}"
 
 
+#: what a refusal by an entry or byte limit tells the user to change (the hard caps, a
+#: listing's size and a directory's names, have no knob)
+FILES_KNOB = "--max-files; the daemon's limits.max_files"
+BYTES_KNOB = "--max-bytes; the daemon's limits.max_bytes"
+
+
 class HostIOError(WsyncError):
     exit_code = 8
     kind = "host-io"

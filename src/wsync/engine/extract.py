@@ -104,6 +104,8 @@ from wsync.engine.extractfs import (
 from wsync.engine.tarstream import TarReader, show_name
 from wsync.engine.writers import Writers
 from wsync.errors import (
+    BYTES_KNOB,
+    FILES_KNOB,
     DiskLow,
     HostileArchive,
     HostIOError,
@@ -321,7 +323,9 @@ class _Extractor:
     def _count(self, name: bytes) -> None:
         self.members += 1
         if self.members > self.limits.max_files:
-            raise LimitExceeded(f"{show_name(name)}: more than {self.limits.max_files} members")
+            raise LimitExceeded(
+                f"{show_name(name)}: more than {self.limits.max_files} members ({FILES_KNOB})"
+            )
         self.unchecked_members += 1
         if self.unchecked_members >= _SPACE_CHECK_MEMBERS:
             self._check_space(0)
@@ -351,8 +355,9 @@ class _Extractor:
         if size < 0:
             raise HostileArchive(f"{show_name(name)}: negative size")
         if self.stats.bytes + size > self.limits.max_bytes:
+            limit = self.limits.max_bytes
             raise LimitExceeded(
-                f"{show_name(name)}: more than {self.limits.max_bytes} bytes of files"
+                f"{show_name(name)}: more than {limit} bytes of files ({BYTES_KNOB})"
             )
         self.unchecked_bytes += size
         if self.unchecked_bytes >= _SPACE_CHECK_BYTES:

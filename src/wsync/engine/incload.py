@@ -21,7 +21,7 @@ from typing import Protocol, TypeVar
 
 from wsync.engine import incsql
 from wsync.engine.excludes import Excludes
-from wsync.errors import HostileArchive, LimitExceeded, StagingFailed, UnstableFiles
+from wsync.errors import FILES_KNOB, HostileArchive, LimitExceeded, StagingFailed, UnstableFiles
 from wsync.protocol.manifest import Known
 
 #: rows per executemany (the state's too)
@@ -99,7 +99,9 @@ def load(
             continue
         count += 1
         if max_entries is not None and count + matched() > max_entries:
-            raise LimitExceeded(f"the guest's manifest has more than {max_entries} entries")
+            raise LimitExceeded(
+                f"the guest's manifest has more than {max_entries} entries ({FILES_KNOB})"
+            )
         parent = (path.rpartition(b"/")[0] or b".") if path != b"." else b""
         batch.append(
             (path, parent, e.kind, e.mode & 0o7777, e.size, e.mtime_ns,
@@ -111,7 +113,9 @@ def load(
     incsql.insert_rows(db, insert, batch)
     count += matched()  # (those met after the last parsed entry too)
     if max_entries is not None and count > max_entries:
-        raise LimitExceeded(f"the guest's manifest has more than {max_entries} entries")
+        raise LimitExceeded(
+            f"the guest's manifest has more than {max_entries} entries ({FILES_KNOB})"
+        )
     if known is not None and known.matched:
         for rows in batches(iter(known.left)):
             db.executemany("INSERT INTO s.unlisted VALUES (?)", [(r,) for r in rows])

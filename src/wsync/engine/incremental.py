@@ -62,6 +62,7 @@ from wsync.engine.incstate import HOLD, PullState
 from wsync.engine.itemize import escape
 from wsync.engine.prefarm import Prefarm
 from wsync.errors import (
+    FILES_KNOB,
     GuestToolsMissing,
     HostileArchive,
     HostIOError,
@@ -129,7 +130,9 @@ def read_manifest(
         while block := stream.read(_READ):
             parser.receive_data(block)
             if parser.count > max_files:
-                raise LimitExceeded(f"the guest's manifest lists more than {max_files} entries")
+                raise LimitExceeded(
+                    f"the guest's manifest lists more than {max_files} entries ({FILES_KNOB})"
+                )
             yield from parser.entries()
         parser.receive_eof()
         yield from parser.entries()

@@ -39,6 +39,7 @@ from wsync.engine.winddown import (
     raise_if_cancelled,
 )
 from wsync.errors import (
+    BYTES_KNOB,
     IntegrityFailed,
     LimitExceeded,
     ListMissing,
@@ -513,7 +514,7 @@ class StreamRunner:
             if indexed > MAX_LISTING:
                 raise LimitExceeded(f"listing larger than {MAX_LISTING} bytes")
         elif indexed > max_bytes:
-            raise LimitExceeded(f"archive larger than {max_bytes} bytes")
+            raise LimitExceeded(f"archive larger than {max_bytes} bytes ({BYTES_KNOB})")
 
     async def worker(
         self, queue: asyncio.Queue[Chunk | None], feed: ChunkFeed, plan: GuestPlan
