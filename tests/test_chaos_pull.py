@@ -8,6 +8,7 @@ was.  Never a wrong tree.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -174,6 +175,31 @@ def test_cancellation_leaves_dest_untouched_and_resumes(tmp_path: Path) -> None:
     result = run_pull(_slow_local(), ws, dest, opts)
     assert_exact(ws, dest)
     assert result.resumed_chunks >= 4
+
+
+def test_a_limit_lowered_by_mistake_keeps_an_interrupted_pull_for_the_limit_put_right(
+    tmp_path: Path,
+) -> None:
+    """An interrupted pull rerun with --max-bytes lowered by mistake is refused; its
+    snapshot and journaled chunks stay for the rerun with the limit put right (a
+    resumed snapshot gives way to a fresh one only when an earlier run's limit refused
+    it already: here the first refusal threw the chunks away)."""
+    from wsync.engine.api import ExtractLimits
+    from wsync.errors import LimitExceeded
+
+    ws = make_tree(tmp_path / "ws", big=4 * 1024 * 1024, small=10)
+    dest = tmp_path / "out"
+    opts = _cancel_options(tmp_path)
+    _cancel_midway(ws, dest, opts)
+    metas = sorted((tmp_path / "state" / "pulls").glob("*/meta.json"))
+    interrupted = [json.loads(meta.read_text())["snapshot"] for meta in metas]
+    lowered = dataclasses.replace(opts, limits=ExtractLimits(max_bytes=64 * 1024))
+    with pytest.raises(LimitExceeded):
+        run_pull(_slow_local(), ws, dest, lowered)
+    result = run_pull(_slow_local(), ws, dest, opts)
+    assert_exact(ws, dest)
+    assert [result.snapshot] == interrupted and result.resumed_chunks >= 4
+    assert not result.warnings
 
 
 def test_a_journal_cut_by_another_chunk_schedule_starts_afresh(tmp_path: Path) -> None:

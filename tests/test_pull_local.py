@@ -687,6 +687,8 @@ def _refused(tmp_path: Path) -> tuple[Path, Path, PullOptions, list[str]]:
     ws, dest, tight = _over_the_file_limit(tmp_path)
     with pytest.raises(LimitExceeded):
         run_pull(local(), ws, dest, tight)
+    # a first refusal gives nothing up (it took one snapshot, and forgot none)
+    assert not list(Path(tight.state_dir, "pulls").glob("*/forgotten.json"))
     return ws, dest, tight, _journaled(tight)
 
 

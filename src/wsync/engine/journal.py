@@ -179,10 +179,7 @@ class Journal:
         the run starts from a new one.  Their ids are kept for the guest's cleanup
         (:meth:`forgotten`) until the journal goes."""
         ids = self.forgotten()
-        with host_io("clearing the journal"):
-            phases = sorted(p for p in self.dir.iterdir() if p.name.startswith("phase-"))
-        journals = [self, *(self.phase(p.name.removeprefix("phase-")) for p in phases)]
-        for journal in journals:
+        for journal in self._journals():
             if journal.meta is not None and isinstance(journal.meta.get("snapshot"), str):
                 ids.append(journal.meta["snapshot"])
             journal.forget()
@@ -190,6 +187,34 @@ class Journal:
         # could have its staging removed under the run that resumes it (killed after the
         # forgetting, the ids are lost: the guest's GC takes them a day later)
         write_atomic(self.dir / "forgotten.json", json.dumps(sorted(set(ids))).encode())
+
+    def _journals(self) -> list[Journal]:
+        """This journal and its phases'."""
+        with host_io("reading the journal"):
+            phases = sorted(p for p in self.dir.iterdir() if p.name.startswith("phase-"))
+        return [self, *(self.phase(p.name.removeprefix("phase-")) for p in phases)]
+
+    def held(self) -> set[str]:
+        """The snapshots this journal and its phases' hold: what a rerun resumes."""
+        metas = [journal.meta for journal in self._journals()]
+        return {m["snapshot"] for m in metas if m and isinstance(m.get("snapshot"), str)}
+
+    def record_refusal(self) -> None:
+        """Record that a host limit (``--max-bytes``, ``--max-files``) refused the
+        snapshots held now: a later run refused them again under its limits gives them
+        up for a fresh one (see :func:`wsync.engine.pull.pull`); one refused for the
+        first time (an interrupted pull rerun under a limit lowered by mistake) keeps
+        its chunks for the rerun under the limit put right."""
+        ids = sorted(self.held())
+        write_atomic(self.dir / "refused.json", json.dumps(ids).encode())
+
+    def refused(self) -> set[str]:
+        """The snapshots :meth:`record_refusal` recorded (an earlier run's refusal)."""
+        try:
+            ids = json.loads((self.dir / "refused.json").read_text("utf-8"))
+        except (OSError, ValueError):
+            return set()
+        return {i for i in ids if isinstance(i, str)} if isinstance(ids, list) else set()
 
     def forgotten(self) -> list[str]:
         """Snapshots a ``--restart`` forgot whose guest staging may still be there: every

@@ -354,6 +354,11 @@ async def _attempt_phases(runner: _Pull) -> tuple[ExtractStats, int, int, str | 
             # a host limit (disk space, --max-bytes) is not the snapshot's fault: the
             # next run, with room made or the limit raised, resumes it
             if isinstance(exc, LimitExceeded):
+                if not runner.options.dry_run:
+                    # (what lets the next run under the same limits give that snapshot
+                    # up: see _pull)
+                    with contextlib.suppress(WsyncError):
+                        runner.journal.record_refusal()
                 await runner.clean_other_runs()
             else:
                 await runner.discard()  # (the manifest's staging with it)
@@ -429,6 +434,8 @@ async def _pull(
             journal.restart()
         # what the last cleanup of this run (of any, until one succeeds) removes too
         forgotten = [] if options.dry_run else journal.forgotten()
+        # the snapshots a host limit refused in an earlier run (before this run's own)
+        refused = set() if options.dry_run else journal.refused()
     except BaseException:
         journal.close()
         raise
@@ -471,8 +478,15 @@ async def _pull(
                 # limit stands, even after the workspace shrank (what was too big deleted;
                 # a daemon pulls on, stuck until the staging's TTL).  Once, as --restart
                 # does: the workspace as it is now (a fresh snapshot over the limits too
-                # is kept in its place)
-                if not runner.earlier_run or options.dry_run:
+                # is kept in its place).  Only a snapshot an earlier run's limit refused
+                # already: one refused for the first time (an interrupted pull rerun under
+                # a limit lowered by mistake) keeps its journaled chunks for the rerun
+                # under the limit put right
+                try:
+                    held = journal.held()
+                except WsyncError:
+                    held = set()
+                if not runner.earlier_run or options.dry_run or not held or not held <= refused:
                     raise
                 raise_if_cancelled()  # (before anything is forgotten)
                 journal.restart()
