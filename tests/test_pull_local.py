@@ -692,6 +692,51 @@ def _refused(tmp_path: Path) -> tuple[Path, Path, PullOptions, list[str]]:
     return ws, dest, tight, _journaled(tight)
 
 
+def test_a_workspace_that_stays_over_the_limits_is_not_snapshotted_afresh_every_run(
+    tmp_path: Path,
+) -> None:
+    """Each fresh start of a workspace still over the limits costs the guest's archive and
+    the reads up to the limit: a daemon pulling every minute did that every minute.  The
+    first two fresh starts are at once; then each waits twice as long as the last (1, 2
+    ... minutes), the refused snapshot failing fast meanwhile.  Time passing is written
+    into the journal's record, as a clock would have left it."""
+    from wsync.engine.journal import AFRESH_FIRST_WAIT_S
+    from wsync.errors import LimitExceeded
+
+    ws, dest, tight, kept = _refused(tmp_path)
+    (record,) = Path(tight.state_dir, "pulls").glob("*/refused.json")
+
+    def refused_run() -> list[str]:
+        with pytest.raises(LimitExceeded):
+            run_pull(local(), ws, dest, tight)
+        return _journaled(tight)
+
+    def waited(seconds: float) -> None:
+        data = json.loads(record.read_text())
+        data["at"] -= seconds
+        record.write_text(json.dumps(data))
+
+    for _ in range(2):  # given way at once, twice
+        fresh = refused_run()
+        assert not set(fresh) & set(kept)
+        kept = fresh
+    assert refused_run() == kept  # the third waits a minute: the same snapshot, refused
+    waited(AFRESH_FIRST_WAIT_S - 5)
+    assert refused_run() == kept
+    waited(10)
+    fresh = refused_run()
+    assert not set(fresh) & set(kept)
+    waited(AFRESH_FIRST_WAIT_S + 5)  # the fourth waits two minutes
+    assert refused_run() == fresh
+    for i in range(6):
+        (ws / f"f{i}").unlink()
+    waited(AFRESH_FIRST_WAIT_S)
+    result = run_pull(local(), ws, dest, tight)
+    assert_exact(ws, dest)
+    assert [w for w in result.warnings if "over this run's limits" in w], result.warnings
+    assert not record.exists()  # success: the run of refusals is over
+
+
 def test_a_raised_limit_still_resumes_the_snapshot(tmp_path: Path) -> None:
     from wsync.engine.api import ExtractLimits
 

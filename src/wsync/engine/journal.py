@@ -42,7 +42,7 @@ from wsync.digits import ascii_digits
 from wsync.engine.api import human_bytes
 from wsync.engine.destdir import DestDir
 from wsync.engine.fsutil import fsync_dir, host_io, rmtree, write_atomic
-from wsync.errors import Busy, DiskLow, HostIOError
+from wsync.errors import Busy, DiskLow, HostIOError, WsyncError
 from wsync.protocol.records import DoneRecord
 
 log = structlog.get_logger("wsync.journal")
@@ -57,6 +57,12 @@ def _key(*parts: str) -> str:
 
 #: journals of pulls nobody resumed for this long are removed
 STALE_AFTER = 7 * 24 * 3600.0
+
+
+#: the wait before the third fresh start of a run of refused snapshots, doubled for each
+#: later one (see Journal.may_start_afresh), and the longest wait
+AFRESH_FIRST_WAIT_S = 60.0
+AFRESH_MAX_WAIT_S = 3600.0
 
 
 class Journal:
@@ -205,16 +211,67 @@ class Journal:
         up for a fresh one (see :func:`wsync.engine.pull.pull`); one refused for the
         first time (an interrupted pull rerun under a limit lowered by mistake) keeps
         its chunks for the rerun under the limit put right."""
-        ids = sorted(self.held())
-        write_atomic(self.dir / "refused.json", json.dumps(ids).encode())
+        record = self._refusals()
+        record["snapshots"] = sorted(self.held())
+        write_atomic(self.dir / "refused.json", json.dumps(record).encode())
 
     def refused(self) -> set[str]:
         """The snapshots :meth:`record_refusal` recorded (an earlier run's refusal)."""
-        try:
-            ids = json.loads((self.dir / "refused.json").read_text("utf-8"))
-        except (OSError, ValueError):
-            return set()
+        ids = self._refusals()["snapshots"]
         return {i for i in ids if isinstance(i, str)} if isinstance(ids, list) else set()
+
+    def give_way(self, refused: set[str], now: float) -> bool:
+        """After a host limit refused what this run resumed: whether those snapshots
+        give way to a fresh one, and if so forget them (as :meth:`restart`).  Only
+        snapshots an earlier run's limit refused already (``refused``, read when the
+        run began): one refused for the first time (an interrupted pull rerun under a
+        limit lowered by mistake) keeps its chunks for the rerun with the limit put
+        right; and not too soon after the last fresh start (:meth:`may_start_afresh`)."""
+        try:
+            held = self.held()
+        except WsyncError:
+            return False
+        if not held or not held <= refused or not self.may_start_afresh(now):
+            return False
+        self.restart()
+        with contextlib.suppress(WsyncError):  # (unrecorded: no wait before the next)
+            self.started_afresh(now)
+        return True
+
+    def may_start_afresh(self, now: float) -> bool:
+        """Whether a refused snapshot may give way to a fresh one at ``now`` (epoch s).
+
+        Why a wait: a fresh snapshot of a workspace still over the limits costs the
+        guest's whole archive and the reads up to the limit, and is refused again.  A
+        daemon pulling such a workspace every minute would do that every minute.  So
+        the first two fresh starts of a run of them (none succeeding between: success
+        removes the journal) are at once (a user who deleted what was too big, maybe
+        after one more refused try), and each later one waits twice as long as the
+        last: 1, 2, 4 ... minutes after it, at most :data:`AFRESH_MAX_WAIT_S`."""
+        record = self._refusals()
+        streak, at = record["afresh"], record["at"]
+        if not isinstance(streak, int) or not isinstance(at, int | float) or streak <= 1:
+            return True
+        wait = min(AFRESH_FIRST_WAIT_S * 2.0 ** min(streak - 2, 32), AFRESH_MAX_WAIT_S)
+        return bool(now - float(at) >= wait)
+
+    def started_afresh(self, now: float) -> None:
+        """A refused snapshot gave way to a fresh one at ``now`` (see
+        :meth:`may_start_afresh`)."""
+        record = self._refusals()
+        streak = record["afresh"] if isinstance(record["afresh"], int) else 0
+        record.update(snapshots=[], afresh=streak + 1, at=now)
+        write_atomic(self.dir / "refused.json", json.dumps(record).encode())
+
+    def _refusals(self) -> dict[str, object]:
+        record: dict[str, object] = {"snapshots": [], "afresh": 0, "at": 0}
+        try:
+            read = json.loads((self.dir / "refused.json").read_text("utf-8"))
+        except (OSError, ValueError):
+            return record
+        if isinstance(read, dict):
+            record.update((k, read[k]) for k in record if k in read)
+        return record
 
     def forgotten(self) -> list[str]:
         """Snapshots a ``--restart`` forgot whose guest staging may still be there: every

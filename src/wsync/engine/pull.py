@@ -473,23 +473,17 @@ async def _pull(
                 runner.self_clean = not cleaned
                 stats, chunks, length, old = await _attempt(runner)
             except LimitExceeded as exc:
-                # a snapshot an earlier run made, over this run's limits: kept so that a
-                # raised limit resumes it, it fails the same way on every run while the
-                # limit stands, even after the workspace shrank (what was too big deleted;
-                # a daemon pulls on, stuck until the staging's TTL).  Once, as --restart
-                # does: the workspace as it is now (a fresh snapshot over the limits too
-                # is kept in its place).  Only a snapshot an earlier run's limit refused
-                # already: one refused for the first time (an interrupted pull rerun under
-                # a limit lowered by mistake) keeps its journaled chunks for the rerun
-                # under the limit put right
-                try:
-                    held = journal.held()
-                except WsyncError:
-                    held = set()
-                if not runner.earlier_run or options.dry_run or not held or not held <= refused:
+                # a snapshot an earlier run left, over this run's limits: kept so that a
+                # raised limit resumes it, it failed the same way on every run while the
+                # limit stood, even after the workspace shrank (a daemon stuck until the
+                # staging's TTL).  Refused twice, it gives way to the workspace as it is
+                # now, as --restart does (Journal.give_way: not a first refusal, nor too
+                # soon after the last fresh start)
+                if not runner.earlier_run or options.dry_run:
                     raise
                 raise_if_cancelled()  # (before anything is forgotten)
-                journal.restart()
+                if not journal.give_way(refused, time.time()):
+                    raise
                 forgotten = journal.forgotten()
                 runner = afresh("the snapshot an earlier run left is over this run's limits", exc)
                 stats, chunks, length, old = await _attempt(runner)
