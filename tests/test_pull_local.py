@@ -728,9 +728,12 @@ def test_a_workspace_that_stays_over_the_limits_is_not_snapshotted_afresh_every_
     assert not set(fresh) & set(kept)
     waited(AFRESH_FIRST_WAIT_S + 5)  # the fourth waits two minutes
     assert refused_run() == fresh
+    waited(-3600)  # (a clock set back by an hour since the last: no wait that long)
+    kept, fresh = fresh, refused_run()
+    assert not set(fresh) & set(kept)
     for i in range(6):
         (ws / f"f{i}").unlink()
-    waited(AFRESH_FIRST_WAIT_S)
+    waited(4 * AFRESH_FIRST_WAIT_S)  # the fifth waits four minutes
     result = run_pull(local(), ws, dest, tight)
     assert_exact(ws, dest)
     assert [w for w in result.warnings if "over this run's limits" in w], result.warnings

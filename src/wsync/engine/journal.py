@@ -253,7 +253,8 @@ class Journal:
         if not isinstance(streak, int) or not isinstance(at, int | float) or streak <= 1:
             return True
         wait = min(AFRESH_FIRST_WAIT_S * 2.0 ** min(streak - 2, 32), AFRESH_MAX_WAIT_S)
-        return bool(now - float(at) >= wait)
+        # (a clock set back since: no wait that long)
+        return bool(not 0 <= now - float(at) < wait)
 
     def started_afresh(self, now: float) -> None:
         """A refused snapshot gave way to a fresh one at ``now`` (see
