@@ -18,6 +18,12 @@ from wsync.engine.fsutil import host_io
 
 #: SQLite page cache per database, KiB (negative pragma value): bounds memory whatever the size
 CACHE_KIB = 16 * 1024
+#: bytes per page of the scratch tables.  Every pull makes a few passes over all their rows
+#: (the listing's and DEST's inserts, the plan's join, the commit's read): with 16 KiB pages
+#: instead of 4 KiB each costs 10-28% less CPU (59k rows of the stdlib tree).  The state
+#: file keeps SQLite's default: with 16 KiB pages the first commit of a 1M-entry state
+#: peaked at 113 MiB of RSS instead of 66 MiB, for little more gain
+PAGE_SIZE = 16384
 
 STATE_COLUMNS = """
     path BLOB PRIMARY KEY, kind TEXT NOT NULL, mode INT, size INT, mtime INT, ctime INT,
@@ -229,6 +235,7 @@ def immediate(db: sqlite3.Connection) -> Iterator[None]:
 def scratch(db: sqlite3.Connection) -> None:
     """The per-run tables, in a private temporary database (gone when the connection is)."""
     db.execute("ATTACH DATABASE '' AS s")
+    db.execute(f"PRAGMA s.page_size = {PAGE_SIZE}")
     db.execute(f"PRAGMA s.cache_size = -{CACHE_KIB}")
     db.execute("PRAGMA s.journal_mode = OFF")
     db.execute("PRAGMA s.synchronous = OFF")
