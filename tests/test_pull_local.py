@@ -28,7 +28,7 @@ from helpers import (
     tool_dir,
     writer_around_tar,
 )
-from wsync.engine.api import PullOptions
+from wsync.engine.api import PullOptions, PullResult
 from wsync.engine.fsutil import rmtree
 from wsync.errors import (
     GuestToolsMissing,
@@ -665,8 +665,10 @@ def test_a_snapshot_over_the_limits_gives_way_to_the_workspace_as_it_is_now(
         run_pull(local(), ws, dest, tight)
     first = _journaled(tight)
     assert first
-    with pytest.raises(LimitExceeded):  # nothing changed: refused again (once, no loop)
+    with pytest.raises(LimitExceeded) as refusal:  # nothing changed: refused again, once
         run_pull(local(), ws, dest, tight)
+    failed = PullResult.from_error("local", dest, refusal.value, 0.0)  # (--json's, a job's)
+    assert [w for w in failed.warnings if "over this run's limits" in w], failed
     kept = _journaled(tight)
     assert kept and not set(kept) & set(first)  # the fresh one, over the limits too, stays
     for path in too_big:
