@@ -170,7 +170,12 @@ def test_a_sandbox_stuck_on_a_snapshot_over_the_limits_heals_by_itself(tmp_path:
         store.close()
         return records
 
-    states = [(r["state"], (r.get("result") or {}).get("error_kind")) for r in asyncio.run(run())]
+    records = asyncio.run(run())
+    states = [(r["state"], (r.get("result") or {}).get("error_kind")) for r in records]
+    # the failed job that gave the snapshot up says so, as the one that pulled does
+    for record in records[2:]:
+        warned = [w for w in record["result"]["warnings"] if "over this run's limits" in w]
+        assert warned, record
     assert states == [
         ("succeeded", None),
         ("failed", "limit"),

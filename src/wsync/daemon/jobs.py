@@ -181,6 +181,11 @@ def failure_summary(job: Job, err: WsyncError | None) -> dict[str, Any]:
     )
     if err is not None:
         result.error, result.error_kind, result.exit_code = str(err), err.kind, err.exit_code
+        # the engine's warnings till the failure (why a fresh start was made, say: see
+        # wsync.engine.pull._so_far), as PullResult.from_error gives --json
+        warnings = (getattr(err, "so_far", None) or {}).get("warnings")
+        if isinstance(warnings, list):
+            result.warnings = [w for w in warnings if isinstance(w, str)]
         job.error, job.error_kind, job.exit_code = str(err), err.kind, err.exit_code
     return result.to_json()
 
