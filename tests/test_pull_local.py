@@ -742,6 +742,27 @@ def test_a_workspace_that_stays_over_the_limits_is_not_snapshotted_afresh_every_
     assert not record.exists()  # success: the run of refusals is over
 
 
+@pytest.mark.parametrize("hostile", ["at-beyond-floats", "nested"])
+def test_a_hostile_refusal_record_does_not_crash_a_pull(tmp_path: Path, hostile: str) -> None:
+    """The refusal record is the user's own file, but whatever it holds must not crash a
+    pull: an ``at`` no float can hold (OverflowError) is a clock far ahead, so no wait;
+    a record nested deeper than the parser recurses (RecursionError) is no record."""
+    from wsync.errors import LimitExceeded
+
+    ws, dest, tight, kept = _refused(tmp_path)
+    (record,) = Path(tight.state_dir, "pulls").glob("*/refused.json")
+    if hostile == "nested":
+        record.write_text("[" * 100_000)
+    else:
+        record.write_text(f'{{"snapshots": {json.dumps(kept)}, "afresh": 5, "at": 1{"0" * 400}}}')
+    with pytest.raises(LimitExceeded):
+        run_pull(local(), ws, dest, tight)
+    if hostile == "nested":  # no refusal on record: kept, and the refusal recorded now
+        assert _journaled(tight) == kept
+    else:  # given way
+        assert not set(_journaled(tight)) & set(kept)
+
+
 def test_a_raised_limit_still_resumes_the_snapshot(tmp_path: Path) -> None:
     from wsync.engine.api import ExtractLimits
 

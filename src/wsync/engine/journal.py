@@ -253,8 +253,12 @@ class Journal:
         if not isinstance(streak, int) or not isinstance(at, int | float) or streak <= 1:
             return True
         wait = min(AFRESH_FIRST_WAIT_S * 2.0 ** min(streak - 2, 32), AFRESH_MAX_WAIT_S)
+        try:
+            elapsed = now - float(at)
+        except OverflowError:  # (an int no float holds: a clock far ahead, as below)
+            return True
         # (a clock set back since: no wait that long)
-        return bool(not 0 <= now - float(at) < wait)
+        return bool(not 0 <= elapsed < wait)
 
     def started_afresh(self, now: float) -> None:
         """A refused snapshot gave way to a fresh one at ``now`` (see
@@ -268,7 +272,7 @@ class Journal:
         record: dict[str, object] = {"snapshots": [], "afresh": 0, "at": 0}
         try:
             read = json.loads((self.dir / "refused.json").read_text("utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # (nested past the parser's depth)
             return record
         if isinstance(read, dict):
             record.update((k, read[k]) for k in record if k in read)
