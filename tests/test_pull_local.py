@@ -763,6 +763,21 @@ def test_a_hostile_refusal_record_does_not_crash_a_pull(tmp_path: Path, hostile:
         assert not set(_journaled(tight)) & set(kept)
 
 
+def test_journal_files_nested_past_the_json_parsers_depth_cost_a_fresh_start(
+    tmp_path: Path,
+) -> None:
+    """Every file of a pull's journal read back damaged (here: JSON nested deeper than the
+    parser goes, which raised RecursionError at every pull's start) is no record."""
+    ws, dest, tight, _ = _refused(tmp_path)
+    journal = next(Path(tight.state_dir, "pulls").iterdir())
+    for name in ("meta.json", "forgotten.json", "refused.json", "done.json"):
+        for where in (journal, *journal.glob("phase-*")):
+            (where / name).write_text("[" * 100_000)
+    result = run_pull(local(), ws, dest, options(tmp_path, chunk_size=256 * 1024))
+    assert result.ok and not result.reconciled
+    assert_exact(ws, dest)
+
+
 def test_a_raised_limit_still_resumes_the_snapshot(tmp_path: Path) -> None:
     from wsync.engine.api import ExtractLimits
 

@@ -59,6 +59,10 @@ def _key(*parts: str) -> str:
 STALE_AFTER = 7 * 24 * 3600.0
 
 
+#: what reading a journal file may raise when it is unreadable, damaged or not JSON, or
+#: JSON nested past the parser's depth (RecursionError): each is no record
+_UNREADABLE = (OSError, ValueError, RecursionError)
+
 #: the wait before the third fresh start of a run of refused snapshots, doubled for each
 #: later one (see Journal.may_start_afresh), and the longest wait
 AFRESH_FIRST_WAIT_S = 60.0
@@ -113,7 +117,7 @@ class Journal:
             self.meta = json.loads((self.dir / "meta.json").read_text("utf-8"))
         except FileNotFoundError:
             self.meta = None
-        except (OSError, ValueError):
+        except _UNREADABLE:
             self.meta = None  # a damaged meta only costs a fresh start
         return self
 
@@ -167,7 +171,7 @@ class Journal:
             if not isinstance(record, dict) or record.pop("snapshot", None) != snapshot:
                 return None
             done = DoneRecord(**record)
-        except (OSError, ValueError, TypeError):
+        except (*_UNREADABLE, TypeError):
             return None
         ok = isinstance(done.chunks, int) and isinstance(done.length, int)
         return done if ok and isinstance(done.digest, str) else None
@@ -272,7 +276,7 @@ class Journal:
         record: dict[str, object] = {"snapshots": [], "afresh": 0, "at": 0}
         try:
             read = json.loads((self.dir / "refused.json").read_text("utf-8"))
-        except (OSError, ValueError, RecursionError):  # (nested past the parser's depth)
+        except _UNREADABLE:
             return record
         if isinstance(read, dict):
             record.update((k, read[k]) for k in record if k in read)
@@ -284,7 +288,7 @@ class Journal:
         is removed (a failed run keeps the list for the next)."""
         try:
             ids = json.loads((self.dir / "forgotten.json").read_text("utf-8"))
-        except (OSError, ValueError):
+        except _UNREADABLE:
             return []
         return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
 
@@ -314,7 +318,7 @@ class Journal:
             sub.chunks_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             sub.meta = json.loads((sub.dir / "meta.json").read_text("utf-8"))
-        except (OSError, ValueError):
+        except _UNREADABLE:
             sub.meta = None
         return sub
 
