@@ -492,12 +492,12 @@ async def _pull(
         late = IntegrityFailed(
             f"the overall deadline of {options.timeout:g}s passed; run again to resume"
         )
-        late.so_far = _so_far(runner, failed=True)
+        late.so_far = _so_far(runner)
         raise late from None
     except asyncio.CancelledError as exc:
         if runner.outcome is None:
             journal.close()
-            exc.so_far = _so_far(runner, failed=True)  # type: ignore[attr-defined]
+            exc.so_far = _so_far(runner)  # type: ignore[attr-defined]
             raise
         # stopped between the swap and the cleanup (the ticker being put away): DEST is
         # complete, so this is the success below, as a stop during the cleanup is
@@ -506,7 +506,7 @@ async def _pull(
     except BaseException as exc:
         journal.close()
         with contextlib.suppress(AttributeError, TypeError):  # a few built-ins take none
-            exc.so_far = _so_far(runner, failed=True)  # type: ignore[attr-defined]
+            exc.so_far = _so_far(runner)  # type: ignore[attr-defined]
         raise
     else:
         stopped = False
@@ -541,7 +541,6 @@ async def _pull(
         chunks=chunks,
         **_so_far(runner),
         elapsed_s=time.monotonic() - started,
-        warnings=runner.warnings,
         unstable_files=runner.unstable,
         mode=inc.mode if inc is not None else "full",
         # a dry run extracts nothing: its count is the diff's, as its itemized lines are
@@ -556,22 +555,20 @@ async def _pull(
     )
 
 
-def _so_far(runner: _Pull, *, failed: bool = False) -> dict[str, Any]:
+def _so_far(runner: _Pull) -> dict[str, Any]:
     """What a pull did: part of its result, and of a failed one's ``--json`` result too
     (an operator wants the retries and faults of a pull that gave up more than of one
-    that succeeded), with its warnings then (a fresh start that failed too says why it
-    was made)."""
-    done: dict[str, Any] = {
+    that succeeded, and its warnings: a fresh start that failed too says why it was
+    made)."""
+    return {
         "snapshot": runner.progress.snapshot,
         "transferred_bytes": runner.stats.transferred,
         "execs": runner.stats.execs,
         "resumed_chunks": runner.progress.resumed_chunks,
         "retries": runner.stats.retries,
         "faults": dict(runner.stats.faults),
+        "warnings": list(runner.warnings),
     }
-    if failed:
-        done["warnings"] = list(runner.warnings)
-    return done
 
 
 async def pull_uri(
