@@ -33,6 +33,11 @@ def escape(name: bytes) -> str:
     text = name.decode("utf-8", "surrogateescape")
     if text.isprintable() and "\\" not in text:
         return text
+    return _escape_each(text)
+
+
+def _escape_each(text: str) -> str:
+    """:func:`escape`'s rule, one character of the decoded name at a time."""
     out: list[str] = []
     for ch in text:
         code = ord(ch)
