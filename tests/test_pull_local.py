@@ -763,6 +763,30 @@ def test_a_hostile_refusal_record_does_not_crash_a_pull(tmp_path: Path, hostile:
         assert not set(_journaled(tight)) & set(kept)
 
 
+@pytest.mark.parametrize("count", ["-1000", "true", "2.5"])
+def test_a_refusal_record_with_a_count_that_is_no_count_still_backs_off(
+    tmp_path: Path, count: str
+) -> None:
+    """A fresh-start count that is no plain count (negative, boolean, fractional) counts as
+    none: two fresh starts at once, then the wait.  A count of -1000 put the wait off for a
+    thousand fresh starts, each the guest's whole archive."""
+    from wsync.errors import LimitExceeded
+
+    ws, dest, tight, kept = _refused(tmp_path)
+    (record,) = Path(tight.state_dir, "pulls").glob("*/refused.json")
+    record.write_text(f'{{"snapshots": {json.dumps(kept)}, "afresh": {count}, "at": 0}}')
+    for _ in range(2):
+        with pytest.raises(LimitExceeded):
+            run_pull(local(), ws, dest, tight)
+        fresh = _journaled(tight)
+        assert not set(fresh) & set(kept)
+        kept = fresh
+    with pytest.raises(LimitExceeded):
+        run_pull(local(), ws, dest, tight)
+    assert _journaled(tight) == kept  # the third waits
+    assert json.loads(record.read_text())["afresh"] == 2
+
+
 def test_journal_files_nested_past_the_json_parsers_depth_cost_a_fresh_start(
     tmp_path: Path,
 ) -> None:

@@ -280,6 +280,11 @@ class Journal:
             return record
         if isinstance(read, dict):
             record.update((k, read[k]) for k in record if k in read)
+        streak = record["afresh"]
+        # (a count that is not a plain count, a negative one say, would put off the
+        # backoff for as many fresh starts: it counts as none)
+        if type(streak) is not int or streak < 0:
+            record["afresh"] = 0
         return record
 
     def forgotten(self) -> list[str]:
