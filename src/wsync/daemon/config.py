@@ -391,6 +391,9 @@ class DaemonConfig(BaseSettings):
             raise ConfigError(
                 f"api.token_file: cannot read {self.api.token_file}: {err.strerror}"
             ) from None
+        except UnicodeDecodeError:
+            # (a UTF-16 file, say: the decoder's own message quotes a byte of the secret)
+            raise ConfigError(f"api.token_file: {self.api.token_file} is not UTF-8 text") from None
         if too_open:
             # refused the way ssh refuses a private key others can read: whoever can
             # read this file holds the whole API (no documented recipe leaves it so)
@@ -445,6 +448,9 @@ def resolve_transport_options(box: SandboxConfig | None) -> dict[str, Any]:
                 text, finding = read_secret_file(Path(target))
             except OSError as err:
                 raise ConfigError(f"secret {key!r}: cannot read {target}: {err.strerror}") from None
+            except UnicodeDecodeError:
+                # never the decoder's message: it quotes a byte of the secret
+                raise ConfigError(f"secret {key!r}: {target} is not UTF-8 text") from None
             if finding:
                 # warned, not refused: a Kubernetes secret volume or a docker secret
                 # is mounted 0644 by default, and refusing would fail such a setup
