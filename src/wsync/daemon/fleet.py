@@ -135,6 +135,8 @@ class FleetManager:
         #: schedules refused here (DEST no longer allowed, say), by name: not tried again
         #: before this monotonic time (one refusal an interval, not one a poll)
         self._refused: dict[str, float] = {}
+        #: monotonic time the ``wsync_jobs_queued`` gauge was last read from the store
+        self._queued_at = -POLL_INTERVAL
 
     # -- lifecycle --------------------------------------------------------
 
@@ -341,6 +343,12 @@ class FleetManager:
             if claimed is not None:
                 self._begin(claimed, asked)
                 continue  # maybe more
+            if time.monotonic() >= self._queued_at + POLL_INTERVAL:
+                # the queue is the fleet's, in the store: the gauge reads it from there
+                # (it was never set here, and said 0 whatever waited)
+                self._queued_at = time.monotonic()
+                with contextlib.suppress(StoreDown):
+                    self.metrics.queued.set(await self._store(self.store.queued()))
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), POLL_INTERVAL)

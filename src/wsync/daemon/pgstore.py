@@ -334,6 +334,11 @@ class PgStore:
         )
         return [_job(r) for r in rows]
 
+    async def queued(self) -> int:
+        """How many jobs wait in the fleet's queue (``wsync_jobs_queued``)."""
+        rows = await self._run("SELECT count(*) AS n FROM wsync_jobs WHERE state = 'queued'")
+        return int(rows[0]["n"]) if rows else 0
+
     async def counts(self) -> dict[str, int]:
         rows = await self._run("SELECT state, count(*) AS n FROM wsync_jobs GROUP BY state")
         counts = dict.fromkeys(STATES, 0)
