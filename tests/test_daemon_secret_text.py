@@ -37,7 +37,7 @@ def test_a_token_file_that_is_not_utf8_is_one_config_error(tmp_path: Path) -> No
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=30,
         check=False,
     )
     assert result.returncode == 2, result.stderr
@@ -86,3 +86,49 @@ secrets = {{ token = "file:{secret}" }}
         daemon.wait_job(added["id"])
     finally:
         daemon.close()
+
+
+#: 24 characters, two of them not ASCII
+WIDE_TOKEN = "wsync-tökén-€-0123456789"
+
+
+def test_a_token_no_client_can_send_is_refused_at_start(tmp_path: Path) -> None:
+    """A token with characters outside ASCII passed the length check, and the daemon
+    started with an API nobody could use: HTTP sends header bytes, the daemon compared
+    them read as Latin-1 with the token's UTF-8, so ``curl -H "Authorization: Bearer
+    $TOKEN"`` (UTF-8) got 401 with the right token, and Python's http.client cannot send
+    ``€`` at all.  It is now refused like a short token, from either source."""
+    config = tmp_path / "c.toml"
+    config.write_text(base_config(tmp_path), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "wsync.daemon", "--config", str(config)],
+        env={**env, "WSYNC_API_TOKEN": WIDE_TOKEN},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "config error: WSYNC_API_TOKEN" in lines[0], result.stderr
+    assert "ASCII" in lines[0] and WIDE_TOKEN not in result.stderr
+
+    token = tmp_path / "api-token"
+    token.write_text(WIDE_TOKEN + "\n", encoding="utf-8")
+    token.chmod(0o600)
+    config.write_text(
+        base_config(tmp_path).replace("[api]\n", f'[api]\ntoken_file = "{token}"\n'),
+        encoding="utf-8",
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "wsync.daemon", "--config", str(config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "config error: api.token_file" in result.stderr and "ASCII" in result.stderr
+    assert WIDE_TOKEN not in result.stderr

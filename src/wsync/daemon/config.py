@@ -374,7 +374,7 @@ class DaemonConfig(BaseSettings):
                 raise ConfigError(
                     f"WSYNC_API_TOKEN: the token must be at least {MIN_TOKEN_LENGTH} characters"
                 )
-            return token
+            return _sendable(token, "WSYNC_API_TOKEN")
         if self.api.token_file is None:
             raise ConfigError(
                 "api.token_file: no API token; set [api] token_file or WSYNC_API_TOKEN"
@@ -403,7 +403,7 @@ class DaemonConfig(BaseSettings):
             raise ConfigError(
                 f"api.token_file: the token must be at least {MIN_TOKEN_LENGTH} characters"
             )
-        return token
+        return _sendable(token, "api.token_file")
 
     def pull_options(self, sandbox: SandboxConfig | None) -> PullOptions:
         """Engine options for one pull of ``sandbox`` (None: an ad-hoc URI)."""
@@ -430,6 +430,19 @@ class DaemonConfig(BaseSettings):
         if box is not None and box.max_concurrent:
             return box.max_concurrent
         return self.limits.per_sandbox
+
+
+def _sendable(token: str, where: str) -> str:
+    """``token`` if a client can send it in an ``Authorization`` header and the daemon
+    read it back the same: printable ASCII.  Header bytes are read as Latin-1, so a token
+    with other characters (``é``, ``€``) never matched what any client sent, and the
+    daemon ran with an API nobody could use.  Never echoed."""
+    if any(not " " <= c <= "~" for c in token):
+        raise ConfigError(
+            f"{where}: the token may hold only printable ASCII characters (it travels in an "
+            "HTTP header); generate one with: head -c 32 /dev/urandom | base64"
+        )
+    return token
 
 
 def resolve_transport_options(box: SandboxConfig | None) -> dict[str, Any]:
