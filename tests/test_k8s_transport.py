@@ -368,3 +368,33 @@ def test_uri_names_namespace_and_pod_then_the_path() -> None:
     assert split_target(uri) == ("team-a", "agent-0", "/home/agent/work")
     home = parse("k8s://-/agent-0/~/work")
     assert (home.path, split_target(home)[0]) == ("~/work", None)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "    token: s3cr3t-t0ken-value: oops",  # a colon too many
+        '    password: "s3cr3t-t0ken-value',  # a quote left open
+        "  \ttoken: s3cr3t-t0ken-value",  # a tab the scanner refuses
+    ],
+)
+def test_a_kubeconfig_that_is_no_yaml_is_refused_without_quoting_it(
+    tmp_path: Path, line: str
+) -> None:
+    # PyYAML's message for a syntax error quotes the line it stopped at, with a caret:
+    # a token or password written there reached the terminal, a daemon job's error and
+    # --json output
+    path = tmp_path / "config"
+    path.write_text(
+        "current-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'https://h:1'}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\n"
+        "users:\n"
+        "- name: u\n"
+        "  user:\n" + line + "\n"
+    )
+    with pytest.raises(UsageError) as info:
+        load({"kubeconfig": str(path)})
+    said = str(info.value)
+    assert "s3cr3t" not in said
+    assert str(path) in said and "(line 7, column" in said, said

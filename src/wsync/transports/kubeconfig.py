@@ -104,6 +104,16 @@ def _expand(name: str) -> Path:
 def _read(path: Path) -> Mapping[str, Any]:
     try:
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.MarkedYAMLError as err:
+        # not str(err): it quotes the line the parser stopped at, which may be a token's
+        # or a password's; the parser's own words and the place are enough to find it
+        said = []
+        for text, mark in ((err.context, err.context_mark), (err.problem, err.problem_mark)):
+            if text:
+                at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+                said.append(f"{text}{at}")
+        what = ": ".join(said) or type(err).__name__
+        raise UsageError(f"cannot read kubeconfig {path}: not YAML: {what}") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise UsageError(f"cannot read kubeconfig {path}: {err}") from None
     if doc is None:
