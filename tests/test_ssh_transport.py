@@ -313,3 +313,26 @@ def test_too_many_authentication_failures_is_a_refused_key_through_openssh(
 
         with pytest.raises(AuthFailed, match="authentication failed"):
             asyncio.run(main())
+
+
+@pytest.mark.parametrize("line", ["UserKnownHostsFile none", "UserKnownHostsFile NONE"])
+def test_a_config_without_known_hosts_files_does_not_turn_verification_off(
+    sshd: SshdServer, client: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: str
+) -> None:
+    """OpenSSH reads ``UserKnownHostsFile none`` as "no user file" (and then refuses an
+    unknown key under StrictHostKeyChecking=yes); asyncssh read it as "verify nothing" and
+    took any host key: a man in the middle got the pull, as ``--known-hosts none``
+    (refused) would."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = tmp_path / "config"
+    config.write_text(f"Host *\n  {line}\n")
+    options = {k: v for k, v in sshd.transport_options().items() if k != "known_hosts"}
+    options["ssh_config"] = str(config)
+    transport = factory_for("ssh", client).from_uri(parse(sshd.uri("/work")), options)
+    with pytest.raises(SandboxUnreachable, match="host key"):
+        asyncio.run(exec_once(transport, "true"))
+    # the global files still count, as with OpenSSH
+    known = Path(str(sshd.transport_options()["known_hosts"]))
+    config.write_text(f"Host *\n  {line}\n  GlobalKnownHostsFile /nonexistent {known}\n")
+    transport = factory_for("ssh", client).from_uri(parse(sshd.uri("/work")), options)
+    assert asyncio.run(exec_once(transport, "echo", "hi")) == b"hi\n"

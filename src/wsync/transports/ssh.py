@@ -71,6 +71,12 @@ _CLOSE_GRACE = 2.0
 _NETWORK_ERRORS = (OSError, TimeoutError, asyncssh.ConnectionLost)
 
 
+def _existing_files(names: Sequence[object]) -> list[str]:
+    """Those of ``names`` (``~`` expanded) that are files."""
+    paths = (Path(str(name)).expanduser() for name in names)
+    return [str(path) for path in paths if path.is_file()]
+
+
 class _ExecSession(asyncssh.SSHClientSession[bytes]):
     """Collects one command's bounded output, exit status and end of channel."""
 
@@ -247,6 +253,8 @@ class SshTransport(SshTransportBase):
         desc = self.description
         kwargs = self._connect_kwargs()
         try:
+            if "known_hosts" not in kwargs:
+                kwargs["known_hosts"] = await self._config_known_hosts(kwargs)
             conn = await asyncssh.connect(self.host, **kwargs)
             try:
                 ack_at_once(conn)
@@ -278,6 +286,20 @@ class SshTransport(SshTransportBase):
             raise SandboxUnreachable(f"{desc}: cannot connect: {reason}") from None
         except asyncssh.Error as exc:
             raise SandboxUnreachable(f"{desc}: ssh handshake failed: {_reason(exc)}") from None
+
+    async def _config_known_hosts(self, kwargs: dict[str, Any]) -> Any:
+        """The host keys to trust when no ``known_hosts`` option names them: what the ssh
+        config says, except that ``UserKnownHostsFile none`` is not "trust any key".
+
+        asyncssh turns that line into ``known_hosts=None``, which verifies nothing, where
+        OpenSSH reads it as "no user file" (the global ones still count, and
+        StrictHostKeyChecking refuses a key none of them has).  Here it means the same:
+        the config's ``GlobalKnownHostsFile`` that exist, else no key at all."""
+        options = await asyncssh.SSHClientConnectionOptions.construct(host=self.host, **kwargs)
+        if options.known_hosts is not None:
+            return ()  # asyncssh's own choice: the config's files, or ~/.ssh/known_hosts
+        found = _existing_files(options.config.get("GlobalKnownHostsFile") or [])
+        return found or asyncssh.import_known_hosts("")
 
     async def aclose(self) -> None:
         """Close the shared connection (idempotent); a later exec would reconnect."""
