@@ -262,3 +262,42 @@ def test_a_child_holding_the_pipes_does_not_pin_the_exec(
         assert emu.stats["pipes_abandoned"] >= 1
 
     with_emulator(tmp_path, body)
+
+
+@pytest.mark.parametrize(
+    "location", ["https://login.example.com/sso", "/v1/sprites/other/exec?cmd=true"]
+)
+def test_a_redirected_exec_is_not_followed_nor_blamed_on_the_url(location: str) -> None:
+    """websockets followed the upgrade's redirects: one to an https:// page (an SSO proxy
+    in front of the API) became a usage error saying the user's URL was bad (exit 2), and
+    one on the same host was followed, token and all, to another sprite's exec."""
+    seen: list[bytes] = []
+
+    async def main() -> BaseException | None:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append((await reader.readuntil(b"\r\n\r\n")).split(b"\r\n")[0])
+            writer.write(
+                b"HTTP/1.1 302 Found\r\nLocation: " + location.encode() + b"\r\n"
+                b"Content-Length: 0\r\n\r\n"
+            )
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        _, t = open_transport(
+            "sprites://box/w", {"sprites_url": f"http://127.0.0.1:{port}", "token": TOKEN}
+        )
+        try:
+            await t.exec(["true"], timeout=10)
+        except Exception as err:  # what came out is the result
+            return err
+        finally:
+            server.close()
+        return None
+
+    err = asyncio.run(main())
+    assert isinstance(err, SandboxUnreachable) and "redirect" in str(err), repr(err)
+    assert not isinstance(err, UsageError)
+    assert len(seen) == 1 and b"/v1/sprites/box/exec" in seen[0]
+    assert TOKEN not in str(err)

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import httpx
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import (
     ConnectionClosed,
     ConnectionClosedOK,
@@ -69,7 +69,7 @@ from wsync.transports.base import (
 )
 from wsync.transports.k8s_channel import K8sChannel
 from wsync.transports.kubeconfig import KubeTarget, load
-from wsync.transports.ws_channel import close_socket
+from wsync.transports.ws_channel import NoRedirectConnect, close_socket
 from wsync.uri import SandboxURI
 
 log = logging.getLogger(__name__)
@@ -81,16 +81,6 @@ POD_BODY = 4 * 1024 * 1024
 STDIN_FRAME = 64 * 1024
 #: v4 has no stdin EOF: the command reads exactly the bytes sent through this pipe
 V4_STDIN_WRAPPER = 'n=$1; shift; head -c "$n" | "$@"'
-
-
-class _Connect(connect):
-    """websockets' ``connect``, following no redirect.  It follows up to ten, and keeps
-    the ``Authorization`` header on the same host: a proxy or server could send the exec,
-    token and all, to another pod or namespace, with another command, than the one the pod
-    lookup checked.  client-go follows none on exec either."""
-
-    def process_redirect(self, exc: Exception) -> Exception | str:
-        return exc
 
 
 def split_target(uri: SandboxURI) -> tuple[str | None, str, str]:
@@ -350,7 +340,7 @@ class K8sTransport(Transport):
         )
         try:
             async with asyncio.timeout_at(deadline):
-                return await _Connect(
+                return await NoRedirectConnect(
                     url,
                     ssl=self.target.ssl_context if secure else None,
                     additional_headers=dict(self.target.headers),

@@ -34,7 +34,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import (
     ConnectionClosed,
     ConnectionClosedOK,
@@ -75,7 +75,7 @@ from wsync.transports.sprites_protocol import (
     encode_stdin_eof,
     exec_url,
 )
-from wsync.transports.ws_channel import Ended, WebSocketChannel, close_socket
+from wsync.transports.ws_channel import Ended, NoRedirectConnect, WebSocketChannel, close_socket
 from wsync.uri import SandboxURI
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class SpritesTransport(Transport):
         """Open the socket; map handshake failures to wsync's errors."""
         try:
             async with asyncio.timeout_at(deadline):
-                ws = await connect(
+                ws = await NoRedirectConnect(
                     url,
                     additional_headers={"Authorization": f"Bearer {self._token}"},
                     compression=None,
@@ -222,6 +222,11 @@ class SpritesTransport(Transport):
                 ) from None
             if status == 404:
                 raise SandboxUnreachable(f"sprite {self.name} not found") from None
+            if 300 <= status < 400:
+                raise SandboxUnreachable(
+                    f"{self.description}: {self.base_url} redirected the exec (HTTP {status}); "
+                    "wsync does not follow it (is this the Sprites API URL?)"
+                ) from None
             raise TransportError(f"{self.description}: exec refused (HTTP {status})") from None
         except InvalidURI as err:
             raise UsageError(f"{self.description}: bad Sprites API URL: {err}") from None

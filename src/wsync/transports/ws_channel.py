@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 
-from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK, WebSocketException
 
 from wsync.errors import ProtocolError, TransportError
@@ -39,6 +39,19 @@ from wsync.transports.base import PumpedChannel
 
 #: stdin is sent in messages of at most this many bytes (the exec paths' size)
 STDIN_FRAME = 64 * 1024
+
+
+class NoRedirectConnect(connect):
+    """websockets' ``connect``, following no redirect.  It follows up to ten, and keeps
+    the ``Authorization`` header on the same host: a proxy or server could send the exec,
+    token and all, to another pod, sprite or namespace, with another command, than the
+    one asked for (client-go follows none on exec either); and a redirect to an
+    ``http(s)://`` page (a login proxy in front of the API) came out as websockets'
+    ``InvalidURI``, which reads as the user's own URL being bad.  The 3xx comes out as
+    ``InvalidStatus``, for the transport to say what it is."""
+
+    def process_redirect(self, exc: Exception) -> Exception | str:
+        return exc
 
 
 async def close_socket(ws: ClientConnection, timeout: float) -> None:
