@@ -335,3 +335,44 @@ def test_a_read_past_the_whole_file_limit_goes_through_exec(tmp_path: Path) -> N
             await small.aclose()
 
     with_emulator(tmp_path, body)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"error":"\\u001b]0;owned\\u0007\\u001b[2Jpull complete","code":"\\u001b[31mexec_error"}',
+        b"\x1b]0;owned\x07\x1b[2Jpull complete",  # not JSON: its head is the message
+    ],
+)
+def test_an_error_events_words_reach_the_message_printable(data: bytes) -> None:
+    """The error event's text comes from the sandbox's side (the command's failure): a
+    terminal escape in it went into the TransportError as it was, and from there into
+    every retry's log line on the user's terminal (``-v``)."""
+    body = b"event: error\ndata: " + data + b"\n\n"
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        options = {"cloudflare_url": f"http://127.0.0.1:{port}", "cloudflare_token": "t"}
+        _, t = open_transport("cloudflare://b/w", options)
+        try:
+            async with t:
+                with pytest.raises(TransportError) as info:
+                    await t.exec(["true"], timeout=10)
+        finally:
+            server.close()
+            await server.wait_closed()
+        said = str(info.value)
+        assert "owned" in said and "pull complete" in said, said
+        assert said.isprintable(), repr(said)
+
+    asyncio.run(main())

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from wsync.errors import ProtocolError, UsageError
+from wsync.protocol.records import printable
 from wsync.transports.base import ExecResult
 
 #: one event's fields may not exceed this (a server streaming one endless line is hostile)
@@ -355,7 +356,11 @@ class ExecCollector:
                 body = _json_object(event)
             except ProtocolError:
                 body = {"error": event.data[:200]}
-            raise ExecFailed(str(body.get("error", ""))[:200], str(body.get("code", "?"))[:40])
+            # the sandbox's words (a command's failure): printable, as every backend's
+            raise ExecFailed(
+                printable(str(body.get("error", "")), 200),
+                printable(str(body.get("code", "?")), 40),
+            )
         else:
             self.note(f"unknown event {event.name[:40]!r} ignored")
 
