@@ -301,3 +301,13 @@ def test_a_redirected_exec_is_not_followed_nor_blamed_on_the_url(location: str) 
     assert not isinstance(err, UsageError)
     assert len(seen) == 1 and b"/v1/sprites/box/exec" in seen[0]
     assert TOKEN not in str(err)
+
+
+@pytest.mark.parametrize("url", ["https://alice:hunter2@api.example", "wss://alice@api.example"])
+def test_a_base_url_with_credentials_is_refused_without_echoing_them(url: str) -> None:
+    """As for the other HTTP backends: credentials in the API URL showed in the transport's
+    repr and in every connection error (and a daemon job's record); the token has its own
+    option."""
+    with pytest.raises(UsageError) as info:
+        open_transport("sprites://box/w", {"sprites_url": url, "token": TOKEN})
+    assert "hunter2" not in str(info.value) and "alice" not in str(info.value)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -135,6 +136,10 @@ class SpritesTransport(Transport):
         self._connected_once = False
         # validate the base URL now, so a typo is a usage error and not a retry loop
         exec_url(base_url, name, ["true"], stdin=False)
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.username is not None or parts.password is not None:
+            # they would show in repr and every connection error: the token has its option
+            raise UsageError("the Sprites API URL carries credentials: give the token separately")
 
     @classmethod
     def from_uri(cls, uri: SandboxURI, options: Mapping[str, Any]) -> SpritesTransport:
