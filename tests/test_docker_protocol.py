@@ -247,3 +247,12 @@ def test_fuzz_encoded_frames_always_round_trip(frames: list[tuple[int, bytes]], 
     stdout = b"".join(p for s, p in frames if s != STDERR)
     stderr = b"".join(p for s, p in frames if s == STDERR)
     assert decode(pieces) == (stdout, stderr, len(frames))
+
+
+@pytest.mark.parametrize("host", ["a..b", "a" * 64 + ".example", "-x-.\udcff"])
+def test_a_docker_host_dns_cannot_spell_is_a_usage_error(host: str) -> None:
+    """Found by a red-team review: ``tcp://a..b:2375`` passed, and the resolver's
+    UnicodeError (IDNA: an empty or over-long label) came out of every exec as an
+    internal error (exit 1, "report this")."""
+    with pytest.raises(UsageError, match="host"):
+        parse_docker_host(f"tcp://{host}:2375")

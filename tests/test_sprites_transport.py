@@ -311,3 +311,12 @@ def test_a_base_url_with_credentials_is_refused_without_echoing_them(url: str) -
     with pytest.raises(UsageError) as info:
         open_transport("sprites://box/w", {"sprites_url": url, "token": TOKEN})
     assert "hunter2" not in str(info.value) and "alice" not in str(info.value)
+
+
+@pytest.mark.parametrize("host", ["a..b", "a" * 64 + ".example"])
+def test_an_api_host_dns_cannot_spell_is_a_usage_error(host: str) -> None:
+    """The resolver's UnicodeError (IDNA: an empty or over-long label) came out of every
+    exec as an internal error (exit 1, "report this")."""
+    with pytest.raises(UsageError, match="host"):
+        _, t = open_transport("sprites://box/w", {"sprites_url": f"http://{host}:1", "token": "x"})
+        asyncio.run(t.exec(["true"], timeout=5))

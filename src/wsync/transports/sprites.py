@@ -140,6 +140,14 @@ class SpritesTransport(Transport):
         if parts.username is not None or parts.password is not None:
             # they would show in repr and every connection error: the token has its option
             raise UsageError("the Sprites API URL carries credentials: give the token separately")
+        try:
+            # what the resolver does first; its UnicodeError (an empty or over-long
+            # label) would come out of every exec as an internal error
+            (parts.hostname or "").encode("idna")
+        except UnicodeError:
+            raise UsageError(
+                f"the Sprites API URL {base_url!r}: not a host name DNS can spell"
+            ) from None
 
     @classmethod
     def from_uri(cls, uri: SandboxURI, options: Mapping[str, Any]) -> SpritesTransport:
