@@ -132,7 +132,9 @@ def backend(kind: str, workdir: Path, workspace: Path) -> Iterator[tuple[str, di
         return
     from wsync.emulators.sprites import EmulatorThread, SpritesFaults
 
-    with EmulatorThread(workdir / "sprites", faults=SpritesFaults.all_on(seed=11)) as emu:
+    # seed 12: the first exec (the naive copy's) is severed after 39,674 bytes, whatever
+    # the timing (the ring's lost head, its other fault here, needs a fast guest)
+    with EmulatorThread(workdir / "sprites", faults=SpritesFaults.all_on(seed=12)) as emu:
         emu.create_sprite("demo")
         yield f"sprites://demo{workspace}", emu.transport_options()
 
