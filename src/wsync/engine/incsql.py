@@ -85,7 +85,12 @@ def insert_rows(db: sqlite3.Connection, sql: str, rows: Sequence[tuple[object, .
 
 #: the plan of the diff; ``:lo`` and ``:hi`` (exclusive) bound the last commit's ctime
 #: window (see ``PullState.window``): a ctime that moved into it moved by that pull's own
-#: links and unlinks (or by an edit while it ran, which a rescan would not have told apart)
+#: links and unlinks (or by an edit while it ran, which a rescan would not have told apart).
+#: Only an entry recorded from a scan taken before the window opened (``o.hctime < :lo``:
+#: what that pull kept) can have been moved by them: one it made was recorded as read off
+#: its new tree just before the swap, and nothing of the pull moves its ctime after that,
+#: so a ctime of it that moved since is an edit (say between the swap and the end of the
+#: old tree's removal, with the size and mtime put back), re-hashed like any other
 PLAN = """
 INSERT INTO s.plan (path, kind, ino, act, hash)
 SELECT m.path, m.kind, m.ino,
@@ -106,7 +111,8 @@ SELECT m.path, m.kind, m.ino,
     WHEN h.ino IS NOT o.hino AND m.kind = 'f' AND m.ino != 0 AND EXISTS (SELECT 1 FROM s.man g
       WHERE g.ino = m.ino AND g.kind = 'f' AND g.path != m.path) THEN 'tampered'
     WHEN h.ino IS NOT o.hino THEN 'check'
-    WHEN h.ctime IS NOT o.hctime AND (h.ctime IS NULL OR h.ctime < :lo OR h.ctime >= :hi)
+    WHEN h.ctime IS NOT o.hctime AND (h.ctime IS NULL OR h.ctime < :lo OR h.ctime >= :hi
+      OR NOT coalesce(o.hctime < :lo, 0))
       THEN 'check'
     ELSE 'keep'
   END,
