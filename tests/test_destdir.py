@@ -549,6 +549,34 @@ def test_a_directory_put_at_dest_during_the_pull_is_never_thrown_away(
     assert_exact(ws, dest)
 
 
+def test_an_empty_dest_written_into_during_the_pull_is_never_thrown_away(
+    tmp_path: Path,
+) -> None:
+    """DEST is accepted without ``--force`` because it is empty; another program that
+    writes into that very directory while the pull runs (a ``git clone`` into the
+    directory just made, an editor's project files) must not lose its files to the swap
+    either.  The check at the start alone let the pull swap it away and succeed."""
+    ws = small_tree(tmp_path / "ws", "guest\n")
+    dest = tmp_path / "out"
+    dest.mkdir()
+    opts = options(tmp_path)
+
+    def other_program() -> None:  # just before the swap
+        (dest / "theirs").write_text("keep me\n")
+
+    with pytest.raises(HostIOError, match="replaced or created by another program") as info:
+        run_pull(local(), ws, dest, dataclasses.replace(opts, fence=other_program))
+    assert info.value.exit_code == 8
+    assert sorted(p.name for p in dest.iterdir()) == ["theirs"]
+    assert beside(dest) == []
+    with pytest.raises(UsageError, match="did not write"):  # not taken for wsync's since
+        run_pull(local(), ws, dest, opts)
+    assert (dest / "theirs").read_text() == "keep me\n"
+    # once wsync's, DEST is replaced whole as always; --force replaces a non-empty one
+    run_pull(local(), ws, dest, dataclasses.replace(opts, force=True))
+    assert_exact(ws, dest)
+
+
 @pytest.mark.parametrize(
     "name",
     [

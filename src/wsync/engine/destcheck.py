@@ -55,7 +55,10 @@ def check_dest(dest: Path, transport: Transport, workspace: str, options: PullOp
             raise UsageError(f"DEST exists and is not a directory: {dest}")
         if st is not None:
             target.check_not_mount(st)
-            if not target.is_empty() and not options.force and not registry.owns(real):
+            if not options.force and not registry.owns(real):
+                # accepted as empty: it must still be at the swap (see DestDir.empty)
+                target.empty = True
+            if target.empty and not target.is_empty():
                 raise UsageError(
                     f"DEST {dest} is a non-empty directory that wsync did not write (or "
                     f"not with this --state-dir, {options.state_dir}); it would be replaced "

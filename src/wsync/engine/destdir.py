@@ -114,6 +114,9 @@ class DestDir:
         #: DEST's ``(st_dev, st_ino)`` when it was locked (None: no DEST then); the swap
         #: replaces only that directory
         self.found: tuple[int, int] | None = None
+        #: DEST was accepted only because it was empty (no DEST of wsync's, no ``--force``):
+        #: the swap replaces it only while it still is (:func:`~wsync.engine.fsutil.swap_at`)
+        self.empty = False
         self._tmp_fd: int | None = None
 
     # -- opening ----------------------------------------------------------------------
@@ -486,7 +489,7 @@ class DestDir:
         """Swap the tmp tree into DEST; return the name now holding the old tree (or None)."""
         self.verify()
         self.close_tmp()
-        return swap_at(self.parent_fd, tmp, self.name, str(self.path), self.found)
+        return swap_at(self.parent_fd, tmp, self.name, str(self.path), self.found, empty=self.empty)
 
     def remove(self, name: str) -> None:
         """Remove entry ``name`` beside DEST, whole tree; HostIOError naming what stayed."""

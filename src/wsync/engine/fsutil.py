@@ -158,7 +158,13 @@ def exchange_at(dir_fd: int, a: str, b: str) -> bool:
 
 
 def swap_at(
-    dir_fd: int, new: str, dest: str, shown: str, expect: tuple[int, int] | None
+    dir_fd: int,
+    new: str,
+    dest: str,
+    shown: str,
+    expect: tuple[int, int] | None,
+    *,
+    empty: bool = False,
 ) -> str | None:
     """Make directory ``new`` appear as ``dest`` (both names in ``dir_fd``) atomically.
 
@@ -168,6 +174,11 @@ def swap_at(
     parent it created) is never thrown away with the old tree: :class:`DestReplaced`,
     DEST left as it is.  Returns the name now holding the *old* tree (to be removed by
     the caller), or None when ``dest`` did not exist.  ``shown`` names DEST in errors.
+
+    ``empty``: DEST was accepted only because it was empty (not a tree wsync wrote, and no
+    ``--force``).  Another program that wrote into it meanwhile (a ``git clone`` into the
+    directory just made) did so into the very inode ``expect`` names; the swap must not
+    throw that away either: :class:`DestReplaced`, DEST left as it is.
     """
     changed = DestReplaced(
         f"DEST {shown} was replaced or created by another program during the pull; "
@@ -184,11 +195,12 @@ def swap_at(
                 raise changed from None
             os.fsync(dir_fd)
             return None
-        if (st.st_dev, st.st_ino) != expect:
+        if (st.st_dev, st.st_ino) != expect or (empty and not _is_empty_at(dir_fd, dest)):
             raise changed
         if exchange_at(dir_fd, new, dest):
             st = os.stat(new, dir_fd=dir_fd, follow_symlinks=False)
-            if (st.st_dev, st.st_ino) != expect:  # replaced between the check and the swap
+            # replaced, or written into, between the check and the swap
+            if (st.st_dev, st.st_ino) != expect or (empty and not _is_empty_at(dir_fd, new)):
                 exchange_at(dir_fd, new, dest)
                 raise changed
             os.fsync(dir_fd)
@@ -199,6 +211,16 @@ def swap_at(
         os.rename(new, dest, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         os.fsync(dir_fd)
         return old
+
+
+def _is_empty_at(dir_fd: int, name: str) -> bool:
+    """Whether directory ``name`` of ``dir_fd`` (never through a symlink) has no entry."""
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        with os.scandir(fd) as entries:
+            return next(entries, None) is None
+    finally:
+        os.close(fd)
 
 
 def make_private(fd: int) -> bool:
