@@ -285,3 +285,48 @@ def test_an_ignored_sigint_stays_ignored(tmp_path: Path) -> None:
     code, err = stop(proc, signal.SIGTERM)
     assert code == 130, err
     assert "Traceback" not in err and "SIGINT" not in err, err
+
+
+def _slow_watcher_hook(directory: Path, marker: Path) -> Path:
+    """A ``sitecustomize`` that makes starting wsync's signal watcher thread take two
+    seconds (a loaded machine: a thread's start waits for the new thread to run)."""
+    directory.mkdir()
+    (directory / "sitecustomize.py").write_text(
+        "import threading, time\n"
+        "_start = threading.Thread.start\n"
+        "def start(self):\n"
+        "    if self.name == 'wsync-signals':\n"
+        f"        open({str(marker)!r}, 'w').close()\n"
+        "        time.sleep(2)\n"
+        "    return _start(self)\n"
+        "threading.Thread.start = start\n"
+    )
+    return directory
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_watcher_starts_is_one_line_and_130(tmp_path: Path, signum: int) -> None:
+    """The watcher was started before the handlers were put in place, and a thread's
+    start waits for the thread: a Ctrl-C in that wait (seen 0.15 s into a pull on a
+    loaded machine) met Python's default handler, a KeyboardInterrupt traceback from
+    ``threading.py`` and a process killed by SIGINT (status -2)."""
+    marker = tmp_path / "starting"
+    hook = _slow_watcher_hook(tmp_path / "hook", marker)
+    env = env_with()
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
+    ws = make_workspace(tmp_path / "ws", 5, blobs=1)
+    dest = tmp_path / "out"
+    args = pull_argv(ws, dest, tmp_path / "state", tmp_path / "stage", "128K")
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert marker.exists(), proc.communicate()[1]
+    time.sleep(0.2)  # inside the start
+    code, err = stop(proc, signum)
+    assert code == 130, err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not dest.exists() and not (tmp_path / "state").exists()

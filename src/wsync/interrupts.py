@@ -94,9 +94,11 @@ class Stopper:
     # -- lifecycle (main thread) -----------------------------------------------
 
     def install(self) -> None:
-        # watcher and pipe first: from the moment the handlers are in place every
-        # signal must reach the watcher (a handler without the pipe drops it)
-        self._thread.start()
+        # the pipe first: from the moment the handlers are in place every signal must
+        # reach the watcher (a handler without the pipe drops it).  The watcher thread
+        # last: a signal before it runs waits in the pipe for it, whereas a start before
+        # the handlers (a start waits for the new thread to run: long on a loaded
+        # machine) left Python's default in place, a KeyboardInterrupt traceback
         self._old_wakeup = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
         for signum in STOP_SIGNALS:
             # a signal ignored when we started stays ignored, as Python itself does
@@ -104,12 +106,20 @@ class Stopper:
             # so that the terminal's Ctrl-C does not reach them
             if signal.getsignal(signum) != signal.SIG_IGN:
                 self._old_handlers[signum] = signal.signal(signum, _ignore)
+        try:
+            self._thread.start()
+        except BaseException:  # (no thread: the signals would go nowhere)
+            self._restore()
+            raise
 
-    def uninstall(self) -> None:
-        """Give the process its previous handlers back (for in-process callers of ``main``)."""
+    def _restore(self) -> None:
         signal.set_wakeup_fd(self._old_wakeup)
         for signum, handler in self._old_handlers.items():
             signal.signal(signum, handler)  # type: ignore[arg-type]
+
+    def uninstall(self) -> None:
+        """Give the process its previous handlers back (for in-process callers of ``main``)."""
+        self._restore()
         os.write(self._stop_w, b"x")
         self._thread.join(timeout=5)
         for fd in (self._read_fd, self._write_fd, self._stop_r, self._stop_w):
