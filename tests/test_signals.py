@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,72 @@ def test_a_signal_during_start_up_imports_is_one_line_and_130(tmp_path: Path, si
     assert "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
     assert not dest.exists() and not (tmp_path / "state").exists()
+
+
+def _console_script(path: Path) -> Path:
+    """The launcher pip writes for the ``wsync`` entry point of pyproject.toml (what
+    ``.venv/bin/wsync`` runs): it imports the entry's module before it calls it."""
+    with (SRC.parent / "pyproject.toml").open("rb") as f:
+        entry = tomllib.load(f)["project"]["scripts"]["wsync"]
+    module, _, func = entry.partition(":")
+    path.write_text(
+        "import re\n"
+        "import sys\n"
+        f"from {module} import {func}\n"
+        "if __name__ == '__main__':\n"
+        "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+        f"    sys.exit({func}())\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_console_script_starts_is_one_line_and_130(
+    tmp_path: Path, signum: int
+) -> None:
+    """``.venv/bin/wsync`` (the README's command), not ``python -m wsync``: its launcher
+    imported :mod:`wsync.cli` before the signal policy was in place, so a Ctrl-C during
+    that import was a KeyboardInterrupt traceback and a process killed by SIGINT."""
+    marker = tmp_path / "importing"
+    hook = _import_hook(tmp_path / "hook", marker)
+    env = env_with()
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
+    ws = make_workspace(tmp_path / "ws", 6, blobs=1)
+    dest = tmp_path / "out"
+    script = _console_script(tmp_path / "wsync")
+    args = pull_argv(ws, dest, tmp_path / "state", tmp_path / "stage", "128K")
+    assert args[1:3] == ["-m", "wsync"]
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *args[3:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert marker.exists(), proc.communicate()[1]
+    code, err = stop(proc, signum)
+    assert code == 130, err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not dest.exists() and not (tmp_path / "state").exists()
+
+
+def test_the_console_script_pulls(tmp_path: Path) -> None:
+    ws = make_workspace(tmp_path / "ws", 7, blobs=1)
+    script = _console_script(tmp_path / "wsync")
+    args = pull_argv(ws, tmp_path / "out", tmp_path / "state", tmp_path / "stage", "128K")
+    done = subprocess.run(
+        [sys.executable, str(script), *args[3:]],
+        capture_output=True,
+        text=True,
+        env=env_with(),
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert_exact(ws, tmp_path / "out")
 
 
 def _slow_wind_down_pull(tmp_path: Path, **env: str) -> tuple[subprocess.Popen[str], Path]:

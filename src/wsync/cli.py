@@ -7,10 +7,9 @@ exit code (see :mod:`wsync.errors`); ``--debug`` adds the traceback.
 
 from __future__ import annotations
 
-# Only cheap imports up here: the signal policy (wsync.interrupts) must be in
-# place before anything slow is imported, and the console script imports this
-# module before it calls main().  asyncio, structlog and the engine are
-# imported where they are used.
+# Only cheap imports up here: every command imports this module (wsync.launch
+# does, once the signal policy is in place; in-process callers before they call
+# main()).  asyncio, structlog and the engine are imported where they are used.
 import argparse
 import contextlib
 import io

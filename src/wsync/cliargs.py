@@ -2,8 +2,8 @@
 
 :func:`build_parser` is also what ``wsync completion`` and ``wsync man`` are generated
 from (:mod:`wsync.clidoc`), so completions and the manual page match ``--help``.  What
-the commands do is :mod:`wsync.cli`'s.  Only cheap imports here, as there: the console
-script loads this before the signal policy can stop a slow import.
+the commands do is :mod:`wsync.cli`'s.  Only cheap imports here, as there: every command
+loads this, a small pull's own time is mostly imports.
 """
 
 from __future__ import annotations
