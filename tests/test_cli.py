@@ -289,6 +289,41 @@ def test_json_has_its_object_for_every_usage_error(tmp_path: Path, args: list[st
     assert result["error_kind"] == "usage" and args[0] in result["error"]
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--parallel", "0"], "--parallel"),
+        (["--timeout", "nan"], "--timeout"),
+        (["--max-bytes", "0"], "--max-bytes"),
+        (["--compress-level", "99"], "--compress-level"),
+        (["--no-such-option"], "--no-such-option"),
+        (["extra"], "extra"),
+    ],
+    ids=["parallel", "timeout", "max-bytes", "compress-level", "unknown-option", "extra"],
+)
+def test_json_has_its_object_for_a_usage_error_of_the_parser(
+    tmp_path: Path, args: list[str], says: str
+) -> None:
+    """A value the parser refuses was a usage error with nothing on stdout, where a
+    chunk size that is no multiple of 64K (checked after the parser) gave the JSON
+    object: a script reading the result of ``--max-bytes "$LIMIT"`` got no JSON."""
+    ws = make_tree(tmp_path / "ws", big=1024, small=2)
+    done = wsync("pull", f"local:{ws}", str(tmp_path / "d"), "--json", *args)
+    assert done.returncode == 2, done.stderr
+    result = json.loads(done.stdout)
+    assert result["ok"] is False and result["exit_code"] == 2
+    assert result["error_kind"] == "usage" and says in result["error"]
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # the line, as before
+    assert says in done.stderr and not (tmp_path / "d").exists()
+
+
+def test_a_usage_error_without_json_prints_nothing_on_stdout(tmp_path: Path) -> None:
+    done = wsync("pull", "local:/x", str(tmp_path / "d"), "--parallel", "0")
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    done = wsync("doctor", "local:/x", "--json", "--bogus")
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+
+
 def test_json_of_a_failed_pull_counts_what_it_did(tmp_path: Path) -> None:
     """A pull that gives up: its retries and faults are what an operator needs, and the
     result said 0 and {} (it was built afresh from the error)."""

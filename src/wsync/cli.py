@@ -22,7 +22,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar, cast
 
 from wsync import interrupts, mallocopts, stdstreams
-from wsync.cliargs import build_parser, transport_options
+from wsync.cliargs import ParseError, build_parser, transport_options, wants_json_result
 from wsync.errors import HostIOError, Interrupted, UsageError, WsyncError
 
 if TYPE_CHECKING:
@@ -303,7 +303,16 @@ def _main(argv: list[str]) -> int:
     if argv and argv[0] in interrupts.UNGUARDED_COMMANDS:
         return _delegate(argv[0], argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ParseError as exc:
+        if wants_json_result(argv):
+            # the object every other usage error of a pull gives (stdout stayed empty)
+            from wsync.engine.api import PullResult
+
+            failed = PullResult.from_error("", "", UsageError(exc.message), 0.0)
+            print(json.dumps(failed.to_json()))
+        raise
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

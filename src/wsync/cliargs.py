@@ -276,7 +276,23 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self._print_message(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        raise ParseError(message)
+
+
+class ParseError(SystemExit):
+    """The parser refused the command line (exit 2, its line already on stderr); the
+    message is kept for ``pull --json``, whose result object says it too."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+
+def wants_json_result(argv: list[str]) -> bool:
+    """``argv`` (as the parser refused it) asks ``pull`` for its ``--json`` object."""
+    words = argv[: argv.index("--")] if "--" in argv else argv
+    return "pull" in words and "--json" in words[words.index("pull") :]
 
 
 def build_parser(full: bool = False) -> argparse.ArgumentParser:
