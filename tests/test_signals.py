@@ -397,3 +397,68 @@ def test_a_signal_while_the_watcher_starts_is_one_line_and_130(tmp_path: Path, s
     assert "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
     assert not dest.exists() and not (tmp_path / "state").exists()
+
+
+def _on_a_terminal(
+    args: list[str], signals: list[tuple[bytes, int]], env: dict[str, str]
+) -> tuple[int, bytes]:
+    """Run ``args`` on a pseudo-terminal (its live status line on), sending each signal
+    once its output shows the bytes paired with it; (exit code, everything it wrote)."""
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.execve(args[0], args, env)  # noqa: S606 - the command under test, no shell
+    out = b""
+    pending = list(signals)
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline:
+            if pending and pending[0][0] in out:
+                os.kill(pid, pending.pop(0)[1])
+            ready, _, _ = select.select([fd], [], [], 0.05)
+            if ready:
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:  # EIO: the child is gone
+                    break
+                if not data:
+                    break
+                out += data
+    finally:
+        os.close(fd)
+    waited, status = os.waitpid(pid, 0 if time.monotonic() < deadline else os.WNOHANG)
+    if waited == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail(f"no exit: {out[-500:]!r}")
+    return os.waitstatus_to_exitcode(status), out
+
+
+HIDE_CURSOR, SHOW_CURSOR = b"\x1b[?25l", b"\x1b[?25h"
+
+
+@pytest.mark.parametrize("second", [True, False], ids=["second-signal", "grace-cut"])
+def test_a_stop_at_once_gives_the_terminal_its_cursor_back(tmp_path: Path, second: bool) -> None:
+    """The live status line hides the cursor; the stops that exit at once (a second
+    Ctrl-C, a wind-down past its grace) skipped rich's restore, and the shell was left
+    with no cursor (until ``tput cnorm`` or ``reset``).  Their line also came glued to the
+    end of the status line."""
+    ws = make_workspace(tmp_path / "ws", 8, blobs=3)
+    state = tmp_path / "state"
+    args = pull_argv(ws, tmp_path / "out", state, tmp_path / "stage", "128K")
+    args = [a for a in args if a != "--json"] + ["--chaos", "close=120"]
+    env = env_with(TERM="xterm", COLUMNS="100")
+    env["WSYNC_STOP_GRACE"] = "600" if second else "1"
+    plan = [(b"\x1b[1mpull", signal.SIGINT)]  # the live line, in the pull phase
+    if second:
+        plan.append((b"again stops at once", signal.SIGINT))
+    code, out = _on_a_terminal(args, plan, env)
+    assert code == 130, out[-500:]
+    assert HIDE_CURSOR in out, out[-500:]
+    assert out.rfind(SHOW_CURSOR) > out.rfind(HIDE_CURSOR), out[-500:]
+    last = out.replace(b"\r\n", b"\n").rsplit(b"\n", 2)[-2]  # the exit's line
+    said = b"second SIGINT" if second else b"winding down took more than"
+    assert said in last and last.split(b"\r")[-1].lstrip(b"\x1b[2K\x1b[?25h").startswith(
+        b"wsync: "
+    ), out[-500:]

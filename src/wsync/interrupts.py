@@ -69,10 +69,25 @@ def _grace_from_env() -> float:
         return DEFAULT_GRACE
 
 
-def _say(line: str) -> None:
+#: what a terminal needs before a line of ours while a live status line is drawn on it
+#: (the line is cleared), and before an immediate exit (its hidden cursor shown again:
+#: os._exit skips the display's own restore); set by :mod:`wsync.liveline`
+_terminal: tuple[bytes, bytes] = (b"", b"")
+
+
+def set_terminal(before_line: bytes, before_exit: bytes) -> None:
+    """What the live status line needs written before a line of ours and before an
+    immediate exit; ``b"", b""`` once it is gone."""
+    global _terminal
+    _terminal = (before_line, before_exit)
+
+
+def _say(line: str, *, exiting: bool = False) -> None:
     """One line on stderr, straight to the fd: no buffer another thread may hold."""
+    before_line, before_exit = _terminal
+    prefix = before_line + (before_exit if exiting else b"")
     with contextlib.suppress(OSError):
-        os.write(2, f"wsync: {line}\n".encode("utf-8", "replace"))
+        os.write(2, prefix + f"wsync: {line}\n".encode("utf-8", "replace"))
 
 
 class Stopper:
@@ -153,7 +168,7 @@ class Stopper:
     @staticmethod
     def exit_now(line: str) -> NoReturn:
         """Exit 130 now, skipping every cleanup (safe: see the module doc)."""
-        _say(line)
+        _say(line, exiting=True)
         os._exit(EXIT_INTERRUPTED)
 
     # -- the watcher thread ----------------------------------------------------

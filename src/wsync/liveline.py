@@ -16,6 +16,7 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
 from rich.text import Text
 
+from wsync import interrupts
 from wsync.engine.api import Progress
 from wsync.progress import _SEP, REFRESH_PER_SECOND, RateWindow, fit, status_fields, terminal_width
 
@@ -43,6 +44,8 @@ class LiveLine:
             redirect_stderr=True,  # log lines print above the status line
         )
         self.live.start()
+        # rich hid the cursor; a stop at once (os._exit) skips live.stop(), which shows it
+        interrupts.set_terminal(b"\r\x1b[2K", b"\x1b[?25h")
 
     def __call__(self, p: Progress) -> None:
         copy = dataclasses.replace(p, faults=dict(p.faults))
@@ -69,3 +72,4 @@ class LiveLine:
 
     def close(self) -> None:
         self.live.stop()
+        interrupts.set_terminal(b"", b"")
