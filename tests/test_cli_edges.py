@@ -473,3 +473,26 @@ def test_a_dest_pulled_with_another_state_dir_is_refused_saying_so(tmp_path: Pat
     assert done.returncode == 2, done.stderr
     assert "did not write" in done.stderr and f"--state-dir, {other}" in done.stderr
     assert_exact(ws, dest)
+
+
+def test_a_sandbox_path_that_is_not_utf8_is_shown_with_its_byte(tmp_path: Path) -> None:
+    """The refusal showed the byte as ``?`` (``b'local:/.../bad?'``): a name the user
+    does not have, the byte at fault hidden."""
+    ws = os.fsencode(tmp_path) + b"/bad\xff"
+    os.mkdir(ws)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "wsync",
+            "pull",
+            b"local:" + ws,
+            str(tmp_path / "d"),
+            *_dirs(tmp_path),
+        ],
+        capture_output=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.decode()
+    assert "not valid UTF-8" in line and "bad\\xff" in line and "bad?" not in line, line

@@ -58,7 +58,11 @@ def check_text(value: str, what: str) -> str:
     try:
         value.encode("utf-8", "strict")
     except UnicodeEncodeError:
-        shown = value.encode("utf-8", "replace")
+        # the bytes as given (b'...\xff'): "replace" showed a "?" the name does not have
+        try:
+            shown = value.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate no byte decoded to
+            shown = value.encode("utf-8", "backslashreplace")
         raise UsageError(f"{what} is not valid UTF-8: {shown!r}") from None
     if "\x00" in value:
         raise UsageError(f"{what} contains a NUL byte")
