@@ -15,6 +15,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -495,6 +496,67 @@ def test_without_proc_nothing_is_killed_and_staging_still_goes(
     assert not d.exists()
     time.sleep(0.2)
     assert bystander.poll() is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as another user, which needs root")
+def test_another_users_process_on_a_dead_producers_pid_is_not_our_producer(
+    tmp_path: Path, workspace: Path, guest: dict[str, str] | None
+) -> None:
+    """Found by a review: a snapshot whose producer died without a result, its pid now
+    a process of ANOTHER user of the guest whose argv spells ``/.producer-`` and the
+    snapshot's directory (anyone may run ``sleep``-like programs with any argv).  The
+    liveness check looked only at /proc's cmdline, never at the owner: the status said
+    the producer ran, an admission adopted it (``reconciled``) instead of starting it
+    again, and a pull waited for it until its ``--timeout`` (an hour by default), on
+    every rerun.  Only a process of the pulling user may count as its producer; the
+    co-tenant's is never signalled."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("no setpriv to run a process as another user")
+    opts = options(tmp_path)
+    snap = Path(opts.staging_root, "s-dead")
+
+    async def go(cotenant: subprocess.Popen[bytes]) -> None:
+        transport = LocalTransport(env=guest)
+        try:
+            session = GuestSession(transport, opts, CallStats())
+            plan = await session.probe(str(workspace))
+            # what a launch whose producer died leaves: its token and its claim, and the
+            # dead producer's pid, which the co-tenant's process now holds
+            (snap / "lock.1").mkdir(parents=True)
+            (snap / "launch").mkdir()
+            (snap / "launch" / "by").write_text("0123456789abcdef")
+            for name in ("pid", "pid.launch", "lock.1/pid"):
+                (snap / name).write_text(f"{cotenant.pid}\n")
+            session.snapshot = "s-dead"
+            assert not (await session.status()).alive
+            assert not await session.admit("s-dead", str(workspace), plan.compressor)
+            for _ in range(600):
+                status = await session.status()
+                if status.done is not None or status.failed is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert status.done is not None and status.failed is None
+            await session.cleanup()
+        finally:
+            await transport.aclose()
+
+    argv = ["import sys, time; time.sleep(300)", f"/x/{scripts.PRODUCER_NAME}", str(snap)]
+    cotenant = subprocess.Popen(
+        [*_NOBODY, sys.executable, "-c", *argv], start_new_session=True
+    )  # fmt: skip
+    try:
+        for _ in range(200):  # (its argv is the co-tenant's once python runs)
+            if (
+                f"/x/{scripts.PRODUCER_NAME}".encode()
+                in Path(f"/proc/{cotenant.pid}/cmdline").read_bytes()
+            ):
+                break
+            time.sleep(0.01)
+        asyncio.run(go(cotenant))
+        assert cotenant.poll() is None  # never signalled
+    finally:
+        cotenant.kill()
+        cotenant.wait()
 
 
 def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:

@@ -19,11 +19,13 @@ PID_CHECKS = r"""
 # (the state is the field after the last ") " of /proc/PID/stat, taken without a
 # fork: this runs in every look of the producer's loop and of a status long poll;
 # read's status is not looked at, as a line without its newline still counts; kill's
-# complaint goes where every stderr of the producer and the scripts goes, nowhere)
+# complaint goes where every stderr of the producer and the scripts goes, nowhere.
+# A pid is digits, left unquoted here and in busy: these lines ride in every admission's
+# argv, a URL on some backends, where each quote costs three bytes)
 alive() {
-  kill -0 "$1" || return 1
-  if [ -r "/proc/$1/stat" ]; then
-    rd "/proc/$1/stat"
+  kill -0 $1 || return 1
+  if [ -r /proc/$1/stat ]; then
+    rd /proc/$1/stat
     v_=${v_##*) }
     case ${v_%% *} in Z) return 1 ;; esac
   fi
@@ -34,17 +36,21 @@ alive() {
 # dead producer's pid that another snapshot's producer took is not this one's);
 # without /proc any live process counts.  The shell's read drops the NULs between
 # arguments (dash, bash and busybox alike), so the producer's path and its dir are
-# seen without a fork; where they are not, tr decides as before
+# seen without a fork; where they are not, tr decides as before.  Only a process of
+# this user (its /proc dir is ours: test -O, no fork): another user of the guest may
+# run any argv on a dead producer's reused pid, which must not keep the snapshot
+# "running" (adopted, never launched again, waited for until the pull's deadline)
 busy() {
   case $1 in ''|0*|1|*[!0-9]*|??????????*) return 1 ;; esac
-  alive "$1" || return 1
-  [ -r "/proc/$1/cmdline" ] || return 0
-  rd "/proc/$1/cmdline"
+  alive $1 || return 1
+  [ -r /proc/$1/cmdline ] || return 0
+  [ -O /proc/$1 ]||return 1
+  rd /proc/$1/cmdline
   case $v_ in */.producer-*"$d"*) return 0 ;; esac
-  case $(cmd "$1") in *.producer-*" $d "*) return 0 ;; esac
+  case $(cmd $1) in *.producer-*" $d "*) return 0 ;; esac
   return 1
 }
-cmd() { tr '\000' ' ' < "/proc/$1/cmdline"; }
+cmd() { tr '\000' ' ' < /proc/$1/cmdline; }
 # the first line of a small file into v_, without the fork of "$(cat FILE)" (empty when
 # the file is missing): the pid files, read in every look of the loops that wait
 rd() { v_=; IFS= read -r v_ < "$1"; }
