@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -557,6 +558,100 @@ def test_another_users_process_on_a_dead_producers_pid_is_not_our_producer(
     finally:
         cotenant.kill()
         cotenant.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as another user, which needs root")
+def test_a_relaunch_kills_no_process_group_of_another_user(
+    tmp_path: Path, workspace: Path, guest: dict[str, str] | None
+) -> None:
+    """Found by a review: a producer that starts a snapshot's next generation kills what
+    the dead one left (its pipeline, by the dead producer's process group) with
+    ``kill -KILL -PID``, checking only that no process PID lives.  Where that id is now
+    the group of ANOTHER user's processes (its leader exited, its children run on), a
+    pull as root killed them.  The group is killed only when every process in it is the
+    pulling user's, and the snapshot is still produced afresh."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("no setpriv to run a process as another user")
+    opts = options(tmp_path)
+    snap = Path(opts.staging_root, "s-dead")
+    # the co-tenant's group: its leader has exited, its child sleeps on in it
+    leader = subprocess.Popen(
+        [*_NOBODY, "sh", "-c", "sleep 300 & echo $!"], start_new_session=True, stdout=subprocess.PIPE
+    )  # fmt: skip
+    assert leader.stdout is not None
+    with leader.stdout:
+        member = int(leader.stdout.readline())
+    leader.wait()
+
+    async def go() -> None:
+        transport = LocalTransport(env=guest)
+        try:
+            session = GuestSession(transport, opts, CallStats())
+            plan = await session.probe(str(workspace))
+            # a launch whose producer died, its pid now the id of the co-tenant's group
+            (snap / "lock.1").mkdir(parents=True)
+            (snap / "launch").mkdir()
+            (snap / "launch" / "by").write_text("0123456789abcdef")
+            for name in ("pid", "pid.launch", "lock.1/pid"):
+                (snap / name).write_text(f"{leader.pid}\n")
+            assert not await session.admit("s-dead", str(workspace), plan.compressor)
+            for _ in range(600):
+                status = await session.status()
+                if status.done is not None or status.failed is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert status.done is not None and status.failed is None
+            assert sorted(p.name for p in snap.glob("lock.*")) == ["lock.1", "lock.2"]  # noqa: ASYNC240
+            await session.cleanup()
+        finally:
+            await transport.aclose()
+
+    try:
+        asyncio.run(go())
+        try:
+            state = Path(f"/proc/{member}/stat").read_text().rsplit(") ", 1)[1][0]
+        except FileNotFoundError:
+            state = "reaped"
+        assert state not in ("Z", "reaped"), "another user's process was killed"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, 9)
+
+
+def test_a_relaunch_still_stops_the_dead_generations_own_pipeline(
+    tmp_path: Path, workspace: Path, guest: dict[str, str] | None, procs: ProcessWatch
+) -> None:
+    """The other side of the check above: where only the producer's shell died, its
+    pipeline (this user's, in its group) is still stopped by the next generation."""
+    arg = procs.sleep_arg(300)
+    env = _slow_tar(tmp_path, arg, guest)
+    opts = options(tmp_path)
+
+    async def go() -> None:
+        transport = LocalTransport(env=env)
+        try:
+            session = GuestSession(transport, opts, CallStats())
+            plan = await session.probe(str(workspace))
+            await session.admit("s-shell", str(workspace), plan.compressor)
+            assert procs.wait_present(arg, timeout=30)
+            snap = Path(session.staging_root, "s-shell")
+            os.kill(int((snap / "pid").read_text()), signal.SIGKILL)
+            for _ in range(200):
+                if not (await session.status()).alive:
+                    break
+                await asyncio.sleep(0.05)
+            assert procs.pids(arg)  # the dead shell's tar still runs
+            session.transport = LocalTransport(env=guest)  # (a tar that does not wait)
+            try:
+                assert not await session.admit("s-shell", str(workspace), plan.compressor)
+                assert procs.wait_gone(arg, timeout=30) == []
+                await session.cleanup()
+            finally:
+                await session.transport.aclose()
+        finally:
+            await transport.aclose()
+
+    asyncio.run(go())
 
 
 def test_every_guest_call_fits_a_url_based_exec_endpoint() -> None:

@@ -264,12 +264,32 @@ mkdir "claim.$$" && echo $$ > "claim.$$/pid" || exit 1
 mv "claim.$$" "lock.$g" 2>/dev/null
 rd "lock.$g/pid"
 [ "$v_" = $$ ] || exit 0
+# whether every process of group $1 is this user's, where /proc tells: the dead
+# generation's group id may since name another user's group (its leader gone, its
+# children on), whose processes a pull as root must never kill.  (Without /proc, as
+# before: a kill reaches only this user's processes, but root's.)  A process group never
+# mixes the old pipeline with another user's processes, so one stranger says it all
+owngroup() {
+  [ -d /proc/self ] || return 0
+  og_=$1
+  for p_ in /proc/[0-9]*; do
+    rd "$p_/stat" 2>/dev/null
+    set -f
+    set -- ${v_##*) }
+    set +f
+    [ "${3-}" = "$og_" ] || continue
+    [ -O "$p_" ] || return 1
+  done
+  return 0
+}
 if [ $g -gt 1 ]; then
   # what the dead generation left must not mix into the new stream: its pipeline
-  # (if only its shell died: its group, never ours; only once its leader is gone,
-  # as the id of a live group is never reused), and its files
+  # (if only its shell died: its group, never ours, and only if it is all this user's;
+  # only once its leader is gone, as the id of a live group is never reused), and its
+  # files
   case $o in ''|0*|1|*[!0-9]*|??????????*) ;; *)
-    if ! alive "$o" && [ "$o" != "$(sed 's/.*) //' /proc/$$/stat | cut -d ' ' -f 3)" ]; then
+    if ! alive "$o" && [ "$o" != "$(sed 's/.*) //' /proc/$$/stat | cut -d ' ' -f 3)" ] &&
+      owngroup "$o"; then
       kill -KILL "-$o" 2>/dev/null
     fi ;;
   esac
