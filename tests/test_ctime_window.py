@@ -637,3 +637,59 @@ def test_a_directory_changed_between_the_swap_and_the_commit_is_repaired(
     monkeypatch.undo()
     assert (dest / "src" / "deep").stat().st_mode & 0o777 == 0o700
     pull(ws, dest, opts)  # exact: the mode is the guest's again
+
+
+#: ``tar`` whose first whole read (``-cf``, no ``-N``) has the file ``{file}`` rewritten in
+#: place while it is half-way through it (tar blocked on its full pipe after 1 MiB): what a
+#: concurrent writer does.  ``{mark}.same`` says the rewrite came within the second of the
+#: producer's mark ``m`` (its directory is tar's current one), the window to hit
+_TEARING_TAR = """#!/bin/sh
+case " $* " in *" -N "*) exec {real} "$@" ;; *" -cf "*) ;; *) exec {real} "$@" ;; esac
+[ -e {mark} ] && exec {real} "$@"
+: > {mark}
+{{ {real} "$@"; echo $? > {mark}.rc; }} | {{
+  head -c 1048576
+  s=$(stat -c %Y m)
+  dd if=/dev/zero of={file} bs=1048576 count=8 conv=notrunc 2>/dev/null
+  [ "$(date +%s)" = "$s" ] && : > {mark}.same
+  cat
+}}
+exit $(cat {mark}.rc)
+"""
+
+
+def test_a_file_rewritten_while_read_on_a_workspace_of_whole_seconds(
+    tmp_path: Path, coarse_fs: Path
+) -> None:
+    """Found by a red-team review: the producer tells a file changed while tar read it by
+    its times against a mark taken just before the read, on the staging's filesystem, in
+    nanoseconds.  On a workspace whose filesystem stamps whole seconds, a rewrite within
+    the mark's own second is stamped before the mark: find did not list it, GNU tar's
+    ``-N`` round would not have read it again, and the pull succeeded with the file half
+    old, half new (a version that never existed; GNU tar's own "file changed as we read
+    it" only became a warning).  Now it is read again: DEST never holds a torn file.
+    (Busybox's find compares whole seconds: there the mark's wait for its tick was a
+    second already.)  Each try rewrites the file once; the old code was caught by the
+    first try whose rewrite fell in the mark's second (most do)."""
+    ws = coarse_fs / "ws"
+    ws.mkdir()
+    target = ws / "f"
+    bindir, mark = tmp_path / "shim", tmp_path / "rewritten"
+    bindir.mkdir()
+    real = shutil.which("tar")
+    assert real
+    (bindir / "tar").write_text(_TEARING_TAR.format(real=real, mark=mark, file=target))
+    (bindir / "tar").chmod(0o755)
+    env = {"PATH": f"{bindir}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+    old, new = b"A" * (8 << 20), b"\0" * (8 << 20)
+    for attempt in range(4):
+        for name in ("", ".same", ".rc"):
+            Path(f"{mark}{name}").unlink(missing_ok=True)
+        target.write_bytes(old)
+        time.sleep(1.05)  # written a second before the pull: not "changed" by itself
+        dest = tmp_path / f"out{attempt}"
+        result = run_pull(LocalTransport(env=env), ws, dest, options(tmp_path, full=True))
+        assert Path(mark).exists()  # the file was rewritten while read
+        assert result.ok and (dest / "f").read_bytes() in (old, new), "a torn file in DEST"
+        if Path(f"{mark}.same").exists():
+            break
