@@ -481,6 +481,28 @@ def test_excludes_and_dry_run_from_the_command_line(tmp_path: Path) -> None:
     assert not (other / "node_modules").exists()
 
 
+def test_exclude_from_dash_reads_standard_input(tmp_path: Path) -> None:
+    """``--exclude-from -`` reads the patterns from stdin, as rsync does (it was taken for
+    a file named "-")."""
+    ws, dest = tmp_path / "ws", tmp_path / "out"
+    prepare(ws)
+    (ws / "src" / "x.pyc").write_bytes(b"bytecode")
+    args = [f"local:{ws}", str(dest), "--exclude-from", "-", "--state-dir", str(tmp_path / "st")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "wsync", "pull", *args, "--staging-dir", str(tmp_path / "sg")],
+        input="# from a pipe\n*.pyc\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert not (dest / "src" / "x.pyc").exists()
+    t = os.stat(ws / "src").st_mtime_ns
+    (ws / "src" / "x.pyc").unlink()
+    os.utime(ws / "src", ns=(t, t))
+    assert_exact(ws, dest)
+
+
 def test_a_missing_exclude_file_is_exit_2(tmp_path: Path) -> None:
     proc = cli("local:/tmp", str(tmp_path / "o"), "--exclude-from", str(tmp_path / "nope"))
     assert proc.returncode == 2

@@ -459,7 +459,7 @@ def build_parser(full: bool = False) -> argparse.ArgumentParser:
         default=[],
         type=path_arg,
         metavar="FILE",
-        help="read exclude patterns from FILE, one a line (# comments)",
+        help="read exclude patterns from FILE, one a line (# comments); - reads stdin",
     )
     p.add_argument(
         "--dry-run",

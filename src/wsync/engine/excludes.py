@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -73,7 +74,8 @@ class Excludes:
 
     @classmethod
     def from_options(cls, patterns: Sequence[str], files: Sequence[Path]) -> Excludes:
-        """Patterns from ``--exclude`` (in order) then from each ``--exclude-from`` file.
+        """Patterns from ``--exclude`` (in order) then from each ``--exclude-from`` file
+        (``-``: standard input).
 
         UsageError (exit 2, one line) for a file that cannot be read or a malformed pattern.
         """
@@ -82,7 +84,8 @@ class Excludes:
             collected.append(check_pattern(pattern, f"--exclude {pattern!r}"))
         for file in files:
             try:
-                data = Path(file).read_bytes()
+                # "-": standard input, as rsync reads it (a second "-" finds it read)
+                data = sys.stdin.buffer.read() if str(file) == "-" else Path(file).read_bytes()
             except OSError as exc:
                 raise UsageError(
                     f"--exclude-from {file}: cannot read it: {exc.strerror or exc}"
