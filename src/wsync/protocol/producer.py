@@ -270,17 +270,11 @@ rd "lock.$g/pid"
 # before: a kill reaches only this user's processes, but root's.)  A process group never
 # mixes the old pipeline with another user's processes, so one stranger says it all
 owngroup() {
-  [ -d /proc/self ] || return 0
-  og_=$1
   for p_ in /proc/[0-9]*; do
-    rd "$p_/stat" 2>/dev/null
-    set -f
-    set -- ${v_##*) }
-    set +f
-    [ "${3-}" = "$og_" ] || continue
-    [ -O "$p_" ] || return 1
+    rd $p_/stat 2>/dev/null
+    set -f; set -- ${v_##*) }; set +f
+    [ "${3-}" != $o ] || [ -O $p_ ] || return 1
   done
-  return 0
 }
 if [ $g -gt 1 ]; then
   # what the dead generation left must not mix into the new stream: its pipeline
@@ -289,7 +283,7 @@ if [ $g -gt 1 ]; then
   # files
   case $o in ''|0*|1|*[!0-9]*|??????????*) ;; *)
     if ! alive "$o" && [ "$o" != "$(sed 's/.*) //' /proc/$$/stat | cut -d ' ' -f 3)" ] &&
-      owngroup "$o"; then
+      owngroup; then
       kill -KILL "-$o" 2>/dev/null
     fi ;;
   esac
@@ -358,13 +352,12 @@ tick() {
   # file clock's next one: what changes while it reads is stamped later than the mark
   # (up to a second a round, on such a workspace only)
   if [ -n "$ws1" ]; then
-    s_=$(stat -c %Y m) && touch -d "@$s_" m || fail "cannot write a mark"
-    k_=0
-    until : > tick.t && [ "$(stat -c %Y tick.t)" -gt "$s_" ]; do
-      # (bounded: a stat that stops answering must not hold the read forever)
-      [ $k_ -lt 60 ] || fail "the file clock did not reach the next second"
-      sleep 0.05 2>/dev/null || sleep 1
-      k_=$((k_ + 1))
+    s_=$(stat -c %Y m) && touch -d @$s_ m || fail "cannot write a mark"
+    t_=0
+    until : > tick.t && [ $(stat -c %Y tick.t) -gt $s_ ]; do
+      [ $t_ -lt 99 ] || fail "cannot write a mark"
+      sleep 0.02 2>/dev/null || sleep 1
+      t_=$((t_ + 1))
     done
   fi
 }
