@@ -273,7 +273,22 @@ class JobManager:
     async def start(self) -> int:
         """Re-queue jobs interrupted by the previous process, start schedulers."""
         resumed = self.store.list(states=("queued", "running"), limit=1_000_000, newest_first=False)
-        for job in resumed:
+        for job in list(resumed):
+            if self.store.cancel_requested(job.id):
+                # a DELETE was acknowledged and the daemon died before the pull stopped:
+                # the job ends as the client was told, it is not pulled again
+                job.state, job.finished_at = "cancelled", time.time()
+                job.error, job.error_kind, job.exit_code = (
+                    "cancelled by request",
+                    "interrupted",
+                    130,
+                )
+                resumed.remove(job)
+                self.metrics.pulls.labels(self._label(job.sandbox), "cancelled").inc()
+                log.info("job.cancelled", job_id=job.id, sandbox=job.sandbox)
+                if not self._save(job):  # refused: written again until the store takes it
+                    self._keep_unsaved(job)
+                continue
             if job.state == "running":
                 job.state = "queued"
                 self._save(job)  # refused: the row says running, and it runs all the same
@@ -403,6 +418,9 @@ class JobManager:
             raise JobFinished(f"job {job_id} already {job.state}")
         run = self._running.get(job_id)
         if run is not None:
+            # recorded first, so that a daemon killed before the pull stops does not pull
+            # the job again at its next start (refused: the caller's error, nothing asked)
+            self.store.request_cancel(job_id)
             # only a request to the pull's thread: its clean-up (joins, removing
             # a half-written tree) happens there, never on this loop
             run.cancel_requested = True
@@ -511,11 +529,7 @@ class JobManager:
         if not self._save(job):
             # the pull is over whatever the store says: the queue goes on, and the record
             # is written again until it lands
-            self._unsaved[job.id] = job
-            if self._resaving is None or self._resaving.done():
-                self._resaving = asyncio.get_running_loop().create_task(
-                    self._resave(), name="resave jobs"
-                )
+            self._keep_unsaved(job)
         if state != "queued":
             self.metrics.observe_pull(label, state, elapsed, summary)
         log.info(
@@ -540,6 +554,14 @@ class JobManager:
             return False
         self._unsaved.pop(job.id, None)  # a later record of the job replaces the one kept
         return True
+
+    def _keep_unsaved(self, job: Job) -> None:
+        """Keep ``job``'s record, which the store refused, to write it again later."""
+        self._unsaved[job.id] = job
+        if self._resaving is None or self._resaving.done():
+            self._resaving = asyncio.get_running_loop().create_task(
+                self._resave(), name="resave jobs"
+            )
 
     async def _resave(self) -> None:
         """Write the records the store refused again, backing off to 30 s, until none is

@@ -57,7 +57,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     result      TEXT,
     error       TEXT,
     error_kind  TEXT,
-    exit_code   INTEGER
+    exit_code   INTEGER,
+    cancel_requested INTEGER NOT NULL DEFAULT 0
 );
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_active ON jobs(uri, dest)
     WHERE state IN ('queued', 'running');
@@ -140,6 +141,11 @@ class JobStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(_SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+            if "cancel_requested" not in columns:  # a jobs.db of an older wsync
+                self._db.execute(
+                    "ALTER TABLE jobs ADD COLUMN cancel_requested INTEGER NOT NULL DEFAULT 0"
+                )
         except (OSError, sqlite3.Error) as err:
             raise HostIOError(f"job store {path}: {err}") from None
         self.path = path
@@ -184,6 +190,17 @@ class JobStore:
         sets = ", ".join(f"{name} = ?" for name in _COLUMNS[1:])
         params = self._params(job)
         self._exec(f"UPDATE jobs SET {sets} WHERE id = ?", [*params[1:], params[0]])  # noqa: S608
+
+    def request_cancel(self, job_id: str) -> None:
+        """Record that a ``DELETE`` asked the running job ``job_id`` to stop: a daemon
+        killed before the pull stopped ends it ``cancelled`` at its next start instead of
+        pulling it again (the cancel was acknowledged to the client)."""
+        self._exec("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", [job_id])
+
+    def cancel_requested(self, job_id: str) -> bool:
+        cur = self._exec("SELECT cancel_requested FROM jobs WHERE id = ?", [job_id])
+        row = cur.fetchone()
+        return bool(row and row[0])
 
     def get(self, job_id: str) -> Job | None:
         cur = self._exec(f"SELECT {', '.join(_COLUMNS)} FROM jobs WHERE id = ?", [job_id])  # noqa: S608
