@@ -84,3 +84,40 @@ CREATE TABLE jobs (id TEXT PRIMARY KEY, sandbox TEXT NOT NULL, uri TEXT NOT NULL
     finally:
         daemon.close()
     assert done["attempts"] == 2, done
+
+
+def test_a_reload_does_not_pull_every_scheduled_sandbox_again(tmp_path: Path) -> None:
+    """``systemctl reload`` (SIGHUP) re-reads the config; a sandbox pulled every 30 s is
+    still pulled about every 30 s, not once more after every reload."""
+    make_tree(tmp_path / "ws", seed=5)
+    roots = tmp_path / "roots"
+    roots.mkdir()
+    config = base_config(
+        tmp_path,
+        f"""
+[sandboxes.tick]
+uri = "local:{tmp_path}/ws"
+dest = "{roots}/tick"
+interval = 30
+jitter = 0.1
+""",
+    )
+    daemon = DaemonProcess(tmp_path, config)
+
+    def fired() -> list[dict[str, object]]:
+        status, body = daemon.request("GET", "/v1/pulls?sandbox=tick")
+        assert status == 200, body
+        return [job for job in body["jobs"] if job["trigger"] == "schedule"]
+
+    try:
+        daemon.start()
+        daemon.wait_until(lambda: len(fired()) == 1, timeout=10, what="the first scheduled pull")
+        for _ in range(3):
+            time.sleep(4)
+            daemon.signal(signal.SIGHUP)
+        time.sleep(4)
+        jobs = fired()
+    finally:
+        daemon.close()
+    assert daemon.log().count("config.reloaded") >= 1
+    assert len(jobs) == 1, f"{len(jobs)} scheduled pulls in ~20 s of a 30 s interval"

@@ -260,6 +260,9 @@ class JobManager:
         self._queue: list[str] = []  # job ids, FIFO
         self._running: dict[str, _Running] = {}
         self._schedulers: dict[str, asyncio.Task[None]] = {}
+        #: when each schedule fires next (monotonic): a reload restarts the schedulers,
+        #: which go on from there instead of firing every sandbox again at once
+        self._next_fire: dict[str, float] = {}
         self._accepting = False
         self._shutting_down = False
         self._threads: list[PullThread[PullResult]] = []
@@ -647,6 +650,8 @@ class JobManager:
 
     def _start_schedulers(self) -> None:
         loop = asyncio.get_running_loop()
+        for name in set(self._next_fire) - set(self.config.sandboxes):
+            del self._next_fire[name]
         for name, box in self.config.sandboxes.items():
             if box.interval is not None:
                 self._schedulers[name] = loop.create_task(
@@ -654,9 +659,15 @@ class JobManager:
                 )
 
     async def _schedule(self, name: str, interval: float, jitter: float) -> None:
-        """Submit a pull of ``name`` now-ish and then every ``interval`` +/- jitter."""
-        delay = random.uniform(0, interval * jitter)  # noqa: S311 - spreading load, not security
+        """Submit a pull of ``name`` now-ish and then every ``interval`` +/- jitter; after a
+        reload, when the schedule before it was due (at most an interval away)."""
+        due = self._next_fire.get(name)
+        if due is None:
+            delay = random.uniform(0, interval * jitter)  # noqa: S311 - spreading load
+        else:
+            delay = min(max(due - time.monotonic(), 0.0), interval * (1 + jitter))
         while True:
+            self._next_fire[name] = time.monotonic() + delay
             await asyncio.sleep(delay)
             try:
                 job, reconciled = self.submit(name, None, trigger="schedule")
