@@ -121,3 +121,48 @@ jitter = 0.1
         daemon.close()
     assert daemon.log().count("config.reloaded") >= 1
     assert len(jobs) == 1, f"{len(jobs)} scheduled pulls in ~20 s of a 30 s interval"
+
+
+def test_a_job_that_just_ended_survives_the_prune_after_the_clock_stepped_back(
+    tmp_path: Path,
+) -> None:
+    """The host's clock stepped back an hour (NTP correcting a fast clock, a VM restored
+    from a snapshot): the jobs recorded before the step have later ``created_at`` than
+    any new one.  Pruning keeps the newest ``keep_finished_jobs`` finished jobs; a job
+    that just ended is the newest of all, and must not be the first one dropped."""
+    make_tree(tmp_path / "ws", seed=6)
+    roots = tmp_path / "roots"
+    roots.mkdir()
+    config = base_config(
+        tmp_path,
+        f"""
+[sandboxes.a]
+uri = "local:{tmp_path}/ws"
+dest = "{roots}/a"
+[sandboxes.b]
+uri = "local:{tmp_path}/ws"
+dest = "{roots}/b"
+""",
+        keep_finished_jobs=10,
+    )
+    daemon = DaemonProcess(tmp_path, config)
+    try:
+        daemon.start()  # creates jobs.db
+        daemon.signal(signal.SIGTERM)
+        assert daemon.wait_exit() == 0
+        ahead = time.time() + 3600  # recorded before the clock went back an hour
+        with sqlite3.connect(tmp_path / "state" / "jobs.db") as db:
+            for i in range(10):
+                db.execute(
+                    "INSERT INTO jobs (id, sandbox, uri, dest, state, trigger, created_at, "
+                    "finished_at) VALUES (?, 'a', 'local:/x', ?, 'succeeded', 'api', ?, ?)",
+                    (f"j-old-{i}", f"{roots}/old{i}", ahead + i, ahead + i),
+                )
+        daemon.start()
+        first = daemon.pull("a")
+        daemon.wait_job(first["id"], timeout=60)
+        daemon.pull("b")  # a new job prunes the finished ones
+        status, body = daemon.request("GET", f"/v1/pulls/{first['id']}")
+    finally:
+        daemon.close()
+    assert status == 200, f"the job that just succeeded was pruned at once: {body}"

@@ -11,6 +11,11 @@ belong to the engine and live under ``state_dir/engine``; a queued or running
 job found here at start-up is simply pulled again with the same options, and
 the engine resumes it from its journal.
 
+Jobs are ordered (listed, requeued at start-up, pruned) by ``rowid``, the order they
+were inserted in, not by ``created_at``: the wall clock steps back (NTP, a VM restored
+from a snapshot), and a job created after such a step would sort before every older
+one, be requeued after them and be the first finished job pruned, the moment it ended.
+
 A partial unique index on ``(uri, dest)`` over active jobs enforces the dedupe
 rule (one queued-or-running job per sandbox and destination) in the database
 itself, not only in memory.
@@ -237,7 +242,7 @@ class JobStore:
         order = "DESC" if newest_first else "ASC"
         cur = self._exec(
             f"SELECT {', '.join(_COLUMNS)} FROM jobs {clause} "  # noqa: S608
-            f"ORDER BY created_at {order}, id {order} LIMIT ?",
+            f"ORDER BY rowid {order} LIMIT ?",
             [*params, limit],
         )
         return [self._row(row) for row in cur.fetchall()]
@@ -253,7 +258,7 @@ class JobStore:
         cur = self._exec(
             "DELETE FROM jobs WHERE id IN (SELECT id FROM jobs "
             "WHERE state IN ('succeeded', 'failed', 'cancelled') "
-            "ORDER BY created_at DESC LIMIT -1 OFFSET ?)",
+            "ORDER BY rowid DESC LIMIT -1 OFFSET ?)",
             [keep_finished],
         )
         return cur.rowcount
