@@ -255,6 +255,9 @@ class FleetManager:
             raise JobFinished(f"job {job_id} already {job.state}")
         run = self._running.get(job_id)
         if run is not None:
+            # in the store first: should this daemon die before its pull stops, the daemon
+            # that takes the job over must cancel it, not pull it (the caller got a 202)
+            await self._store(self.store.request_cancel(job_id))
             run.cancel_requested = True
             run.stop()
             return job
