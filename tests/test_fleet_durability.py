@@ -41,3 +41,38 @@ chaos = "slow=1,close=5"
         attempts = group.attempts(job["id"])
     assert final["state"] == "cancelled", (final, attempts)
     assert not (tmp_path / "roots" / "box").exists(), "a cancelled job swapped DEST"
+
+
+def test_a_job_submitted_on_a_host_whose_clock_is_behind_is_not_pruned_first(
+    tmp_path: Path,
+    pg_dsn: str,  # noqa: F811
+) -> None:
+    """Two fleet hosts whose clocks disagree by an hour: the fleet keeps the newest
+    ``keep_finished_jobs`` finished jobs, and a job that just succeeded is the newest of
+    all whichever host took the request; it must not be the one pruned at once."""
+    make_tree(tmp_path / "ws", seed=9)
+    sandbox = f"""
+[sandboxes.box]
+uri = "local:{tmp_path}/ws"
+dest = "{tmp_path}/roots/box"
+"""
+    fast = tmp_path / "fast-clock"
+    fast.mkdir()
+    (fast / "sitecustomize.py").write_text(
+        "import time\n_real = time.time\ntime.time = lambda: _real() + 3600.0\n"
+    )
+    with fleet(tmp_path, pg_dsn, sandbox, lease=3.0, keep_finished_jobs=10) as group:
+        ahead = group.add(start=False)
+        ahead.env["PYTHONPATH"] = f"{fast}:{ahead.env.get('PYTHONPATH', '')}"
+        ahead.start()
+        for i in range(10):
+            job = ahead.pull("box", f"{tmp_path}/roots/old{i}")
+            ahead.wait_job(job["id"], timeout=60)
+        ahead.kill9()
+        behind = group.add()  # an hour behind the other one
+        newest = behind.pull("box")
+        behind.wait_job(newest["id"], timeout=60)
+        behind.pull("box", f"{tmp_path}/roots/next")  # a new job prunes the finished ones
+        time.sleep(1)  # the prune runs beside the answer
+        status, body = behind.request("GET", f"/v1/pulls/{newest['id']}")
+    assert status == 200, f"the job that just succeeded was pruned at once: {body}"

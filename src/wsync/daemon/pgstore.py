@@ -24,6 +24,10 @@ How the rules hold with several daemons writing at once:
   handing it back) carries ``WHERE fence = %s``: a daemon that was frozen or
   cut off and wakes up after a takeover changes nothing.
 * **Dedupe**: a partial unique index over active jobs, as in SQLite.
+* **Order**: a job's ``created_at`` is the database's clock at its insert, not the
+  submitting daemon's: the claims' first-in first-out and the prune of the oldest
+  finished jobs compare jobs that daemons on hosts with different clocks created (a
+  host an hour behind had its jobs claimed first and its finished ones pruned at once).
 * **Schedule**: ``UPDATE … WHERE next_at <= now() RETURNING`` is won by
   exactly one daemon per interval, and the job is inserted in the same
   transaction.
@@ -352,12 +356,14 @@ class PgStore:
         for _ in range(5):
             rows = await self._run(
                 f"INSERT INTO wsync_jobs ({_JOB_COLUMNS}) VALUES "  # noqa: S608
-                "(%s, %s, %s, %s, 'queued', %s, %s, NULL, NULL, 0, '{}', NULL, NULL, NULL, NULL) "
+                "(%s, %s, %s, %s, 'queued', %s, extract(epoch FROM clock_timestamp()), "
+                "NULL, NULL, 0, '{}', NULL, NULL, NULL, NULL) "
                 "ON CONFLICT (uri, dest) WHERE state IN ('queued', 'running') DO NOTHING "
-                "RETURNING id",
-                (job.id, job.sandbox, job.uri, job.dest, job.trigger, job.created_at),
+                "RETURNING id, created_at",
+                (job.id, job.sandbox, job.uri, job.dest, job.trigger),
             )
             if rows:
+                job.created_at = float(rows[0]["created_at"])
                 return job, False
             found = await self._run(
                 f"SELECT {_JOB_COLUMNS} FROM wsync_jobs "  # noqa: S608
@@ -641,12 +647,14 @@ FOR UPDATE OF j SKIP LOCKED
                     return None
                 cur = await conn.execute(
                     "INSERT INTO wsync_jobs (id, sandbox, uri, dest, state, trigger, created_at) "
-                    "VALUES (%s, %s, %s, %s, 'queued', %s, %s) "
+                    "VALUES (%s, %s, %s, %s, 'queued', %s, extract(epoch FROM clock_timestamp())) "
                     "ON CONFLICT (uri, dest) WHERE state IN ('queued', 'running') DO NOTHING "
-                    "RETURNING id",
-                    (job.id, job.sandbox, job.uri, job.dest, job.trigger, job.created_at),
+                    "RETURNING created_at",
+                    (job.id, job.sandbox, job.uri, job.dest, job.trigger),
                 )
-                if await cur.fetchone() is not None:
+                inserted = await cur.fetchone()
+                if inserted is not None:
+                    job.created_at = float(inserted[0])
                     return job, False
                 dict_cur = conn.cursor(row_factory=dict_row)
                 await dict_cur.execute(
