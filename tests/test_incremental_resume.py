@@ -364,3 +364,42 @@ def test_a_journal_that_fails_after_the_swap_is_a_warning_not_the_pulls_error(
     (ws / "b").write_text("b two, longer\n")
     assert run_pull(LocalTransport(), ws, dest, opts).ok
     assert_exact(ws, dest)
+
+
+@pytest.mark.parametrize("change", [["--chunk-size", "128K"], ["--exclude", "*.tmp"]])
+def test_a_rerun_that_cannot_resume_the_killed_runs_snapshot_removes_its_staging(
+    tmp_path: Path, change: list[str]
+) -> None:
+    """A pull killed in its transfer, run again with an option that changes what must be
+    archived (another chunk size, an exclude): the killed run's snapshot cannot be resumed,
+    a fresh one is admitted.  The old one was left staged in the guest (the whole archive)
+    until the staging's 24-hour GC: a guest staging that filled up with such archives
+    refused the next pulls (exit 5)."""
+    rng = random.Random(7)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for i in range(8):
+        (ws / f"blob{i}").write_bytes(rng.randbytes(256 * 1024))
+    (ws / "x.tmp").write_bytes(b"scratch\n")
+    dest, state, stage = tmp_path / "out", tmp_path / "state", tmp_path / "stage"
+    args = argv(ws, dest, state, stage)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reached = wait_until(proc, lambda: len(list(state.glob("pulls/*/chunks/0*"))) >= 3)
+    proc.kill()
+    proc.communicate()
+    assert reached, "the pull ended before its transfer was journaled"
+    killed = {p.name for p in stage.iterdir() if p.name.startswith("s")}
+    assert killed
+
+    again = subprocess.run([*args, *change], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["resumed_chunks"] == 0  # (a fresh snapshot)
+    if "--exclude" in change:
+        (ws / "x.tmp").unlink()
+    assert_exact(ws, dest)
+    # the killed run's producer may still be finishing its snapshot: give it a moment
+    deadline = time.monotonic() + 30
+    while not all((stage / s / "done").exists() or not (stage / s).exists() for s in killed):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert [p.name for p in stage.iterdir() if p.name.startswith("s")] == []

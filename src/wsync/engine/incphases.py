@@ -248,9 +248,13 @@ class IncrementalRunner(LeftoverRunner):
             # of its own, where only an earlier dry run can have left one).  The runs
             # admitted after it go with it, so that a fresh listing never meets an older
             # snapshot
-            self.journal.forget()
-            self.journal.phase("select").forget()
+            runs = (self.journal, self.journal.phase("select"))
+            metas = [run.meta for run in runs]
+            for run in runs:
+                run.forget()
             journal.forget()
+            for meta in metas:  # (named for cleanup once forgotten: see choose_snapshot)
+                self.abandon(meta)
             snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
         journaled = await self.admit_phase(plan, journal, snapshot, "manifest", prune)
 

@@ -287,6 +287,14 @@ class Journal:
             record["afresh"] = 0
         return record
 
+    def note_forgotten(self, snapshot: str) -> None:
+        """Name ``snapshot`` for the guest's cleanup (:meth:`forgotten`): an earlier run's
+        snapshot this run does not resume (other options, another listing), whose
+        staging (a whole archive, perhaps) would else stay in the guest until its GC."""
+        ids = self.forgotten()
+        if snapshot not in ids:
+            write_atomic(self.dir / "forgotten.json", json.dumps(sorted({*ids, snapshot})).encode())
+
     def forgotten(self) -> list[str]:
         """Snapshots a ``--restart`` forgot whose guest staging may still be there: every
         run of this pull names them in its cleanup, until one succeeds and the journal

@@ -26,6 +26,7 @@ from wsync.engine.phases import _WIND_DOWN_S, StreamRunner, new_snapshot_id
 from wsync.engine.winddown import await_thread, in_thread
 from wsync.errors import HostIOError, WsyncError
 from wsync.protocol.records import CHUNK_SCHEDULE
+from wsync.protocol.scripts import SNAPSHOT_ID
 
 log = structlog.get_logger("wsync.pull")
 
@@ -132,7 +133,25 @@ class LeftoverRunner(StreamRunner):
             return snapshot
         snapshot = new_snapshot_id()
         journal.start({**wanted, "snapshot": snapshot, "created": time.time()})
+        # (only now, as --restart does: killed in between, a snapshot both resumable and
+        # named for cleanup could lose its staging under the run that resumes it)
+        self.abandon(meta)
         return snapshot
+
+    def abandon(self, meta: Mapping[str, Any] | None) -> None:
+        """The snapshot an earlier run journaled in ``meta``, which no run resumes now: its
+        guest staging goes in this pull's last cleanup (and in every later run's, until one
+        succeeds: :meth:`Journal.note_forgotten`).  Without this a killed pull rerun with
+        another chunk size, exclude or compressor, or after a new listing, left the killed
+        run's whole archive in the guest until the staging's GC, a day later."""
+        old = meta.get("snapshot") if meta else None
+        if not isinstance(old, str) or not SNAPSHOT_ID.fullmatch(old):
+            return
+        if self.options.keep_staging or self.options.dry_run:
+            return  # kept on request; a dry run's journal is its own (no content run)
+        self.journal.note_forgotten(old)
+        if old not in self.snapshots:
+            self.snapshots.append(old)
 
     async def clean_guest(self, *snapshots: str) -> WsyncError | TimeoutError | None:
         """Remove ``snapshots`` (by default the session's) from the guest staging, in one

@@ -122,6 +122,15 @@ class _Pull(FinishRunner):
         if run == "apply":
             return await self.apply_only(inc)
         journal = self.journal if run == "tar" else self.journal.phase("select")
+        other = self.journal.phase("select") if run == "tar" else self.journal
+        if other.meta is not None and not self.options.dry_run:
+            # an earlier run of the other kind (a whole-tree run killed, rerun with an
+            # exclude; or the other way round), which this one does not resume: its
+            # staging goes with this pull's (a later run that could have resumed it, the
+            # option put back under the same listing, fetches afresh: slower, never wrong)
+            meta = other.meta
+            other.forget()
+            self.abandon(meta)
         listing = b""
         extra: dict[str, Any] = {}
         if self.listing is not None:
@@ -448,7 +457,8 @@ async def _pull(
         fresh = _Pull(
             transport, workspace, real, options, journal, on_progress, runner.stats, helpers
         )
-        fresh.snapshots.extend(forgotten)
+        # (read again: this run may have named more, abandoning an earlier run's snapshot)
+        fresh.snapshots.extend(journal.forgotten())
         fresh.warnings.append(f"{warning} ({error}); started afresh")
         return fresh
 
@@ -484,7 +494,6 @@ async def _pull(
                 raise_if_cancelled()  # (before anything is forgotten)
                 if not journal.give_way(refused, time.time()):
                     raise
-                forgotten = journal.forgotten()
                 runner = afresh("the snapshot an earlier run left is over this run's limits", exc)
                 stats, chunks, length, old = await _attempt(runner)
     except TimeoutError:
