@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -230,6 +232,34 @@ def test_missing_exclude_from_file(tmp_path: Path) -> None:
         Excludes.from_options([], [tmp_path / "nope"])
     assert err.value.exit_code == 2
     assert "--exclude-from" in str(err.value) and "nope" in str(err.value)
+
+
+def test_exclude_from_dash_without_a_stdin_is_a_usage_error(tmp_path: Path) -> None:
+    """``--exclude-from -`` in a process started with fd 0 closed (``<&-``: Python's
+    ``sys.stdin`` is None) was an internal error (exit 1, "report this"): it is the
+    same "cannot read it" (exit 2) as a file that cannot be read."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    argv = [sys.executable, "-m", "wsync", "pull", f"local:{ws}", str(tmp_path / "out")]
+    argv += ["--exclude-from", "-", "--state-dir", str(tmp_path / "st")]
+    proc = subprocess.run(
+        ["sh", "-c", 'exec "$@" <&-', "sh", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "--exclude-from -: cannot read it" in proc.stderr
+    assert "internal error" not in proc.stderr
+
+
+def test_exclude_from_dash_reads_an_in_process_callers_text_stdin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An in-process caller of ``wsync.cli.main`` may have put a text stream (no
+    ``.buffer``) in ``sys.stdin``: its patterns are read, not an AttributeError."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("# a comment\n*.pyc\ncaf\u00e9\n"))
+    assert Excludes.from_options([], [Path("-")]).patterns == ("*.pyc", "caf\u00e9")
+    monkeypatch.setattr(sys, "stdin", None)
+    with pytest.raises(UsageError, match="cannot read it"):
+        Excludes.from_options([], [Path("-")])
 
 
 def test_malformed_line_in_file_names_the_line(tmp_path: Path) -> None:

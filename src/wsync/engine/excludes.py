@@ -29,6 +29,7 @@ line; blank lines and lines starting with ``#`` or ``;`` are skipped, as rsync d
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import sys
@@ -85,7 +86,7 @@ class Excludes:
         for file in files:
             try:
                 # "-": standard input, as rsync reads it (a second "-" finds it read)
-                data = sys.stdin.buffer.read() if str(file) == "-" else Path(file).read_bytes()
+                data = _read_stdin() if str(file) == "-" else Path(file).read_bytes()
             except OSError as exc:
                 raise UsageError(
                     f"--exclude-from {file}: cannot read it: {exc.strerror or exc}"
@@ -318,3 +319,16 @@ def _guard_classes(text: str) -> str:
         out.append(cls)
         i = j + 1
     return "".join(out)
+
+
+def _read_stdin() -> bytes:
+    """Standard input's bytes, for ``--exclude-from -``.  A process started with fd 0
+    closed has no ``sys.stdin`` (None), and an in-process caller of ``wsync.cli.main`` may
+    have put a text stream there: neither is an internal error."""
+    stream = sys.stdin
+    if stream is None:
+        raise OSError(errno.EBADF, "there is no standard input")
+    buffer = getattr(stream, "buffer", None)
+    if buffer is not None:
+        return bytes(buffer.read())
+    return os.fsencode(stream.read())
