@@ -693,3 +693,50 @@ def test_a_file_rewritten_while_read_on_a_workspace_of_whole_seconds(
         assert result.ok and (dest / "f").read_bytes() in (old, new), "a torn file in DEST"
         if Path(f"{mark}.same").exists():
             break
+
+
+def test_a_file_rewritten_while_read_on_a_mount_of_whole_seconds_inside_the_workspace(
+    tmp_path: Path, coarse_fs: Path
+) -> None:
+    """The producer's check for a workspace of whole seconds looked only at the
+    workspace's root.  A filesystem of whole seconds mounted inside a workspace whose
+    own filesystem stamps nanoseconds (a bind mount, a volume) was not seen, and a
+    file there rewritten within the mark's second while tar read it reached DEST torn,
+    the pull reporting success (guarantee 8)."""
+    ws = tmp_path / "ws"
+    (ws / "mnt").mkdir(parents=True)
+    (ws / "top").write_text("on the workspace's own filesystem\n")
+    if os.stat(ws).st_ctime_ns % 1_000_000_000 == 0:
+        pytest.skip("the workspace's own filesystem stamps whole seconds")
+    (coarse_fs / "part").mkdir()
+    bound = subprocess.run(
+        ["mount", "--bind", str(coarse_fs / "part"), str(ws / "mnt")],
+        capture_output=True,
+        check=False,
+    )
+    if bound.returncode != 0:
+        pytest.skip(f"no bind mount here: {bound.stderr.decode(errors='replace').strip()}")
+    try:
+        target = ws / "mnt" / "f"
+        bindir, mark = tmp_path / "shim", tmp_path / "rewritten"
+        bindir.mkdir()
+        real = shutil.which("tar")
+        assert real
+        (bindir / "tar").write_text(_TEARING_TAR.format(real=real, mark=mark, file=target))
+        (bindir / "tar").chmod(0o755)
+        env = {"PATH": f"{bindir}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+        old, new = b"A" * (8 << 20), b"\0" * (8 << 20)
+        for attempt in range(4):
+            for name in ("", ".same", ".rc"):
+                Path(f"{mark}{name}").unlink(missing_ok=True)
+            target.write_bytes(old)
+            time.sleep(1.05)  # written a second before the pull: not "changed" by itself
+            dest = tmp_path / f"out{attempt}"
+            result = run_pull(LocalTransport(env=env), ws, dest, options(tmp_path, full=True))
+            assert Path(mark).exists()  # the file was rewritten while read
+            got = (dest / "mnt" / "f").read_bytes() if result.ok else old
+            assert got in (old, new), "a torn file in DEST"
+            if Path(f"{mark}.same").exists():
+                break
+    finally:
+        subprocess.run(["umount", "-l", str(ws / "mnt")], capture_output=True, check=False)

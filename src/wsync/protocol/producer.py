@@ -333,9 +333,22 @@ case $tl in *c*) cn=-cnewer ;; esac
 case $tl in *p*) pf=1 ;; esac
 case $tl in *s*) srt=--sort=name ;; esac
 # the workspace's filesystem stamps whole seconds (ext4 of 128-byte inodes): its root's
-# ctime, which no one can set, has no fraction (see tick)
+# ctime, which no one can set, has no fraction (see tick).  So does any filesystem mounted
+# inside it (a volume, a bind mount: tar reads it too), where /proc lists them (mountinfo's
+# fifth field, with a space, tab, newline or backslash as \040, \011, \012, \134)
 ws1=
-case $(stat -c %z "$ws/." 2>/dev/null) in *.000000000\ *) ws1=1 ;; esac
+sec() { case $(stat -c %z "$1" 2>/dev/null) in *.000000000\ *) ws1=1 ;; esac; }
+sec "$ws/."
+if [ -z "$ws1" ] && [ -r /proc/self/mountinfo ] && cd -P "$ws" 2>/dev/null; then
+  # (its physical path, as mountinfo gives them, without the fork of a "$(pwd -P)")
+  wp_=${PWD%/}/
+  cd "$D" || fail "cannot return to the staging directory"
+  while [ -z "$ws1" ] && read -r a_ a_ a_ a_ mp_ a_; do
+    case $mp_ in *\\*) mp_=$(printf '%s\n' "$mp_" |
+      sed 's/\\040/ /g;s/\\011/\t/g;s/\\012/\n/g;s/\\134/\\/g'; echo .); mp_=${mp_%?.} ;; esac
+    case $mp_ in "$wp_"?*) sec "$mp_" ;; esac
+  done < /proc/self/mountinfo
+fi
 tick() {
   : > m && : > tick.t || fail "cannot write a mark"
   t_=0
