@@ -1356,7 +1356,7 @@ def test_the_producer_installs_in_parts_as_large_as_the_exec_takes(
 ) -> None:
     """A fresh sandbox gets the producer first, in parts, each a round trip on the HTTP
     backends: gzipped, in base64 (which a URL keeps nearly as it is), 3 calls for the
-    12 KB producer where 1.5 KiB parts of its text take 8; where an exec's argv may be
+    12 KB producer where 1.5 KiB parts of its text take 9; where an exec's argv may be
     long the parts are larger (each command line under Dropbear's limit)."""
     ws = _small_workspace(tmp_path / "ws")
     transport = ScriptLog()

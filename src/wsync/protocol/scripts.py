@@ -281,11 +281,11 @@ def admit(
 INSTALL_PART = 1536
 #: the same where an exec's argv may be long (``Capabilities.long_argv``): each call's
 #: command line stays under :data:`EXEC_CARRY_MAX` (Dropbear's limit), and
-#: the 12 KB producer goes in 3 calls instead of 8 (a round trip each on the HTTP
+#: the 12 KB producer goes in 3 calls instead of 9 (a round trip each on the HTTP
 #: backends, on the first pull of every fresh sandbox)
 INSTALL_PART_LONG = 5120
 #: parts of :data:`PRODUCER_GZ64` where argv goes in a URL (base64 stays nearly itself
-#: there, where the script's text triples): 3 calls instead of 8
+#: there, where the script's text triples): 3 calls instead of 9
 INSTALL_PART_GZ64 = 2944
 
 
