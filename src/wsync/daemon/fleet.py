@@ -330,6 +330,10 @@ class FleetManager:
     async def _dispatch(self) -> None:
         delay = BACKOFF_MIN
         while self._accepting:
+            # cleared before the claim, not after it: a wake-up that comes while the claim
+            # (or the gauge's count below) waits for the store is then not lost, and the
+            # job it announces is claimed at once, not a poll later
+            self._wake.clear()
             claimed: Claimed | None = None
             # the lease runs from the claim's transaction, which may have waited for the
             # claim lock: its fence check must count from before the ask, not after
@@ -352,7 +356,6 @@ class FleetManager:
                 self._queued_at = time.monotonic()
                 with contextlib.suppress(StoreDown):
                     self.metrics.queued.set(await self._store(self.store.queued()))
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), POLL_INTERVAL)
 
