@@ -310,6 +310,38 @@ def test_orphans_and_sockets_are_dropped(tmp_path: Path) -> None:
         assert [x.path for x in d.dirs()] == [b"dir", b"."]
 
 
+def test_a_deep_chain_of_orphans_costs_a_pass_not_a_pass_per_level(tmp_path: Path) -> None:
+    """A hostile listing of nested directories under one that is not listed (``x/a``,
+    ``x/a/a``, ... a few KiB compressed): the orphans went one level per full pass over
+    the table, passes times rows times path length (3,000 levels: 80 s of one
+    uninterruptible SQL loop; 10,000: hours).  Counted in SQLite's VM steps, not time:
+    linear is a few dozen steps per entry, the old loop two thousand at this depth."""
+    depth = 1000
+    entries, path = [ROOT], b"x"
+    for i in range(depth):
+        path += b"/a"
+        entries.append(Entry(path, "d", 0o755, 0, 1, 1, 2 + i, b""))
+    entries.append(Entry(b"kept", "d", 0o755, 0, 1, 1, 1 + 2 * depth, b""))
+    entries.append(Entry(b"kept/f", "f", 0o644, 1, 1, 1, 2 + 2 * depth, b""))
+    st = PullState.open(tmp_path / "state", tmp_path / "d", "k")
+    steps = 0
+
+    def tick() -> int:
+        nonlocal steps
+        steps += 1
+        return 0
+
+    st.db.set_progress_handler(tick, 1000)
+    try:
+        st.load_manifest(entries, Excludes.none())
+        st.db.set_progress_handler(None, 0)
+        rows = st.db.execute("SELECT path FROM s.man ORDER BY path").fetchall()
+    finally:
+        st.close()
+    assert [r[0] for r in rows] == [b".", b"kept", b"kept/f"]
+    assert steps * 1000 < 200 * depth, f"{steps}k VM steps for {depth} nested orphans"
+
+
 def test_itemize_escapes_odd_bytes(env: tuple[Path, Path, Path]) -> None:
     state, guest, dest = env
     res = pull(state, guest, dest)

@@ -124,14 +124,31 @@ def load(
     root = db.execute("SELECT kind FROM s.man WHERE path = ?", (b".",)).fetchone()
     if root is None or root[0] != "d":
         raise StagingFailed("the guest's manifest has no root directory entry")
-    while True:
-        cur = db.execute(
-            "DELETE FROM s.man WHERE path != x'2e' AND NOT EXISTS "
-            "(SELECT 1 FROM s.man p WHERE p.path = s.man.parent AND p.kind = 'd')"
-        )
-        if cur.rowcount <= 0:
-            break
+    _drop_orphans(db)
     return -(-_listed_bytes(db) // 1024)
+
+
+def _drop_orphans(db: sqlite3.Connection) -> None:
+    """Delete the entries not reachable from the root through listed directories.
+
+    The entries whose parent is not a listed directory go first (one pass), then every
+    descendant of each of them: a range of the primary key (``P/`` up to ``P0``, ``0``
+    being the byte after ``/``), so the cost is one pass and a lookup per entry gone,
+    whatever the depth.  (Deleting one level per pass until none is left, as before, made a
+    hostile manifest of a few thousand nested orphans, a few KiB compressed, cost minutes
+    of CPU in one uninterruptible SQL loop: passes times rows times path length.)"""
+    db.execute("DELETE FROM s.gone")
+    cur = db.execute(
+        "INSERT INTO s.gone SELECT path FROM s.man WHERE path != x'2e' AND NOT EXISTS "
+        "(SELECT 1 FROM s.man p WHERE p.path = s.man.parent AND p.kind = 'd')"
+    )
+    if cur.rowcount <= 0:
+        return
+    db.execute("DELETE FROM s.man WHERE path IN (SELECT path FROM s.gone)")
+    delete = "DELETE FROM s.man WHERE path > ? AND path < ?"
+    for rows in batches(iter(db.execute("SELECT path FROM s.gone"))):
+        db.executemany(delete, [(p + b"/", p + b"0") for (p,) in rows])
+    db.execute("DELETE FROM s.gone")
 
 
 def _listed_bytes(db: sqlite3.Connection) -> int:

@@ -250,6 +250,8 @@ def scratch(db: sqlite3.Connection) -> None:
         "mtime INT, ctime INT, ino INT, target BLOB, digest TEXT, record BLOB) WITHOUT ROWID"
     )
     db.execute("CREATE TABLE s.unlisted (record BLOB PRIMARY KEY) WITHOUT ROWID")
+    #: the manifest's entries whose parent is not a listed directory (incload)
+    db.execute("CREATE TABLE s.gone (path BLOB PRIMARY KEY) WITHOUT ROWID")
     db.execute(
         "CREATE TABLE s.host (path BLOB PRIMARY KEY, kind TEXT, mode INT, size INT, mtime INT, "
         "ctime INT, ino INT) WITHOUT ROWID"
