@@ -4,23 +4,25 @@ in for the transfer (tests/incr_helpers.py)."""
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import sqlite3
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from incr_helpers import Entry, manifest, pull
 from wsync.engine import incstate
-from wsync.engine.api import PullOptions
+from wsync.engine.api import ExtractLimits, PullOptions
 from wsync.engine.destdir import DestDir
 from wsync.engine.excludes import Excludes
 from wsync.engine.incremental import HashLog, Incremental
 from wsync.engine.incstate import PullState, state_path
 from wsync.engine.itemize import _escape_each, escape
-from wsync.errors import HostileArchive, HostIOError, LimitExceeded, StagingFailed
+from wsync.errors import DiskLow, HostileArchive, HostIOError, LimitExceeded, StagingFailed
 from wsync.treediff import diff as treediff
 
 
@@ -340,6 +342,58 @@ def test_a_deep_chain_of_orphans_costs_a_pass_not_a_pass_per_level(tmp_path: Pat
         st.close()
     assert [r[0] for r in rows] == [b".", b"kept", b"kept/f"]
     assert steps * 1000 < 200 * depth, f"{steps}k VM steps for {depth} nested orphans"
+
+
+class _LongTargets(io.RawIOBase):
+    """A guest's manifest stream: the root, then ``count`` symlinks whose targets are 64
+    KiB each, made as read (``records`` counts those read so far)."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.count = count
+        self.records = 0
+        self.pending = b". 0\0.\0\0".replace(b". 0", b"d 755 0 1 1 1")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if not self.pending and self.records < self.count:
+            self.records += 1
+            self.pending = b"l 777 0 1 1 %d\0./l%06d\0%s\0" % (
+                1 + self.records,
+                self.records,
+                b"t" * 65536,
+            )
+        n = min(len(buffer), len(self.pending))
+        buffer[:n] = self.pending[:n]
+        self.pending = self.pending[n:]
+        return n
+
+
+def test_a_listing_of_long_targets_keeps_the_scratch_disks_reserve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listing is bounded in entries, not in bytes: a hostile ``find`` lists symlinks
+    with 64 KiB targets (a few KiB compressed), and every byte lands in the scratch table,
+    on the disk of SQLite's temporary directory: 5M entries (the default --max-files) are
+    320 GB.  That disk is already below the reserve here; the load stops after about 64
+    MiB of rows, never writing the whole 128 MiB."""
+    tmp = tmp_path / "sqlite-tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("SQLITE_TMPDIR", str(tmp))
+    st = os.statvfs(tmp)
+    reserve = st.f_bavail * st.f_frsize + (1 << 30)
+    opts = PullOptions(state_dir=tmp_path / "state", limits=ExtractLimits(min_free_bytes=reserve))
+    (tmp_path / "dest").mkdir()
+    inc = Incremental(opts, DestDir.open(tmp_path / "dest"), "k", HashLog(tmp_path / "h"))
+    listing = _LongTargets(2048)
+    try:
+        with pytest.raises(DiskLow, match="free-space reserve"):
+            inc.load(io.BufferedReader(listing, 1 << 20))
+    finally:
+        inc.close()
+    assert listing.records <= 1100
 
 
 def test_itemize_escapes_odd_bytes(env: tuple[Path, Path, Path]) -> None:

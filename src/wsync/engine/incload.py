@@ -15,17 +15,31 @@ check here when first read.  The table is the one a parse of every record gives.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import Iterable, Iterator
 from typing import Protocol, TypeVar
 
 from wsync.engine import incsql
+from wsync.engine.api import MiB, human_bytes
 from wsync.engine.excludes import Excludes
-from wsync.errors import FILES_KNOB, HostileArchive, LimitExceeded, StagingFailed, UnstableFiles
+from wsync.errors import (
+    FILES_KNOB,
+    DiskLow,
+    HostileArchive,
+    HostIOError,
+    LimitExceeded,
+    StagingFailed,
+    UnstableFiles,
+)
 from wsync.protocol.manifest import Known
 
 #: rows per executemany (the state's too)
 BATCH = 4096
+#: bytes of rows put into the scratch table between two checks of its filesystem's room
+ROOM_EVERY = 64 * MiB
+#: what a row of ``s.man`` costs beside its path, parent and target (an estimate)
+_ROW = 128
 
 _T = TypeVar("_T")
 
@@ -74,6 +88,7 @@ def load(
     *,
     max_entries: int | None = None,
     known: Known | None = None,
+    min_free: int | None = None,
 ) -> int:
     """Fill ``s.man`` from ``entries`` (see the module docstring); return the listed
     regular files' bytes in KiB, rounded up (what a whole-tree run needs in the guest's
@@ -82,12 +97,19 @@ def load(
     ``max_entries`` is the extractor's ``max_files``.  ``known`` is what
     :meth:`~wsync.engine.incstate.PullState.known` gave the parser of ``entries``, after
     it parsed them: the records it met count against the limit as they are met.
+
+    ``min_free`` is the free-space reserve (``--min-free``), kept on the filesystem of
+    SQLite's temporary directory, where the scratch table lives: checked after every
+    :data:`ROOM_EVERY` bytes of rows, as the extractor checks DEST's.  A listing's entries
+    are bounded in number, not in size (a path or a symlink target of up to 64 KiB each):
+    the guest's few KiB of compressed listing would otherwise fill that disk.
     """
     db.execute("DELETE FROM s.man")
     db.execute("DELETE FROM s.unlisted")
     batch: list[tuple[object, ...]] = []
     insert = "INSERT OR REPLACE INTO s.man VALUES (?,?,?,?,?,?,?,?,?,?,?)"
     count = 0
+    unchecked = 0
 
     def matched() -> int:
         return 0 if known is None else known.matched
@@ -103,6 +125,11 @@ def load(
                 f"the guest's manifest has more than {max_entries} entries ({FILES_KNOB})"
             )
         parent = (path.rpartition(b"/")[0] or b".") if path != b"." else b""
+        if min_free is not None:
+            unchecked += 2 * len(path) + len(e.target) + _ROW
+            if unchecked >= ROOM_EVERY:
+                check_room(min_free)
+                unchecked = 0
         batch.append(
             (path, parent, e.kind, e.mode & 0o7777, e.size, e.mtime_ns,
              e.ctime_ns, e.ino, e.target, e.digest, e.record or None)
@@ -126,6 +153,23 @@ def load(
         raise StagingFailed("the guest's manifest has no root directory entry")
     _drop_orphans(db)
     return -(-_listed_bytes(db) // 1024)
+
+
+def check_room(min_free: int) -> None:
+    """Raise :class:`DiskLow` where SQLite's temporary directory (the scratch tables) has
+    less than ``min_free`` bytes free."""
+    where = incsql.temp_dir()
+    try:
+        st = os.statvfs(where)
+    except OSError as exc:
+        raise HostIOError(f"statvfs of SQLite's temporary directory {where}: {exc}") from exc
+    free = st.f_bavail * st.f_frsize
+    if free < min_free:
+        raise DiskLow(
+            f"the guest's listing would take {where}'s filesystem (SQLite's temporary "
+            f"directory) below its {human_bytes(min_free)} free-space reserve "
+            f"({human_bytes(free)} free)"
+        )
 
 
 def _drop_orphans(db: sqlite3.Connection) -> None:

@@ -111,6 +111,7 @@ def read_manifest(
     *,
     trust_known: bool = True,
     known: Known | None = None,
+    min_free: int | None = None,
 ) -> int:
     """Parse the decompressed manifest ``stream`` into ``state``; return the entries read.
 
@@ -138,7 +139,9 @@ def read_manifest(
         yield from parser.entries()
 
     try:
-        state.load_manifest(entries(), excludes, max_entries=max_files, known=known)
+        state.load_manifest(
+            entries(), excludes, max_entries=max_files, known=known, min_free=min_free
+        )
     except ProtocolError as exc:
         raise HostileArchive(f"the guest's manifest: {exc}") from exc
     log.debug("manifest loaded", records=parser.count, known=known.matched)
@@ -306,6 +309,7 @@ class Incremental:
                 self.options_key(),
                 trust_known=not self.options.full,
                 known=known,
+                min_free=self.options.limits.min_free_bytes,
             )
             self.loaded = True
 

@@ -238,6 +238,19 @@ def immediate(db: sqlite3.Connection) -> Iterator[None]:
         raise
 
 
+def temp_dir() -> str:
+    """The directory SQLite puts its temporary files in (the scratch tables): the first of
+    ``$SQLITE_TMPDIR``, ``$TMPDIR``, ``/var/tmp``, ``/usr/tmp``, ``/tmp`` that is a
+    directory this process may write, else ``.`` (``unixTempFileDir`` in SQLite's os_unix.c)."""
+    for where in (os.environ.get("SQLITE_TMPDIR"), os.environ.get("TMPDIR")):
+        if where and os.path.isdir(where) and os.access(where, os.W_OK | os.X_OK):
+            return where
+    for where in ("/var/tmp", "/usr/tmp", "/tmp"):
+        if os.path.isdir(where) and os.access(where, os.W_OK | os.X_OK):
+            return where
+    return "."
+
+
 def scratch(db: sqlite3.Connection) -> None:
     """The per-run tables, in a private temporary database (gone when the connection is)."""
     db.execute("ATTACH DATABASE '' AS s")

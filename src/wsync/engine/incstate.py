@@ -241,13 +241,14 @@ class PullState:
         *,
         max_entries: int | None = None,
         known: Known | None = None,
+        min_free: int | None = None,
     ) -> None:
         """Stream the guest's manifest into the scratch table (:func:`incload.load`)."""
         with self._errors():
             self.db.execute("DELETE FROM s.hashes")  # the extractor's, for this manifest
             self._hash_batch.clear()
             self.listed_kb = incload.load(
-                self.db, entries, excludes, max_entries=max_entries, known=known
+                self.db, entries, excludes, max_entries=max_entries, known=known, min_free=min_free
             )
             self.db.commit()
         self._loaded = True
