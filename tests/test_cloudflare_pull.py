@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from helpers import assert_exact, make_tree, options
 from wsync.emulators.cloudflare import CloudflareFaults, EmulatorThread
-from wsync.engine.api import PullOptions, PullResult
+from wsync.engine.api import Progress, PullOptions, PullResult
 from wsync.engine.pull import pull_uri
 from wsync.errors import WsyncError
 from wsync.transports.cloudflare import CloudflareTransport
@@ -167,6 +167,36 @@ def test_a_bridge_that_always_cuts_fails_clearly_and_leaves_dest(
 @pytest.fixture(scope="module")
 def prop_workspace(emulator: EmulatorThread) -> Path:
     return make_tree(workspace(emulator, "prop") / "t", big=100 * KiB, small=8)
+
+
+def test_a_cleanup_that_hangs_ends_by_the_overall_deadline(
+    emulator: EmulatorThread, tmp_path: Path
+) -> None:
+    """DEST is swapped and only the guest staging's removal is left when every stream
+    starts to hang (#101, #320): the pull still returns by ``--timeout`` (its cleanup
+    given up, a warning that says why), not two call deadlines after it."""
+    ws = make_tree(workspace(emulator, "hung-cleanup") / "t", big=2 * MiB, small=5)
+    emulator.set_faults(CloudflareFaults.off())
+
+    def hang_from_cleanup(progress: Progress) -> None:
+        if progress.phase == "cleanup":
+            emulator.set_faults(CloudflareFaults(hang=1.0))
+
+    timeout = 10.0
+    opts = options(tmp_path, chunk_size=256 * KiB, timeout=timeout, call_timeout=30.0)
+    dest = tmp_path / "out"
+    started = time.monotonic()
+    uri = f"cloudflare://hung-cleanup{ws}"
+    result = asyncio.run(
+        pull_uri(uri, dest, opts, emulator.transport_options(), on_progress=hang_from_cleanup)
+    )
+    elapsed = time.monotonic() - started
+    emulator.set_faults(CloudflareFaults.off())
+    assert result.ok
+    assert_exact(ws, dest)
+    assert elapsed < timeout + 3.0, elapsed
+    (warning,) = [w for w in result.warnings if "staging not removed" in w]
+    assert "gave up after" in warning, warning  # (a bare TimeoutError said nothing)
 
 
 @settings(

@@ -155,12 +155,19 @@ class LeftoverRunner(StreamRunner):
 
     async def clean_guest(self, *snapshots: str) -> WsyncError | TimeoutError | None:
         """Remove ``snapshots`` (by default the session's) from the guest staging, in one
-        call within two call timeouts; the error if it could not (the guest's GC removes
-        what stays)."""
+        call within two call timeouts, and never more than a second past the pull's
+        overall deadline (the cleanup after the swap runs outside the timeout around the
+        rest of the pull: a hung backend must not hold a finished pull for minutes past
+        ``--timeout``); the error if it could not (the guest's GC removes what stays)."""
+        bound = self.options.call_timeout * 2
+        if self.deadline is not None:
+            bound = min(bound, max(1.0, self.deadline - time.monotonic()))
         try:
-            async with asyncio.timeout(self.options.call_timeout * 2):
+            async with asyncio.timeout(bound):
                 await self.session.cleanup(*snapshots)
-        except (WsyncError, TimeoutError) as exc:
+        except TimeoutError:
+            return TimeoutError(f"the cleanup call gave up after {bound:.1f}s")
+        except WsyncError as exc:
             return exc
         return None
 

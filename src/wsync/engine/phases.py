@@ -121,6 +121,9 @@ class StreamRunner:
         #: counted into by the extractor thread while it runs (progress reads it)
         self.extracted = ExtractStats()
         self.warnings: list[str] = []
+        #: the pull's overall deadline (``time.monotonic()``; None: none), which bounds
+        #: the guest cleanup that runs after the swap, outside the timeout around the rest
+        self.deadline: float | None = None
         #: the latest admission adopted a snapshot an earlier run had started
         self.reconciled = False
         #: this pull delivers an interrupted earlier run's work: it adopted a snapshot, or

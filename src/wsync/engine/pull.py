@@ -438,6 +438,7 @@ async def _pull(
         dry_run=options.dry_run,
     ).open()  # fmt: skip
     runner = _Pull(transport, workspace, real, options, journal, on_progress, helpers=helpers)
+    runner.deadline = started + options.timeout if options.timeout > 0 else None
     try:
         if options.restart and not options.dry_run:
             journal.restart()
@@ -460,6 +461,7 @@ async def _pull(
         # (read again: this run may have named more, abandoning an earlier run's snapshot)
         fresh.snapshots.extend(journal.forgotten())
         fresh.warnings.append(f"{warning} ({error}); started afresh")
+        fresh.deadline = runner.deadline
         return fresh
 
     try:
