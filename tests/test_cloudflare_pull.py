@@ -194,7 +194,9 @@ def test_a_cleanup_that_hangs_ends_by_the_overall_deadline(
     emulator.set_faults(CloudflareFaults.off())
     assert result.ok
     assert_exact(ws, dest)
-    assert elapsed < timeout + 3.0, elapsed
+    # (generous for a loaded machine: the cleanup's old bound, two call deadlines past
+    # the overall one, took about 60 s here)
+    assert elapsed < timeout + 20.0, elapsed
     (warning,) = [w for w in result.warnings if "staging not removed" in w]
     assert "gave up after" in warning, warning  # (a bare TimeoutError said nothing)
 
