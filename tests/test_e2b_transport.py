@@ -301,6 +301,11 @@ def test_read_file_faults_short_cut_and_ignored_range(tmp_path: Path) -> None:
         assert 0 < len(cut) < length and want.startswith(cut)
         stats = emu.stats
         assert (stats["file_ignored_range"], stats["file_short"], stats["file_cut"]) == (1, 1, 1)
+        # cut before its first byte (a body of one byte is cut at 0): short too, not an
+        # error (raised, it counted as a file API failure, and a pull test that asserts
+        # none failed whenever its parallel reads drew such a cut)
+        assert await t.read_file("f", offset, 1, timeout=10) == b""
+        assert stats["file_cut"] == 2
 
     with_envd(tmp_path, body)
 

@@ -591,7 +591,9 @@ class E2BTransport(Transport):
         except ProtocolError as err:
             raise TransportError(f"{self.description}: {err}") from None
         except httpx.HTTPError as err:
-            if body and out and isinstance(err, httpx.TransportError):
+            if body and isinstance(err, httpx.TransportError):
+                # (cut before its first byte too: an answer of nothing, short like any
+                # other, not a failure that counts toward turning the file API off)
                 log.debug("e2b %s: /files body cut after %d bytes", self.sandbox_id, len(out))
                 return bytes(out)
             wire = self._wire_error(err, timeout)
