@@ -101,6 +101,7 @@ from wsync.engine.extractfs import (
     split_name,
     umask,
 )
+from wsync.engine.fsutil import free_bytes
 from wsync.engine.tarstream import TarReader, show_name
 from wsync.engine.writers import Writers
 from wsync.errors import (
@@ -274,11 +275,7 @@ class _Extractor:
     # -- limits -------------------------------------------------------------------------------
 
     def _check_space(self, upcoming: int) -> None:
-        try:
-            st = os.fstatvfs(self.root_fd)
-        except OSError as exc:
-            raise HostIOError(f"statvfs of the extraction root: {exc.strerror}") from exc
-        free = st.f_bavail * st.f_frsize
+        free = free_bytes(self.root_fd, "statvfs of the extraction root")
         if free - upcoming < self.limits.min_free_bytes:
             raise DiskLow(
                 f"DEST's filesystem would drop below its {human_bytes(self.limits.min_free_bytes)}"

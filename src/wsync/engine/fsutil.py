@@ -62,6 +62,15 @@ def host_io(what: str) -> Iterator[None]:
         raise HostIOError(f"{what}: {exc.strerror or exc}") from exc
 
 
+def free_bytes(where: str | Path | int, what: str) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem of ``where`` (a path,
+    or an open fd), for the free-space reserves (``--min-free``); HostIOError naming
+    ``what`` when it cannot be read."""
+    with host_io(what):
+        st = os.fstatvfs(where) if isinstance(where, int) else os.statvfs(where)
+    return st.f_bavail * st.f_frsize
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

@@ -15,7 +15,6 @@ check here when first read.  The table is the one a parse of every record gives.
 
 from __future__ import annotations
 
-import os
 import sqlite3
 from collections.abc import Iterable, Iterator
 from typing import Protocol, TypeVar
@@ -23,11 +22,11 @@ from typing import Protocol, TypeVar
 from wsync.engine import incsql
 from wsync.engine.api import MiB, human_bytes
 from wsync.engine.excludes import Excludes
+from wsync.engine.fsutil import free_bytes
 from wsync.errors import (
     FILES_KNOB,
     DiskLow,
     HostileArchive,
-    HostIOError,
     LimitExceeded,
     StagingFailed,
     UnstableFiles,
@@ -159,11 +158,7 @@ def check_room(min_free: int) -> None:
     """Raise :class:`DiskLow` where SQLite's temporary directory (the scratch tables) has
     less than ``min_free`` bytes free."""
     where = incsql.temp_dir()
-    try:
-        st = os.statvfs(where)
-    except OSError as exc:
-        raise HostIOError(f"statvfs of SQLite's temporary directory {where}: {exc}") from exc
-    free = st.f_bavail * st.f_frsize
+    free = free_bytes(where, f"statvfs of SQLite's temporary directory {where}")
     if free < min_free:
         raise DiskLow(
             f"the guest's listing would take {where}'s filesystem (SQLite's temporary "

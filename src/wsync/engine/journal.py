@@ -41,7 +41,7 @@ import structlog
 from wsync.digits import ascii_digits
 from wsync.engine.api import human_bytes
 from wsync.engine.destdir import DestDir
-from wsync.engine.fsutil import fsync_dir, host_io, rmtree, write_atomic
+from wsync.engine.fsutil import free_bytes, fsync_dir, host_io, rmtree, write_atomic
 from wsync.errors import Busy, DiskLow, HostIOError, WsyncError
 from wsync.protocol.records import DoneRecord
 
@@ -381,9 +381,7 @@ class Journal:
     def store(self, seq: int, digest: str, data: bytes) -> Path:
         """Write one verified chunk durably; only then does it count."""
         path = self.chunk_path(seq, digest)
-        with host_io("checking free space in the state directory"):
-            st = os.statvfs(self.chunks_dir)
-        free = st.f_bavail * st.f_frsize
+        free = free_bytes(self.chunks_dir, "checking free space in the state directory")
         if free - len(data) < self.min_free:
             raise DiskLow(
                 "the state directory's filesystem would drop below its "
