@@ -248,13 +248,8 @@ class IncrementalRunner(LeftoverRunner):
             # of its own, where only an earlier dry run can have left one).  The runs
             # admitted after it go with it, so that a fresh listing never meets an older
             # snapshot
-            runs = (self.journal, self.journal.phase("select"))
-            metas = [run.meta for run in runs]
-            for run in runs:
-                run.forget()
+            self.give_up(self.journal, self.journal.phase("select"))
             journal.forget()
-            for meta in metas:  # (named for cleanup once forgotten: see choose_snapshot)
-                self.abandon(meta)
             snapshot = self.choose_snapshot(plan, journal, "manifest", {"prune": list(prune)})
         journaled = await self.admit_phase(plan, journal, snapshot, "manifest", prune)
 

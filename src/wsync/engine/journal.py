@@ -188,7 +188,7 @@ class Journal:
         """Forget every snapshot this pull's journal holds, its phases' too (``--restart``):
         the run starts from a new one.  Their ids are kept for the guest's cleanup
         (:meth:`forgotten`) until the journal goes."""
-        ids = self.forgotten()
+        ids = []
         for journal in self._journals():
             if journal.meta is not None and isinstance(journal.meta.get("snapshot"), str):
                 ids.append(journal.meta["snapshot"])
@@ -196,7 +196,7 @@ class Journal:
         # only now: killed in between, a snapshot both resumable and listed for cleanup
         # could have its staging removed under the run that resumes it (killed after the
         # forgetting, the ids are lost: the guest's GC takes them a day later)
-        write_atomic(self.dir / "forgotten.json", json.dumps(sorted(set(ids))).encode())
+        self.note_forgotten(*ids)
 
     def _journals(self) -> list[Journal]:
         """This journal and its phases'."""
@@ -287,13 +287,15 @@ class Journal:
             record["afresh"] = 0
         return record
 
-    def note_forgotten(self, snapshot: str) -> None:
-        """Name ``snapshot`` for the guest's cleanup (:meth:`forgotten`): an earlier run's
-        snapshot this run does not resume (other options, another listing), whose
-        staging (a whole archive, perhaps) would else stay in the guest until its GC."""
-        ids = self.forgotten()
-        if snapshot not in ids:
-            write_atomic(self.dir / "forgotten.json", json.dumps(sorted({*ids, snapshot})).encode())
+    def note_forgotten(self, *snapshots: str) -> None:
+        """Name ``snapshots`` for the guest's cleanup (:meth:`forgotten`): earlier runs'
+        snapshots no run resumes now (``--restart``, other options, another listing),
+        whose staging (a whole archive, perhaps) would else stay in the guest until its
+        GC."""
+        ids = set(self.forgotten())
+        if not ids.issuperset(snapshots):
+            listed = json.dumps(sorted(ids.union(snapshots)))
+            write_atomic(self.dir / "forgotten.json", listed.encode())
 
     def forgotten(self) -> list[str]:
         """Snapshots a ``--restart`` forgot whose guest staging may still be there: every

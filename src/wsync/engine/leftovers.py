@@ -138,6 +138,16 @@ class LeftoverRunner(StreamRunner):
         self.abandon(meta)
         return snapshot
 
+    def give_up(self, *journals: Journal) -> None:
+        """Forget the runs ``journals`` hold, then name their snapshots for the guest's
+        cleanup (:meth:`abandon`): in that order, as ``--restart`` does, so that a run
+        killed in between leaves no snapshot both resumable and named for removal."""
+        metas = [journal.meta for journal in journals]
+        for journal in journals:
+            journal.forget()
+        for meta in metas:
+            self.abandon(meta)
+
     def abandon(self, meta: Mapping[str, Any] | None) -> None:
         """The snapshot an earlier run journaled in ``meta``, which no run resumes now: its
         guest staging goes in this pull's last cleanup (and in every later run's, until one

@@ -128,9 +128,7 @@ class _Pull(FinishRunner):
             # exclude; or the other way round), which this one does not resume: its
             # staging goes with this pull's (a later run that could have resumed it, the
             # option put back under the same listing, fetches afresh: slower, never wrong)
-            meta = other.meta
-            other.forget()
-            self.abandon(meta)
+            self.give_up(other)
         listing = b""
         extra: dict[str, Any] = {}
         if self.listing is not None:
