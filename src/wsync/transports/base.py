@@ -313,6 +313,17 @@ def float_options(
     return {k: float(options[prefix + k]) for k in keys if options.get(prefix + k) is not None}
 
 
+def dns_spellable(host: str) -> bool:
+    """Whether a resolver can spell ``host``: it encodes it in IDNA first, whose
+    UnicodeError (an empty or over-long label, ``a..b``) would otherwise come out of every
+    exec as an internal error, where the user's URL or option is to blame."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
+
+
 def check_base_url(url: str, what: str) -> str:
     """A backend's base URL, refused when it carries credentials (``user:pass@``): they
     would show in every message and job record; tokens go in their own option."""

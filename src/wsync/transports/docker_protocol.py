@@ -40,7 +40,7 @@ from typing import Any
 
 from wsync.errors import ProtocolError, UsageError
 from wsync.protocol.records import printable
-from wsync.transports.base import BoundedBuffer, ExecResult
+from wsync.transports.base import BoundedBuffer, ExecResult, dns_spellable
 
 STDIN, STDOUT, STDERR, SYSTEMERR = 0, 1, 2, 3
 STREAM_NAMES = {STDIN: "stdin", STDOUT: "stdout", STDERR: "stderr", SYSTEMERR: "systemerr"}
@@ -369,12 +369,8 @@ def parse_docker_host(text: str) -> Endpoint:
             raise UsageError(f"docker host {raw!r}: expected tcp://HOST[:PORT]")
         if parts.path not in ("", "/") or parts.query:
             raise UsageError(f"docker host {raw!r}: a path or query is not supported")
-        try:
-            # what the resolver does first; its UnicodeError (an empty or over-long
-            # label) would come out of every exec as an internal error
-            parts.hostname.encode("idna")
-        except UnicodeError:
-            raise UsageError(f"docker host {raw!r}: not a host name DNS can spell") from None
+        if not dns_spellable(parts.hostname):
+            raise UsageError(f"docker host {raw!r}: not a host name DNS can spell")
         return Endpoint(host=parts.hostname, port=port or DEFAULT_TCP_PORT)
     raise UsageError(
         f"docker host {raw!r}: only unix:///PATH and tcp://HOST[:PORT] are supported "

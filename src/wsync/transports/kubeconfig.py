@@ -37,7 +37,7 @@ from typing import Any
 import yaml
 
 from wsync.errors import UsageError
-from wsync.transports.base import header_safe
+from wsync.transports.base import dns_spellable, header_safe
 
 log = logging.getLogger(__name__)
 
@@ -210,10 +210,9 @@ def load(options: Mapping[str, Any]) -> KubeTarget:
         parts.port  # noqa: B018 - raises ValueError for a port that is no port
         # a host the client cannot spell in DNS (IDNA) or a control character: named here,
         # not an internal error in the client's resolver
-        if not server.isprintable():
-            raise ValueError("not printable")
-        (parts.hostname or "").encode("idna")
-    except (ValueError, UnicodeError):
+        if not server.isprintable() or not dns_spellable(parts.hostname or ""):
+            raise ValueError("not printable, or no host name")
+    except ValueError:
         parts = urllib.parse.urlsplit("")
     if parts.scheme not in ("https", "http") or not parts.hostname:
         raise UsageError(

@@ -60,6 +60,7 @@ from wsync.transports.base import (
     Channel,
     ExecResult,
     Transport,
+    dns_spellable,
     find_secret,
     float_options,
 )
@@ -140,14 +141,8 @@ class SpritesTransport(Transport):
         if parts.username is not None or parts.password is not None:
             # they would show in repr and every connection error: the token has its option
             raise UsageError("the Sprites API URL carries credentials: give the token separately")
-        try:
-            # what the resolver does first; its UnicodeError (an empty or over-long
-            # label) would come out of every exec as an internal error
-            (parts.hostname or "").encode("idna")
-        except UnicodeError:
-            raise UsageError(
-                f"the Sprites API URL {base_url!r}: not a host name DNS can spell"
-            ) from None
+        if not dns_spellable(parts.hostname or ""):
+            raise UsageError(f"the Sprites API URL {base_url!r}: not a host name DNS can spell")
 
     @classmethod
     def from_uri(cls, uri: SandboxURI, options: Mapping[str, Any]) -> SpritesTransport:
