@@ -22,6 +22,20 @@ from test_daemon_harness import DaemonProcess, base_config, make_tree
 UTF16 = "\ufeffsecret-token-0123456789".encode("utf-16-le")
 
 
+def _start(config: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``wsync daemon --config CONFIG`` run to its end, with no ``WSYNC_`` setting of this
+    environment but ``env``'s."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_")}
+    return subprocess.run(
+        [sys.executable, "-m", "wsync.daemon", "--config", str(config)],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
 def test_a_token_file_that_is_not_utf8_is_one_config_error(tmp_path: Path) -> None:
     token = tmp_path / "api-token"
     token.write_bytes(UTF16)
@@ -31,15 +45,7 @@ def test_a_token_file_that_is_not_utf8_is_one_config_error(tmp_path: Path) -> No
         base_config(tmp_path).replace("[api]\n", f'[api]\ntoken_file = "{token}"\n'),
         encoding="utf-8",
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_")}
-    result = subprocess.run(
-        [sys.executable, "-m", "wsync.daemon", "--config", str(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    result = _start(config)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -100,15 +106,7 @@ def test_a_token_no_client_can_send_is_refused_at_start(tmp_path: Path) -> None:
     ``€`` at all.  It is now refused like a short token, from either source."""
     config = tmp_path / "c.toml"
     config.write_text(base_config(tmp_path), encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WSYNC_")}
-    result = subprocess.run(
-        [sys.executable, "-m", "wsync.daemon", "--config", str(config)],
-        env={**env, "WSYNC_API_TOKEN": WIDE_TOKEN},
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    result = _start(config, WSYNC_API_TOKEN=WIDE_TOKEN)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "config error: WSYNC_API_TOKEN" in lines[0], result.stderr
@@ -121,14 +119,7 @@ def test_a_token_no_client_can_send_is_refused_at_start(tmp_path: Path) -> None:
         base_config(tmp_path).replace("[api]\n", f'[api]\ntoken_file = "{token}"\n'),
         encoding="utf-8",
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "wsync.daemon", "--config", str(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    result = _start(config)
     assert result.returncode == 2, result.stderr
     assert "config error: api.token_file" in result.stderr and "ASCII" in result.stderr
     assert WIDE_TOKEN not in result.stderr
