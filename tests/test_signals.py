@@ -182,15 +182,27 @@ def _import_hook(directory: Path, marker: Path) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_during_start_up_imports_is_one_line_and_130(tmp_path: Path, signum: int) -> None:
-    marker = tmp_path / "importing"
-    hook = _import_hook(tmp_path / "hook", marker)
+def _stopped_at_start(
+    tmp_path: Path,
+    hook: Path,
+    marker: Path,
+    signum: int,
+    *,
+    seed: int,
+    pause: float = 0.0,
+    script: Path | None = None,
+) -> None:
+    """A pull (``python -m wsync``, or the console ``script``) with ``hook`` on its path,
+    sent ``signum`` once the hook wrote ``marker`` (and ``pause`` later): it exits 130
+    with one line and no traceback, and writes neither DEST nor its state."""
     env = env_with()
     env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
-    ws = make_workspace(tmp_path / "ws", 2, blobs=1)
+    ws = make_workspace(tmp_path / "ws", seed, blobs=1)
     dest = tmp_path / "out"
     args = pull_argv(ws, dest, tmp_path / "state", tmp_path / "stage", "128K")
+    if script is not None:
+        assert args[1:3] == ["-m", "wsync"]
+        args = [sys.executable, str(script), *args[3:]]
     proc = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -198,11 +210,19 @@ def test_a_signal_during_start_up_imports_is_one_line_and_130(tmp_path: Path, si
     while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
     assert marker.exists(), proc.communicate()[1]
+    time.sleep(pause)
     code, err = stop(proc, signum)
     assert code == 130, err
     assert "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
     assert not dest.exists() and not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_start_up_imports_is_one_line_and_130(tmp_path: Path, signum: int) -> None:
+    marker = tmp_path / "importing"
+    hook = _import_hook(tmp_path / "hook", marker)
+    _stopped_at_start(tmp_path, hook, marker, signum, seed=2)
 
 
 def _console_script(path: Path) -> Path:
@@ -231,29 +251,8 @@ def test_a_signal_while_the_console_script_starts_is_one_line_and_130(
     that import was a KeyboardInterrupt traceback and a process killed by SIGINT."""
     marker = tmp_path / "importing"
     hook = _import_hook(tmp_path / "hook", marker)
-    env = env_with()
-    env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
-    ws = make_workspace(tmp_path / "ws", 6, blobs=1)
-    dest = tmp_path / "out"
     script = _console_script(tmp_path / "wsync")
-    args = pull_argv(ws, dest, tmp_path / "state", tmp_path / "stage", "128K")
-    assert args[1:3] == ["-m", "wsync"]
-    proc = subprocess.Popen(
-        [sys.executable, str(script), *args[3:]],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    deadline = time.monotonic() + 60
-    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    assert marker.exists(), proc.communicate()[1]
-    code, err = stop(proc, signum)
-    assert code == 130, err
-    assert "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1, err
-    assert not dest.exists() and not (tmp_path / "state").exists()
+    _stopped_at_start(tmp_path, hook, marker, signum, seed=6, script=script)
 
 
 def test_the_console_script_pulls(tmp_path: Path) -> None:
@@ -379,24 +378,7 @@ def test_a_signal_while_the_watcher_starts_is_one_line_and_130(tmp_path: Path, s
     ``threading.py`` and a process killed by SIGINT (status -2)."""
     marker = tmp_path / "starting"
     hook = _slow_watcher_hook(tmp_path / "hook", marker)
-    env = env_with()
-    env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
-    ws = make_workspace(tmp_path / "ws", 5, blobs=1)
-    dest = tmp_path / "out"
-    args = pull_argv(ws, dest, tmp_path / "state", tmp_path / "stage", "128K")
-    proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    deadline = time.monotonic() + 60
-    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    assert marker.exists(), proc.communicate()[1]
-    time.sleep(0.2)  # inside the start
-    code, err = stop(proc, signum)
-    assert code == 130, err
-    assert "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1, err
-    assert not dest.exists() and not (tmp_path / "state").exists()
+    _stopped_at_start(tmp_path, hook, marker, signum, seed=5, pause=0.2)  # inside the start
 
 
 def _on_a_terminal(
