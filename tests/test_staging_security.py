@@ -499,6 +499,28 @@ def test_without_proc_nothing_is_killed_and_staging_still_goes(
     assert bystander.poll() is None
 
 
+def _plant_dead_launch(snap: Path, pid: int) -> None:
+    """What a launch of ``snap`` whose producer died leaves: its token and its claim, and
+    the dead producer's ``pid``."""
+    (snap / "lock.1").mkdir(parents=True)
+    (snap / "launch").mkdir()
+    (snap / "launch" / "by").write_text("0123456789abcdef")
+    for name in ("pid", "pid.launch", "lock.1/pid"):
+        (snap / name).write_text(f"{pid}\n")
+
+
+async def _produced_afresh(session: GuestSession, workspace: Path, compressor: str) -> None:
+    """An admission of the planted ``s-dead`` starts it again (not adopted) and it ends
+    done, not failed."""
+    assert not await session.admit("s-dead", str(workspace), compressor)
+    for _ in range(600):
+        status = await session.status()
+        if status.done is not None or status.failed is not None:
+            break
+        await asyncio.sleep(0.05)
+    assert status.done is not None and status.failed is None
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as another user, which needs root")
 def test_another_users_process_on_a_dead_producers_pid_is_not_our_producer(
     tmp_path: Path, workspace: Path, guest: dict[str, str] | None
@@ -521,22 +543,11 @@ def test_another_users_process_on_a_dead_producers_pid_is_not_our_producer(
         try:
             session = GuestSession(transport, opts, CallStats())
             plan = await session.probe(str(workspace))
-            # what a launch whose producer died leaves: its token and its claim, and the
-            # dead producer's pid, which the co-tenant's process now holds
-            (snap / "lock.1").mkdir(parents=True)
-            (snap / "launch").mkdir()
-            (snap / "launch" / "by").write_text("0123456789abcdef")
-            for name in ("pid", "pid.launch", "lock.1/pid"):
-                (snap / name).write_text(f"{cotenant.pid}\n")
+            # the dead producer's pid, which the co-tenant's process now holds
+            _plant_dead_launch(snap, cotenant.pid)
             session.snapshot = "s-dead"
             assert not (await session.status()).alive
-            assert not await session.admit("s-dead", str(workspace), plan.compressor)
-            for _ in range(600):
-                status = await session.status()
-                if status.done is not None or status.failed is not None:
-                    break
-                await asyncio.sleep(0.05)
-            assert status.done is not None and status.failed is None
+            await _produced_afresh(session, workspace, plan.compressor)
             await session.cleanup()
         finally:
             await transport.aclose()
@@ -588,19 +599,9 @@ def test_a_relaunch_kills_no_process_group_of_another_user(
         try:
             session = GuestSession(transport, opts, CallStats())
             plan = await session.probe(str(workspace))
-            # a launch whose producer died, its pid now the id of the co-tenant's group
-            (snap / "lock.1").mkdir(parents=True)
-            (snap / "launch").mkdir()
-            (snap / "launch" / "by").write_text("0123456789abcdef")
-            for name in ("pid", "pid.launch", "lock.1/pid"):
-                (snap / name).write_text(f"{leader.pid}\n")
-            assert not await session.admit("s-dead", str(workspace), plan.compressor)
-            for _ in range(600):
-                status = await session.status()
-                if status.done is not None or status.failed is not None:
-                    break
-                await asyncio.sleep(0.05)
-            assert status.done is not None and status.failed is None
+            # the dead producer's pid, now the id of the co-tenant's group
+            _plant_dead_launch(snap, leader.pid)
+            await _produced_afresh(session, workspace, plan.compressor)
             assert sorted(p.name for p in snap.glob("lock.*")) == ["lock.1", "lock.2"]  # noqa: ASYNC240
             await session.cleanup()
         finally:
