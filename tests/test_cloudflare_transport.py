@@ -230,16 +230,14 @@ def test_daemon_sandbox_config_gives_the_token_by_reference(
     with_emulator(tmp_path, body)
 
 
-def test_a_login_page_instead_of_the_bridge_is_unreachable_not_retried() -> None:
-    """A 200 that is not an event stream (an Access login page, a wrong URL) is exit 3."""
-    page = b"<html>Sign in</html>"
+def _exec_against_one_answer(content_type: str, body: bytes) -> None:
+    """``exec(["true"])`` through a loopback server that answers every request with one
+    200 of ``content_type`` and ``body``; what it raises is the caller's to check."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(page), page)
-        )
+        head = f"HTTP/1.1 200 OK\r\nContent-Type: {content_type}\r\n"
+        writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
         await writer.drain()
         writer.close()
 
@@ -250,13 +248,18 @@ def test_a_login_page_instead_of_the_bridge_is_unreachable_not_retried() -> None
         _, t = open_transport("cloudflare://b/w", options)
         try:
             async with t:
-                with pytest.raises(SandboxUnreachable, match="not an event stream"):
-                    await t.exec(["true"], timeout=10)
+                await t.exec(["true"], timeout=10)
         finally:
             server.close()
             await server.wait_closed()
 
     asyncio.run(main())
+
+
+def test_a_login_page_instead_of_the_bridge_is_unreachable_not_retried() -> None:
+    """A 200 that is not an event stream (an Access login page, a wrong URL) is exit 3."""
+    with pytest.raises(SandboxUnreachable, match="not an event stream"):
+        _exec_against_one_answer("text/html", b"<html>Sign in</html>")
 
 
 def test_a_base_url_with_credentials_is_refused_without_echoing_them() -> None:
@@ -348,31 +351,8 @@ def test_an_error_events_words_reach_the_message_printable(data: bytes) -> None:
     """The error event's text comes from the sandbox's side (the command's failure): a
     terminal escape in it went into the TransportError as it was, and from there into
     every retry's log line on the user's terminal (``-v``)."""
-    body = b"event: error\ndata: " + data + b"\n\n"
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(body), body)
-        )
-        await writer.drain()
-        writer.close()
-
-    async def main() -> None:
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        options = {"cloudflare_url": f"http://127.0.0.1:{port}", "cloudflare_token": "t"}
-        _, t = open_transport("cloudflare://b/w", options)
-        try:
-            async with t:
-                with pytest.raises(TransportError) as info:
-                    await t.exec(["true"], timeout=10)
-        finally:
-            server.close()
-            await server.wait_closed()
-        said = str(info.value)
-        assert "owned" in said and "pull complete" in said, said
-        assert said.isprintable(), repr(said)
-
-    asyncio.run(main())
+    with pytest.raises(TransportError) as info:
+        _exec_against_one_answer("text/event-stream", b"event: error\ndata: " + data + b"\n\n")
+    said = str(info.value)
+    assert "owned" in said and "pull complete" in said, said
+    assert said.isprintable(), repr(said)
